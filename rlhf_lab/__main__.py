@@ -1,0 +1,4 @@
+from rlhf_lab.cli import main
+
+if __name__ == "__main__":
+    main()

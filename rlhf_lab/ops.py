@@ -1,0 +1,69 @@
+"""Small masked tensor operations shared by KL estimators, algorithms and the trainer.
+
+Shapes: per-token tensors are ``[B, T]``; ``mask`` is 1.0 on response tokens that count and 0.0 on
+prompt and padding positions. Every reduction here ignores masked positions entirely.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def masked_sum(values: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Σ values·mask over ``dim`` (all dims if None)."""
+    product = values * mask
+    return product.sum() if dim is None else product.sum(dim)
+
+
+def masked_mean(values: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Σ values·mask / Σ mask over ``dim``; 0 where the mask is empty."""
+    total = masked_sum(values, mask, dim)
+    count = mask.sum() if dim is None else mask.sum(dim)
+    return total / count.clamp(min=1.0)
+
+
+def masked_var(values: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
+    """Variance of the masked entries (Bessel-corrected when ``unbiased`` and more than one entry)."""
+    mean = masked_mean(values, mask)
+    squared_deviation = masked_sum((values - mean) ** 2, mask)
+    count = mask.sum()
+    denominator = count - 1 if unbiased and count > 1 else count.clamp(min=1.0)
+    return squared_deviation / denominator
+
+
+def masked_whiten(values: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
+    """(values − mean) / std over masked entries only; masked positions come back as 0."""
+    mean = masked_mean(values, mask)
+    std = masked_var(values, mask).clamp(min=0.0).sqrt()
+    whitened = (values - mean) / (std + eps)
+    if not shift_mean:
+        whitened = whitened + mean
+    return whitened * mask
+
+
+def gather_logprobs(logits: Tensor, tokens: Tensor, chunk_size: int = 1024) -> Tensor:
+    """log softmax(logits)[tokens] per position, computed in row chunks.
+
+    ``logits`` [B, T, V], ``tokens`` [B, T] -> [B, T]. Chunking keeps only one [chunk, V] float32
+    log-softmax alive at a time instead of the whole [B, T, V] tensor; the result equals
+    ``logits.log_softmax(-1).gather(-1, tokens[..., None])`` to float precision.
+    """
+    flat_logits = logits.reshape(-1, logits.shape[-1])
+    flat_tokens = tokens.reshape(-1)
+    pieces = []
+    for start in range(0, flat_logits.shape[0], chunk_size):
+        rows = flat_logits[start : start + chunk_size].float()
+        picked = rows.gather(-1, flat_tokens[start : start + chunk_size, None]).squeeze(-1)
+        pieces.append(picked - torch.logsumexp(rows, dim=-1))
+    return torch.cat(pieces).reshape(tokens.shape)
+
+
+def entropy_from_logits(logits: Tensor, chunk_size: int = 1024) -> Tensor:
+    """Full-vocabulary entropy −Σ_v p(v) log p(v) per position: [B, T, V] -> [B, T]."""
+    flat_logits = logits.reshape(-1, logits.shape[-1])
+    pieces = []
+    for start in range(0, flat_logits.shape[0], chunk_size):
+        log_p = flat_logits[start : start + chunk_size].float().log_softmax(-1)
+        pieces.append(-(log_p.exp() * log_p).sum(-1))
+    return torch.cat(pieces).reshape(logits.shape[:-1])

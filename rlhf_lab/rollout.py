@@ -1,0 +1,195 @@
+"""Generation and per-token quantities of a batch of sampled responses.
+
+Layout: each row is ``[left padding | prompt | response | padding after EOS]``; the prompt part has the
+same width P for every row (left padding), the response part width T. ``response_mask`` [B, T] is 1 on
+response tokens up to and including the first EOS, 0 after it; it is built from the first EOS of each
+response, never from ``token == pad_token_id`` (SmolLM2's pad token is its EOS token).
+
+The policy's distribution is ``softmax(logits / temperature)``: the one sampled from (before top-p/top-k
+truncation) and the one whose log-probabilities, entropies and KL the algorithms use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from rlhf_lab.ops import entropy_from_logits, gather_logprobs
+
+
+def format_prompts(prompts: list[str], tokenizer: Any, chat_template: bool, system_prompt: str | None) -> list[str]:
+    """Prompt strings as the model sees them: the chat template with a generation prompt, if it has one."""
+    if not chat_template or not getattr(tokenizer, "chat_template", None):
+        return list(prompts)
+    formatted = []
+    for prompt in prompts:
+        messages = [{"role": "user", "content": prompt}]
+        if system_prompt:
+            messages.insert(0, {"role": "system", "content": system_prompt})
+        formatted.append(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
+    return formatted
+
+
+def response_mask_from_tokens(response_ids: Tensor, eos_token_id: int | list[int] | None) -> Tensor:
+    """1.0 on tokens up to and including the first EOS of each row, 0.0 after it: [B, T]."""
+    batch, length = response_ids.shape
+    if eos_token_id is None:
+        return torch.ones(batch, length, dtype=torch.float32, device=response_ids.device)
+    eos_ids = torch.as_tensor(eos_token_id, device=response_ids.device).reshape(-1)
+    is_eos = torch.isin(response_ids, eos_ids)
+    positions = torch.arange(length, device=response_ids.device).expand(batch, length)
+    first_eos = torch.where(is_eos, positions, torch.full_like(positions, length)).min(dim=1).values
+    return (positions <= first_eos[:, None]).float()
+
+
+def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
+    """Positions that skip left padding, as generation uses them: cumsum(mask) − 1, clamped at 0."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+@dataclass
+class Rollout:
+    """One step's samples and every per-token quantity computed from them.
+
+    Rows are grouped: row i belongs to prompt i // group_size.
+    """
+
+    input_ids: Tensor  # [B, P+T] prompt (left padded) + response
+    attention_mask: Tensor  # [B, P+T] 1 on prompt and valid response tokens
+    response_mask: Tensor  # [B, T] float
+    prompt_width: int  # P
+    group_size: int
+    logprobs: Tensor  # [B, T] sampling-time policy log-probs (the "old" policy)
+    entropy: Tensor  # [B, T] full-vocabulary entropy of the sampling policy
+    policy_logits: Tensor | None = None  # [B, T, V] sampling-time policy logits (temperature-scaled)
+    ref_logprobs: Tensor | None = None  # [B, T]
+    ref_logits: Tensor | None = None  # [B, T, V]
+    scores: Tensor | None = None  # [B] sequence rewards from the reward function
+    token_rewards: Tensor | None = None  # [B, T] score at the last token, KL penalty if placed in reward
+    advantages: Tensor | None = None  # [B, T]
+    returns: Tensor | None = None  # [B, T] (critic targets)
+    values: Tensor | None = None  # [B, T] (critic estimates at sampling time)
+    extras: dict[str, Tensor] = field(default_factory=dict)
+
+    @property
+    def response_ids(self) -> Tensor:
+        return self.input_ids[:, self.prompt_width :]
+
+    @property
+    def batch_size(self) -> int:
+        return self.input_ids.shape[0]
+
+    def select(self, rows: Tensor) -> Rollout:
+        """A sub-batch with the given row indices (tensors indexed on dim 0, the rest shared)."""
+        values = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, Tensor) and value.dim() > 0:
+                value = value[rows]
+            elif f.name == "extras":
+                value = {k: v[rows] for k, v in value.items()}
+            values[f.name] = value
+        return Rollout(**values)
+
+
+def last_token_index(response_mask: Tensor) -> Tensor:
+    """Index of each row's last valid response token: [B] (0 for an empty row)."""
+    return (response_mask.sum(-1).long() - 1).clamp(min=0)
+
+
+def scores_to_token_rewards(scores: Tensor, response_mask: Tensor) -> Tensor:
+    """Place each sequence score on its last valid response token: [B] -> [B, T]."""
+    token_rewards = torch.zeros_like(response_mask)
+    token_rewards.scatter_(1, last_token_index(response_mask)[:, None], scores[:, None].to(token_rewards.dtype))
+    return token_rewards * response_mask
+
+
+@torch.no_grad()
+def generate(
+    model: nn.Module,
+    tokenizer: Any,
+    prompts: list[str],
+    group_size: int,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    max_prompt_tokens: int,
+    keep_logits: bool,
+) -> Rollout:
+    """Sample ``group_size`` responses per prompt and collect the sampling policy's log-probs and entropy.
+
+    Log-probs come from the logits generation already computed (``output_logits``), so no second forward
+    pass of the policy is needed for the old log-probs.
+    """
+    device = next(model.parameters()).device
+    encoded = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    if encoded["input_ids"].shape[1] > max_prompt_tokens:
+        lengths = encoded["attention_mask"].sum(-1)
+        index = int(torch.argmax(lengths))
+        raise ValueError(
+            f"prompt {index} is {int(lengths[index])} tokens, over data.max_prompt_tokens={max_prompt_tokens}"
+        )
+    prompt_ids = encoded["input_ids"].repeat_interleave(group_size, 0).to(device)
+    prompt_mask = encoded["attention_mask"].repeat_interleave(group_size, 0).to(device)
+    was_training = model.training
+    model.eval()
+    output = model.generate(
+        input_ids=prompt_ids,
+        attention_mask=prompt_mask,
+        do_sample=True,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=1,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    model.train(was_training)
+    prompt_width = prompt_ids.shape[1]
+    response_ids = output.sequences[:, prompt_width:]
+    response_mask = response_mask_from_tokens(response_ids, tokenizer.eos_token_id)
+    # [B, T, V] raw logits per generated position; the policy distribution is softmax(logits / temperature).
+    logits = torch.stack(output.logits, dim=1).float() / temperature
+    logprobs = gather_logprobs(logits, response_ids) * response_mask
+    entropy = entropy_from_logits(logits) * response_mask
+    # Tokens after the first EOS are padding: make them the pad token and mask them out of attention.
+    response_ids = torch.where(response_mask.bool(), response_ids, tokenizer.pad_token_id)
+    input_ids = torch.cat([prompt_ids, response_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask, response_mask.long()], dim=1)
+    return Rollout(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        response_mask=response_mask,
+        prompt_width=prompt_width,
+        group_size=group_size,
+        logprobs=logprobs,
+        entropy=entropy,
+        policy_logits=logits if keep_logits else None,
+    )
+
+
+def response_logits(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, prompt_width: int,
+                    temperature: float, output_hidden_states: bool = False) -> tuple[Tensor, Tensor | None]:
+    """Temperature-scaled logits predicting each response token: [B, T, V] (and last hidden states [B, T, H]).
+
+    Only the positions that predict response tokens go through the LM head (``logits_to_keep``).
+    """
+    response_width = input_ids.shape[1] - prompt_width
+    output = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        logits_to_keep=response_width + 1,
+        output_hidden_states=output_hidden_states,
+        use_cache=False,
+    )
+    logits = output.logits[:, :-1].float() / temperature
+    hidden = output.hidden_states[-1][:, prompt_width - 1 : -1] if output_hidden_states else None
+    return logits, hidden
