@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: install train test lint clean
+.PHONY: install train test lint clean bench
 
 $(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,18 @@ train: install
 
 test: install
 	$(PY) -m pytest -q $(ARGS)
+
+# `make bench`: installs the optional TRL extra (requirements-trl.txt) and times rlhf_lab against TRL's GRPOTrainer
+# on identical settings (experiments/BENCHMARK.md). More flags or overrides in ARGS, e.g. ARGS="--lora --rounds 3".
+BENCH_ARGS ?= --compare trl --steps 5 --warmup 1 --rounds 2 --json outputs/bench/latest.json
+TRL_STAMP := $(VENV)/.installed-trl
+
+$(TRL_STAMP): $(STAMP) requirements-trl.txt
+	$(PY) -m pip install --quiet -r requirements-trl.txt
+	touch $(TRL_STAMP)
+
+bench: $(TRL_STAMP)
+	HF_HUB_OFFLINE=$${HF_HUB_OFFLINE:-1} $(VENV)/bin/rlhf-lab bench $(BENCH_ARGS) $(ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check rlhf_lab tests

@@ -8,6 +8,7 @@ loads, with one-line messages that name the key, the value and what is allowed.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +34,7 @@ class AlgorithmConfig:
     entropy_coef: float = 0.0  # entropy bonus weight (full entropy from logits)
     # Actor-critic (PPO) fields; unused by critic-free algorithms.
     critic: str = "shared"  # shared (value head on the policy trunk) | separate
+    critic_lr: float | None = None  # learning rate of the critic's parameters; null: trainer.lr
     gamma: float = 1.0
     lam: float = 0.95
     vf_coef: float = 0.1
@@ -243,6 +245,11 @@ def validate(cfg: Any) -> None:
     _at_least("algorithm.mini_batch_size", algorithm.mini_batch_size, 0)
     _at_least("algorithm.entropy_coef", algorithm.entropy_coef, 0.0)
     _at_least("algorithm.vf_coef", algorithm.vf_coef, 0.0)
+    _at_least("algorithm.critic_lr", algorithm.critic_lr, 0.0, strict=True)
+    _at_least("algorithm.clip_value", algorithm.clip_value, 0.0, strict=True)
+    _at_least("algorithm.reward_clip", algorithm.reward_clip, 0.0, strict=True)
+    _at_least("algorithm.target_kl", algorithm.target_kl, 0.0, strict=True)
+    _at_least("algorithm.ratio_threshold", algorithm.ratio_threshold, 0.0, strict=True)
     _at_least("model.lora.r", cfg.model.lora.r, 1)
     if not 0.0 < trainer.top_p <= 1.0:
         raise ConfigError(f"trainer.top_p={trainer.top_p!r} is out of range; must be in (0, 1]")
@@ -279,6 +286,7 @@ def validate(cfg: Any) -> None:
             raise ConfigError("model.name_or_path=None: model=path needs a local folder or hub id")
         if (path.startswith((".", "/", "~")) or Path(path).exists()) and not Path(path).expanduser().is_dir():
             raise ConfigError(f"model.name_or_path={path!r} is not a folder")
+        _check_model_location("model.name_or_path", path)
     if cfg.data.name in ("jsonl", "csv") and (not cfg.data.path or not Path(cfg.data.path).exists()):
         raise ConfigError(f"data.path={cfg.data.path!r} does not exist (data={cfg.data.name})")
     if cfg.reward.name in ("classifier", "reward_model"):
@@ -287,9 +295,69 @@ def validate(cfg: Any) -> None:
             raise ConfigError(f"reward.model_path={path!r}: reward={cfg.reward.name} needs a model folder or hub id")
         if path.startswith((".", "/", "~")) and not Path(path).expanduser().is_dir():
             raise ConfigError(f"reward.model_path={path!r} is not a folder")
+        _check_model_location("reward.model_path", path)
     if cfg.reward.name == "python":
         function = cfg.reward.function
         if not function or ":" not in function:
             raise ConfigError(f"reward.function={function!r} must be 'module:function'")
+        _check_function("reward.function", function)
+    for index, component in enumerate(cfg.reward.components if cfg.reward.name == "composite" else []):
+        if isinstance(component, Mapping) and component.get("name") == "python":
+            _check_function(f"reward.components[{index}].function", component.get("function"))
     if cfg.reward.name == "sentiment":
         _choice("reward.target", cfg.reward.target, ["positive", "negative"])
+    _at_least("trainer.top_k", trainer.top_k, 0)
+    _at_least("trainer.samples_per_step_logged", trainer.samples_per_step_logged, 0)
+    _at_least("data.max_prompt_tokens", cfg.data.max_prompt_tokens, 1)
+    if not 0.0 <= cfg.data.eval_fraction < 1.0:
+        raise ConfigError(f"data.eval_fraction={cfg.data.eval_fraction!r} is out of range; must be in [0, 1)")
+    for key in ("adam_beta1", "adam_beta2"):
+        if not 0.0 <= trainer[key] < 1.0:
+            raise ConfigError(f"trainer.{key}={trainer[key]!r} is out of range; must be in [0, 1)")
+    if trainer.resume and trainer.resume != "auto":
+        from rlhf_lab.checkpoint import CheckpointError, resolve_resume
+
+        try:
+            resolve_resume(trainer.resume, Path(trainer.resume))
+        except CheckpointError as error:
+            raise ConfigError(str(error)) from None
+
+
+def _hub_offline() -> bool:
+    import os
+
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _check_model_location(key: str, path: str) -> None:
+    """A local model folder must hold a saved model; a hub id must be cached when the hub is offline."""
+    from pathlib import Path
+
+    folder = Path(path).expanduser()
+    if folder.is_dir():
+        if not any((folder / name).is_file() for name in ("config.json", "adapter_config.json")):
+            raise ConfigError(f"{key}={path!r} has no config.json; it must be a folder written by save_pretrained")
+        return
+    if path.startswith((".", "/", "~")) or path.count("/") > 1:
+        raise ConfigError(f"{key}={path!r} is not a folder")
+    if _hub_offline():
+        from huggingface_hub import try_to_load_from_cache
+
+        if not isinstance(try_to_load_from_cache(path, "config.json"), str):
+            raise ConfigError(
+                f"{key}={path!r} is not a local folder, and as a hub id it is not in the local cache "
+                "(HF_HUB_OFFLINE=1)"
+            )
+
+
+def _check_function(key: str, spec: Any) -> None:
+    """Import a ``module:function`` spec now, so a typo fails before any model loads.
+
+    This imports user code named in the config (by design: a ``python`` reward runs it anyway).
+    """
+    from rlhf_lab.rewards.python_function import load_function
+
+    try:
+        load_function(spec)
+    except ValueError as error:
+        raise ConfigError(f"{key}={spec!r}: {str(error).split(': ', 1)[-1]}") from None

@@ -6,6 +6,7 @@ The order prompts are drawn in is a pure function of (seed, step), so a resumed 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -59,13 +60,69 @@ def _load_files(data_cfg: Any, builder: str, suffix: str, seed: int) -> PromptSp
             files.pop("eval")
     else:
         files = {"train": path}
-    loaded = load_dataset(builder, data_files={k: str(v) for k, v in files.items()})
+    for file in files.values():
+        if _is_blank(file):
+            raise DataError(f"data file {str(file)!r} is empty; it needs at least one prompt")
+    try:
+        loaded = load_dataset(builder, data_files={k: str(v) for k, v in files.items()})
+    except Exception as error:  # noqa: BLE001 (datasets raises many types for an unreadable file)
+        raise DataError(f"cannot read {', '.join(map(str, files.values()))} as {builder}: {_root_cause(error)}") from None
     train = _column(loaded["train"], data_cfg.prompt_column, str(files["train"]))
     if "eval" in files:
         return PromptSplits(train=train, eval=_column(loaded["eval"], data_cfg.prompt_column, str(files["eval"])))
     if data_cfg.eval_fraction <= 0:
         return PromptSplits(train=train, eval=[])
     return _split_off_eval(train, data_cfg.eval_fraction, seed)
+
+
+def _is_blank(file: Path) -> bool:
+    with open(file, "rb") as handle:
+        while chunk := handle.read(1 << 16):
+            if chunk.strip():
+                return False
+    return True
+
+
+def _root_cause(error: BaseException) -> str:
+    """The innermost cause of a chained exception, on one line (datasets wraps the informative one)."""
+    while error.__cause__ is not None or error.__context__ is not None:
+        error = error.__cause__ or error.__context__
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+
+
+def check_prompt_lengths(splits: PromptSplits, count_tokens: Callable[[list[str]], list[int]], limit: int,
+                         why: str) -> None:
+    """Raise DataError naming the first prompt (split and index) longer than ``limit`` tokens.
+
+    ``count_tokens`` gives each prompt's length as the model sees it (chat template included); ``why``
+    says where the limit comes from. Checked once at start, so no step fails on a long prompt later.
+    """
+    for split, prompts in (("train", splits.train), ("eval", splits.eval)):
+        for start in range(0, len(prompts), 1024):
+            counts = count_tokens(prompts[start : start + 1024])
+            for offset, count in enumerate(counts):
+                if count > limit:
+                    index = start + offset
+                    raise DataError(
+                        f"{split} prompt {index} is {count} tokens, over the limit of {limit} ({why}): "
+                        f"{prompts[index][:40]!r}..."
+                    )
+
+
+def prompt_token_limit(max_prompt_tokens: int, max_new_tokens: int, context: int | None) -> tuple[int, str]:
+    """The longest prompt (tokens) a run can take, and why: ``data.max_prompt_tokens`` or what the model's
+    context leaves after ``trainer.max_new_tokens``. No room at all is a config error."""
+    if context is not None and context - max_new_tokens < 1:
+        from rlhf_lab.config import ConfigError
+
+        raise ConfigError(f"trainer.max_new_tokens={max_new_tokens} leaves no room for a prompt in the model's "
+                          f"context of {context} tokens")
+    if context is not None and context - max_new_tokens < max_prompt_tokens:
+        return context - max_new_tokens, (
+            f"the model's context of {context} tokens minus trainer.max_new_tokens={max_new_tokens}"
+        )
+    return max_prompt_tokens, f"data.max_prompt_tokens={max_prompt_tokens}"
 
 
 def load_prompts(data_cfg: Any, seed: int = 0) -> PromptSplits:
@@ -79,10 +136,13 @@ def load_prompts(data_cfg: Any, seed: int = 0) -> PromptSplits:
     elif data_cfg.name == "hub":
         from datasets import load_dataset
 
-        train = _column(load_dataset(data_cfg.path, split=data_cfg.train_split), data_cfg.prompt_column,
-                        f"{data_cfg.path}[{data_cfg.train_split}]")
-        evaluation = _column(load_dataset(data_cfg.path, split=data_cfg.eval_split), data_cfg.prompt_column,
-                             f"{data_cfg.path}[{data_cfg.eval_split}]")
+        try:
+            train_set = load_dataset(data_cfg.path, split=data_cfg.train_split)
+            eval_set = load_dataset(data_cfg.path, split=data_cfg.eval_split)
+        except Exception as error:  # noqa: BLE001 (offline, unknown dataset or split)
+            raise DataError(f"data.path={data_cfg.path!r}: cannot load the hub dataset: {_root_cause(error)}") from None
+        train = _column(train_set, data_cfg.prompt_column, f"{data_cfg.path}[{data_cfg.train_split}]")
+        evaluation = _column(eval_set, data_cfg.prompt_column, f"{data_cfg.path}[{data_cfg.eval_split}]")
         splits = PromptSplits(train=train, eval=evaluation)
     else:
         valid = sorted([*EMBEDDED, *FILE_FORMATS, "hub"])

@@ -39,7 +39,7 @@ def register(kind: str, name: str) -> Callable[[Any], Any]:
 
 def _load_builtin_components() -> None:
     # Importing the modules runs their @register decorators.
-    from rlhf_lab import algorithms, kl, rewards, tracking  # noqa: F401
+    from rlhf_lab import algorithms, kl, rewards, tracking, wandb_logger  # noqa: F401
 
 
 def get(kind: str, name: str) -> Any:

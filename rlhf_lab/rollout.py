@@ -176,11 +176,57 @@ def generate(
 
 
 def response_logits(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, prompt_width: int,
-                    temperature: float, output_hidden_states: bool = False) -> tuple[Tensor, Tensor | None]:
+                    temperature: float, output_hidden_states: bool = False,
+                    share_prompts: bool = True) -> tuple[Tensor, Tensor | None]:
     """Temperature-scaled logits predicting each response token: [B, T, V] (and last hidden states [B, T, H]).
 
-    Only the positions that predict response tokens go through the LM head (``logits_to_keep``).
+    Only the positions that predict response tokens go through the LM head (``logits_to_keep``). With
+    ``share_prompts``, rows that share a prompt (the G samples of a group) run that prompt through the
+    network once; its key/value cache is then indexed out to every row, and gradients flow back through
+    it. The result equals the plain forward pass (see :func:`_plain_response_logits`) to float precision.
     """
+    prompt_ids = input_ids[:, :prompt_width]
+    unique_prompts, row_to_prompt = torch.unique(prompt_ids, dim=0, return_inverse=True)
+    if not share_prompts or unique_prompts.shape[0] == input_ids.shape[0] or input_ids.shape[1] == prompt_width:
+        return _plain_response_logits(model, input_ids, attention_mask, prompt_width, temperature,
+                                      output_hidden_states)
+    # One representative row per unique prompt.
+    first_row = torch.full((unique_prompts.shape[0],), input_ids.shape[0], dtype=torch.long, device=input_ids.device)
+    first_row.scatter_reduce_(0, row_to_prompt, torch.arange(input_ids.shape[0], device=input_ids.device), "amin")
+    positions = position_ids_from_mask(attention_mask)
+    prefix = model(
+        input_ids=prompt_ids[first_row],
+        attention_mask=attention_mask[first_row, :prompt_width],
+        position_ids=positions[first_row, :prompt_width],
+        use_cache=True,
+        logits_to_keep=1,
+        output_hidden_states=output_hidden_states,
+    )
+    cache = prefix.past_key_values
+    for layer in cache.layers:
+        layer.keys = layer.keys.index_select(0, row_to_prompt)
+        layer.values = layer.values.index_select(0, row_to_prompt)
+    first_logits = prefix.logits[:, -1:].index_select(0, row_to_prompt)
+    # The last response token predicts nothing, so the continuation stops one short of the end.
+    continuation = model(
+        input_ids=input_ids[:, prompt_width:-1],
+        attention_mask=attention_mask[:, :-1],
+        position_ids=positions[:, prompt_width:-1],
+        past_key_values=cache,
+        use_cache=True,
+        output_hidden_states=output_hidden_states,
+    )
+    logits = torch.cat([first_logits, continuation.logits], dim=1).float() / temperature
+    hidden = None
+    if output_hidden_states:
+        first_hidden = prefix.hidden_states[-1][:, -1:].index_select(0, row_to_prompt)
+        hidden = torch.cat([first_hidden, continuation.hidden_states[-1]], dim=1)
+    return logits, hidden
+
+
+def _plain_response_logits(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, prompt_width: int,
+                           temperature: float, output_hidden_states: bool = False) -> tuple[Tensor, Tensor | None]:
+    """One forward pass over every row's prompt and response (the reference computation)."""
     response_width = input_ids.shape[1] - prompt_width
     output = model(
         input_ids=input_ids,

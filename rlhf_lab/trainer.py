@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import random
 import signal
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,19 +22,29 @@ from omegaconf import OmegaConf
 from torch import Tensor
 
 from rlhf_lab import checkpoint as ckpt
+from rlhf_lab import distributed
 from rlhf_lab.algorithms.base import LossContext, PolicyOutput
-from rlhf_lab.data import load_prompts, prompt_indices
+from rlhf_lab.data import check_prompt_lengths, load_prompts, prompt_indices, prompt_token_limit
 from rlhf_lab.kl import exact_kl
 from rlhf_lab.models import build_policy, load_tokenizer
 from rlhf_lab.ops import gather_logprobs, masked_mean, masked_sum
 from rlhf_lab.registry import get
-from rlhf_lab.rewards.base import build_reward
+from rlhf_lab.rewards.base import RewardError, build_reward, fill_nonfinite
 from rlhf_lab.rollout import Rollout, format_prompts, generate, response_logits, scores_to_token_rewards
-from rlhf_lab.tracking import JsonlWriter, repair_jsonl, write_json_atomic
+from rlhf_lab.tracking import JsonlWriter, read_jsonl, repair_jsonl, write_json_atomic
 
 
 class TrainingStopped(RuntimeError):
-    """The run stopped on purpose (too many skipped updates); a checkpoint of the last good state exists."""
+    """The run stopped early on purpose, after writing a checkpoint: a signal, or too many skipped updates.
+
+    ``exit_code`` is 128 + the signal number for a signal (130 for Ctrl-C, 143 for SIGTERM) and 3 for
+    skipped updates; ``resume_overrides`` is the command-line fragment that continues the run.
+    """
+
+    def __init__(self, message: str, exit_code: int = 3, resume_overrides: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+        self.resume_overrides = resume_overrides
 
 
 def resolve_device(name: str) -> torch.device:
@@ -101,10 +112,15 @@ class Trainer:
             torch.set_num_threads(cfg.trainer.num_threads)
         seed_everything(cfg.seed)
         self.device = resolve_device(cfg.trainer.device)
+        self.checkpoint_root = self.run_dir / "checkpoints"
+        # Checked before anything loads: what to resume from, and that a fresh start mixes with no earlier run.
+        self.resume_from = ckpt.prepare_run_folder(cfg.trainer.resume, self.run_dir,
+                                                   clear_logs=distributed.is_main_process())
 
         self.prompts = load_prompts(cfg.data, seed=cfg.seed)
         self.tokenizer = load_tokenizer(cfg.model)
         self.models = build_policy(cfg.model, self.tokenizer, cfg.trainer.dtype, cfg.seed)
+        self._check_prompt_lengths()
         self.policy = self.models.policy.to(self.device)
         if self.models.reference is not None:
             self.models.reference.to(self.device)
@@ -120,12 +136,18 @@ class Trainer:
         )
         self.reward = build_reward(cfg.reward, device=str(self.device))
 
-        parameters = [p for p in self.policy.parameters() if p.requires_grad]
-        for module in self.algorithm.modules().values():
-            parameters += [p for p in module.parameters() if p.requires_grad]
-        self.parameters = parameters
+        policy_parameters = [p for p in self.policy.parameters() if p.requires_grad]
+        seen = {id(p) for p in policy_parameters}
+        extra_parameters = [
+            p for module in self.algorithm.modules().values() for p in module.parameters()
+            if p.requires_grad and id(p) not in seen
+        ]
+        self.parameters = policy_parameters + extra_parameters
+        groups = [{"params": policy_parameters, "lr": cfg.trainer.lr}]
+        if extra_parameters:  # a critic: its own learning rate (algorithm.critic_lr, default trainer.lr)
+            groups.append({"params": extra_parameters, "lr": cfg.algorithm.critic_lr or cfg.trainer.lr})
         self.optimizer = torch.optim.AdamW(
-            parameters,
+            groups,
             lr=cfg.trainer.lr,
             betas=(cfg.trainer.adam_beta1, cfg.trainer.adam_beta2),
             weight_decay=cfg.trainer.weight_decay,
@@ -136,34 +158,52 @@ class Trainer:
         self.start_step = 0
         self.consecutive_skips = 0
         self.skipped_updates = 0
+        self.first_eval: dict[str, Any] | None = None
         self.stop_requested: str | None = None
+        self.stop_signal: int | None = None
 
         resolved = OmegaConf.to_container(cfg, resolve=True)
         self.tracker = get("logger", cfg.logger.name)(cfg.logger, resolved, self.run_dir)
-        self.checkpoint_root = self.run_dir / "checkpoints"
         self._maybe_resume()
         self.metrics_file = JsonlWriter(self.run_dir / "metrics.jsonl")
         self.samples_file = JsonlWriter(self.run_dir / "samples.jsonl")
 
     # ----------------------------------------------------------------- resume and checkpoints
     def _maybe_resume(self) -> None:
-        resume = self.cfg.trainer.resume
-        if not resume:
-            return
-        folder = ckpt.latest_checkpoint(self.checkpoint_root) if resume == "auto" else Path(resume)
+        folder = self.resume_from
         if folder is None:
-            return  # auto with nothing to resume from: a fresh start
+            return
         state = ckpt.load_checkpoint(
             folder, self.policy, self.algorithm.modules(), self.optimizer, self.scheduler, self.models.uses_adapter
         )
         self.kl_controller.load_state_dict(state["kl_controller"])
         self.skipped_updates = state.get("skipped_updates", 0)
+        self.consecutive_skips = state.get("consecutive_skips", 0)
+        self.first_eval = state.get("first_eval")
         self.start_step = state["step"] + 1
         for name in ("metrics.jsonl", "samples.jsonl"):
-            repair_jsonl(self.run_dir / name, before_step=self.start_step)
+            if distributed.is_main_process():
+                repair_jsonl(self.run_dir / name, before_step=self.start_step)
         print(f"resumed from {folder} at step {self.start_step}")
 
-    def save(self, step: int) -> Path:
+    def _check_prompt_lengths(self) -> None:
+        """Every prompt, as the model sees it, must fit data.max_prompt_tokens and the model's context."""
+        cfg = self.cfg
+        contexts = [getattr(self.models.policy.config, "max_position_embeddings", None)]
+        if self.tokenizer.model_max_length < 1_000_000:  # tokenizers without a limit report a huge number
+            contexts.append(self.tokenizer.model_max_length)
+        context = min((c for c in contexts if c), default=None)
+        limit, why = prompt_token_limit(cfg.data.max_prompt_tokens, cfg.trainer.max_new_tokens, context)
+
+        def count_tokens(prompts: list[str]) -> list[int]:
+            formatted = format_prompts(prompts, self.tokenizer, cfg.model.chat_template, cfg.model.system_prompt)
+            return [len(ids) for ids in self.tokenizer(formatted, add_special_tokens=False)["input_ids"]]
+
+        check_prompt_lengths(self.prompts, count_tokens, limit, why)
+
+    def save(self, step: int) -> Path | None:
+        if not distributed.is_main_process():
+            return None  # one writer: rank 0
         return ckpt.save_checkpoint(
             self.checkpoint_root,
             step,
@@ -172,12 +212,24 @@ class Trainer:
             self.algorithm.modules(),
             self.optimizer,
             self.scheduler,
-            {"kl_controller": self.kl_controller.state_dict(), "skipped_updates": self.skipped_updates},
+            {
+                "kl_controller": self.kl_controller.state_dict(),
+                "skipped_updates": self.skipped_updates,
+                "consecutive_skips": self.consecutive_skips,
+                "first_eval": self.first_eval,
+            },
             keep_last_n=self.cfg.trainer.keep_last_n,
         )
 
     # ----------------------------------------------------------------- one rollout
-    def _rollout(self, prompts: list[str], group_size: int, timer: StepTimer) -> tuple[Rollout, list[str], list[str]]:
+    def _rollout(self, prompts: list[str], group_size: int, timer: StepTimer,
+                 names: list[str]) -> tuple[Rollout, list[str], list[str], Tensor]:
+        """Generate, score and run the reference on ``prompts``; ``names`` says where each prompt comes from.
+
+        Returns the rollout, the prompt of every sample, the decoded responses, and which samples have a
+        finite score ([B] bool; the others were filled by :func:`fill_nonfinite` under
+        ``reward.on_nonfinite=drop``).
+        """
         cfg = self.cfg
         formatted = format_prompts(prompts, self.tokenizer, cfg.model.chat_template, cfg.model.system_prompt)
         with timer.phase("generate"):
@@ -198,10 +250,14 @@ class Trainer:
                                                 skip_special_tokens=True)
         repeated_prompts = [p for p in prompts for _ in range(group_size)]
         with timer.phase("reward"):
-            output = self.reward(repeated_prompts, responses)
-        rollout.scores = output.scores.to(self.device).float()
+            try:
+                output = self.reward(repeated_prompts, responses)
+            except RewardError as error:  # name the prompt the failing sample answered
+                where = f" ({names[error.sample // group_size]})" if error.sample is not None else ""
+                raise RewardError(f"{error}{where}", sample=error.sample) from None
+        scores, valid = self._screen_scores(output.scores, output.components, names, group_size)
+        rollout.scores = scores.to(self.device).float()
         rollout.extras = {f"reward/{k}": v.to(self.device).float() for k, v in output.components.items()}
-        self._check_scores(rollout.scores, repeated_prompts)
         with timer.phase("reference"), torch.no_grad(), self.models.reference_context():
             ref_logits, _ = response_logits(
                 self.models.reference_model(), rollout.input_ids, rollout.attention_mask, rollout.prompt_width,
@@ -209,13 +265,26 @@ class Trainer:
             )
         rollout.ref_logprobs = gather_logprobs(ref_logits, rollout.response_ids) * rollout.response_mask
         rollout.ref_logits = ref_logits
-        return rollout, repeated_prompts, responses
+        return rollout, repeated_prompts, responses, valid.to(self.device)
 
-    def _check_scores(self, scores: Tensor, prompts: list[str]) -> None:
-        bad = (~torch.isfinite(scores)).nonzero().flatten().tolist()
-        if bad:
-            raise ValueError(f"reward {self.cfg.reward.name!r} returned a non-finite score for sample {bad[0]} "
-                             f"(prompt: {prompts[bad[0]][:60]!r})")
+    def _screen_scores(self, scores: Tensor, components: dict[str, Tensor], names: list[str],
+                       group_size: int) -> tuple[Tensor, Tensor]:
+        """NaN/inf scores: a one-line RewardError (``reward.on_nonfinite=error``) or filled and marked invalid."""
+        valid = torch.isfinite(scores)
+        if bool(valid.all()):
+            return scores, valid
+        if self.cfg.reward.on_nonfinite == "error":
+            sample = int((~valid).nonzero()[0])
+            culprits = [key for key, values in components.items() if not math.isfinite(float(values[sample]))]
+            source = self.reward.describe()
+            if culprits:
+                source = f"component {', '.join(map(repr, culprits))} of {source}"
+            raise RewardError(
+                f"{source} returned {float(scores[sample])} for sample {sample} ({names[sample // group_size]}); "
+                "reward.on_nonfinite=drop drops such samples instead",
+                sample=sample,
+            )
+        return fill_nonfinite(scores, group_size)
 
     def _kl_terms(self, rollout: Rollout) -> tuple[Tensor, Tensor]:
         """(estimate, exact) per-token KL of the sampling policy from the reference, masked: [B, T] each."""
@@ -244,6 +313,7 @@ class Trainer:
         coef = self.kl_controller.coef
         sums: dict[str, float] = {}
         updates = 0
+        self._last_grad_norm = float("nan")  # stays nan if no optimizer step runs this step (all vetoed)
         generator = torch.Generator().manual_seed(cfg.seed * 7919 + self._step)
         for _epoch in range(cfg.algorithm.epochs):
             order = torch.randperm(batch_size, generator=generator) if mini < batch_size else torch.arange(batch_size)
@@ -251,13 +321,17 @@ class Trainer:
             for start in range(0, batch_size, mini):
                 rows = order[start : start + mini]
                 minibatch = rollout.select(rows)
-                context = LossContext(float(minibatch.response_mask.sum()), len(rows))
+                # Rows count only with a response token: a dropped sample (mask zeroed) weighs nothing.
+                live_rows = int((minibatch.response_mask.sum(-1) > 0).sum())
+                context = LossContext(float(minibatch.response_mask.sum()), live_rows)
                 self.optimizer.zero_grad(set_to_none=True)
                 stats: dict[str, float] = {}
+                loss_finite = True
                 with timer.phase("policy_forward_backward"):
                     for micro_start in range(0, len(rows), micro):
                         part = minibatch.select(torch.arange(micro_start, min(micro_start + micro, len(rows))))
                         loss, part_stats = self._micro_loss(part, context, coef)
+                        loss_finite = loss_finite and bool(torch.isfinite(loss.detach()))
                         loss.backward()
                         for key, value in part_stats.items():
                             stats[key] = stats.get(key, 0.0) + float(value)
@@ -267,7 +341,9 @@ class Trainer:
                         self.optimizer.zero_grad(set_to_none=True)
                         applied = True
                     else:
-                        applied = self._optimizer_step()
+                        applied = self._optimizer_step(loss_finite)
+                if "skip_minibatch" in stats:  # log the veto as 0/1, whatever margin the algorithm reported
+                    stats["skip_minibatch"] = float(stats["skip_minibatch"] > 0)
                 stats["optim/skipped"] = 0.0 if applied else 1.0
                 updates += 1
                 for key, value in stats.items():
@@ -278,6 +354,7 @@ class Trainer:
                 break
         metrics = {key: value / max(updates, 1) for key, value in sums.items()}
         metrics["optim/updates"] = updates
+        metrics.update(self.algorithm.summarize(metrics, updates))
         return metrics
 
     def _micro_loss(self, batch: Rollout, context: LossContext, coef: float) -> tuple[Tensor, dict[str, Tensor]]:
@@ -300,12 +377,16 @@ class Trainer:
         stats["loss/total"] = loss.detach()
         return loss, stats
 
-    def _optimizer_step(self) -> bool:
-        """Clip and apply gradients; skip (no parameter change) if any gradient is not finite."""
+    def _optimizer_step(self, loss_finite: bool = True) -> bool:
+        """Clip and apply gradients; skip (no parameter change) if the loss or any gradient is not finite.
+
+        A skip leaves parameters and optimizer state untouched and counts towards
+        ``trainer.max_consecutive_skips``, after which the run stops with a checkpoint of that last good state.
+        """
         max_norm = self.cfg.trainer.max_grad_norm
         grad_norm = torch.nn.utils.clip_grad_norm_(self.parameters, max_norm if max_norm else float("inf"))
         self._last_grad_norm = float(grad_norm)
-        if not torch.isfinite(grad_norm):
+        if not loss_finite or not torch.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
             self.consecutive_skips += 1
             self.skipped_updates += 1
@@ -320,9 +401,12 @@ class Trainer:
         self._step = step
         timer = StepTimer()
         start = time.perf_counter()
-        indices = prompt_indices(step, cfg.trainer.prompts_per_step, len(self.prompts.train), cfg.seed)
+        indices = prompt_indices(step, cfg.trainer.prompts_per_step, len(self.prompts.train), cfg.seed,
+                                 rank=distributed.rank(), world_size=distributed.world_size())
         prompts = [self.prompts.train[i] for i in indices]
-        rollout, repeated_prompts, responses = self._rollout(prompts, cfg.algorithm.group_size, timer)
+        rollout, repeated_prompts, responses, valid = self._rollout(
+            prompts, cfg.algorithm.group_size, timer, [f"train prompt {i}" for i in indices]
+        )
         mask = rollout.response_mask
         coef = self.kl_controller.coef
         kl_estimate, kl_exact = self._kl_terms(rollout)
@@ -330,6 +414,11 @@ class Trainer:
         rollout.token_rewards = self.kl_placement.shape_rewards(token_rewards, kl_estimate, coef, mask)
         with timer.phase("advantages"):
             prepare_stats = self.algorithm.prepare(rollout, self._forward)
+        if not bool(valid.all()):
+            # Dropped samples (non-finite score) took part in the advantage statistics with their filled
+            # score; from here on their tokens count nowhere: no loss, no gradient, no token in any mean.
+            rollout.response_mask = mask * valid[:, None]
+            rollout.advantages = rollout.advantages * rollout.response_mask
         rollout.policy_logits = None  # no longer needed; frees [B, T, V]
         if not self._needs_ref_logits():
             rollout.ref_logits = None
@@ -342,8 +431,9 @@ class Trainer:
         lengths = mask.sum(-1)
         metrics: dict[str, Any] = {
             "step": step,
-            "reward/mean": rollout.scores.mean().item(),
-            "reward/std": rollout.scores.std().item() if rollout.batch_size > 1 else 0.0,
+            "reward/mean": rollout.scores[valid].mean().item(),
+            "reward/std": rollout.scores[valid].std().item() if int(valid.sum()) > 1 else 0.0,
+            "reward/dropped": int((~valid).sum()),
             "kl/estimate": masked_mean(kl_estimate, mask).item(),
             "kl/exact": masked_mean(kl_exact, mask).item(),
             "kl/exact_sequence": exact_per_sequence.mean().item(),
@@ -356,7 +446,7 @@ class Trainer:
             "throughput/tokens_per_s": float(rollout.attention_mask.sum()) / elapsed,
         }
         for key, value in rollout.extras.items():
-            metrics[key] = value.mean().item()
+            metrics[key] = value[valid].mean().item()
         metrics.update(prepare_stats)
         metrics.update(update_stats)
         metrics.setdefault("loss/policy", 0.0)
@@ -389,11 +479,15 @@ class Trainer:
         if not prompts:
             return {}
         timer = StepTimer()
-        scores, estimates, exacts, lengths, texts, masks = [], [], [], [], [], []
+        scores, estimates, exacts, lengths, texts, masks, shown = [], [], [], [], [], [], []
         for start in range(0, len(prompts), 16):
-            rollout, _, responses = self._rollout(prompts[start : start + 16], 1, timer)
+            chunk = prompts[start : start + 16]
+            rollout, _, responses, valid = self._rollout(
+                chunk, 1, timer, [f"eval prompt {start + i}" for i in range(len(chunk))]
+            )
             estimate, exact = self._kl_terms(rollout)
-            scores.append(rollout.scores)
+            scores.append(rollout.scores[valid])  # dropped (non-finite) scores count in no eval mean
+            shown.append(rollout.scores)
             estimates.append(masked_sum(estimate, rollout.response_mask))
             exacts.append(masked_sum(exact, rollout.response_mask))
             masks.append(rollout.response_mask.sum())
@@ -401,7 +495,9 @@ class Trainer:
             texts += responses
         all_scores = torch.cat(scores)
         tokens = torch.stack(masks).sum()
-        self._eval_examples = list(zip(prompts, texts, all_scores.tolist()))
+        self._eval_examples = list(zip(prompts, texts, torch.cat(shown).tolist()))
+        if not len(all_scores):
+            all_scores = torch.full((1,), float("nan"))
         return {
             "eval/reward/mean": all_scores.mean().item(),
             "eval/reward/std": all_scores.std().item() if len(all_scores) > 1 else 0.0,
@@ -412,7 +508,14 @@ class Trainer:
         }
 
     def _handle_signal(self, signum: int, frame: Any) -> None:
-        self.stop_requested = f"received {signal.Signals(signum).name}"
+        """First SIGINT/SIGTERM: finish the step, checkpoint, stop. A second one aborts at once."""
+        name = signal.Signals(signum).name
+        if self.stop_signal is not None:
+            raise KeyboardInterrupt(f"second {name}")
+        self.stop_signal = signum
+        self.stop_requested = f"received {name}"
+        print(f"received {name}: finishing the current step, then writing a checkpoint "
+              f"(send it again to abort without one)", file=sys.stderr, flush=True)
 
     def train(self) -> dict[str, Any]:
         cfg = self.cfg
@@ -421,11 +524,13 @@ class Trainer:
         for s in previous:
             signal.signal(s, self._handle_signal)
         history: list[dict[str, Any]] = []
-        first_eval = None
         progress = _progress(range(self.start_step, steps), cfg.trainer.progress_bar, self.start_step, steps)
         try:
             if self.start_step == 0 and cfg.trainer.eval_prompts > 0:
                 first_eval = self.evaluate(0)
+                self.first_eval = first_eval  # saved with checkpoints: a resumed run's summary keeps it
+                if first_eval:
+                    self._log({"step": 0, **first_eval}, 0)
                 self._print_example("before training")
             step = self.start_step - 1
             for step in progress:
@@ -444,15 +549,16 @@ class Trainer:
                 if self.stop_requested:
                     break
             if self.stop_requested:
-                message = (f"stopped at step {step}: {self.stop_requested}; checkpoint written; resume with "
-                           f"trainer.resume=auto (same run folder: trainer.output_dir={self.run_dir})")
-                print(message)
-                raise TrainingStopped(message)
+                resume = ("trainer.resume=auto", f"trainer.output_dir={self.run_dir.resolve()}")
+                message = (f"stopped after step {step}: {self.stop_requested}; checkpoint "
+                           f"{self.checkpoint_root / f'step_{step}'} written; continue with: {' '.join(resume)}")
+                exit_code = 128 + self.stop_signal if self.stop_signal is not None else 3
+                raise TrainingStopped(message, exit_code=exit_code, resume_overrides=resume)
             final_eval = self.evaluate(steps) if cfg.trainer.eval_prompts > 0 else {}
             if final_eval:
                 self._log({"step": steps, **final_eval}, steps)
                 self._print_example("after training")
-            summary = self._summary(history, first_eval, final_eval)
+            summary = self._summary(self._history() or history, self.first_eval, final_eval)
             write_json_atomic(self.run_dir / "summary.json", summary)
             self.tracker.finish(summary)
             return summary
@@ -463,13 +569,25 @@ class Trainer:
             self.samples_file.close()
 
     def _log(self, metrics: dict[str, Any], step: int) -> None:
-        self.metrics_file.write(metrics)
-        self.tracker.log(metrics, step)
+        metrics = distributed.mean_across_ranks(metrics)
+        if distributed.is_main_process():
+            self.metrics_file.write(metrics)
+            self.tracker.log(metrics, step)
 
     def _print_example(self, when: str) -> None:
         if getattr(self, "_eval_examples", None):
             prompt, response, score = self._eval_examples[0]
             print(f"[{when}] prompt: {prompt}\n[{when}] response ({score:+.3f}): {response}")
+
+    def _history(self) -> list[dict[str, Any]]:
+        """Every training step's metrics in this run folder, from before a resume too (floats restored)."""
+        path = self.run_dir / "metrics.jsonl"
+        records = read_jsonl(path) if path.is_file() else []
+        special = {"nan", "inf", "-inf"}
+        return [
+            {k: float(v) if isinstance(v, str) and v in special else v for k, v in record.items()}
+            for record in records if "reward/mean" in record
+        ]
 
     def _summary(self, history: list[dict[str, Any]], first_eval: dict | None, final_eval: dict) -> dict[str, Any]:
         summary: dict[str, Any] = {"steps": self.cfg.trainer.steps, "run_dir": str(self.run_dir)}

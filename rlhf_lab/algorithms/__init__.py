@@ -1,3 +1,3 @@
 """Registered algorithms: importing this package registers each one."""
 
-from rlhf_lab.algorithms import grpo, reinforce  # noqa: F401
+from rlhf_lab.algorithms import grpo, ppo, reinforce  # noqa: F401

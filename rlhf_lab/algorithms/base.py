@@ -146,3 +146,12 @@ class Algorithm:
     def should_stop_epochs(self, stats: dict[str, float]) -> bool:
         """Early stop of the update epochs (PPO's target_kl); never for critic-free algorithms."""
         return False
+
+    def summarize(self, metrics: dict[str, float], n_updates: int) -> dict[str, float]:
+        """Extra step metrics from the update metrics (averages over ``n_updates`` mini-batches).
+
+        A loss statistic ``skip_minibatch`` whose sum over a mini-batch's micro-batches is > 0 vetoes that
+        mini-batch (no optimizer step); the trainer then reports it as 0/1 per mini-batch, so its average
+        here is the fraction of vetoed mini-batches.
+        """
+        return {}

@@ -41,6 +41,20 @@ def to_plain(value: Any) -> Any:
     return value
 
 
+class RewardError(ValueError):
+    """A reward that failed or broke its contract; one line naming the reward and, if known, the sample."""
+
+    def __init__(self, message: str, sample: int | None = None) -> None:
+        super().__init__(message)
+        self.sample = sample  # index in the scored batch, when known
+
+
+def first_line(error: BaseException) -> str:
+    """An exception's message on one line (its first non-empty line, or its type name)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[0] if lines else type(error).__name__
+
+
 class Reward:
     """Base class: keeps ``cfg`` and ``device``; subclasses list the fields they read in ``config_fields``."""
 
@@ -56,10 +70,40 @@ class Reward:
         value = self.cfg.get(key, default)
         return default if value is None else to_plain(value)
 
+    def describe(self) -> str:
+        """How error messages name this reward: ``reward 'python' (module:function)``."""
+        spec = getattr(self, "spec", None)
+        return f"reward {self.name!r}" + (f" ({spec})" if spec else "")
+
     def __call__(self, prompts: Sequence[str], responses: Sequence[str]) -> RewardOutput:
+        """Score a batch; any failure inside ``score`` becomes a one-line :class:`RewardError`.
+
+        When the batch fails, samples are re-scored one at a time to name the first that fails
+        (``RewardError.sample``); a batch that fails only as a whole gets no index.
+        """
         check_batch(prompts, responses)
+        prompts, responses = list(prompts), list(responses)
         with torch.no_grad():
-            return self.score(list(prompts), list(responses))
+            try:
+                return self.score(prompts, responses)
+            except RewardError:
+                raise
+            except Exception as error:  # noqa: BLE001 (user code: any failure is reported the same way)
+                sample = self._first_failing_sample(prompts, responses)
+                where = f" on sample {sample}" if sample is not None else ""
+                raise RewardError(
+                    f"{self.describe()} raised {type(error).__name__}{where}: {first_line(error)}", sample=sample
+                ) from error
+
+    def _first_failing_sample(self, prompts: list[str], responses: list[str]) -> int | None:
+        if len(responses) == 1:
+            return 0
+        for index in range(len(responses)):
+            try:
+                self.score(prompts[index : index + 1], responses[index : index + 1])
+            except Exception:  # noqa: BLE001
+                return index
+        return None
 
     def score(self, prompts: list[str], responses: list[str]) -> RewardOutput:
         """Score one batch; runs under ``torch.no_grad()`` with inputs already checked."""
@@ -90,15 +134,36 @@ def as_scores(values: Any, expected: int, source: str) -> torch.Tensor:
         try:
             scores = torch.as_tensor(values if hasattr(values, "__array__") else list(values))
         except (TypeError, ValueError) as error:
-            raise ValueError(
-                f"{source} must return {expected} numbers; got {type(values).__name__}"
-            ) from error
+            raise RewardError(f"{source} must return {expected} numbers; got {type(values).__name__}") from error
         scores = scores.to(torch.float32)
     if scores.ndim != 1:
-        raise ValueError(f"{source} returned shape {tuple(scores.shape)}; expected {expected} scores (1-D)")
+        raise RewardError(f"{source} returned shape {tuple(scores.shape)}; expected {expected} scores (1-D)")
     if scores.shape[0] != expected:
-        raise ValueError(f"{source}: expected {expected} scores (one per response), got {scores.shape[0]}")
+        raise RewardError(f"{source}: expected {expected} scores (one per response), got {scores.shape[0]}")
     return scores
+
+
+def fill_nonfinite(scores: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Replace NaN/inf scores for ``reward.on_nonfinite=drop``; return (filled [N], valid [N] bool).
+
+    A non-finite score becomes the mean of the finite scores of its group (G = ``group_size``
+    consecutive samples per prompt), or of the whole batch if its group has none, or 0 if no score is
+    finite. Filling with the group mean leaves that mean, and so every mean-based baseline of the other
+    samples, unchanged, and gives the dropped sample an advantage of exactly 0 under group
+    normalisation. A spread statistic over the group (GRPO's std) still counts one more value, at the
+    mean. The trainer also zeroes the dropped sample's response mask after advantages are computed, so
+    it adds nothing to any loss.
+    """
+    valid = torch.isfinite(scores)
+    if bool(valid.all()):
+        return scores, valid
+    zero = torch.zeros_like(scores)
+    batch_mean = scores.where(valid, zero).sum() / valid.sum().clamp(min=1)
+    groups, group_valid = scores.where(valid, zero).reshape(-1, group_size), valid.reshape(-1, group_size)
+    counts = group_valid.sum(dim=1, keepdim=True)
+    group_mean = groups.sum(dim=1, keepdim=True) / counts.clamp(min=1)
+    fill = torch.where(counts > 0, group_mean, batch_mean).expand_as(groups).reshape(-1)
+    return torch.where(valid, scores, fill), valid
 
 
 # --- Hugging Face sequence classifiers (shared by `classifier` and `reward_model`) -------------------------

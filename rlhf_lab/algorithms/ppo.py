@@ -1,0 +1,180 @@
+"""PPO (Schulman et al. 2017) for language models, as in Ziegler et al. 2019 and TRL's classic PPOTrainer.
+
+Each response token is an action; its reward is the per-token KL penalty (``kl.placement=reward``) plus,
+on the last token, the sequence score. A critic (``critic.py``) estimates V_t per token; GAE turns rewards
+and values into advantages and critic targets; the loss is the clipped surrogate plus ``vf_coef`` × the
+clipped value loss. The trainer's generic loop supplies the rest: ``epochs`` over shuffled mini-batches,
+micro-batch accumulation, the entropy bonus, gradient clipping. PPO's two guards plug into its hooks:
+``target_kl`` stops the epochs early (``should_stop_epochs``), ``ratio_threshold`` vetoes a mini-batch
+whose mean ratio exploded (the ``skip_minibatch`` loss statistic).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from rlhf_lab.algorithms.base import Algorithm, LossContext, PolicyOutput, aggregate
+from rlhf_lab.algorithms.critic import SeparateCritic, ValueHead, hidden_size_of, policy_trunk
+from rlhf_lab.ops import masked_mean, masked_sum, masked_var, masked_whiten
+from rlhf_lab.registry import register
+from rlhf_lab.rollout import Rollout, scores_to_token_rewards
+
+
+def gae_advantages(
+    token_rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float
+) -> tuple[Tensor, Tensor]:
+    """Generalised advantage estimation (Schulman et al. 2016) over response tokens, [B, T] each.
+
+    δ_t = r_t + γ·m_{t+1}·V_{t+1} − V_t,   A_t = δ_t + γλ·m_{t+1}·A_{t+1},   R_t = A_t + V_t,
+    with m the response mask (a prefix of ones per row) and m_T = 0: a response ends after its last valid
+    token and bootstraps with 0 there, however wide the batch. Returns (advantages, returns), 0 on padding.
+    """
+    rewards, values = token_rewards * mask, values * mask
+    batch, length = rewards.shape
+    next_value = rewards.new_zeros(batch)
+    next_advantage = rewards.new_zeros(batch)
+    next_mask = rewards.new_zeros(batch)
+    advantages_reversed = []
+    for t in reversed(range(length)):
+        delta = rewards[:, t] + gamma * next_mask * next_value - values[:, t]
+        next_advantage = delta + gamma * lam * next_mask * next_advantage
+        advantages_reversed.append(next_advantage)
+        next_value, next_mask = values[:, t], mask[:, t]
+    advantages = torch.stack(advantages_reversed[::-1], dim=1) * mask
+    return advantages, (advantages + values) * mask
+
+
+def clipped_value_loss(
+    values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, clip_value: float | None
+) -> tuple[Tensor, Tensor]:
+    """Per-token clipped value loss (PPO2 / TRL) and where the clip binds.
+
+    V_clip = V_old + clip(V − V_old, −ε_v, ε_v);  loss = ½·max((V − R)², (V_clip − R)²).
+    ``clip_value=None`` gives ½(V − R)². Returns (loss [B, T], clipped [B, T] as 0/1 floats), masked.
+    """
+    unclipped = (values - returns) ** 2
+    if clip_value is None:
+        return 0.5 * unclipped * mask, torch.zeros_like(mask)
+    clipped_values = old_values + (values - old_values).clamp(-clip_value, clip_value)
+    clipped = (clipped_values - returns) ** 2
+    binds = (clipped > unclipped).float()
+    return 0.5 * torch.maximum(unclipped, clipped) * mask, binds * mask
+
+
+def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
+    """1 − Var(R − V) / Var(R) over valid tokens: 1 is a perfect critic, 0 no better than a constant.
+
+    Defined as 0 when Var(R) = 0 (the ratio is undefined; 0 keeps the logged value finite).
+    """
+    returns_variance = masked_var(returns, mask)
+    if returns_variance <= 0:
+        return returns_variance.new_zeros(())
+    return 1.0 - masked_var(returns - values, mask) / returns_variance
+
+
+def shape_scores(scores: Tensor, reward_clip: float | None, normalize: bool) -> Tensor:
+    """Sequence scores before they enter GAE, [B] -> [B]: whiten across the batch, then clip to ±reward_clip.
+
+    The order is TRL's (``use_score_norm`` then ``score_clip``), so the clip is in normalised units.
+    """
+    if normalize:
+        scores = masked_whiten(scores, torch.ones_like(scores))
+    if reward_clip is not None:
+        scores = scores.clamp(-reward_clip, reward_clip)
+    return scores
+
+
+def ratio_veto_margin(ratio: Tensor, mask: Tensor, threshold: float, minibatch_tokens: float) -> Tensor:
+    """A micro-batch's share of (mean ratio of the mini-batch − threshold).
+
+    (Σ ratio·m − threshold·Σ m) / N over a micro-batch, with N the mini-batch's valid tokens: summed over the
+    mini-batch's micro-batches it is exactly mean(ratio) − threshold, positive iff the mini-batch's mean
+    ratio exceeds the threshold, whatever the micro-batch split.
+    """
+    return (masked_sum(ratio, mask) - threshold * mask.sum()) / max(minibatch_tokens, 1.0)
+
+
+@register("algorithm", "ppo")
+class PPO(Algorithm):
+    """Actor-critic PPO; ``cfg.critic`` is ``shared`` (value head on the policy trunk) or ``separate``."""
+
+    def __init__(self, cfg: Any) -> None:
+        super().__init__(cfg)
+        self.shared_critic = cfg.critic == "shared"
+        self.needs_hidden_states = self.shared_critic  # the shared head reads the policy pass's hidden states
+        self.critic: nn.Module | None = None
+
+    def setup(self, policy: nn.Module) -> None:
+        hidden_size = hidden_size_of(policy)
+        if self.shared_critic:
+            self.critic = ValueHead(hidden_size)
+        else:
+            self.critic = SeparateCritic(policy_trunk(policy), hidden_size)
+
+    def modules(self) -> dict[str, nn.Module]:
+        if self.critic is None:
+            return {}
+        return {"value_head" if self.shared_critic else "critic": self.critic}
+
+    def values(self, batch: Rollout, output: PolicyOutput | None) -> Tensor:
+        """Critic values of the response tokens, [B, T] float32, 0 on padding."""
+        if self.critic is None:
+            raise RuntimeError("PPO.setup(policy) must run before the critic is used")
+        if self.shared_critic:
+            if output is None or output.hidden is None:
+                raise RuntimeError("critic=shared needs the policy forward's hidden states (needs_hidden_states)")
+            values = self.critic(output.hidden)
+        else:
+            values = self.critic(batch.input_ids, batch.attention_mask, batch.prompt_width)
+        return values * batch.response_mask
+
+    @torch.no_grad()
+    def prepare(self, rollout: Rollout, forward: Any = None) -> dict[str, float]:
+        """Sampling-time values, GAE advantages (whitened if asked) and returns for the rollout."""
+        cfg, mask = self.cfg, rollout.response_mask
+        # token_rewards = score on the last token + the KL part (reward placement); shape only the score.
+        kl_rewards = rollout.token_rewards - scores_to_token_rewards(rollout.scores, mask)
+        scores = shape_scores(rollout.scores, cfg.reward_clip, cfg.normalize_scores)
+        token_rewards = kl_rewards + scores_to_token_rewards(scores, mask)
+        if self.shared_critic and forward is None:
+            raise RuntimeError("critic=shared: prepare needs the trainer's forward to read hidden states")
+        output = forward(rollout) if self.shared_critic else None
+        values = self.values(rollout, output).float()
+        advantages, returns = gae_advantages(token_rewards, values, mask, cfg.gamma, cfg.lam)
+        rollout.values, rollout.returns = values, returns
+        rollout.advantages = masked_whiten(advantages, mask) if cfg.whiten_advantages else advantages
+        return {
+            "value/mean": masked_mean(values, mask).item(),
+            "returns/mean": masked_mean(returns, mask).item(),
+            "advantages/mean": masked_mean(advantages, mask).item(),
+            "value/explained_variance": explained_variance(values, returns, mask).item(),
+        }
+
+    def loss(self, batch: Rollout, output: PolicyOutput, context: LossContext) -> tuple[Tensor, dict[str, Tensor]]:
+        """Clipped surrogate + vf_coef × clipped value loss; statistics summed over micro-batches are exact."""
+        policy_loss, stats = super().loss(batch, output, context)
+        mask = batch.response_mask
+        tokens = max(context.minibatch_tokens, 1.0)
+        per_token, value_clipped = clipped_value_loss(
+            self.values(batch, output), batch.values, batch.returns, mask, self.cfg.clip_value
+        )
+        value_loss = aggregate(per_token, mask, self.cfg.loss_aggregation, context)
+        ratio = torch.exp(output.logprobs - batch.logprobs).detach()
+        stats["loss/value"] = value_loss.detach()  # ½ squared error, before vf_coef
+        stats["value/clipfrac"] = masked_sum(value_clipped, mask) / tokens
+        stats["policy/ratio_mean"] = masked_sum(ratio, mask) / tokens
+        if self.cfg.ratio_threshold is not None:
+            # The trainer drops a mini-batch whose summed "skip_minibatch" is > 0 (TRL's ratio_threshold).
+            stats["skip_minibatch"] = ratio_veto_margin(ratio, mask, self.cfg.ratio_threshold, tokens)
+        return policy_loss + self.cfg.vf_coef * value_loss, stats
+
+    def should_stop_epochs(self, stats: dict[str, float]) -> bool:
+        """Stop the epochs once the epoch's mean approximate KL(π_old‖π_new) exceeds ``target_kl``."""
+        return self.cfg.target_kl is not None and stats.get("policy/approxkl", 0.0) > self.cfg.target_kl
+
+    def summarize(self, metrics: dict[str, float], n_updates: int) -> dict[str, float]:
+        """``skip_minibatch`` arrives as the fraction of vetoed mini-batches; report their count."""
+        return {"ppo/skipped_minibatches": round(metrics.get("skip_minibatch", 0.0) * n_updates)}
