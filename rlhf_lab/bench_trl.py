@@ -11,7 +11,7 @@ TRL's shuffling off), samples per step (``trainer.prompts_per_step`` × ``algori
 clipping, clip epsilon, group-std scaling, token-mean loss (TRL's ``dapo``), k3 KL in the loss with
 ``beta = kl.coef``, LoRA settings, dtype (no autocast), reward (rlhf_lab's reward wrapped as a TRL reward
 function). TRL defaults that differ from rlhf_lab's and are switched off here: gradient checkpointing,
-bf16 autocast, fused AdamW (``optim="adamw_torch"``, as rlhf_lab), dataset shuffling. Left as TRL has it:
+bf16 autocast, dataset shuffling; AdamW is the fused torch kernel on both sides. Left as TRL has it:
 its fused LM head (log-probs computed in tiles without materialising [B, T, V] logits).
 
 Per-step phases, measured around TRL's own methods: ``generate`` (``_generate``: prompt tokenisation,
@@ -116,7 +116,7 @@ def grpo_config_kwargs(cfg: Any, total_steps: int, output_dir: str) -> dict[str,
         "adam_beta1": trainer.adam_beta1,
         "adam_beta2": trainer.adam_beta2,
         "max_grad_norm": trainer.max_grad_norm or 0.0,  # 0 turns clipping off
-        "optim": "adamw_torch",  # rlhf_lab uses torch.optim.AdamW without fused=True
+        "optim": "adamw_torch_fused",  # rlhf_lab uses torch.optim.AdamW(fused=True) too
         "beta": kl.coef if kl.name == "k3" else 0.0,
         "epsilon": clip_low,
         "epsilon_high": clip_high,

@@ -119,11 +119,15 @@ def generate(
     top_k: int,
     max_prompt_tokens: int,
     keep_logits: bool,
+    share_prompts: bool = True,
 ) -> Rollout:
     """Sample ``group_size`` responses per prompt and collect the sampling policy's log-probs and entropy.
 
     Log-probs come from the logits generation already computed (``output_logits``), so no second forward
-    pass of the policy is needed for the old log-probs.
+    pass of the policy is needed for the old log-probs. With ``share_prompts`` each prompt is prefilled
+    once, not once per sample: all but its last token run through the network for the unique prompts, the
+    key/value cache is repeated to the ``group_size`` rows of each, and ``generate`` continues from it
+    (it feeds only the uncached last token). The logits equal the unshared run's to float precision.
     """
     device = next(model.parameters()).device
     encoded = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
@@ -137,7 +141,20 @@ def generate(
     prompt_mask = encoded["attention_mask"].repeat_interleave(group_size, 0).to(device)
     was_training = model.training
     model.eval()
+    cache = {}
+    if share_prompts and group_size > 1 and encoded["input_ids"].shape[1] > 1:
+        unique_ids, unique_mask = encoded["input_ids"].to(device), encoded["attention_mask"].to(device)
+        prefix = model(
+            input_ids=unique_ids[:, :-1],
+            attention_mask=unique_mask[:, :-1],
+            position_ids=position_ids_from_mask(unique_mask)[:, :-1],
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        prefix.past_key_values.batch_repeat_interleave(group_size)
+        cache = {"past_key_values": prefix.past_key_values}
     output = model.generate(
+        **cache,
         input_ids=prompt_ids,
         attention_mask=prompt_mask,
         do_sample=True,

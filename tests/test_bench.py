@@ -122,7 +122,7 @@ def test_trl_settings_match_the_config(compose) -> None:
     assert kwargs["beta"] == 0.04 and kwargs["loss_type"] == "dapo" and kwargs["scale_rewards"] == "group"
     assert kwargs["learning_rate"] == cfg.trainer.lr and kwargs["lr_scheduler_type"] == "constant"
     assert kwargs["temperature"] == cfg.trainer.temperature and kwargs["top_p"] == cfg.trainer.top_p
-    assert not kwargs["activation_checkpointing"] and not kwargs["bf16"] and kwargs["optim"] == "adamw_torch"
+    assert not kwargs["activation_checkpointing"] and not kwargs["bf16"] and kwargs["optim"] == "adamw_torch_fused"
     assert kwargs["report_to"] == "none" and kwargs["save_strategy"] == "no" and kwargs["eval_strategy"] == "no"
 
 

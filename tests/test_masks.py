@@ -96,11 +96,12 @@ def trainer(tmp_path_factory, compose, tiny_overrides) -> Trainer:
     return trainer
 
 
-def sample(trainer: Trainer, temperature: float = 1.0, top_k: int = 0) -> Rollout:
+def sample(trainer: Trainer, temperature: float = 1.0, top_k: int = 0, share_prompts: bool = True) -> Rollout:
     formatted = format_prompts(PROMPTS, trainer.tokenizer, True, None)
     torch.manual_seed(0)
     return generate(trainer.policy, trainer.tokenizer, formatted, group_size=GROUP_SIZE, max_new_tokens=6,
-                    temperature=temperature, top_p=1.0, top_k=top_k, max_prompt_tokens=256, keep_logits=True)
+                    temperature=temperature, top_p=1.0, top_k=top_k, max_prompt_tokens=256, keep_logits=True,
+                    share_prompts=share_prompts)
 
 
 def cut_at_eos(rollout: Rollout, eos_at: list[int | None], after_eos: torch.Tensor | None = None) -> Rollout:
@@ -264,9 +265,19 @@ def test_generation_logprobs_match_a_plain_forward_pass(trainer: Trainer, temper
     assert (rollout.attention_mask[:, : rollout.prompt_width] == 0).any()  # left padding present
     with torch.no_grad():
         logits, _ = response_logits(trainer.policy, rollout.input_ids, rollout.attention_mask, rollout.prompt_width,
-                                    temperature)
+                                    temperature, share_prompts=False)
     mask = rollout.response_mask.bool()
     logprobs = gather_logprobs(logits, rollout.response_ids)
     torch.testing.assert_close(rollout.logprobs[mask], logprobs[mask], rtol=0, atol=1e-4)
     torch.testing.assert_close(rollout.entropy[mask], entropy_from_logits(logits)[mask], rtol=0, atol=1e-4)
     torch.testing.assert_close(rollout.policy_logits[mask], logits[mask], rtol=0, atol=1e-4)
+
+
+def test_shared_prompt_prefill_samples_what_the_unshared_generation_samples(trainer: Trainer) -> None:
+    """Prefilling each prompt once and repeating its cache changes no sample and no log-prob."""
+    shared, plain = sample(trainer, share_prompts=True), sample(trainer, share_prompts=False)
+    assert (shared.attention_mask[:, : shared.prompt_width] == 0).any()  # a left-padded prompt is shared too
+    assert torch.equal(shared.input_ids, plain.input_ids) and torch.equal(shared.response_mask, plain.response_mask)
+    mask = plain.response_mask.bool()
+    torch.testing.assert_close(shared.logprobs[mask], plain.logprobs[mask], rtol=0, atol=1e-5)
+    torch.testing.assert_close(shared.policy_logits[mask], plain.policy_logits[mask], rtol=0, atol=1e-4)
