@@ -24,8 +24,9 @@ install: $(STAMP)
 train: install
 	$(VENV)/bin/rlhf-lab $(ARGS)
 
+# Two workers (pytest-xdist), one file per worker at a time; each test process runs torch on one thread.
 test: install
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q -n 2 --dist loadfile $(ARGS)
 
 # `make bench`: installs the optional TRL extra (requirements-trl.txt) and times rlhf_lab against TRL's GRPOTrainer
 # on identical settings (experiments/BENCHMARK.md). More flags or overrides in ARGS, e.g. ARGS="--lora --rounds 3".

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, DictConfig
 
 
 @dataclass
@@ -197,6 +197,26 @@ def _at_least(key: str, value: Any, minimum: float, strict: bool = False) -> Non
         raise ConfigError(f"{key}={value!r} is out of range; must be {relation} {minimum}")
 
 
+def _check_known_keys(node: Any, schema: type, prefix: str) -> None:
+    """Every key of ``node`` is a field of ``schema`` (recursively through nested dataclasses).
+
+    Composition already rejects ``trainer.stepz=3``; this also catches keys added with Hydra's ``+``
+    (``+trainer.stepz=3``), which would otherwise be carried along and silently ignored.
+    """
+    import dataclasses
+    import typing
+
+    hints = typing.get_type_hints(schema)
+    for key in node.keys():
+        full_key = f"{prefix}{key}"
+        if key not in hints:
+            where = f" of {prefix[:-1]}" if prefix else ""
+            raise ConfigError(f"unknown key {full_key!r}; valid keys{where}: {', '.join(hints)}")
+        child = node.get(key)
+        if dataclasses.is_dataclass(hints[key]) and isinstance(child, Mapping | DictConfig):
+            _check_known_keys(child, hints[key], f"{full_key}.")
+
+
 def validate(cfg: Any) -> None:
     """Check option names and value ranges of a composed config; raise :class:`ConfigError` on the first bad one.
 
@@ -207,6 +227,7 @@ def validate(cfg: Any) -> None:
 
     from rlhf_lab.registry import names
 
+    _check_known_keys(cfg, Config, "")
     algorithm, kl, trainer = cfg.algorithm, cfg.kl, cfg.trainer
     _choice("algorithm", algorithm.name, names("algorithm"))
     _choice("kl", kl.name, names("kl"))

@@ -87,6 +87,14 @@ CASES: dict[str, tuple[list[str], str]] = {
     ),
     "zero new tokens": (["trainer.max_new_tokens=0"], "trainer.max_new_tokens=0 is out of range; must be >= 1"),
     "typo in a key": (["trainer.stepz=3"], f"unknown key 'trainer.stepz'; valid keys of trainer: {keys(TrainerConfig)}"),
+    "typo in an appended key": (
+        ["+trainer.stepz=3"],
+        f"unknown key 'trainer.stepz'; valid keys of trainer: {keys(TrainerConfig)}",
+    ),
+    "appended key in a nested section": (
+        ["+model.lora.rank=4"],
+        "unknown key 'model.lora.rank'; valid keys of model.lora: enabled, r, alpha, dropout, target_modules",
+    ),
     "wrong type": (["trainer.steps=abc"], "trainer.steps='abc' has the wrong type; expected int"),
     "adaptive controller without target": (
         ["kl.controller=adaptive"],

@@ -310,7 +310,7 @@ def test_summarize_counts_vetoed_minibatches() -> None:
 def test_config_defaults_and_group_size_one() -> None:
     cfg = compose("algorithm=ppo").algorithm
     assert (cfg.name, cfg.critic, cfg.baseline, cfg.whiten_advantages) == ("ppo", "shared", "none", True)
-    assert (cfg.clip_eps, cfg.clip_value, cfg.vf_coef, cfg.gamma, cfg.lam) == (0.2, 0.2, 0.1, 1.0, 0.95)
+    assert (cfg.clip_eps, cfg.clip_value, cfg.vf_coef, cfg.gamma, cfg.lam) == (0.2, 0.2, 0.1, 1.0, 1.0)
     assert (cfg.target_kl, cfg.ratio_threshold) == (None, 10.0)
     assert (2 * cfg.group_size) % cfg.mini_batch_size == 0  # divides the default samples per step
     compose("algorithm=ppo", "algorithm.group_size=1", "algorithm.mini_batch_size=0")  # no groups needed
