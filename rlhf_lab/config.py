@@ -207,7 +207,7 @@ def _check_known_keys(node: Any, schema: type, prefix: str) -> None:
     import typing
 
     hints = typing.get_type_hints(schema)
-    for key in node.keys():
+    for key in node:
         full_key = f"{prefix}{key}"
         if key not in hints:
             where = f" of {prefix[:-1]}" if prefix else ""
