@@ -1,12 +1,13 @@
 """``rlhf-lab bench``: time training steps per phase, optionally against TRL on identical settings.
 
-    rlhf-lab bench [--steps N] [--warmup W] [--rounds R] [--compare trl] [--lora] [--ppo] [--scaling]
-                   [--batch-sizes 4,8,16,32] [--lengths 16,32,64] [--json PATH] [-- hydra overrides...]
+    rlhf-lab bench [--steps N] [--warmup W] [--rounds R] [--seeds 0,1,2] [--compare trl] [--lora] [--ppo]
+                   [--scaling] [--batch-sizes 4,8,16,32] [--lengths 16,32,64] [--json PATH] [-- overrides...]
 
 Every measured run is a child process (``python -m rlhf_lab.bench --worker JOB RESULT``) that trains
 W warm-up steps plus N measured steps and writes its per-step records and its peak RSS
 (``getrusage(RUSAGE_SELF).ru_maxrss``) as JSON. Frameworks alternate within one invocation (rlhf_lab,
-TRL, rlhf_lab, TRL, … for R rounds), so machine noise hits both. The default run is
+TRL, rlhf_lab, TRL, … for R rounds), so machine noise hits both; ``--seeds`` gives round r the seed
+``seeds[r % len(seeds)]``, so rounds double as seeds of a learning comparison. The default run is
 :data:`DEFAULT_OVERRIDES` (GRPO, 2 prompts × 8 samples, 32 new tokens, k3 KL in the loss with coef 0.04,
 full fine-tuning); overrides after ``--`` change it for every framework. See experiments/BENCHMARK.md.
 """
@@ -52,13 +53,13 @@ class _Parser(argparse.ArgumentParser):
         raise BenchError(message)
 
 
-def _int_list(text: str) -> list[int]:
+def _int_list(text: str, minimum: int = 1) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must list positive integers")
+    if not values or min(values) < minimum:
+        raise argparse.ArgumentTypeError(f"{text!r} must list integers >= {minimum}")
     return values
 
 
@@ -70,6 +71,8 @@ def parse_args(args: list[str]) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=5, help="measured steps per run (default 5)")
     parser.add_argument("--warmup", type=int, default=1, help="warm-up steps per run, not measured (default 1)")
     parser.add_argument("--rounds", type=int, default=1, help="alternating rounds of each framework (default 1)")
+    parser.add_argument("--seeds", type=lambda text: _int_list(text, minimum=0),
+                        help="seed of each round, cycled (default: the config's seed for every round)")
     parser.add_argument("--compare", choices=["trl"], help="also run the same settings in this framework")
     parser.add_argument("--lora", action="store_true", help="add a LoRA row (r=16, alpha=32, all linear layers)")
     parser.add_argument("--ppo", action="store_true", help="add a PPO row (TRL side only if it has a PPO trainer)")
@@ -230,7 +233,10 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
         return {"error": next((r["error"] for r in results if "error" in r), "no measured steps")}
     step_s = [s["step_s"] for s in steps]
     phases = {name: statistics.fmean(s["phases"].get(name, 0.0) for s in steps) for name in PHASES}
-    rewards = [s["reward_mean"] for s in steps if s.get("reward_mean") is not None and math.isfinite(s["reward_mean"])]
+    rewards = [s["reward_mean"] for s in steps if _finite(s.get("reward_mean"))]
+    # One figure per run (a seed, with --seeds): the spread of these is the noise a reward comparison faces.
+    run_rewards = [statistics.fmean(r) for r in ([s["reward_mean"] for s in result["records"]
+                                                    if _finite(s.get("reward_mean"))] for result in done) if r]
     rss = [r["peak_rss_mib"] for r in done]
     setup = [r["setup_s"] for r in done if r.get("setup_s") is not None]
     return {
@@ -245,8 +251,14 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
         "peak_rss_mib": statistics.median(rss),
         "peak_rss_mib_max": max(rss),
         "reward_mean": statistics.fmean(rewards) if rewards else None,
+        "reward_mean_per_run": run_rewards,
+        "reward_mean_sd_over_runs": statistics.stdev(run_rewards) if len(run_rewards) > 1 else None,
         "setup_s_median": statistics.median(setup) if setup else None,
     }
+
+
+def _finite(value: Any) -> bool:
+    return value is not None and math.isfinite(value)
 
 
 def _ratio(ours: dict[str, Any], theirs: dict[str, Any], key: str) -> float | None:
@@ -330,8 +342,9 @@ def run_benchmark(options: argparse.Namespace) -> dict[str, Any]:
         for round_index in range(options.rounds):
             for name, overrides, reason in rows:
                 frameworks = ["rlhf_lab"] + (["trl"] if options.compare == "trl" and reason is None else [])
+                seed = [f"seed={options.seeds[round_index % len(options.seeds)]}"] if options.seeds else []
                 for framework in frameworks:
-                    job = Job(name, framework, overrides, options.steps, options.warmup)
+                    job = Job(name, framework, merge_overrides(overrides, seed), options.steps, options.warmup)
                     label = f"round {round_index + 1}/{options.rounds}"
                     results.setdefault((name, framework), []).append(_run_and_report(job, work_dir, label))
         scaling = []
@@ -362,7 +375,7 @@ def run_benchmark(options: argparse.Namespace) -> dict[str, Any]:
         report_rows.append(entry)
     return _clean({
         "schema": SCHEMA,
-        "settings": {"steps": options.steps, "warmup": options.warmup, "rounds": options.rounds,
+        "settings": {"steps": options.steps, "warmup": options.warmup, "rounds": options.rounds, "seeds": options.seeds,
                      "compare": options.compare, "user_overrides": options.overrides,
                      "base_overrides": merge_overrides(DEFAULT_OVERRIDES, options.overrides)},
         "environment": _environment(),
@@ -385,6 +398,13 @@ def _number(value: Any, digits: int = 2) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
+def _reward_cell(summary: dict[str, Any]) -> str:
+    """Mean reward, with the standard deviation of the per-run means when there are several runs."""
+    spread = summary.get("reward_mean_sd_over_runs")
+    cell = _number(summary["reward_mean"], 3)
+    return cell if spread is None else f"{cell} ± {spread:.3f} ({len(summary['reward_mean_per_run'])} runs)"
+
+
 def format_report(report: dict[str, Any]) -> str:
     """The human-readable tables: per-phase times per row and framework, ratios, and the scaling grid."""
     out = []
@@ -402,7 +422,7 @@ def format_report(report: dict[str, Any]) -> str:
                 lines.append([row["row"], framework, _number(summary["step_s_median"]),
                               *(_number(phases[name]) for name in PHASES), _number(summary["other_s_mean"]),
                               _number(summary["tokens_per_s"], 1), _number(summary["peak_rss_mib"], 0),
-                              _number(summary["reward_mean"], 3)])
+                              _reward_cell(summary)])
             ratio = row.get("ratio_rlhf_lab_over_trl")
             if ratio:
                 notes.append(f"{row['row']}: rlhf_lab / trl = {_number(ratio['step_s_median'])}x time per step "

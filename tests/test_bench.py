@@ -77,6 +77,7 @@ def test_tiny_run_prints_table_and_json(tiny_report: tuple[dict, str]) -> None:
         (["--compare", "verl"], "invalid choice"),
         (["--frobnicate"], "unrecognized argument '--frobnicate'"),
         (["--batch-sizes", "4,x"], "comma-separated list of integers"),
+        (["--seeds", "0,-1"], "'0,-1' must list integers >= 0"),
         (["--", "algorithm=nope"], "algorithm='nope' is not an option"),
         (["--", "trainer.stepz=3"], "trainer.stepz"),
     ],
@@ -95,6 +96,28 @@ def test_merge_and_scaling_overrides() -> None:
                                               "trainer.max_new_tokens=16"]
     assert bench.scaling_overrides(16, 32)[:2] == ["trainer.prompts_per_step=2", "algorithm.group_size=8"]
     assert bench.scaling_overrides(32, 64)[:2] == ["trainer.prompts_per_step=4", "algorithm.group_size=8"]
+
+
+def test_seeds_cycle_over_rounds_and_rewards_pool_per_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--seeds gives round r seeds[r % len]; each run's mean reward is kept, with their spread."""
+    jobs = []
+
+    def fake_run(job: bench.Job, work_dir: Path, label: str) -> dict:
+        jobs.append(job)
+        seed = int(next(o for o in job.overrides if o.startswith("seed="))[5:])
+        records = [{"step_s": 1.0, "phases": dict.fromkeys(bench.PHASES, 0.1), "tokens": 10, "reward_mean": r}
+                   for r in (seed, seed + 1.0)]  # run mean = seed + 0.5
+        return {"records": records, "peak_rss_mib": 100.0, "setup_s": 1.0}
+
+    monkeypatch.setattr(bench, "_run_and_report", fake_run)
+    report = bench.run_benchmark(bench.parse_args(["--rounds", "3", "--seeds", "4,7", "--", *TINY]))
+    assert [o for job in jobs for o in job.overrides if o.startswith("seed=")] == ["seed=4", "seed=7", "seed=4"]
+    assert report["settings"]["seeds"] == [4, 7]
+    summary = report["rows"][0]["frameworks"]["rlhf_lab"]["summary"]
+    assert summary["reward_mean_per_run"] == [4.5, 7.5, 4.5]
+    assert summary["reward_mean"] == pytest.approx(5.5)
+    assert summary["reward_mean_sd_over_runs"] == pytest.approx(math.sqrt(3.0))  # sample sd of 4.5, 7.5, 4.5
+    assert "5.500 ± 1.732 (3 runs)" in bench.format_report(report)
 
 
 def test_format_report_shows_ratio_skips_and_scaling() -> None:
