@@ -233,10 +233,10 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
         return {"error": next((r["error"] for r in results if "error" in r), "no measured steps")}
     step_s = [s["step_s"] for s in steps]
     phases = {name: statistics.fmean(s["phases"].get(name, 0.0) for s in steps) for name in PHASES}
-    rewards = [s["reward_mean"] for s in steps if _finite(s.get("reward_mean"))]
+    per_run = [[s["reward_mean"] for s in result["records"] if _finite(s.get("reward_mean"))] for result in done]
+    rewards = [reward for run in per_run for reward in run]
     # One figure per run (a seed, with --seeds): the spread of these is the noise a reward comparison faces.
-    run_rewards = [statistics.fmean(r) for r in ([s["reward_mean"] for s in result["records"]
-                                                    if _finite(s.get("reward_mean"))] for result in done) if r]
+    run_rewards = [statistics.fmean(run) for run in per_run if run]
     rss = [r["peak_rss_mib"] for r in done]
     setup = [r["setup_s"] for r in done if r.get("setup_s") is not None]
     return {

@@ -8,6 +8,8 @@ loads, with one-line messages that name the key, the value and what is allowed.
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -203,9 +205,6 @@ def _check_known_keys(node: Any, schema: type, prefix: str) -> None:
     Composition already rejects ``trainer.stepz=3``; this also catches keys added with Hydra's ``+``
     (``+trainer.stepz=3``), which would otherwise be carried along and silently ignored.
     """
-    import dataclasses
-    import typing
-
     hints = typing.get_type_hints(schema)
     for key in node:
         full_key = f"{prefix}{key}"

@@ -144,14 +144,9 @@ def generate(
     cache = {}
     if share_prompts and group_size > 1 and encoded["input_ids"].shape[1] > 1:
         unique_ids, unique_mask = encoded["input_ids"].to(device), encoded["attention_mask"].to(device)
-        prefix = model(
-            input_ids=unique_ids[:, :-1],
-            attention_mask=unique_mask[:, :-1],
-            position_ids=position_ids_from_mask(unique_mask)[:, :-1],
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        prefix.past_key_values.batch_repeat_interleave(group_size)
+        rows = torch.arange(unique_ids.shape[0], device=device).repeat_interleave(group_size)
+        prefix = prefill_shared(model, unique_ids[:, :-1], unique_mask[:, :-1],
+                                position_ids_from_mask(unique_mask)[:, :-1], rows)
         cache = {"past_key_values": prefix.past_key_values}
     output = model.generate(
         **cache,
@@ -192,6 +187,20 @@ def generate(
     )
 
 
+def prefill_shared(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor,
+                   rows: Tensor, **kwargs: Any) -> Any:
+    """Run each distinct prompt through ``model`` once and expand its key/value cache to ``rows``.
+
+    ``rows[i]`` is the prompt that batch row ``i`` continues from. The returned output's logits (last
+    position only) and hidden states are per prompt; its ``past_key_values`` are per row, ready for the
+    continuation (generation, or the response tokens of a scoring pass). Indexing keeps the gradient path.
+    """
+    output = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   use_cache=True, logits_to_keep=1, **kwargs)
+    output.past_key_values.batch_select_indices(rows)
+    return output
+
+
 def response_logits(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, prompt_width: int,
                     temperature: float, output_hidden_states: bool = False,
                     share_prompts: bool = True) -> tuple[Tensor, Tensor | None]:
@@ -211,18 +220,10 @@ def response_logits(model: nn.Module, input_ids: Tensor, attention_mask: Tensor,
     first_row = torch.full((unique_prompts.shape[0],), input_ids.shape[0], dtype=torch.long, device=input_ids.device)
     first_row.scatter_reduce_(0, row_to_prompt, torch.arange(input_ids.shape[0], device=input_ids.device), "amin")
     positions = position_ids_from_mask(attention_mask)
-    prefix = model(
-        input_ids=prompt_ids[first_row],
-        attention_mask=attention_mask[first_row, :prompt_width],
-        position_ids=positions[first_row, :prompt_width],
-        use_cache=True,
-        logits_to_keep=1,
-        output_hidden_states=output_hidden_states,
-    )
+    prefix = prefill_shared(model, prompt_ids[first_row], attention_mask[first_row, :prompt_width],
+                            positions[first_row, :prompt_width], row_to_prompt,
+                            output_hidden_states=output_hidden_states)
     cache = prefix.past_key_values
-    for layer in cache.layers:
-        layer.keys = layer.keys.index_select(0, row_to_prompt)
-        layer.values = layer.values.index_select(0, row_to_prompt)
     first_logits = prefix.logits[:, -1:].index_select(0, row_to_prompt)
     # The last response token predicts nothing, so the continuation stops one short of the end.
     continuation = model(
