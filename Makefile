@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: install train test lint clean bench
+.PHONY: install train test test-unit lint clean bench
 
 $(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,10 @@ train: install
 # Two workers (pytest-xdist), one file per worker at a time; each test process runs torch on one thread.
 test: install
 	$(PY) -m pytest -q -n 2 --dist loadfile $(ARGS)
+
+# The fast unit tests only (tests/unit: pure functions and single units, about a minute).
+test-unit: install
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not integration" $(ARGS)
 
 # `make bench`: installs the optional TRL extra (requirements-trl.txt) and times rlhf_lab against TRL's GRPOTrainer
 # on identical settings (experiments/BENCHMARK.md). More flags or overrides in ARGS, e.g. ARGS="--lora --rounds 3".

@@ -13,12 +13,10 @@ from typing import Any
 
 import torch
 
+from rlhf_lab.errors import ConfigError, DataError
+
 EMBEDDED = {"movie_prompts": Path(__file__).parent / "assets" / "movie_prompts"}
 FILE_FORMATS = {"jsonl": ("json", ".jsonl"), "csv": ("csv", ".csv")}
-
-
-class DataError(ValueError):
-    """A prompt source that cannot be used; the message names it."""
 
 
 @dataclass
@@ -114,7 +112,6 @@ def prompt_token_limit(max_prompt_tokens: int, max_new_tokens: int, context: int
     """The longest prompt (tokens) a run can take, and why: ``data.max_prompt_tokens`` or what the model's
     context leaves after ``trainer.max_new_tokens``. No room at all is a config error."""
     if context is not None and context - max_new_tokens < 1:
-        from rlhf_lab.config import ConfigError
 
         raise ConfigError(f"trainer.max_new_tokens={max_new_tokens} leaves no room for a prompt in the model's "
                           f"context of {context} tokens")

@@ -257,10 +257,15 @@ class RewardPlacement:
 
     needs_grad = False
 
-    def shape_rewards(self, token_rewards: Tensor, kl: Tensor, coef: float | Tensor, mask: Tensor) -> Tensor:
-        """token_rewards − coef · kl.detach() · mask  ([B, T]; masked positions untouched even if kl is inf)."""
+    def reward_penalty(self, kl: Tensor, coef: float | Tensor, mask: Tensor) -> Tensor:
+        """coef · kl.detach() · mask, the per-token amount taken out of the rewards ([B, T]; 0 where masked,
+        even if kl is inf there)."""
         kl_on_response = torch.where(mask > 0, kl.detach(), torch.zeros_like(kl))
-        return token_rewards - coef * kl_on_response * mask
+        return coef * kl_on_response * mask
+
+    def shape_rewards(self, token_rewards: Tensor, kl: Tensor, coef: float | Tensor, mask: Tensor) -> Tensor:
+        """token_rewards − :meth:`reward_penalty`."""
+        return token_rewards - self.reward_penalty(kl, coef, mask)
 
     def loss_term(self, kl: Tensor, mask: Tensor, coef: float | Tensor) -> Tensor:
         """Zero scalar on ``kl``'s device and dtype: the penalty already acts through the rewards."""
@@ -271,6 +276,10 @@ class LossPlacement:
     """GRPO-style: add coef · masked_mean(KL) to the loss, with gradient through the estimate."""
 
     needs_grad = True
+
+    def reward_penalty(self, kl: Tensor, coef: float | Tensor, mask: Tensor) -> Tensor:
+        """Zeros [B, T]: the penalty acts through ``loss_term``."""
+        return torch.zeros_like(mask)
 
     def shape_rewards(self, token_rewards: Tensor, kl: Tensor, coef: float | Tensor, mask: Tensor) -> Tensor:
         """Rewards unchanged: the penalty acts through ``loss_term``."""

@@ -7,6 +7,9 @@ Every swappable part (algorithm, KL estimator, reward, ...) registers itself nex
 
 and the trainer looks it up by the name in the config: ``get("kl", cfg.kl.name)``. The trainer never
 branches on a name, so adding an estimator or an algorithm is one new definition plus one config file.
+
+This module is a leaf: it imports nothing of the package but its error type. ``rlhf_lab.components``
+imports the built-in parts so that their decorators run; entry points import it once.
 """
 
 from __future__ import annotations
@@ -14,14 +17,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from rlhf_lab.errors import RegistryError
+
 _REGISTRY: dict[str, dict[str, Any]] = {}
-
-
-class RegistryError(KeyError):
-    """An unknown kind or name; the message lists the valid ones."""
-
-    def __str__(self) -> str:  # KeyError quotes its message; keep it a plain line
-        return str(self.args[0])
 
 
 def register(kind: str, name: str) -> Callable[[Any], Any]:
@@ -37,14 +35,8 @@ def register(kind: str, name: str) -> Callable[[Any], Any]:
     return decorator
 
 
-def _load_builtin_components() -> None:
-    # Importing the modules runs their @register decorators.
-    from rlhf_lab import algorithms, kl, rewards, tracking, wandb_logger  # noqa: F401
-
-
 def get(kind: str, name: str) -> Any:
     """Return the component registered as ``kind``/``name``; unknown names list the valid ones."""
-    _load_builtin_components()
     if kind not in _REGISTRY:
         raise RegistryError(f"unknown component kind {kind!r}; valid kinds: {', '.join(sorted(_REGISTRY))}")
     table = _REGISTRY[kind]
@@ -55,5 +47,4 @@ def get(kind: str, name: str) -> Any:
 
 def names(kind: str) -> list[str]:
     """Sorted names registered under ``kind`` (empty if none)."""
-    _load_builtin_components()
     return sorted(_REGISTRY.get(kind, {}))

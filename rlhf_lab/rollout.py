@@ -68,7 +68,11 @@ class Rollout:
     ref_logprobs: Tensor | None = None  # [B, T]
     ref_logits: Tensor | None = None  # [B, T, V]
     scores: Tensor | None = None  # [B] sequence rewards from the reward function
-    token_rewards: Tensor | None = None  # [B, T] score at the last token, KL penalty if placed in reward
+    kl_estimate: Tensor | None = None  # [B, T] the configured KL estimator's per-token value, masked
+    kl_exact: Tensor | None = None  # [B, T] exact per-token KL from full logits (diagnostic), masked
+    kl_penalty: Tensor | None = None  # [B, T] what the KL placement takes out of the token rewards
+    kl_coef: float = 0.0  # the KL coefficient this rollout was scored with
+    token_rewards: Tensor | None = None  # [B, T] built by the algorithm: score at the last token − kl_penalty
     advantages: Tensor | None = None  # [B, T]
     returns: Tensor | None = None  # [B, T] (critic targets)
     values: Tensor | None = None  # [B, T] (critic estimates at sampling time)

@@ -26,30 +26,17 @@ from omegaconf import DictConfig  # noqa: E402
 torch.set_num_threads(1)
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
-CONF_DIR = PROJECT_ROOT / "conf"
 
 
 def compose(overrides: list[str]) -> DictConfig:
-    """Compose ``conf/config.yaml`` with Hydra's compose API exactly as ``rlhf_lab.cli`` does.
+    """The config a job gets from ``overrides``: :func:`rlhf_lab.config.compose`, as the CLI does it.
 
-    The structured-config schema is registered first, so typos and wrong types fail here as on the
-    command line; the composed config is then checked by ``rlhf_lab.config.validate``.
+    Typos, unknown options, wrong types and out-of-range values raise a one-line
+    :class:`rlhf_lab.errors.ConfigError` here as on the command line.
     """
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
+    from rlhf_lab.config import compose as compose_config
 
-    from rlhf_lab.config import register_configs, validate
-
-    register_configs()
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            cfg = hydra_compose(config_name="config", overrides=list(overrides))
-    finally:
-        GlobalHydra.instance().clear()
-    validate(cfg)
-    return cfg
+    return compose_config(list(overrides))
 
 
 def tiny_overrides(tmp_path: Path | None) -> list[str]:
@@ -75,6 +62,14 @@ def tiny_overrides(tmp_path: Path | None) -> list[str]:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: runs the embedded SmolLM2 model (deselect with -m 'not slow')")
+    config.addinivalue_line("markers", "integration: runs, CLI processes, sweeps (every test under tests/integration)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark every test under ``tests/integration/`` so ``-m 'not integration'`` is the fast unit run."""
+    for item in items:
+        if "integration" in Path(str(item.fspath)).parts:
+            item.add_marker(pytest.mark.integration)
 
 
 @pytest.fixture(name="compose", scope="session")

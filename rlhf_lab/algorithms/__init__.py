@@ -1,3 +1,1 @@
-"""Registered algorithms: importing this package registers each one."""
-
-from rlhf_lab.algorithms import grpo, ppo, reinforce  # noqa: F401
+"""Algorithms: an advantage estimator and a loss over a rollout, registered under kind ``algorithm``."""

@@ -1,8 +1,10 @@
 """The algorithm interface and the pure tensor functions the critic-free algorithms share.
 
-An algorithm turns a scored rollout into advantages (``prepare``) and, for a mini-batch, the new
-policy's log-probs into a loss (``loss``). The trainer calls only these methods; it never asks which
-algorithm it runs. Per-token tensors are [B, T]; ``mask`` is the response mask.
+An algorithm turns a scored rollout into advantages (``prepare``) and, for a micro-batch, the new policy's
+forward pass into a :class:`LossResult` (``loss``). It builds its token rewards once, from the rollout's
+sequence scores and its per-token KL penalty, contributes its own parameter groups (a critic with its own
+learning rate), and may veto a mini-batch through the result's ``veto``. The trainer calls only these
+methods; it never asks which algorithm it runs. Per-token tensors are [B, T]; ``mask`` is the response mask.
 """
 
 from __future__ import annotations
@@ -13,10 +15,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from rlhf_lab.ops import masked_mean, masked_sum, masked_whiten
-from rlhf_lab.rollout import Rollout
+from rlhf_lab.ops import entropy_from_logits, masked_mean, masked_sum, masked_whiten
+from rlhf_lab.registry import get, register
+from rlhf_lab.rollout import Rollout, scores_to_token_rewards
 
-LOSS_AGGREGATIONS = ("token_mean", "sequence_mean")
 WEIGHT_SOURCES = ("advantage", "reward")
 
 
@@ -26,6 +28,7 @@ class LossContext:
 
     minibatch_tokens: float  # valid response tokens in the mini-batch
     minibatch_rows: int  # samples in the mini-batch
+    max_response_tokens: int = 0  # trainer.max_new_tokens: the constant of ``sequence_sum_constant``
 
 
 @dataclass
@@ -37,23 +40,60 @@ class PolicyOutput:
     hidden: Tensor | None  # [B, T, H] last hidden states predicting each response token (if requested)
 
 
+@dataclass
+class LossResult:
+    """A micro-batch's loss, its statistics, and an optional veto of the whole mini-batch.
+
+    ``stats`` are the micro-batch's shares of mini-batch quantities (summed over micro-batches they give
+    the mini-batch's value). ``veto`` is likewise a share of a margin: when its sum over the mini-batch's
+    micro-batches is > 0 the mini-batch takes no optimizer step (PPO's ratio threshold).
+    """
+
+    loss: Tensor
+    stats: dict[str, Tensor]
+    veto: Tensor | None = None
+
+
 def sequence_returns(token_rewards: Tensor, mask: Tensor) -> Tensor:
     """Undiscounted return of each sequence: Σ_t r_t over valid tokens, [B, T] -> [B]."""
     return masked_sum(token_rewards, mask, dim=-1)
 
 
-def aggregate(per_token: Tensor, mask: Tensor, mode: str, context: LossContext) -> Tensor:
-    """Reduce a per-token loss to a scalar.
+def build_token_rewards(scores: Tensor, kl_penalty: Tensor, mask: Tensor) -> Tensor:
+    """r_t = score·[t = last valid token] − kl_penalty_t: [B], [B, T] -> [B, T] (0 on padding)."""
+    return scores_to_token_rewards(scores, mask) - kl_penalty
 
-    token_mean: Σ loss·mask / (tokens in the mini-batch), every token weighs the same (DAPO, Dr. GRPO);
-    sequence_mean: mean over sequences of each sequence's token mean (the original GRPO).
-    Dividing by mini-batch totals makes gradient accumulation over micro-batches exact.
-    """
-    if mode == "token_mean":
-        return masked_sum(per_token, mask) / max(context.minibatch_tokens, 1.0)
-    if mode == "sequence_mean":
-        return masked_mean(per_token, mask, dim=-1).sum() / max(context.minibatch_rows, 1)
-    raise ValueError(f"algorithm.loss_aggregation={mode!r}; valid: {', '.join(LOSS_AGGREGATIONS)}")
+
+# --------------------------------------------------------------------------------------------------
+# Loss aggregation (kind ``loss_aggregation``): (per_token [B, T], mask, context) -> scalar.
+# Dividing by mini-batch totals makes gradient accumulation over micro-batches exact.
+# --------------------------------------------------------------------------------------------------
+
+
+@register("loss_aggregation", "token_mean")
+def token_mean(per_token: Tensor, mask: Tensor, context: LossContext) -> Tensor:
+    """Σ loss·mask / (valid tokens in the mini-batch): every token weighs the same (DAPO, Yu et al. 2025)."""
+    return masked_sum(per_token, mask) / max(context.minibatch_tokens, 1.0)
+
+
+@register("loss_aggregation", "sequence_mean")
+def sequence_mean(per_token: Tensor, mask: Tensor, context: LossContext) -> Tensor:
+    """Mean over sequences of each sequence's token mean (the original GRPO, Shao et al. 2024)."""
+    return masked_mean(per_token, mask, dim=-1).sum() / max(context.minibatch_rows, 1)
+
+
+@register("loss_aggregation", "sequence_sum_constant")
+def sequence_sum_constant(per_token: Tensor, mask: Tensor, context: LossContext) -> Tensor:
+    """Σ loss·mask / (sequences × max_new_tokens): a constant normaliser, no length bias (Dr. GRPO, Liu et al.
+    2025), where ``token_mean`` divides by the mini-batch's varying token count."""
+    if context.max_response_tokens < 1:
+        raise ValueError("loss_aggregation=sequence_sum_constant needs LossContext.max_response_tokens >= 1")
+    return masked_sum(per_token, mask) / (max(context.minibatch_rows, 1) * context.max_response_tokens)
+
+
+def aggregate(per_token: Tensor, mask: Tensor, mode: str, context: LossContext) -> Tensor:
+    """Reduce a per-token loss to a scalar with the registered ``loss_aggregation`` named ``mode``."""
+    return get("loss_aggregation", mode)(per_token, mask, context)
 
 
 def clipped_policy_loss(
@@ -82,16 +122,28 @@ def clipped_policy_loss(
     return loss * mask, binds * mask
 
 
-def policy_weights(advantages: Tensor, returns: Tensor, weight_by: str, clamp_negative: bool) -> Tensor:
-    """The per-sequence weight of ∇log π: the advantage, or (TapeAgents rl_step option) the raw return.
+def policy_weights(advantages: Tensor, scores: Tensor, mask: Tensor, weight_by: str, whiten: bool,
+                   clamp_negative: bool) -> Tensor:
+    """The per-token weight of ∇log π: [B] advantages or raw scores -> [B, T].
 
-    ``clamp_negative`` sets negative weights to 0, so only better-than-baseline samples are reinforced.
-    Inputs and output are [B].
+    ``weight_by``: ``advantage``, or ``reward`` (TapeAgents ``rl_step``): the raw sequence score, without
+    the KL penalty. ``whiten`` whitens the weights over the batch's valid tokens; ``clamp_negative`` then
+    sets negative weights to 0, so only better-than-baseline samples are reinforced (the clamp comes last,
+    so whitening cannot bring negative weights back).
     """
     if weight_by not in WEIGHT_SOURCES:
         raise ValueError(f"algorithm.weight_by={weight_by!r}; valid: {', '.join(WEIGHT_SOURCES)}")
-    weights = advantages if weight_by == "advantage" else returns
-    return weights.clamp(min=0.0) if clamp_negative else weights
+    weights = advantages if weight_by == "advantage" else scores
+    token_weights = weights[:, None] * mask
+    if whiten:
+        token_weights = masked_whiten(token_weights, mask)
+    return token_weights.clamp(min=0.0) * mask if clamp_negative else token_weights
+
+
+def entropy_bonus(logits: Tensor, mask: Tensor, context: LossContext) -> Tensor:
+    """The micro-batch's share of the mini-batch's mean full-vocabulary entropy (scalar, with gradient)."""
+    token_share = float(mask.sum()) / max(context.minibatch_tokens, 1.0)
+    return masked_mean(entropy_from_logits(logits), mask) * token_share
 
 
 class Algorithm:
@@ -104,6 +156,11 @@ class Algorithm:
         self.clip_low = cfg.clip_eps_low if cfg.clip_eps_low is not None else cfg.clip_eps
         self.clip_high = cfg.clip_eps_high if cfg.clip_eps_high is not None else cfg.clip_eps
 
+    @classmethod
+    def min_group_size(cls, cfg: Any) -> int:
+        """The smallest ``algorithm.group_size`` the config can run with (group baselines need 2)."""
+        return 1
+
     def sequence_advantages(self, returns: Tensor, group_size: int) -> Tensor:  # [B] -> [B]
         raise NotImplementedError
 
@@ -114,44 +171,48 @@ class Algorithm:
     def setup(self, policy: nn.Module) -> None:
         """Build extra modules once the policy exists."""
 
+    def parameter_groups(self, lr: float) -> list[dict[str, Any]]:
+        """Optimizer groups of the algorithm's own modules (``lr``: the policy's learning rate)."""
+        parameters = [p for module in self.modules().values() for p in module.parameters() if p.requires_grad]
+        return [{"params": parameters, "lr": lr}] if parameters else []
+
     def prepare(self, rollout: Rollout, forward: Any = None) -> dict[str, float]:
-        """Fill ``rollout.advantages`` ([B, T]) from ``rollout.token_rewards``; return statistics."""
+        """Build the token rewards, fill ``rollout.advantages`` ([B, T]) and ``returns``; return statistics."""
         mask = rollout.response_mask
+        rollout.token_rewards = build_token_rewards(rollout.scores, rollout.kl_penalty, mask)
         returns = sequence_returns(rollout.token_rewards, mask)
         advantages = self.sequence_advantages(returns, rollout.group_size)
-        weights = policy_weights(advantages, returns, self.cfg.weight_by, self.cfg.clamp_negative_weights)
-        token_weights = weights[:, None] * mask
-        if self.cfg.whiten_advantages:
-            token_weights = masked_whiten(token_weights, mask)
+        token_weights = policy_weights(advantages, rollout.scores, mask, self.cfg.weight_by,
+                                       self.cfg.whiten_advantages, self.cfg.clamp_negative_weights)
         rollout.advantages = token_weights
         rollout.returns = returns[:, None] * mask
         return {"advantages/mean": masked_mean(token_weights, mask).item(), "returns/mean": returns.mean().item()}
 
-    def loss(self, batch: Rollout, output: PolicyOutput, context: LossContext) -> tuple[Tensor, dict[str, Tensor]]:
-        """Policy loss of a micro-batch and its statistics (sums over the micro-batch's tokens)."""
+    def loss(self, batch: Rollout, output: PolicyOutput, context: LossContext) -> LossResult:
+        """Clipped policy loss of a micro-batch minus the entropy bonus, and its statistics."""
         mask = batch.response_mask
         per_token, clipped = clipped_policy_loss(
             output.logprobs, batch.logprobs, batch.advantages, mask, self.clip_low, self.clip_high
         )
-        loss = aggregate(per_token, mask, self.cfg.loss_aggregation, context)
+        policy_loss = aggregate(per_token, mask, self.cfg.loss_aggregation, context)
         log_ratio = (output.logprobs - batch.logprobs).detach()
         stats = {
-            "loss/policy": loss.detach(),
+            "loss/policy": policy_loss.detach(),
             "policy/clipfrac": masked_sum(clipped, mask) / context.minibatch_tokens,
             # k3 estimate of KL(π_old‖π_new), the PPO "approx_kl".
             "policy/approxkl": masked_sum(torch.expm1(log_ratio) - log_ratio, mask) / context.minibatch_tokens,
         }
-        return loss, stats
+        loss = policy_loss
+        if self.cfg.entropy_coef > 0:
+            bonus = self.cfg.entropy_coef * entropy_bonus(output.logits, mask, context)
+            loss = loss - bonus
+            stats["loss/entropy_bonus"] = -bonus.detach()
+        return LossResult(loss, stats)
 
     def should_stop_epochs(self, stats: dict[str, float]) -> bool:
         """Early stop of the update epochs (PPO's target_kl); never for critic-free algorithms."""
         return False
 
     def summarize(self, metrics: dict[str, float], n_updates: int) -> dict[str, float]:
-        """Extra step metrics from the update metrics (averages over ``n_updates`` mini-batches).
-
-        A loss statistic ``skip_minibatch`` whose sum over a mini-batch's micro-batches is > 0 vetoes that
-        mini-batch (no optimizer step); the trainer then reports it as 0/1 per mini-batch, so its average
-        here is the fraction of vetoed mini-batches.
-        """
+        """Extra step metrics from the update metrics (averages over ``n_updates`` mini-batches)."""
         return {}

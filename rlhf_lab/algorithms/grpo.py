@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import Tensor
 
 from rlhf_lab.algorithms.base import Algorithm
@@ -24,5 +26,9 @@ def group_advantages(returns: Tensor, group_size: int, scale_by_std: bool = True
 
 @register("algorithm", "grpo")
 class GRPO(Algorithm):
+    @classmethod
+    def min_group_size(cls, cfg: Any) -> int:
+        return 2  # a group of one has no spread to normalise by
+
     def sequence_advantages(self, returns: Tensor, group_size: int) -> Tensor:
         return group_advantages(returns, group_size, self.cfg.scale_by_std)

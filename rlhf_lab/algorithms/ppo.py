@@ -6,7 +6,8 @@ and values into advantages and critic targets; the loss is the clipped surrogate
 clipped value loss. The trainer's generic loop supplies the rest: ``epochs`` over shuffled mini-batches,
 micro-batch accumulation, the entropy bonus, gradient clipping. PPO's two guards plug into its hooks:
 ``target_kl`` stops the epochs early (``should_stop_epochs``), ``ratio_threshold`` vetoes a mini-batch
-whose mean ratio exploded (the ``skip_minibatch`` loss statistic).
+whose mean ratio exploded (the loss result's ``veto``). The critic trains at its own learning rate
+(``critic_lr``) through PPO's own parameter group.
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from rlhf_lab.algorithms.base import Algorithm, LossContext, PolicyOutput, aggregate
+from rlhf_lab.algorithms.base import Algorithm, LossContext, LossResult, PolicyOutput, aggregate, build_token_rewards
 from rlhf_lab.algorithms.critic import SeparateCritic, ValueHead, hidden_size_of, policy_trunk
 from rlhf_lab.ops import masked_mean, masked_sum, masked_var, masked_whiten
 from rlhf_lab.registry import register
-from rlhf_lab.rollout import Rollout, scores_to_token_rewards
+from rlhf_lab.rollout import Rollout
+
+CRITICS = ("shared", "separate")
 
 
 def gae_advantages(
@@ -131,19 +134,22 @@ class PPO(Algorithm):
             values = self.critic(batch.input_ids, batch.attention_mask, batch.prompt_width)
         return values * batch.response_mask
 
+    def parameter_groups(self, lr: float) -> list[dict[str, Any]]:
+        """The critic's trainable tensors at ``critic_lr`` (default: the policy's ``lr``)."""
+        return [{**group, "lr": self.cfg.critic_lr or lr} for group in super().parameter_groups(lr)]
+
     @torch.no_grad()
     def prepare(self, rollout: Rollout, forward: Any = None) -> dict[str, float]:
-        """Sampling-time values, GAE advantages (whitened if asked) and returns for the rollout."""
+        """Token rewards (shaped score on the last token − KL penalty), sampling-time values, GAE advantages
+        (whitened if asked) and returns for the rollout."""
         cfg, mask = self.cfg, rollout.response_mask
-        # token_rewards = score on the last token + the KL part (reward placement); shape only the score.
-        kl_rewards = rollout.token_rewards - scores_to_token_rewards(rollout.scores, mask)
         scores = shape_scores(rollout.scores, cfg.reward_clip, cfg.normalize_scores)
-        token_rewards = kl_rewards + scores_to_token_rewards(scores, mask)
+        rollout.token_rewards = build_token_rewards(scores, rollout.kl_penalty, mask)
         if self.shared_critic and forward is None:
             raise RuntimeError("critic=shared: prepare needs the trainer's forward to read hidden states")
         output = forward(rollout) if self.shared_critic else None
         values = self.values(rollout, output).float()
-        advantages, returns = gae_advantages(token_rewards, values, mask, cfg.gamma, cfg.lam)
+        advantages, returns = gae_advantages(rollout.token_rewards, values, mask, cfg.gamma, cfg.lam)
         rollout.values, rollout.returns = values, returns
         rollout.advantages = masked_whiten(advantages, mask) if cfg.whiten_advantages else advantages
         return {
@@ -153,9 +159,9 @@ class PPO(Algorithm):
             "value/explained_variance": explained_variance(values, returns, mask).item(),
         }
 
-    def loss(self, batch: Rollout, output: PolicyOutput, context: LossContext) -> tuple[Tensor, dict[str, Tensor]]:
+    def loss(self, batch: Rollout, output: PolicyOutput, context: LossContext) -> LossResult:
         """Clipped surrogate + vf_coef × clipped value loss; statistics summed over micro-batches are exact."""
-        policy_loss, stats = super().loss(batch, output, context)
+        result = super().loss(batch, output, context)
         mask = batch.response_mask
         tokens = max(context.minibatch_tokens, 1.0)
         per_token, value_clipped = clipped_value_loss(
@@ -163,18 +169,19 @@ class PPO(Algorithm):
         )
         value_loss = aggregate(per_token, mask, self.cfg.loss_aggregation, context)
         ratio = torch.exp(output.logprobs - batch.logprobs).detach()
+        stats = result.stats
         stats["loss/value"] = value_loss.detach()  # ½ squared error, before vf_coef
         stats["value/clipfrac"] = masked_sum(value_clipped, mask) / tokens
         stats["policy/ratio_mean"] = masked_sum(ratio, mask) / tokens
-        if self.cfg.ratio_threshold is not None:
-            # The trainer drops a mini-batch whose summed "skip_minibatch" is > 0 (TRL's ratio_threshold).
-            stats["skip_minibatch"] = ratio_veto_margin(ratio, mask, self.cfg.ratio_threshold, tokens)
-        return policy_loss + self.cfg.vf_coef * value_loss, stats
+        veto = None
+        if self.cfg.ratio_threshold is not None:  # TRL's ratio_threshold: skip a mini-batch whose mean ratio exploded
+            veto = ratio_veto_margin(ratio, mask, self.cfg.ratio_threshold, tokens)
+        return LossResult(result.loss + self.cfg.vf_coef * value_loss, stats, veto)
 
     def should_stop_epochs(self, stats: dict[str, float]) -> bool:
         """Stop the epochs once the epoch's mean approximate KL(π_old‖π_new) exceeds ``target_kl``."""
         return self.cfg.target_kl is not None and stats.get("policy/approxkl", 0.0) > self.cfg.target_kl
 
     def summarize(self, metrics: dict[str, float], n_updates: int) -> dict[str, float]:
-        """``skip_minibatch`` arrives as the fraction of vetoed mini-batches; report their count."""
-        return {"ppo/skipped_minibatches": round(metrics.get("skip_minibatch", 0.0) * n_updates)}
+        """``optim/vetoed`` arrives as the fraction of vetoed mini-batches; report their count."""
+        return {"ppo/skipped_minibatches": round(metrics.get("optim/vetoed", 0.0) * n_updates)}

@@ -7,9 +7,10 @@ device="cpu")`` and called on a batch::
     out = reward(prompts, responses)   # out.scores: float32 [N]; out.components: {key: [N]}
 
 ``cfg`` is an OmegaConf ``DictConfig`` or a plain dict. A reward reads the fields it lists in
-``config_fields`` and ignores others, so one structured config holding every reward's fields works for
-all of them (OmegaConf catches typos there). Composite components are free-form mappings, so
-``composite`` checks each one with ``check_config_fields``. Scores always come back on the CPU.
+``config_fields``; from the command line each reward option has its own structured schema with those
+fields (``rlhf_lab/config/schema.py``), so a typo or another reward's key fails at start. Composite
+components are free-form mappings, so ``composite`` checks each one with ``check_config_fields``.
+Scores always come back on the CPU.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any, ClassVar
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from rlhf_lab.errors import RewardError
 from rlhf_lab.registry import get
 
 ConfigLike = Mapping[str, Any] | DictConfig
@@ -39,14 +41,6 @@ def to_plain(value: Any) -> Any:
     if isinstance(value, DictConfig | ListConfig):
         return OmegaConf.to_container(value, resolve=True)
     return value
-
-
-class RewardError(ValueError):
-    """A reward that failed or broke its contract; one line naming the reward and, if known, the sample."""
-
-    def __init__(self, message: str, sample: int | None = None) -> None:
-        super().__init__(message)
-        self.sample = sample  # index in the scored batch, when known
 
 
 def first_line(error: BaseException) -> str:

@@ -1,0 +1,133 @@
+"""``compose(overrides)``: the config a job gets, composed with Hydra's compose API and validated.
+
+The CLI (before Hydra starts), ``rlhf-lab bench``, the tests and the golden-record script all call this
+one function, so a typo in a key, an unknown option or an out-of-range value fails the same way
+everywhere: a one-line :class:`~rlhf_lab.errors.ConfigError` naming the key and what it accepts.
+The Hydra tree ships inside the package (``CONF_DIR`` = ``rlhf_lab/conf``), so any install finds it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from rlhf_lab.config.schema import register_configs
+from rlhf_lab.config.validate import validate
+from rlhf_lab.config.validate_keys import field_types, schema_at, type_name, unknown_key_message
+from rlhf_lab.errors import ConfigError
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+GROUPS = ("algorithm", "kl", "reward", "model", "data", "logger", "experiment")
+HYDRA_PREFIXES = ("hydra.", "hydra/", "+hydra", "++hydra")
+
+
+def group_options(group: str) -> list[str]:
+    """The YAML options of a config group (its schemas, ``*_schema`` in the ConfigStore, are not options)."""
+    folder = CONF_DIR / group
+    return sorted(p.stem for p in folder.glob("*.yaml")) if folder.is_dir() else []
+
+
+def normalize_overrides(overrides: list[str]) -> list[str]:
+    """``+experiment=NAME`` -> ``experiment=NAME``: the root defaults list has ``experiment: null``, which
+    Hydra overrides without ``+`` and refuses to append to; both spellings select the experiment."""
+    return [o[1:] if o.startswith("+experiment=") else o for o in overrides]
+
+
+def _split_sweep(value: str) -> list[str]:
+    """The choices of a simple sweep value ``a,b,c`` (brackets and function syntax are left to Hydra)."""
+    if any(ch in value for ch in "[](){}"):
+        return [value]
+    return [v.strip() for v in value.split(",")]
+
+
+def check_overrides(overrides: list[str]) -> list[str]:
+    """Reject unknown group options with the valid list; return the first job's overrides (sweeps -> first)."""
+    first_job = []
+    for override in overrides:
+        if "=" not in override:
+            first_job.append(override)
+            continue
+        key, value = override.split("=", 1)
+        group = key.lstrip("+~")
+        choices = _split_sweep(value)
+        if group in GROUPS:
+            valid = group_options(group)
+            for choice in choices:
+                if choice not in valid:
+                    raise ConfigError(f"{group}={choice!r} is not an option; choose from: {', '.join(valid)}")
+        first_job.append(f"{key}={choices[0]}")
+    return first_job
+
+
+def _hydra_compose(overrides: list[str]) -> DictConfig:
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            return hydra_compose(config_name="config", overrides=list(overrides))
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def compose(overrides: list[str]) -> DictConfig:
+    """Compose the config a job would get (a sweep's first values) and validate it.
+
+    Raises :class:`ConfigError` (a ``UserError``), one line, on any mistake.
+    """
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    job_overrides = [o for o in check_overrides(normalize_overrides(list(overrides))) if not o.startswith(HYDRA_PREFIXES)]
+    try:
+        cfg = _hydra_compose(job_overrides)
+        validate(cfg)
+    except (HydraException, OmegaConfBaseException) as error:
+        raise ConfigError(one_line(error, job_overrides)) from None
+    return cfg
+
+
+def one_line(error: Exception, overrides: list[str] = ()) -> str:
+    """Hydra/OmegaConf messages span lines; say in one which key is wrong and what it accepts."""
+    cause = error.__cause__ if error.__cause__ is not None else error
+    full_key = getattr(cause, "full_key", None)
+    message = _key_message(cause, full_key, list(overrides)) if full_key else None
+    if message is not None:
+        return message
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    keep = [line for line in lines if not line.startswith(("full_key:", "object_type=", "reference_type="))]
+    message = "; ".join(keep[:3])
+    if "Key '" in message and "not in" in message:
+        message = message.replace("Could not override", "unknown key in override")
+    return message
+
+
+def _key_message(cause: Exception, full_key: str, overrides: list[str]) -> str | None:
+    """An unknown key or a wrong type, described against the schema of the option the job selected.
+
+    The option schemas come from composing only the group selections (``algorithm=ppo``,
+    ``experiment=smoke``); without them (that fails too), the root schema's declared types.
+    """
+    from hydra.errors import HydraException
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
+
+    selections = [o for o in overrides if "=" in o and o.split("=", 1)[0].lstrip("+~") in GROUPS]
+    try:
+        base: Any = _hydra_compose(selections)
+    except (HydraException, OmegaConfBaseException):
+        base = None
+    parent, _, last = full_key.rpartition(".")
+    schema = schema_at(base, parent)
+    if schema is None:
+        return None
+    hints = field_types(schema)
+    if isinstance(cause, ConfigAttributeError | ConfigKeyError) and last not in hints:
+        return unknown_key_message(base, full_key, schema)
+    if isinstance(cause, ValidationError) and last in hints:
+        return f"{full_key}={cause.value!r} has the wrong type; expected {type_name(hints[last])}"
+    return None

@@ -1,0 +1,305 @@
+"""Structured configs: one dataclass per option of every config group, stored in Hydra's ConfigStore.
+
+Hydra's structured-config schema pattern: the root :class:`Config` types each group with its base
+dataclass (``algorithm: AlgorithmConfig = MISSING``); every option's dataclass subclasses that base and is
+stored under the group as ``<option>_schema``; every option's YAML names its schema first in its own
+defaults list (``conf/algorithm/grpo.yaml``: ``defaults: [grpo_schema, _self_]``). So the composed
+``cfg.algorithm`` has the option's own type (``OmegaConf.get_type(cfg.algorithm) is GRPOConfig``), and a
+key of another option (``algorithm=ppo algorithm.weight_by=reward``) is unknown there.
+
+Fields are plain data with their defaults; the values a choice field accepts are listed once, in the
+registry or in the module that owns the concept, and checked by :mod:`rlhf_lab.config.validate_values`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+# ------------------------------------------------------------------------------------------------ algorithm
+
+
+@dataclass
+class AlgorithmConfig:
+    """What every algorithm reads: sampling groups, ratio clipping, loss reduction, update epochs."""
+
+    name: str = MISSING  # registered algorithm
+    group_size: int = 8  # samples per prompt; samples per step = prompts_per_step × group_size
+    clip_eps: float | None = 0.2  # null: no ratio clipping
+    clip_eps_low: float | None = None  # defaults to clip_eps
+    clip_eps_high: float | None = None  # defaults to clip_eps
+    loss_aggregation: str = "token_mean"  # registered kind `loss_aggregation`
+    epochs: int = 1  # optimisation passes over each rollout (PPO's ppo_epochs, GRPO's iterations)
+    mini_batch_size: int = 0  # samples per optimizer update; 0 = the whole rollout
+    entropy_coef: float = 0.0  # entropy bonus weight (full entropy from logits)
+    whiten_advantages: bool = False  # whiten advantages over the batch's valid tokens
+
+
+@dataclass
+class CriticFreeConfig(AlgorithmConfig):
+    """Policy-gradient algorithms without a critic: what weighs ∇log π."""
+
+    weight_by: str = "advantage"  # rlhf_lab.algorithms.base.WEIGHT_SOURCES (TapeAgents rl_step option)
+    clamp_negative_weights: bool = False  # weights below zero become zero
+
+
+@dataclass
+class GRPOConfig(CriticFreeConfig):
+    scale_by_std: bool = True  # divide by the group std; false = Dr. GRPO
+
+
+@dataclass
+class ReinforceConfig(CriticFreeConfig):
+    """REINFORCE and RLOO (``algorithm=rloo`` is REINFORCE with ``baseline: loo``)."""
+
+    baseline: str = "batch_mean"  # registered kind `baseline`
+
+
+@dataclass
+class PPOConfig(AlgorithmConfig):
+    """Actor-critic PPO: a value head or a separate critic, GAE, clipped value loss."""
+
+    critic: str = "shared"  # rlhf_lab.algorithms.ppo.CRITICS
+    critic_lr: float | None = None  # learning rate of the critic's parameters; null: trainer.lr
+    gamma: float = 1.0
+    lam: float = 0.95
+    vf_coef: float = 0.1
+    clip_value: float | None = 0.2
+    reward_clip: float | None = None
+    normalize_scores: bool = False
+    target_kl: float | None = None
+    ratio_threshold: float | None = 10.0
+
+
+# ----------------------------------------------------------------------------------------------------- kl
+
+
+@dataclass
+class KLConfig:
+    """Every KL option shares this schema (``kl_schema``)."""
+
+    name: str = MISSING  # registered kind `kl`
+    coef: float = 0.05
+    placement: str = "loss"  # registered kind `kl_placement`
+    controller: str = "fixed"  # registered kind `kl_controller`
+    target: float | None = None  # adaptive: target KL per sequence
+    horizon: int = 10000  # adaptive: samples over which the error is corrected
+
+
+# ------------------------------------------------------------------------------------------------- reward
+
+
+@dataclass
+class RewardConfig:
+    name: str = MISSING  # registered kind `reward`
+    on_nonfinite: str = "error"  # error | drop: a NaN/inf score stops the run or drops that sample
+
+
+@dataclass
+class SentimentRewardConfig(RewardConfig):
+    target: str = "positive"  # rlhf_lab.rewards.sentiment.TARGETS
+
+
+@dataclass
+class ClassifierRewardConfig(RewardConfig):
+    model_path: str | None = None  # folder or hub id of an AutoModelForSequenceClassification
+    label: Any = None  # label name or index
+    output: str = "logit"  # rlhf_lab.rewards.classifier.OUTPUTS
+    include_prompt: bool = False
+    separator: str = " "  # between prompt and response when include_prompt
+    batch_size: int = 32
+    max_length: int = 512
+
+
+@dataclass
+class RewardModelConfig(RewardConfig):
+    model_path: str | None = None  # a trained scalar reward model's folder or hub id
+    normalize: bool = False
+    mean: float = 0.0
+    std: float = 1.0
+    batch_size: int = 32
+    max_length: int = 512
+
+
+@dataclass
+class PythonRewardConfig(RewardConfig):
+    function: str | None = None  # module:function
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class LengthRewardConfig(RewardConfig):
+    min_words: int = 10
+    max_words: int = 60
+    slope_words: float = 20.0
+    require_terminal_punctuation: bool = False
+    format_weight: float = 0.5  # size of the terminal-punctuation bonus/penalty (with require_terminal_punctuation)
+
+
+@dataclass
+class CompositeRewardConfig(RewardConfig):
+    components: list[Any] = field(default_factory=list)  # [{name, weight, key, <that reward's fields>}]
+
+
+# -------------------------------------------------------------------------------------------------- model
+
+
+@dataclass
+class LoraConfig:
+    enabled: bool = False
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.0
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+
+
+@dataclass
+class TinyDims:
+    """Sizes of the tiny random Llama (``model=tiny``)."""
+
+    hidden_size: int = 64
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    intermediate_size: int = 128
+
+
+@dataclass
+class ModelConfig:
+    """``smollm2_135m`` and ``path`` use this schema as it is."""
+
+    name: str = MISSING  # smollm2_135m | tiny | path
+    name_or_path: str | None = None  # local folder or hub id (model=path), ignored by builtins
+    system_prompt: str | None = None  # null: the chat template's default
+    chat_template: bool = True  # wrap prompts in the tokenizer's chat template when it has one
+    lora: LoraConfig = field(default_factory=LoraConfig)
+
+
+@dataclass
+class TinyModelConfig(ModelConfig):
+    tiny: TinyDims = field(default_factory=TinyDims)
+
+
+# --------------------------------------------------------------------------------------------------- data
+
+
+@dataclass
+class DataConfig:
+    """What every prompt source reads; ``movie_prompts`` (embedded) uses it as it is."""
+
+    name: str = MISSING  # movie_prompts | jsonl | csv | hub
+    prompt_column: str = "prompt"
+    train_split: str = "train"  # file stem in a data folder, or the hub split
+    eval_split: str = "eval"
+    eval_fraction: float = 0.0  # >0: carve eval prompts out of train when there is no eval split
+    max_prompt_tokens: int = 256
+
+
+@dataclass
+class DataPathConfig(DataConfig):
+    """A prompt source named by ``data.path``: a local jsonl/csv file or folder, or a hub dataset id."""
+
+    path: str | None = None
+
+
+# ------------------------------------------------------------------------------------------------- logger
+
+
+@dataclass
+class LoggerConfig:
+    """``logger=none`` uses this schema as it is: local metrics files are always written."""
+
+    name: str = MISSING  # registered kind `logger`
+    mode: str = "auto"  # rlhf_lab.trackers.wandb.MODES
+    samples_every: int = 10  # steps between generation-sample tables
+
+
+@dataclass
+class WandbLoggerConfig(LoggerConfig):
+    project: str = "rlhf_lab"
+    entity: str | None = None
+    group: str | None = None
+    run_name: str | None = None
+    tags: list[str] = field(default_factory=list)
+    job_type: str = "train"
+
+
+# ------------------------------------------------------------------------------------------------ trainer
+
+
+@dataclass
+class TrainerConfig:
+    steps: int = 30
+    lr: float = 1e-5
+    prompts_per_step: int = 2
+    max_new_tokens: int = 32
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    eval_every: int = 0  # 0: only at the end
+    eval_prompts: int = 16
+    checkpoint_every: int = 0  # 0: only at the end
+    keep_last_n: int = 2
+    resume: str | None = None  # null | auto | path to a checkpoint folder
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str = "float32"  # float32 | bfloat16 | float16
+    num_threads: int = 0  # torch intra-op threads; 0: torch's default
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    warmup_steps: int = 0
+    lr_schedule: str = "constant"  # constant | linear | cosine (after warmup)
+    max_grad_norm: float | None = 1.0
+    micro_batch_size: int = 0  # samples per forward/backward; 0 = the whole mini-batch
+    samples_per_step_logged: int = 2  # rows appended to samples.jsonl each step
+    max_consecutive_skips: int = 5  # non-finite loss/gradient skips before the run stops
+    progress_bar: bool = True
+    output_dir: str | None = None  # null: Hydra's run folder
+
+
+# --------------------------------------------------------------------------------------------------- root
+
+
+@dataclass
+class Config:
+    algorithm: AlgorithmConfig = MISSING
+    kl: KLConfig = MISSING
+    reward: RewardConfig = MISSING
+    model: ModelConfig = MISSING
+    data: DataConfig = MISSING
+    logger: LoggerConfig = MISSING
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    seed: int = 0
+    experiment_name: str = "default"
+
+
+# group -> {schema name in the ConfigStore: dataclass}; each option's YAML names one in its defaults list.
+OPTION_SCHEMAS: dict[str, dict[str, type]] = {
+    "algorithm": {"grpo_schema": GRPOConfig, "reinforce_schema": ReinforceConfig, "ppo_schema": PPOConfig},
+    "kl": {"kl_schema": KLConfig},
+    "reward": {
+        "sentiment_schema": SentimentRewardConfig,
+        "classifier_schema": ClassifierRewardConfig,
+        "reward_model_schema": RewardModelConfig,
+        "python_schema": PythonRewardConfig,
+        "length_schema": LengthRewardConfig,
+        "composite_schema": CompositeRewardConfig,
+    },
+    "model": {"model_schema": ModelConfig, "tiny_schema": TinyModelConfig},
+    "data": {"data_schema": DataConfig, "data_path_schema": DataPathConfig},
+    "logger": {"logger_schema": LoggerConfig, "wandb_schema": WandbLoggerConfig},
+}
+
+
+def register_configs() -> None:
+    """Store the root schema as ``schema`` and every option schema under its group (idempotent)."""
+    store = ConfigStore.instance()
+    store.store(name="schema", node=Config)
+    for group, schemas in OPTION_SCHEMAS.items():
+        for name, node in schemas.items():
+            store.store(group=group, name=name, node=node)

@@ -1,0 +1,43 @@
+"""``validate(cfg)``: every check of a composed config, in order, before any model loads.
+
+1. keys: each key belongs to its node's schema (:mod:`~rlhf_lab.config.validate_keys`);
+2. values: choices, ranges, batch shapes (:mod:`~rlhf_lab.config.validate_values`);
+3. paths: data files, model and reward-model folders, hub cache (:mod:`~rlhf_lab.config.validate_paths`);
+4. code: user ``module:function`` specs import (:mod:`~rlhf_lab.config.validate_code`);
+5. resume: a ``trainer.resume`` path names a complete checkpoint (``rlhf_lab.training.checkpoint``).
+
+The first bad value raises :class:`~rlhf_lab.errors.ConfigError`, one line naming the key, the value and
+what is allowed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rlhf_lab.config.validate_code import check_code
+from rlhf_lab.config.validate_keys import check_known_keys
+from rlhf_lab.config.validate_paths import check_paths
+from rlhf_lab.config.validate_values import check_values
+from rlhf_lab.errors import CheckpointError, ConfigError
+
+
+def check_resume(trainer: Any) -> None:
+    """A resume path must name a complete checkpoint (``auto`` is resolved when the run starts)."""
+    if not trainer.resume or trainer.resume == "auto":
+        return
+    from rlhf_lab.training.checkpoint import resolve_resume  # the training package is heavy: only when needed
+
+    try:
+        resolve_resume(trainer.resume, Path(trainer.resume))
+    except CheckpointError as error:
+        raise ConfigError(str(error)) from None
+
+
+def validate(cfg: Any) -> None:
+    """Check a composed config; raise :class:`ConfigError` on the first bad key or value."""
+    check_known_keys(cfg)
+    check_values(cfg)
+    check_paths(cfg)
+    check_code(cfg)
+    check_resume(cfg.trainer)

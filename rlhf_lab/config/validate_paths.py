@@ -1,0 +1,70 @@
+"""Files and folders a config names: prompt files, model and reward-model folders, hub ids in the cache.
+
+Checked before any model loads, so a missing folder or an uncached hub id (with ``HF_HUB_OFFLINE=1``)
+stops the run at once with one line.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from rlhf_lab.data import FILE_FORMATS
+from rlhf_lab.errors import ConfigError
+
+
+def hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def check_model_location(key: str, path: str) -> None:
+    """A local model folder must hold a saved model; a hub id must be cached when the hub is offline."""
+    folder = Path(path).expanduser()
+    if folder.is_dir():
+        if not any((folder / name).is_file() for name in ("config.json", "adapter_config.json")):
+            raise ConfigError(f"{key}={path!r} has no config.json; it must be a folder written by save_pretrained")
+        return
+    if path.startswith((".", "/", "~")) or path.count("/") > 1:
+        raise ConfigError(f"{key}={path!r} is not a folder")
+    if hub_offline():
+        from huggingface_hub import try_to_load_from_cache
+
+        if not isinstance(try_to_load_from_cache(path, "config.json"), str):
+            raise ConfigError(
+                f"{key}={path!r} is not a local folder, and as a hub id it is not in the local cache "
+                "(HF_HUB_OFFLINE=1)"
+            )
+
+
+def check_model(model: Any) -> None:
+    if model.name == "path" or model.name_or_path:
+        path = model.name_or_path
+        if path is None:
+            raise ConfigError("model.name_or_path=None: model=path needs a local folder or hub id")
+        if (path.startswith((".", "/", "~")) or Path(path).exists()) and not Path(path).expanduser().is_dir():
+            raise ConfigError(f"model.name_or_path={path!r} is not a folder")
+        check_model_location("model.name_or_path", path)
+
+
+def check_data(data: Any) -> None:
+    if data.name in FILE_FORMATS and (not data.path or not Path(data.path).exists()):
+        raise ConfigError(f"data.path={data.path!r} does not exist (data={data.name})")
+
+
+def check_reward(reward: Any) -> None:
+    """A reward that reads a model (``model_path`` in its schema) needs a folder or a cached hub id."""
+    if "model_path" not in reward:
+        return
+    path = reward.model_path
+    if not path:
+        raise ConfigError(f"reward.model_path={path!r}: reward={reward.name} needs a model folder or hub id")
+    if path.startswith((".", "/", "~")) and not Path(path).expanduser().is_dir():
+        raise ConfigError(f"reward.model_path={path!r} is not a folder")
+    check_model_location("reward.model_path", path)
+
+
+def check_paths(cfg: Any) -> None:
+    check_model(cfg.model)
+    check_data(cfg.data)
+    check_reward(cfg.reward)

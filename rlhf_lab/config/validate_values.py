@@ -1,0 +1,143 @@
+"""Choices, ranges and cross-field rules of a composed config; no file, network or user code is touched.
+
+Valid choices come from the registry (the built-ins register when :mod:`rlhf_lab.components` is imported)
+or from the module that owns the concept, so a newly registered part is valid as soon as it exists.
+A field some options lack (``algorithm.baseline``, ``algorithm.gamma``, ...) is checked when the option's
+schema has it, never by the option's name.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import rlhf_lab.components  # noqa: F401  (registers the built-in parts, whose names are the valid choices)
+from rlhf_lab.algorithms.base import WEIGHT_SOURCES
+from rlhf_lab.algorithms.ppo import CRITICS
+from rlhf_lab.config.choices import DEVICES, DTYPES, LR_SCHEDULES, ON_NONFINITE
+from rlhf_lab.errors import ConfigError
+from rlhf_lab.registry import get, names
+from rlhf_lab.rewards.classifier import OUTPUTS
+from rlhf_lab.rewards.sentiment import TARGETS
+from rlhf_lab.trackers.wandb import MODES
+
+
+def choice(key: str, value: Any, valid: Sequence[str]) -> None:
+    if value not in valid:
+        raise ConfigError(f"{key}={value!r} is not valid; choose from: {', '.join(map(str, valid))}")
+
+
+def at_least(key: str, value: Any, minimum: float, strict: bool = False) -> None:
+    """``value >= minimum`` (``>`` when strict) and finite; None (an optional field left out) passes."""
+    if value is None:
+        return
+    relation = ">" if strict else ">="
+    if isinstance(value, float) and not math.isfinite(value):  # NaN compares false with everything
+        raise ConfigError(f"{key}={value!r} is not a finite number; must be {relation} {minimum}")
+    if value < minimum or (strict and value == minimum):
+        raise ConfigError(f"{key}={value!r} is out of range; must be {relation} {minimum}")
+
+
+def check_choices(cfg: Any) -> None:
+    algorithm, kl, reward, trainer = cfg.algorithm, cfg.kl, cfg.reward, cfg.trainer
+    choice("algorithm", algorithm.name, names("algorithm"))
+    choice("kl", kl.name, names("kl"))
+    choice("kl.placement", kl.placement, names("kl_placement"))
+    choice("kl.controller", kl.controller, names("kl_controller"))
+    choice("reward", reward.name, names("reward"))
+    choice("logger", cfg.logger.name, names("logger"))
+    choice("logger.mode", cfg.logger.mode, MODES)
+    choice("algorithm.loss_aggregation", algorithm.loss_aggregation, names("loss_aggregation"))
+    if "baseline" in algorithm:
+        choice("algorithm.baseline", algorithm.baseline, names("baseline"))
+    if "weight_by" in algorithm:
+        choice("algorithm.weight_by", algorithm.weight_by, WEIGHT_SOURCES)
+    if "critic" in algorithm:
+        choice("algorithm.critic", algorithm.critic, CRITICS)
+    choice("trainer.dtype", trainer.dtype, DTYPES)
+    choice("trainer.lr_schedule", trainer.lr_schedule, LR_SCHEDULES)
+    choice("reward.on_nonfinite", reward.on_nonfinite, ON_NONFINITE)
+    if "target" in reward:
+        choice("reward.target", reward.target, TARGETS)
+    if "output" in reward:
+        choice("reward.output", reward.output, OUTPUTS)
+    if not (trainer.device in DEVICES or str(trainer.device).startswith("cuda:")):
+        raise ConfigError(f"trainer.device={trainer.device!r} is not valid; choose from: auto, cpu, cuda, cuda:N")
+
+
+def check_ranges(cfg: Any) -> None:
+    algorithm, kl, trainer = cfg.algorithm, cfg.kl, cfg.trainer
+    at_least("kl.coef", kl.coef, 0.0)
+    at_least("trainer.lr", trainer.lr, 0.0, strict=True)
+    at_least("trainer.steps", trainer.steps, 1)
+    at_least("trainer.prompts_per_step", trainer.prompts_per_step, 1)
+    at_least("trainer.max_new_tokens", trainer.max_new_tokens, 1)
+    at_least("trainer.temperature", trainer.temperature, 0.0, strict=True)
+    at_least("trainer.eval_every", trainer.eval_every, 0)
+    at_least("trainer.eval_prompts", trainer.eval_prompts, 0)
+    at_least("trainer.checkpoint_every", trainer.checkpoint_every, 0)
+    at_least("trainer.keep_last_n", trainer.keep_last_n, 1)
+    at_least("trainer.warmup_steps", trainer.warmup_steps, 0)
+    at_least("trainer.weight_decay", trainer.weight_decay, 0.0)
+    at_least("trainer.max_grad_norm", trainer.max_grad_norm, 0.0, strict=True)
+    at_least("trainer.micro_batch_size", trainer.micro_batch_size, 0)
+    at_least("trainer.max_consecutive_skips", trainer.max_consecutive_skips, 1)
+    at_least("algorithm.group_size", algorithm.group_size, 1)
+    at_least("algorithm.epochs", algorithm.epochs, 1)
+    at_least("algorithm.mini_batch_size", algorithm.mini_batch_size, 0)
+    at_least("algorithm.entropy_coef", algorithm.entropy_coef, 0.0)
+    at_least("algorithm.vf_coef", algorithm.get("vf_coef"), 0.0)
+    for key in ("critic_lr", "clip_value", "reward_clip", "target_kl", "ratio_threshold"):
+        at_least(f"algorithm.{key}", algorithm.get(key), 0.0, strict=True)
+    at_least("model.lora.r", cfg.model.lora.r, 1)
+    if not 0.0 < trainer.top_p <= 1.0:
+        raise ConfigError(f"trainer.top_p={trainer.top_p!r} is out of range; must be in (0, 1]")
+    for key in ("clip_eps", "clip_eps_low", "clip_eps_high"):
+        value = algorithm[key]
+        if value is not None and not 0.0 < value < 1.0:
+            raise ConfigError(f"algorithm.{key}={value!r} is out of range; must be in (0, 1) or null")
+    for key in ("gamma", "lam"):
+        if key in algorithm and not 0.0 <= algorithm[key] <= 1.0:
+            raise ConfigError(f"algorithm.{key}={algorithm[key]!r} is out of range; must be in [0, 1]")
+    if kl.controller == "adaptive" and (kl.target is None or not kl.target > 0):
+        raise ConfigError(f"kl.target={kl.target!r} must be > 0 with kl.controller=adaptive")
+    at_least("kl.horizon", kl.horizon, 1)
+    at_least("trainer.top_k", trainer.top_k, 0)
+    at_least("trainer.samples_per_step_logged", trainer.samples_per_step_logged, 0)
+    at_least("data.max_prompt_tokens", cfg.data.max_prompt_tokens, 1)
+    if not 0.0 <= cfg.data.eval_fraction < 1.0:
+        raise ConfigError(f"data.eval_fraction={cfg.data.eval_fraction!r} is out of range; must be in [0, 1)")
+    for key in ("adam_beta1", "adam_beta2"):
+        if not 0.0 <= trainer[key] < 1.0:
+            raise ConfigError(f"trainer.{key}={trainer[key]!r} is out of range; must be in [0, 1)")
+
+
+def check_batch_shape(cfg: Any) -> None:
+    """Group size against what the algorithm needs; mini- and micro-batches dividing the step's samples."""
+    algorithm, trainer = cfg.algorithm, cfg.trainer
+    min_group_size = getattr(get("algorithm", algorithm.name), "min_group_size", None)
+    minimum = min_group_size(algorithm) if min_group_size is not None else 1
+    if algorithm.group_size < minimum:
+        raise ConfigError(
+            f"algorithm.group_size={algorithm.group_size} is too small for algorithm={algorithm.name}; "
+            f"must be >= {minimum}"
+        )
+    samples = trainer.prompts_per_step * algorithm.group_size
+    if algorithm.mini_batch_size and samples % algorithm.mini_batch_size:
+        raise ConfigError(
+            f"algorithm.mini_batch_size={algorithm.mini_batch_size} does not divide the {samples} samples per step "
+            f"(trainer.prompts_per_step={trainer.prompts_per_step} x algorithm.group_size={algorithm.group_size})"
+        )
+    if trainer.micro_batch_size and (algorithm.mini_batch_size or samples) % trainer.micro_batch_size:
+        raise ConfigError(
+            f"trainer.micro_batch_size={trainer.micro_batch_size} does not divide the mini-batch of "
+            f"{algorithm.mini_batch_size or samples} samples"
+        )
+
+
+def check_values(cfg: Any) -> None:
+    """Choices, then ranges, then batch shapes: the first bad value raises a one-line ConfigError."""
+    check_choices(cfg)
+    check_ranges(cfg)
+    check_batch_shape(cfg)

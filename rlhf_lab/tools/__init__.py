@@ -1,0 +1,1 @@
+"""Tools beside the training path: ``bench`` (and its TRL harness) and ``report``."""

@@ -1,0 +1,418 @@
+"""``rlhf-lab bench``: time training steps per phase, optionally against TRL on identical settings.
+
+    rlhf-lab bench [--steps N] [--warmup W] [--rounds R] [--seeds 0,1,2] [--compare trl] [--lora] [--ppo]
+                   [--scaling] [--batch-sizes 4,8,16,32] [--lengths 16,32,64] [--json PATH] [-- overrides...]
+
+Every measured run is a child process (``python -m rlhf_lab.tools.bench --worker JOB RESULT``) that trains
+W warm-up steps plus N measured steps and writes its per-step records and its peak RSS
+(``getrusage(RUSAGE_SELF).ru_maxrss``) as JSON. Frameworks alternate within one invocation (rlhf_lab,
+TRL, rlhf_lab, TRL, … for R rounds), so machine noise hits both; ``--seeds`` gives round r the seed
+``seeds[r % len(seeds)]``, so rounds double as seeds of a learning comparison. The default run is
+:data:`DEFAULT_OVERRIDES` (GRPO, 2 prompts × 8 samples, 32 new tokens, k3 KL in the loss with coef 0.04,
+full fine-tuning); overrides after ``--`` change it for every framework. See experiments/BENCHMARK.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from rlhf_lab.errors import ToolError
+from rlhf_lab.tools.bench_format import PHASES, format_report
+
+SCHEMA = "rlhf_lab.bench/1"
+DEFAULT_OVERRIDES = [
+    "algorithm=grpo", "kl=k3", "kl.coef=0.04", "kl.placement=loss", "trainer.prompts_per_step=2",
+    "algorithm.group_size=8", "trainer.max_new_tokens=32", "model.lora.enabled=false", "logger=none",
+    "trainer.eval_prompts=0", "trainer.progress_bar=false",
+]
+ROW_OVERRIDES = {
+    "grpo_full": [],
+    "grpo_lora": ["model.lora.enabled=true", "model.lora.r=16", "model.lora.alpha=32"],
+    "ppo_full": ["algorithm=ppo", "kl=kl", "kl.placement=reward"],  # classic RLHF PPO: KL penalty in the reward
+}
+FRAMEWORKS = ("rlhf_lab", "trl")
+
+
+class BenchError(ToolError):
+    """A mistake in the bench command line or a run that cannot start; printed as one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse would print usage plus the message over two lines
+        raise BenchError(message)
+
+
+def _int_list(text: str, minimum: int = 1) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    if not values or min(values) < minimum:
+        raise argparse.ArgumentTypeError(f"{text!r} must list integers >= {minimum}")
+    return values
+
+
+def parse_args(args: list[str]) -> argparse.Namespace:
+    """Flags before ``--``, Hydra overrides after it (bare ``key=value`` arguments are overrides too)."""
+    flags, overrides = (args[: args.index("--")], args[args.index("--") + 1 :]) if "--" in args else (args, [])
+    parser = _Parser(prog="rlhf-lab bench", usage="%(prog)s [flags] [-- hydra overrides...]",
+                     epilog="Hydra overrides after '--' apply to every run. See experiments/BENCHMARK.md.")
+    parser.add_argument("--steps", type=int, default=5, help="measured steps per run (default 5)")
+    parser.add_argument("--warmup", type=int, default=1, help="warm-up steps per run, not measured (default 1)")
+    parser.add_argument("--rounds", type=int, default=1, help="alternating rounds of each framework (default 1)")
+    parser.add_argument("--seeds", type=lambda text: _int_list(text, minimum=0),
+                        help="seed of each round, cycled (default: the config's seed for every round)")
+    parser.add_argument("--compare", choices=["trl"], help="also run the same settings in this framework")
+    parser.add_argument("--lora", action="store_true", help="add a LoRA row (r=16, alpha=32, all linear layers)")
+    parser.add_argument("--ppo", action="store_true", help="add a PPO row (TRL side only if it has a PPO trainer)")
+    parser.add_argument("--scaling", action="store_true", help="rlhf_lab time per step over batch sizes x lengths")
+    parser.add_argument("--batch-sizes", type=_int_list, default=[4, 8, 16, 32], help="samples per step for --scaling")
+    parser.add_argument("--lengths", type=_int_list, default=[16, 32, 64], help="new tokens for --scaling")
+    parser.add_argument("--json", type=Path, help="also write the JSON report to this file")
+    parser.add_argument("--worker", nargs=2, metavar=("JOB", "RESULT"), help=argparse.SUPPRESS)
+    parsed, unknown = parser.parse_known_args(flags)
+    stray = [a for a in unknown if a.startswith("-") or "=" not in a]
+    if stray:
+        raise BenchError(f"unrecognized argument {stray[0]!r}; Hydra overrides go after '--'")
+    parsed.overrides = [*unknown, *overrides]
+    for name, minimum in (("steps", 1), ("warmup", 0), ("rounds", 1)):
+        if getattr(parsed, name) < minimum:
+            raise BenchError(f"--{name}={getattr(parsed, name)} is out of range; must be >= {minimum}")
+    if min(parsed.batch_sizes) < 2:
+        raise BenchError(f"--batch-sizes={parsed.batch_sizes} must be >= 2 (GRPO needs 2 samples per prompt)")
+    return parsed
+
+
+def merge_overrides(*lists: list[str]) -> list[str]:
+    """Concatenate override lists; a later ``key=value`` replaces an earlier one for the same key."""
+    merged: dict[str, str] = {}
+    for override in (o for overrides in lists for o in overrides):
+        merged[override.split("=", 1)[0].lstrip("+~")] = override
+    return list(merged.values())
+
+
+def scaling_overrides(samples: int, max_new_tokens: int) -> list[str]:
+    """``samples`` per step as prompts × group, with the largest group of at most 8 that divides it."""
+    group = next((g for g in range(min(8, samples), 1, -1) if samples % g == 0), samples)
+    return [f"trainer.prompts_per_step={samples // group}", f"algorithm.group_size={group}",
+            f"trainer.max_new_tokens={max_new_tokens}"]
+
+
+@dataclass
+class Job:
+    """One child run: ``framework`` trains ``overrides`` for ``warmup + steps`` steps."""
+
+    row: str
+    framework: str
+    overrides: list[str]
+    steps: int
+    warmup: int
+
+
+# ------------------------------------------------------------------------------------------ child process
+
+
+def _peak_rss_mib() -> float:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return peak / (1024 * 1024) if sys.platform == "darwin" else peak / 1024
+
+
+def _synchronize() -> None:
+    """Wait for queued GPU work, so a wall-clock interval covers the kernels it launched (no-op on CPU)."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def run_rlhf_lab(cfg: Any, steps: int, warmup: int, work_dir: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Train ``warmup + steps`` steps with rlhf_lab's Trainer; (per-step records, facts about the run)."""
+    import rlhf_lab.components  # noqa: F401  (registers the built-in parts)
+    from rlhf_lab.training.loop import Trainer
+
+    trainer = Trainer(cfg, work_dir / "run")
+    ready = time.perf_counter()
+    records = []
+    try:
+        for step in range(warmup + steps):
+            _synchronize()
+            start = time.perf_counter()
+            metrics = trainer.train_step(step)
+            _synchronize()
+            step_s = time.perf_counter() - start
+            records.append({
+                "step_s": step_s,
+                "phases": {name: metrics.get(f"time/{name}_s", 0.0) for name in PHASES},
+                "tokens": round(metrics["throughput/tokens_per_s"] * metrics["time/step_s"]),
+                "reward_mean": metrics["reward/mean"],
+            })
+    finally:
+        trainer.records.close()
+    return records, {"trainer": "rlhf_lab.Trainer", "device": str(trainer.device), "ready_at": ready}
+
+
+def worker(job_path: str, result_path: str) -> None:
+    """Child process: run one job, write {records, peak_rss_mib, setup_s, ...} to ``result_path``."""
+    started = time.perf_counter()
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    job = Job(**json.loads(Path(job_path).read_text()))
+    from rlhf_lab.config import compose
+
+    cfg = compose(job.overrides)
+    with tempfile.TemporaryDirectory(prefix=f"rlhf_lab_bench_{job.framework}_") as tmp:
+        if job.framework == "trl":
+            from rlhf_lab.tools.bench_trl import run_trl
+
+            records, facts = run_trl(cfg, job.steps, job.warmup, Path(tmp))
+        else:
+            records, facts = run_rlhf_lab(cfg, job.steps, job.warmup, Path(tmp))
+    import torch
+
+    ready_at = facts.pop("ready_at", None)
+    result = {
+        "records": records[job.warmup :],
+        "warmup_records": records[: job.warmup],
+        "peak_rss_mib": _peak_rss_mib(),
+        "setup_s": (ready_at - started) if ready_at else None,
+        "peak_gpu_mib": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_initialized() else None,
+        "torch_threads": torch.get_num_threads(),
+        **facts,
+    }
+    Path(result_path).write_text(json.dumps(_clean(result)))
+
+
+def _clean(value: Any) -> Any:
+    """NaN/inf become None, recursively (JSON has no NaN)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_clean(v) for v in value]
+    return value
+
+
+# ------------------------------------------------------------------------------------------ parent process
+
+
+def run_job(job: Job, work_dir: Path) -> dict[str, Any]:
+    """Run ``job`` in a child process; its result, or {"error": one line} if the child failed."""
+    stem = f"{job.row}_{job.framework}_{len(list(work_dir.glob('*.job.json')))}"
+    job_file, result_file, log_file = (work_dir / f"{stem}.{ext}" for ext in ("job.json", "result.json", "log"))
+    job_file.write_text(json.dumps(asdict(job)))
+    command = [sys.executable, "-m", "rlhf_lab.tools.bench", "--worker", str(job_file), str(result_file)]
+    start = time.perf_counter()
+    with open(log_file, "w") as log:
+        returncode = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, check=False).returncode
+    wall_s = time.perf_counter() - start
+    if returncode != 0 or not result_file.is_file():
+        lines = [line for line in log_file.read_text(errors="replace").splitlines() if line.strip()]
+        print("\n".join(lines[-15:]), file=sys.stderr)
+        return {"error": f"child exited with status {returncode}: {lines[-1].strip() if lines else 'no output'}"}
+    result = json.loads(result_file.read_text())
+    result["wall_s"] = wall_s
+    return result
+
+
+def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Pool the measured steps of every round of one framework into the figures the report shows."""
+    done = [r for r in results if "error" not in r]
+    steps = [record for result in done for record in result["records"]]
+    if not steps:
+        return {"error": next((r["error"] for r in results if "error" in r), "no measured steps")}
+    step_s = [s["step_s"] for s in steps]
+    phases = {name: statistics.fmean(s["phases"].get(name, 0.0) for s in steps) for name in PHASES}
+    per_run = [[s["reward_mean"] for s in result["records"] if _finite(s.get("reward_mean"))] for result in done]
+    rewards = [reward for run in per_run for reward in run]
+    # One figure per run (a seed, with --seeds): the spread of these is the noise a reward comparison faces.
+    run_rewards = [statistics.fmean(run) for run in per_run if run]
+    rss = [r["peak_rss_mib"] for r in done]
+    setup = [r["setup_s"] for r in done if r.get("setup_s") is not None]
+    return {
+        "measured_steps": len(steps),
+        "step_s_median": statistics.median(step_s),
+        "step_s_mean": statistics.fmean(step_s),
+        "step_s_min": min(step_s),
+        "step_s_max": max(step_s),
+        "phases_s_mean": phases,
+        "other_s_mean": statistics.fmean(step_s) - sum(phases.values()),
+        "tokens_per_s": sum(s["tokens"] for s in steps) / sum(step_s),
+        "peak_rss_mib": statistics.median(rss),
+        "peak_rss_mib_max": max(rss),
+        "reward_mean": statistics.fmean(rewards) if rewards else None,
+        "reward_mean_per_run": run_rewards,
+        "reward_mean_sd_over_runs": statistics.stdev(run_rewards) if len(run_rewards) > 1 else None,
+        "setup_s_median": statistics.median(setup) if setup else None,
+    }
+
+
+def _finite(value: Any) -> bool:
+    return value is not None and math.isfinite(value)
+
+
+def _ratio(ours: dict[str, Any], theirs: dict[str, Any], key: str) -> float | None:
+    if ours.get(key) is None or not theirs.get(key):
+        return None
+    return ours[key] / theirs[key]
+
+
+def _environment() -> dict[str, Any]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    packages = {}
+    for name in ("torch", "transformers", "peft", "trl", "accelerate"):
+        try:
+            packages[name] = version(name)
+        except PackageNotFoundError:
+            packages[name] = None
+    return {"python": platform.python_version(), "platform": platform.platform(), "cpu_count": os.cpu_count(),
+            "packages": packages}
+
+
+def _check_config(overrides: list[str]) -> Any:
+    from rlhf_lab.config import compose
+    from rlhf_lab.errors import UserError
+
+    try:
+        return compose(overrides)
+    except UserError as error:
+        raise BenchError(str(error)) from None
+
+
+def plan(options: argparse.Namespace) -> tuple[list[tuple[str, list[str], str | None]], list[Job]]:
+    """(rows as (name, overrides, reason TRL is not run or None), scaling jobs), all checked before any run."""
+    base = merge_overrides(DEFAULT_OVERRIDES, options.overrides)
+    run_rows = not options.scaling or options.compare or options.lora or options.ppo
+    names = ["grpo_full", *["grpo_lora"] * options.lora, *["ppo_full"] * options.ppo] if run_rows else []
+    rows = []
+    for name in names:
+        overrides = merge_overrides(base, ROW_OVERRIDES[name]) if name != "grpo_full" else base
+        cfg = _check_config(overrides)
+        reason = None
+        if options.compare == "trl":
+            from rlhf_lab.tools.bench_trl import trl_version, unsupported_reason
+
+            if trl_version() is None:
+                raise BenchError("--compare trl needs TRL: pip install -r requirements-trl.txt (or make bench)")
+            reason = unsupported_reason(cfg)
+        rows.append((name, overrides, reason))
+    scaling = []
+    if options.scaling:
+        for samples in options.batch_sizes:
+            for length in options.lengths:
+                overrides = merge_overrides(base, scaling_overrides(samples, length))
+                _check_config(overrides)
+                scaling.append(Job(f"scaling_{samples}x{length}", "rlhf_lab", overrides, options.steps,
+                                   options.warmup))
+    return rows, scaling
+
+
+def _progress(message: str) -> None:
+    print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
+def _run_and_report(job: Job, work_dir: Path, label: str) -> dict[str, Any]:
+    _progress(f"{label}: {job.row} {job.framework} ({job.warmup} warm-up + {job.steps} steps) ...")
+    result = run_job(job, work_dir)
+    if "error" in result:
+        _progress(f"{label}: {job.row} {job.framework} failed: {result['error']}")
+    else:
+        step_s = statistics.median(r["step_s"] for r in result["records"])
+        _progress(f"{label}: {job.row} {job.framework}: median {step_s:.2f} s/step, "
+                  f"peak RSS {result['peak_rss_mib']:.0f} MiB, {result['wall_s']:.0f} s in all")
+    return result
+
+
+def run_benchmark(options: argparse.Namespace) -> dict[str, Any]:
+    """Plan, run every child (frameworks alternating within each round) and assemble the JSON report."""
+    rows, scaling_jobs = plan(options)
+    results: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    with tempfile.TemporaryDirectory(prefix="rlhf_lab_bench_") as tmp:
+        work_dir = Path(tmp)
+        for round_index in range(options.rounds):
+            for name, overrides, reason in rows:
+                frameworks = ["rlhf_lab"] + (["trl"] if options.compare == "trl" and reason is None else [])
+                seed = [f"seed={options.seeds[round_index % len(options.seeds)]}"] if options.seeds else []
+                for framework in frameworks:
+                    job = Job(name, framework, merge_overrides(overrides, seed), options.steps, options.warmup)
+                    label = f"round {round_index + 1}/{options.rounds}"
+                    results.setdefault((name, framework), []).append(_run_and_report(job, work_dir, label))
+        scaling = []
+        for index, job in enumerate(scaling_jobs):
+            result = _run_and_report(job, work_dir, f"scaling {index + 1}/{len(scaling_jobs)}")
+            settings = dict(o.split("=", 1) for o in job.overrides if o.startswith(("trainer.", "algorithm.")))
+            scaling.append({
+                "samples": int(settings["trainer.prompts_per_step"]) * int(settings["algorithm.group_size"]),
+                "prompts_per_step": int(settings["trainer.prompts_per_step"]),
+                "group_size": int(settings["algorithm.group_size"]),
+                "max_new_tokens": int(settings["trainer.max_new_tokens"]),
+                "summary": summarize([result]),
+                "runs": [result],
+            })
+    report_rows = []
+    for name, overrides, reason in rows:
+        entry: dict[str, Any] = {"row": name, "overrides": overrides, "frameworks": {}}
+        for framework in FRAMEWORKS:
+            if (name, framework) in results:
+                runs = results[(name, framework)]
+                entry["frameworks"][framework] = {"summary": summarize(runs), "runs": runs}
+            elif framework == "trl" and options.compare == "trl":
+                entry["frameworks"][framework] = {"skipped": reason}
+        if "trl" in entry["frameworks"] and "summary" in entry["frameworks"]["trl"]:
+            ours, theirs = (entry["frameworks"][f]["summary"] for f in FRAMEWORKS)
+            entry["ratio_rlhf_lab_over_trl"] = {key: _ratio(ours, theirs, key) for key in ("step_s_median",
+                                                                                          "peak_rss_mib")}
+        report_rows.append(entry)
+    return _clean({
+        "schema": SCHEMA,
+        "settings": {"steps": options.steps, "warmup": options.warmup, "rounds": options.rounds, "seeds": options.seeds,
+                     "compare": options.compare, "user_overrides": options.overrides,
+                     "base_overrides": merge_overrides(DEFAULT_OVERRIDES, options.overrides)},
+        "environment": _environment(),
+        "rows": report_rows,
+        "scaling": scaling,
+    })
+
+
+# ------------------------------------------------------------------------------------------ tables
+
+
+def main(args: list[str] | None = None) -> None:
+    args = list(sys.argv[1:] if args is None else args)
+    try:
+        options = parse_args(args)
+        if options.worker:
+            worker(*options.worker)
+            return
+        report = run_benchmark(options)
+    except BenchError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+    print(format_report(report))
+    print(json.dumps(report, indent=2))
+    if options.json:
+        options.json.parent.mkdir(parents=True, exist_ok=True)
+        options.json.write_text(json.dumps(report, indent=2) + "\n")
+    failed = [f"{row['row']} {name}" for row in report["rows"] for name, entry in row["frameworks"].items()
+              if "error" in entry.get("summary", {})]
+    failed += [f"scaling {c['samples']}x{c['max_new_tokens']}" for c in report["scaling"] if "error" in c["summary"]]
+    if failed:
+        print(f"error: runs failed: {', '.join(failed)}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,387 @@
+"""Compare the jobs of a multirun folder: ``rlhf-lab report <folder> [--out DIR]``.
+
+Reads every job's ``metrics.jsonl`` and resolved ``.hydra/config.yaml`` under the folder and groups the
+jobs into arms by every config value that varies across jobs, except ``seed`` and bookkeeping keys
+(``logger.*``, ``trainer.resume``, ``trainer.output_dir``, ``trainer.progress_bar``). Jobs of one arm
+are its seeds. Arms are labelled with the fewest varying keys that tell them apart, using the config group
+options chosen on the command line (``algorithm=rloo``, read from ``.hydra/hydra.yaml``) where known.
+
+Per arm, as mean ± sample std over seeds (a single seed has no std):
+
+- final reward: ``reward/mean`` at the last training step; best reward: its maximum over steps;
+- final KL: ``kl/exact`` at the last training step;
+- KL est − exact: the mean over steps of ``kl/estimate − kl/exact`` (the estimator's bias, per token);
+- s/step: the median ``time/step_s``;
+- eval reward: the last ``eval/reward/mean`` (only when jobs evaluated).
+
+Training curves use the lines that have ``reward/mean``; the evaluation-only lines (``eval/...``) are
+left out of them. Written into the folder (or ``--out``): ``report.csv``, ``report.md``,
+``reward_vs_step.png``, ``kl_exact_vs_step.png`` (mean line, ± std band) and ``reward_vs_kl.png``
+(final reward against final exact KL per arm). The markdown table is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rlhf_lab.errors import ToolError
+
+IGNORED_KEYS = ("seed", "trainer.resume", "trainer.output_dir", "trainer.progress_bar")
+IGNORED_PREFIXES = ("logger.",)
+
+# (column, markdown header); eval_reward is added only when some job has eval lines.
+METRICS = (
+    ("final_reward", "final reward"),
+    ("best_reward", "best reward"),
+    ("final_kl_exact", "final KL (exact)"),
+    ("kl_estimate_minus_exact", "KL est − exact"),
+    ("step_time_s", "s/step"),
+    ("eval_reward", "eval reward"),
+)
+PLOTS = ("reward_vs_step.png", "kl_exact_vs_step.png", "reward_vs_kl.png")
+
+
+class ReportError(ToolError):
+    """Nothing to report on; printed as one line."""
+
+
+@dataclass
+class Job:
+    folder: Path
+    config: dict[str, Any]  # flattened resolved config (dotted keys) plus chosen group options
+    train: list[dict[str, float]]  # training lines, by step
+    eval: list[dict[str, float]]  # lines with eval/reward/mean, by step
+
+
+@dataclass
+class Arm:
+    label: dict[str, Any]  # displayed key -> value
+    jobs: list[Job] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return ",".join(f"{key}={_format_value(value)}" for key, value in self.label.items()) or "all jobs"
+
+
+# ------------------------------------------------------------------------------------------ loading
+
+
+def _to_float(value: Any) -> float:
+    try:
+        return float(value)  # also "nan" / "inf", which metrics.jsonl stores as strings
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+    """Nested dicts -> ``{"a.b": value}``; lists stay values."""
+    if not isinstance(node, dict):
+        return {prefix: node}
+    flat: dict[str, Any] = {}
+    for key, value in node.items():
+        flat.update(flatten(value, f"{prefix}{key}." if isinstance(value, dict) else f"{prefix}{key}"))
+    return flat
+
+
+def _read_lines(path: Path) -> list[dict[str, Any]]:
+    records = []
+    with open(path, encoding="utf-8") as handle:
+        for line in handle:
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:  # a torn last line of a killed run
+                continue
+    return records
+
+
+def _group_choices(hydra_file: Path) -> dict[str, Any]:
+    """Config group options the job ran with (``algorithm -> rloo``), from Hydra's saved runtime config."""
+    if not hydra_file.is_file():
+        return {}
+    from omegaconf import OmegaConf
+
+    try:
+        choices = OmegaConf.select(OmegaConf.load(hydra_file), "hydra.runtime.choices") or {}
+        return {str(k): v for k, v in OmegaConf.to_container(choices).items() if not str(k).startswith("hydra/")}
+    except Exception:
+        return {}
+
+
+def load_job(folder: Path) -> Job:
+    from omegaconf import OmegaConf
+
+    config = flatten(OmegaConf.to_container(OmegaConf.load(folder / ".hydra" / "config.yaml"), resolve=True))
+    for group, option in _group_choices(folder / ".hydra" / "hydra.yaml").items():
+        if group != "schema" and group not in config:
+            config[group] = option
+    lines = [
+        {key: value if key == "step" else _to_float(value) for key, value in line.items()}
+        for line in _read_lines(folder / "metrics.jsonl")
+    ]
+    train = sorted((line for line in lines if "reward/mean" in line), key=lambda line: line.get("step", 0))
+    evals = sorted((line for line in lines if "eval/reward/mean" in line), key=lambda line: line.get("step", 0))
+    return Job(folder, config, train, evals)
+
+
+def _job_order(folder: Path) -> tuple[int, str]:
+    match = re.match(r"(\d+)_", folder.name)  # Hydra's job number prefix: 2_... before 10_...
+    return (int(match.group(1)) if match else 1 << 30, str(folder))
+
+
+def find_jobs(root: Path) -> list[Job]:
+    """Every job folder under ``root`` (itself included) with metrics.jsonl and .hydra/config.yaml."""
+    folders = {p.parent for p in Path(root).rglob("metrics.jsonl") if (p.parent / ".hydra" / "config.yaml").is_file()}
+    jobs = []
+    for folder in sorted(folders, key=_job_order):
+        job = load_job(folder)
+        if job.train:
+            jobs.append(job)
+        else:
+            print(f"skipping {folder}: no training steps in metrics.jsonl", file=sys.stderr)
+    return jobs
+
+
+# ------------------------------------------------------------------------------------------ arms
+
+
+def _hashable(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, default=str)
+
+
+def _format_value(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def _ignored(key: str) -> bool:
+    return key in IGNORED_KEYS or key.startswith(IGNORED_PREFIXES)
+
+
+def arm_keys(jobs: list[Job]) -> list[str]:
+    """The varying keys that label arms: as few as tell the arms apart, chosen options and names first.
+
+    A key joins only if it splits some arm further, so keys that follow from others (``kl.coef`` of
+    ``kl=none``, ``algorithm.baseline`` of ``algorithm=rloo``) do not clutter the labels; the arms are
+    the same as grouping by every varying key.
+    """
+    keys = list(dict.fromkeys(key for job in jobs for key in job.config))
+    varying = [k for k in keys if not _ignored(k) and len({_hashable(job.config.get(k)) for job in jobs}) > 1]
+    priority = {key: (0 if "." not in key else 1 if key.endswith(".name") else 2, key.count(".")) for key in varying}
+    selected: list[str] = []
+    arms = 1
+    for key in sorted(varying, key=lambda k: priority[k]):
+        count = len({tuple(_hashable(job.config.get(k)) for k in [*selected, key]) for job in jobs})
+        if count > arms:
+            selected.append(key)
+            arms = count
+    roots = list(dict.fromkeys(key.split(".")[0] for key in keys))  # config order: algorithm, kl, ...
+    return sorted(selected, key=lambda k: (roots.index(k.split(".")[0]), k))
+
+
+def group_arms(jobs: list[Job]) -> list[Arm]:
+    """Jobs grouped into arms, in order of each arm's first job."""
+    keys = arm_keys(jobs)
+    shown = {
+        key: key[: -len(".name")] if key.endswith(".name") and key[: -len(".name")] not in keys else key for key in keys
+    }
+    arms: dict[tuple[str, ...], Arm] = {}
+    for job in jobs:
+        signature = tuple(_hashable(job.config.get(key)) for key in keys)
+        arm = arms.setdefault(signature, Arm({shown[key]: job.config.get(key) for key in keys}))
+        arm.jobs.append(job)
+    return list(arms.values())
+
+
+# ------------------------------------------------------------------------------------------ numbers
+
+
+def job_metrics(job: Job) -> dict[str, float]:
+    """The table's per-job numbers (see the module docstring)."""
+    rewards = [line.get("reward/mean", math.nan) for line in job.train]
+    last = job.train[-1]
+    gaps = [line.get("kl/estimate", math.nan) - line.get("kl/exact", math.nan) for line in job.train]
+    metrics = {
+        "final_reward": rewards[-1],
+        "best_reward": max(rewards),
+        "final_kl_exact": last.get("kl/exact", math.nan),
+        "kl_estimate_minus_exact": float(np.mean(gaps)),
+        "step_time_s": float(np.median([line.get("time/step_s", math.nan) for line in job.train])),
+    }
+    if job.eval:
+        metrics["eval_reward"] = job.eval[-1]["eval/reward/mean"]
+    return metrics
+
+
+def mean_std(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (ddof 1; NaN for a single value)."""
+    array = np.asarray(values, dtype=float)
+    return float(array.mean()), float(array.std(ddof=1)) if len(array) > 1 else math.nan
+
+
+def summarize(arms: list[Arm]) -> tuple[list[dict[str, Any]], list[str]]:
+    """One row per arm (label columns, seeds, ``<metric>_mean``/``_std``) and the metric columns present."""
+    per_job = {id(job): job_metrics(job) for arm in arms for job in arm.jobs}
+    present = [name for name, _ in METRICS if any(name in m for m in per_job.values())]
+    rows = []
+    for arm in arms:
+        row: dict[str, Any] = {key: _format_value(value) for key, value in arm.label.items()}
+        row["arm"] = arm.name
+        row["n_seeds"] = len(arm.jobs)
+        row["seeds"] = ",".join(str(job.config.get("seed")) for job in arm.jobs)
+        for name in present:
+            row[f"{name}_mean"], row[f"{name}_std"] = mean_std(
+                [per_job[id(job)].get(name, math.nan) for job in arm.jobs]
+            )
+        rows.append(row)
+    return rows, present
+
+
+def _cell(mean: float, std: float) -> str:
+    return f"{mean:.4g}" if math.isnan(std) else f"{mean:.4g} ± {std:.2g}"
+
+
+def markdown_table(rows: list[dict[str, Any]], metrics: list[str]) -> str:
+    headers = dict(METRICS)
+    lines = [
+        "| arm | seeds | " + " | ".join(headers[m] for m in metrics) + " |",
+        "| --- | ---: | " + " | ".join("---:" for _ in metrics) + " |",
+    ]
+    for row in rows:
+        cells = [_cell(row[f"{m}_mean"], row[f"{m}_std"]) for m in metrics]
+        lines.append(f"| {row['arm']} | {row['n_seeds']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+    with open(path, "w", newline="", encoding="utf-8") as handle:
+        writer = csv.DictWriter(handle, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+# ------------------------------------------------------------------------------------------ plots
+
+
+def curve(arm: Arm, key: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Steps, mean and std (0 where fewer than two seeds have the step) of ``key`` over the arm's seeds."""
+    by_step: dict[int, list[float]] = {}
+    for job in arm.jobs:
+        for line in job.train:
+            if key in line and "step" in line:
+                by_step.setdefault(int(line["step"]), []).append(line[key])
+    steps = np.array(sorted(by_step))
+    means = np.array([np.mean(by_step[s]) for s in steps])
+    stds = np.array([np.std(by_step[s], ddof=1) if len(by_step[s]) > 1 else 0.0 for s in steps])
+    return steps, means, stds
+
+
+def _plot_curves(arms: list[Arm], key: str, ylabel: str, path: Path) -> None:
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    for arm in arms:
+        steps, means, stds = curve(arm, key)
+        (line,) = axes.plot(
+            steps, means, marker="o" if len(steps) < 20 else None, markersize=3, label=f"{arm.name} (n={len(arm.jobs)})"
+        )
+        axes.fill_between(steps, means - stds, means + stds, color=line.get_color(), alpha=0.2, linewidth=0)
+    axes.set_xlabel("step")
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+    axes.set_ylabel(ylabel)
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize="small")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def _plot_frontier(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    for row in rows:
+        x, y = row["final_kl_exact_mean"], row["final_reward_mean"]
+        xerr = None if math.isnan(row["final_kl_exact_std"]) else row["final_kl_exact_std"]
+        yerr = None if math.isnan(row["final_reward_std"]) else row["final_reward_std"]
+        axes.errorbar(x, y, xerr=xerr, yerr=yerr, fmt="o", capsize=3, label=row["arm"])
+    axes.set_xlabel("final exact KL per token, KL(π‖π_ref)")
+    axes.set_ylabel("final reward (mean)")
+    axes.set_title("reward vs KL (mean ± std over seeds)")
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize="small")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def write_plots(arms: list[Arm], rows: list[dict[str, Any]], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    paths = [out / name for name in PLOTS]
+    _plot_curves(arms, "reward/mean", "reward (mean over the step's samples)", paths[0])
+    _plot_curves(arms, "kl/exact", "exact KL per token", paths[1])
+    _plot_frontier(rows, paths[2])
+    return paths
+
+
+# ------------------------------------------------------------------------------------------ command
+
+
+def build_report(folder: Path, out: Path | None = None) -> tuple[str, list[dict[str, Any]]]:
+    """Write report.csv, report.md and the plots; return the markdown table and the rows."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ReportError(f"{folder} is not a folder")
+    jobs = find_jobs(folder)
+    if not jobs:
+        raise ReportError(f"no jobs in {folder}: expected job folders with metrics.jsonl and .hydra/config.yaml")
+    out = Path(out) if out is not None else folder
+    out.mkdir(parents=True, exist_ok=True)
+    arms = group_arms(jobs)
+    rows, metrics = summarize(arms)
+    table = markdown_table(rows, metrics)
+    write_csv(rows, out / "report.csv")
+    plots = write_plots(arms, rows, out)
+    keys = ", ".join(arms[0].label) or "nothing varies across jobs"
+    markdown = "\n".join(
+        [
+            f"# Report: {folder.resolve()}",
+            "",
+            f"{len(jobs)} jobs in {len(arms)} arms (arms differ by: {keys}; seeds are averaged).",
+            "Cells are mean ± sample std over seeds. Final values are at the last training step; "
+            "KL est − exact is the mean over steps of kl/estimate − kl/exact; s/step is the median time/step_s.",
+            "",
+            table,
+            "",
+            *(f"![{path.stem}]({path.name})" for path in plots),
+            "",
+        ]
+    )
+    (out / "report.md").write_text(markdown, encoding="utf-8")
+    return table, rows
+
+
+def main(args: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="rlhf-lab report", description=__doc__.split("\n\n")[0])
+    parser.add_argument("folder", type=Path, help="a multirun folder (or any folder of run folders)")
+    parser.add_argument("--out", type=Path, default=None, help="where to write the report (default: the folder)")
+    options = parser.parse_args(args)
+    try:
+        table, _ = build_report(options.folder, options.out)
+    except ReportError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+    print(table)
+    print(f"\nwrote report.md, report.csv and {', '.join(PLOTS)} to {options.out or options.folder}")

@@ -1,0 +1,101 @@
+"""Local JSON Lines tracking, always on: ``metrics.jsonl``, ``samples.jsonl`` and ``summary.json`` in the run folder.
+
+``metrics.jsonl`` gets one JSON object per step, appended and flushed line by line, so a killed run
+loses at most the line being written; :func:`repair_jsonl` drops a torn last line and lines past a
+resume point. :class:`JsonlTracker` puts these files behind the :class:`~rlhf_lab.trackers.base.Tracker`
+interface that W&B implements too.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from rlhf_lab.trackers.base import Tracker
+
+
+def _jsonable(value: Any) -> Any:
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # JSON has no NaN/inf; keep them visible as strings
+    return value
+
+
+class JsonlWriter:
+    """Append-only JSON Lines file, flushed after every line."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (kept open for the run)
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps({k: _jsonable(v) for k, v in record.items()}) + "\n")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """Every complete line of a JSON Lines file (a torn last line is skipped)."""
+    records = []
+    with open(path, encoding="utf-8") as handle:
+        for line in handle:
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return records
+
+
+def repair_jsonl(path: Path, before_step: int) -> None:
+    """Keep only complete records with ``step < before_step`` (resume appends from there)."""
+    path = Path(path)
+    if not path.exists():
+        return
+    kept = [r for r in read_jsonl(path) if r.get("step", -1) < before_step]
+    write_json_atomic(path, None, lines=kept)
+
+
+def write_json_atomic(path: Path, payload: Any, lines: list[dict[str, Any]] | None = None) -> None:
+    """Write a JSON file (or JSON Lines when ``lines`` is given) via a temporary file and a rename."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as handle:
+        if lines is None:
+            json.dump(payload, handle, indent=2, default=_jsonable)
+        else:
+            for record in lines:
+                handle.write(json.dumps(record) + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+class JsonlTracker(Tracker):
+    """The run folder's own record: metrics and samples appended line by line, the summary written atomically."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = Path(run_dir)
+        self.metrics_file = JsonlWriter(self.run_dir / "metrics.jsonl")
+        self.samples_file = JsonlWriter(self.run_dir / "samples.jsonl")
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        self.metrics_file.write(metrics)
+
+    def log_samples(self, rows: list[dict[str, Any]], step: int) -> None:
+        for row in rows:
+            self.samples_file.write(row)
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        write_json_atomic(self.run_dir / "summary.json", summary)
+
+    def close(self) -> None:
+        self.metrics_file.close()
+        self.samples_file.close()

@@ -1,0 +1,360 @@
+"""Weights & Biases tracker (``logger=wandb``), registered as logger ``wandb``.
+
+Mode (``logger.mode``): ``auto`` is online when an API key is configured (``WANDB_API_KEY``, an identity
+token file, or a netrc entry for the W&B host — checked by reading, never by prompting), otherwise offline
+(sync later with ``wandb sync``); ``online``, ``offline`` and ``disabled`` force one. W&B never prompts.
+
+Names, so the dashboard can group and filter:
+
+- multirun job: ``group`` = experiment name + the sweep folder's name (the same for every job of one sweep,
+  whichever launcher runs it), run ``name`` = the job's swept overrides (``algorithm=grpo,kl=k3,seed=1``),
+  one tag per swept value (``algorithm=grpo``, ``kl=k3``, ``seed=1``);
+- single run: ``group`` = experiment name, ``name`` = its overrides (or its run folder's name).
+
+The logged config is the resolved Hydra config plus flat copies of the keys sweeps vary
+(``algorithm_name``, ``kl_name``, ``kl_placement``, ...) so runs group by them in the W&B UI.
+
+W&B is optional: if it is not importable, ``wandb.init`` raises or a later call raises (a full disk), the
+run goes on with local logging only and warns once (:class:`WandbUnavailableWarning`). ``metrics.jsonl``,
+``samples.jsonl`` and ``summary.json`` are written by the trainer whatever happens here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import netrc
+import os
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from rlhf_lab import distributed
+from rlhf_lab.registry import register
+from rlhf_lab.trackers.base import Tracker
+
+DEFAULT_BASE_URL = "https://api.wandb.ai"
+MODES = ("auto", "online", "offline", "disabled")
+SAMPLE_COLUMNS = ("step", "prompt", "response", "reward")
+
+
+class WandbUnavailableWarning(RuntimeWarning):
+    """W&B could not be used; the run continues with local logging only."""
+
+
+# ------------------------------------------------------------------------------------------ mode
+
+
+def _netrc_path(environ: Mapping[str, str]) -> Path:
+    """The netrc file W&B reads: ``$NETRC``, else ``~/.netrc`` (``~/_netrc`` if only that exists)."""
+    if environ.get("NETRC"):
+        return Path(environ["NETRC"]).expanduser()
+    unix, windows = Path("~/.netrc").expanduser(), Path("~/_netrc").expanduser()
+    return windows if windows.exists() and not unix.exists() else unix
+
+
+def has_api_key(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether W&B credentials are configured: env var, identity token file or netrc entry for the host."""
+    environ = os.environ if environ is None else environ
+    if environ.get("WANDB_API_KEY") or environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return True
+    host = urlsplit(environ.get("WANDB_BASE_URL") or DEFAULT_BASE_URL).hostname
+    try:
+        entry = netrc.netrc(str(_netrc_path(environ))).authenticators(host or "")
+    except (OSError, netrc.NetrcParseError):
+        return False
+    return bool(entry and entry[2])
+
+
+def resolve_mode(requested: str, environ: Mapping[str, str] | None = None) -> str:
+    """``logger.mode`` -> the W&B mode to use: online | offline | disabled.
+
+    ``auto`` follows ``WANDB_MODE=offline|disabled`` when set, else is online with an API key and
+    offline without one. A forced mode is returned as is (online without a key is handled by the tracker).
+    """
+    if requested not in MODES:
+        raise ValueError(f"logger.mode={requested!r} is not valid; choose from: {', '.join(MODES)}")
+    if requested != "auto":
+        return requested
+    environ = os.environ if environ is None else environ
+    env_mode = environ.get("WANDB_MODE", "").strip().lower()
+    if env_mode in ("offline", "dryrun"):
+        return "offline"
+    if env_mode == "disabled" or environ.get("WANDB_DISABLED", "").strip().lower() in ("true", "1"):
+        return "disabled"
+    return "online" if has_api_key(environ) else "offline"
+
+
+# ------------------------------------------------------------------------------------------ names
+
+
+@dataclass
+class RunIdentity:
+    """How a run appears on the dashboard."""
+
+    group: str
+    name: str
+    tags: list[str] = field(default_factory=list)
+    overrides: list[str] = field(default_factory=list)  # the job's task overrides, as typed
+    sweep_dir: str | None = None
+    choices: dict[str, str] = field(default_factory=dict)  # config group -> option (algorithm -> rloo)
+
+
+def _hydra_config() -> Any | None:
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return HydraConfig.get() if HydraConfig.initialized() else None
+    except Exception:  # Hydra missing or not running this job
+        return None
+
+
+def _swept_keys(sweep_dir: Path) -> set[str] | None:
+    """Keys the sweep varies: sweep overrides on the command line and in ``hydra.sweeper.params``.
+
+    Read from ``multirun.yaml``, which Hydra's sweeper writes into the sweep folder before it launches
+    any job (so it is there for local, joblib and SLURM jobs alike); None when it cannot be read.
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+
+    try:
+        master = OmegaConf.load(sweep_dir / "multirun.yaml")
+        lines = [str(line) for line in master.hydra.overrides.task]
+        params = OmegaConf.select(master, "hydra.sweeper.params") or {}
+        lines += [f"{key}={value}" for key, value in params.items()]
+        parsed = OverridesParser.create().parse_overrides(lines)
+    except Exception:
+        return None
+    return {override.key_or_group for override in parsed if override.is_sweep_override()}
+
+
+def run_identity(experiment_name: str, run_dir: Path, hydra_cfg: Any | None = None) -> RunIdentity:
+    """Group, name and tags for this run from Hydra's runtime config (see the module docstring)."""
+    hydra_cfg = _hydra_config() if hydra_cfg is None else hydra_cfg
+    if hydra_cfg is None:  # constructed outside a Hydra app (tests, notebooks)
+        return RunIdentity(group=experiment_name, name=Path(run_dir).name)
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.types import RunMode
+
+    overrides = [str(line) for line in hydra_cfg.overrides.task]
+    excluded = set(hydra_cfg.job.config.override_dirname.exclude_keys)
+    parsed = [o for o in OverridesParser.create().parse_overrides(overrides) if o.key_or_group not in excluded]
+    override_dirname = str(hydra_cfg.job.override_dirname)
+    choices = {
+        str(group): str(option)
+        for group, option in hydra_cfg.runtime.choices.items()
+        if option is not None and not str(group).startswith("hydra/") and group != "schema"
+    }
+    if hydra_cfg.mode != RunMode.MULTIRUN:
+        lines = sorted(o.input_line for o in parsed)
+        name = override_dirname or Path(run_dir).name
+        return RunIdentity(experiment_name, name, lines, overrides, choices=choices)
+
+    try:
+        sweep_dir = Path(str(hydra_cfg.sweep.dir))
+    except Exception:  # an interpolation that cannot resolve here: the job folder's parent is the sweep
+        sweep_dir = Path(str(hydra_cfg.runtime.output_dir)).parent
+    swept = _swept_keys(sweep_dir)
+    lines = sorted(o.input_line for o in parsed if swept is None or o.key_or_group in swept)
+    name = ",".join(lines) or override_dirname or f"job{hydra_cfg.job.num}"
+    group = f"{experiment_name}-{sweep_dir.name}"
+    return RunIdentity(group, name, lines, overrides, str(sweep_dir.resolve()), choices)
+
+
+def dashboard_config(config: dict[str, Any], run_dir: Path, identity: RunIdentity) -> dict[str, Any]:
+    """The resolved config plus flat keys the W&B UI can group runs by.
+
+    ``<group>_name`` is the option chosen on the command line (``algorithm=rloo`` gives ``rloo`` even though
+    that option's ``algorithm.name`` is ``reinforce``), else the config's ``name``.
+    """
+
+    def pick(section: str, key: str) -> Any:
+        value = config.get(section)
+        return value.get(key) if isinstance(value, dict) else None
+
+    def option(group: str) -> Any:
+        return identity.choices.get(group) or pick(group, "name")
+
+    flat = {
+        "algorithm_name": option("algorithm"),
+        "kl_name": option("kl"),
+        "kl_placement": pick("kl", "placement"),
+        "kl_coef": pick("kl", "coef"),
+        "reward_name": option("reward"),
+        "model_name": option("model"),
+        "experiment": identity.choices.get("experiment"),
+        "run_dir": str(Path(run_dir).resolve()),
+        "overrides": identity.overrides,
+    }
+    return {**config, **flat}
+
+
+def _git_settings(start: Path) -> dict[str, Any]:
+    """Point W&B at the code's git checkout (the run folder may be outside it), or turn git lookup off."""
+    for folder in (start, *start.parents):
+        if (folder / ".git").exists():
+            return {"git_root": str(folder)}
+    return {"disable_git": True}
+
+
+# ------------------------------------------------------------------------------------------ tracker
+
+
+@register("logger", "wandb")
+class WandbTracker(Tracker):
+    """Logs to a W&B run whose files live in ``<run_dir>/wandb/``; see the module docstring."""
+
+    def __init__(self, logger_cfg: Any, config: dict[str, Any], run_dir: Path) -> None:
+        super().__init__(logger_cfg, config, run_dir)
+        self.run_dir = Path(run_dir)
+        self.run: Any = None
+        # Only rank 0 of a torchrun job has a W&B run (torchrun sets RANK before torch.distributed starts).
+        main_process = distributed.is_main_process() and os.environ.get("RANK", "0") == "0"
+        self.mode = resolve_mode(str(logger_cfg.mode)) if main_process else "disabled"
+        self._warned = False
+        self._table: Any = None
+        self._pending_samples: tuple[int, list[dict[str, Any]]] | None = None
+        if self.mode == "disabled":
+            return
+        try:
+            import wandb
+        except ImportError as error:
+            self._give_up("import", error)
+            return
+        self._wandb = wandb
+        notes: list[str] = []
+        if self.mode == "online" and not has_api_key():
+            notes.append("logger.mode=online but no W&B API key is configured (WANDB_API_KEY or netrc)")
+            self.mode = "offline"
+        experiment_name = str(config.get("experiment_name", "default"))
+        identity = run_identity(experiment_name, self.run_dir)
+        tags = [*identity.tags, *(str(t) for t in (logger_cfg.tags or []))]
+        init_kwargs = {
+            "project": logger_cfg.project,
+            "entity": logger_cfg.entity,
+            "group": logger_cfg.group or identity.group,
+            "name": logger_cfg.run_name or identity.name,
+            "tags": [tag[:64] for tag in dict.fromkeys(tags)],  # W&B caps tags at 64 characters
+            "job_type": logger_cfg.job_type,
+            "config": dashboard_config(config, self.run_dir, identity),
+            "dir": str(self.run_dir),
+            "reinit": "finish_previous",
+        }
+        self.run = self._init(init_kwargs, notes)
+        if self.run is None:
+            return
+        if notes:  # online was asked for but the run is offline: say so once
+            self._warn("; ".join(notes) + f"; logging offline (sync later: wandb sync {self.run.settings.sync_dir})")
+        self._guarded("define_metric", self._define_metrics)
+
+    def _init(self, init_kwargs: dict[str, Any], notes: list[str]) -> Any:
+        """``wandb.init``; an online run that cannot start (no network, server down) falls back to offline."""
+        wandb = self._wandb
+        error: Exception | None = None
+        for mode in ("online", "offline") if self.mode == "online" else (self.mode,):
+            try:
+                # silent: no banners or prompts; console off: no stdout capture (safe under every launcher).
+                settings = wandb.Settings(silent=True, console="off", **_git_settings(Path.cwd().resolve()))
+                run = wandb.init(mode=mode, settings=settings, **init_kwargs)
+            except Exception as init_error:
+                error = init_error
+                if mode == "online":
+                    notes.append(f"W&B online init failed ({type(init_error).__name__}: {init_error})")
+                continue
+            self.mode = mode
+            return run
+        assert error is not None
+        self._give_up("init", error)
+        return None
+
+    def _define_metrics(self) -> None:
+        self.run.define_metric("step")
+        self.run.define_metric("*", step_metric="step")
+
+    # ------------------------------------------------------------------ failures
+    def _warn(self, message: str) -> None:
+        if not self._warned:
+            self._warned = True
+            warnings.warn(message, WandbUnavailableWarning, stacklevel=3)
+
+    def _give_up(self, what: str, error: BaseException) -> None:
+        """Warn once, close the W&B run if any, and continue with local logging only."""
+        self._warn(
+            f"W&B {what} failed ({type(error).__name__}: {error}); the run continues with local logging only "
+            f"(metrics.jsonl, samples.jsonl, summary.json in {self.run_dir})"
+        )
+        run, self.run = self.run, None
+        if run is not None:
+            with contextlib.suppress(Exception):  # already warned; a second failure adds nothing
+                run.finish(exit_code=1)
+
+    def _guarded(self, what: str, call: Callable[[], Any]) -> None:
+        if self.run is None:
+            return
+        try:
+            call()
+        except Exception as error:
+            self._give_up(what, error)
+
+    # ------------------------------------------------------------------ Tracker interface
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        if self.run is None:
+            return
+        payload = {**metrics, "step": step}
+        if self._pending_samples is not None and self._pending_samples[0] == step:
+            payload["samples"] = self._samples_table(self._pending_samples[1])
+            self._pending_samples = None
+        self._flush_samples()  # samples of an earlier step that got no metrics line
+        self._guarded("log", lambda: self.run.log(payload))
+
+    def log_samples(self, rows: list[dict[str, Any]], step: int) -> None:
+        """Queue the rows; they go out with this step's metrics, as one table row per sample."""
+        if self.run is None:
+            return
+        self._flush_samples()
+        self._pending_samples = (step, list(rows))
+
+    def _flush_samples(self) -> None:
+        if self._pending_samples is None:
+            return
+        step, rows = self._pending_samples
+        self._pending_samples = None
+        self._guarded("log", lambda: self.run.log({"samples": self._samples_table(rows), "step": step}))
+
+    def _samples_table(self, rows: list[dict[str, Any]]) -> Any:
+        """One table for the whole run, logged incrementally (each log adds the new rows)."""
+        wandb = self._wandb
+        if self._table is None:
+            try:
+                self._table = wandb.Table(columns=list(SAMPLE_COLUMNS), log_mode="INCREMENTAL")
+            except TypeError:  # a W&B without incremental tables: one table per logged step
+                self._table = None
+        table = self._table if self._table is not None else wandb.Table(columns=list(SAMPLE_COLUMNS))
+        for row in rows:
+            table.add_data(*(row.get(column) for column in SAMPLE_COLUMNS))
+        return table
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        if self.run is None:
+            return
+        self._flush_samples()
+        run = self.run
+        self._guarded("summary", lambda: run.summary.update(dict(summary)))
+        if self.run is None:
+            return
+        folder, offline = run.settings.sync_dir, run.settings._offline
+        self.run = None
+        try:
+            run.finish()
+        except Exception as error:
+            self._give_up("finish", error)
+            return
+        print(f"wandb: run files in {folder}")
+        if offline:
+            print(f"wandb: offline run; upload it with: wandb sync {folder}")
+        else:
+            print(f"wandb: {run.url}")

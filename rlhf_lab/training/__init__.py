@@ -1,0 +1,12 @@
+"""The training path, split along its seams.
+
+- ``experience``: prompts -> generate -> score -> reference -> per-token KL terms -> a ``Rollout``;
+- ``update``: the ``Updater`` (parameter groups, optimizer, schedule, epochs / mini / micro-batches, skips);
+- ``records``: step timer, metrics and samples files, summary;
+- ``checkpoint``: crash-safe checkpoints and resume;
+- ``loop``: the ``Trainer`` that builds the parts and runs steps, evaluation and signals, and :func:`run`.
+"""
+
+from rlhf_lab.training.loop import Trainer, run
+
+__all__ = ["Trainer", "run"]

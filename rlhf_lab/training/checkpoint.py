@@ -1,0 +1,401 @@
+"""Crash-safe checkpoints: ``checkpoints/step_N/`` written to a temporary folder and renamed into place.
+
+A checkpoint holds only safetensors and JSON, so loading one never unpickles anything:
+
+- ``model/``: the policy (or its LoRA adapter) via ``save_pretrained``, and the tokenizer;
+- ``<name>.safetensors``: each extra trainable module of the algorithm (``algorithm.modules()``, e.g. a
+  value head);
+- ``optimizer.safetensors``: the tensors of the optimizer and scheduler states; their other fields
+  (hyper-parameters, step counts) are JSON inside ``trainer_state.json``;
+- ``rng.safetensors``: the torch (and CUDA) generator states; Python's and NumPy's are JSON;
+- ``trainer_state.json``: step, KL controller, counters, and a manifest of every file above with its
+  size. It is written last, so a folder whose manifest is missing, unreadable or does not match the files
+  is incomplete and never loaded.
+
+Write order: files -> fsync -> ``trainer_state.json`` -> rename the temporary ``.step_N.*`` folder to
+``step_N`` -> replace the ``latest`` pointer. A run killed at any point leaves the previous checkpoint
+loadable; leftover temporary folders are removed by the next save.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from rlhf_lab.errors import CheckpointError
+
+STATE_FILE = "trainer_state.json"  # written last inside a checkpoint folder; holds the manifest
+COMPLETE_MARKER = STATE_FILE
+OPTIMIZER_FILE = "optimizer.safetensors"
+RNG_FILE = "rng.safetensors"
+MODEL_FOLDER = "model"
+LATEST = "latest"
+STEP_FOLDER = re.compile(r"^step_(\d+)$")
+TEMP_PREFIX = ".step_"
+
+
+# ----------------------------------------------------------------------------- plain-data encoding
+def encode_state(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """A JSON-able form of a nested state dict; its tensors move into ``tensors`` (for safetensors).
+
+    Dicts keep non-string keys (an optimizer's parameter ids), tuples stay tuples and non-finite floats
+    survive, so :func:`decode_state` returns an equal structure.
+    """
+    if isinstance(value, torch.Tensor):
+        key = f"t{len(tensors)}"
+        tensors[key] = value.detach().to("cpu").contiguous().clone()
+        return {"tensor": key}
+    if isinstance(value, dict):
+        return {"dict": [[encode_state(k, tensors), encode_state(v, tensors)] for k, v in value.items()]}
+    if isinstance(value, tuple):
+        return {"tuple": [encode_state(v, tensors) for v in value]}
+    if isinstance(value, list):
+        return [encode_state(v, tensors) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return {"float": repr(value)}
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    raise TypeError(f"cannot store a {type(value).__name__} in a checkpoint (only tensors and plain data)")
+
+
+def decode_state(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """Inverse of :func:`encode_state`."""
+    if isinstance(value, list):
+        return [decode_state(v, tensors) for v in value]
+    if isinstance(value, dict):
+        (kind, payload), = value.items()
+        if kind == "tensor":
+            return tensors[payload]
+        if kind == "dict":
+            return {decode_state(k, tensors): decode_state(v, tensors) for k, v in payload}
+        if kind == "tuple":
+            return tuple(decode_state(v, tensors) for v in payload)
+        if kind == "float":
+            return float(payload)
+        raise ValueError(f"unknown encoded entry {kind!r}")
+    return value
+
+
+# ----------------------------------------------------------------------------- RNG
+def rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Every random generator the run draws from: torch (+CUDA) as tensors, Python and NumPy as JSON."""
+    tensors = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for index, state in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"cuda_{index}"] = state
+    python_state = random.getstate()
+    numpy_state = np.random.get_state()
+    plain = {
+        "python": [python_state[0], list(python_state[1]), python_state[2]],
+        "numpy": [numpy_state[0], numpy_state[1].tolist(), *numpy_state[2:]],
+    }
+    return tensors, plain
+
+
+def set_rng_state(tensors: dict[str, torch.Tensor], plain: dict[str, Any]) -> None:
+    torch.set_rng_state(tensors["torch"])
+    cuda_states = [tensors[k] for k in sorted(tensors) if k.startswith("cuda_")]
+    if cuda_states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda_states)
+    version, state, gauss = plain["python"]
+    random.setstate((version, tuple(state), gauss))
+    kind, keys, pos, has_gauss, cached = plain["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+# ----------------------------------------------------------------------------- save
+def _fsync_tree(folder: Path) -> None:
+    """Flush every file (and folder entry) under ``folder`` to disk, so a rename never outlives the data."""
+    for path in sorted(folder.rglob("*"), reverse=True):
+        _fsync(path)
+    _fsync(folder)
+
+
+def _fsync(path: Path) -> None:
+    try:
+        descriptor = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(descriptor)
+    except OSError:
+        pass  # some filesystems refuse fsync on folders
+    finally:
+        os.close(descriptor)
+
+
+def _manifest(folder: Path) -> dict[str, int]:
+    return {
+        path.relative_to(folder).as_posix(): path.stat().st_size
+        for path in sorted(folder.rglob("*"))
+        if path.is_file() and path.name != STATE_FILE
+    }
+
+
+def remove_temporary(root: Path) -> None:
+    """Delete ``.step_*`` folders left by a save that was killed (only one process writes checkpoints)."""
+    for child in Path(root).glob(f"{TEMP_PREFIX}*"):
+        if child.is_dir():
+            shutil.rmtree(child, ignore_errors=True)
+
+
+def save_checkpoint(
+    root: Path,
+    step: int,
+    policy: nn.Module,
+    tokenizer: Any,
+    modules: dict[str, nn.Module],
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    trainer_state: dict[str, Any],
+    keep_last_n: int,
+) -> Path:
+    """Write ``root/step_{step}`` atomically, point ``root/latest`` at it, keep the newest ``keep_last_n``."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    remove_temporary(root)
+    final = root / f"step_{step}"
+    tmp = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{step}.", dir=root))
+    try:
+        policy.save_pretrained(tmp / MODEL_FOLDER, safe_serialization=True)
+        tokenizer.save_pretrained(tmp / MODEL_FOLDER)
+        for name, module in modules.items():
+            state = {k: v.detach().contiguous() for k, v in module.state_dict().items()}
+            save_file(state, str(tmp / f"{name}.safetensors"))
+        optimizer_tensors: dict[str, torch.Tensor] = {}
+        optimizer_plain = encode_state(
+            {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, optimizer_tensors
+        )
+        save_file(optimizer_tensors, str(tmp / OPTIMIZER_FILE))
+        rng_tensors, rng_plain = rng_state()
+        save_file(rng_tensors, str(tmp / RNG_FILE))
+        _fsync_tree(tmp)
+        state = {
+            "step": step,
+            **trainer_state,
+            "optimizer": optimizer_plain,
+            "rng": rng_plain,
+            "modules": sorted(modules),
+            "files": _manifest(tmp),
+        }
+        with open(tmp / STATE_FILE, "w", encoding="utf-8") as handle:
+            json.dump(state, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        if final.exists():  # the same step saved again (a re-run); the pointer still names a complete one
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync(root)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    pointer_tmp = root / f".{LATEST}.tmp"
+    with open(pointer_tmp, "w", encoding="utf-8") as handle:
+        handle.write(final.name)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(pointer_tmp, root / LATEST)
+    _fsync(root)
+    if keep_last_n > 0:
+        for old in complete_checkpoints(root)[:-keep_last_n]:
+            if old != final:
+                shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+# ----------------------------------------------------------------------------- find
+def read_state(folder: Path) -> dict[str, Any] | None:
+    """The parsed ``trainer_state.json`` of a checkpoint folder, or None if missing or torn."""
+    try:
+        state = json.loads((Path(folder) / STATE_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return state if isinstance(state, dict) else None
+
+
+def is_complete(folder: Path) -> bool:
+    """A checkpoint folder whose state file parses and whose every file in its manifest is there, whole."""
+    folder = Path(folder)
+    state = read_state(folder)
+    if state is None or not isinstance(state.get("files"), dict) or "step" not in state:
+        return False
+    files = state["files"]
+    if not {OPTIMIZER_FILE, RNG_FILE} <= files.keys() or not any(f.startswith(f"{MODEL_FOLDER}/") for f in files):
+        return False
+    for relative, size in state["files"].items():
+        path = folder / relative
+        try:
+            if path.stat().st_size != size:
+                return False
+        except OSError:
+            return False
+    return True
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Complete ``step_N`` folders under ``root``, oldest first (temporary or torn ones are skipped)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        match = STEP_FOLDER.match(child.name)
+        if match and child.is_dir() and is_complete(child):
+            found.append((int(match.group(1)), child))
+    return [path for _, path in sorted(found)]
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    """The checkpoint ``root/latest`` names if it is complete, else the newest complete one, else None."""
+    root = Path(root)
+    pointer = root / LATEST
+    try:
+        named = root / pointer.read_text(encoding="utf-8").strip()
+    except OSError:
+        named = None
+    if named is not None and STEP_FOLDER.match(named.name) and is_complete(named):
+        return named
+    complete = complete_checkpoints(root)
+    return complete[-1] if complete else None
+
+
+def prepare_run_folder(resume: str | None, run_dir: Path, clear_logs: bool = True) -> Path | None:
+    """The checkpoint a run in ``run_dir`` resumes from (see :func:`resolve_resume`), or None to start fresh.
+
+    A fresh start never mixes with an earlier run's files: it refuses a folder that holds a complete
+    checkpoint unless asked to resume (``trainer.resume=auto``), and (``clear_logs``) empties the
+    ``metrics.jsonl``/``samples.jsonl`` left by a run that died before its first checkpoint.
+    """
+    from rlhf_lab.trackers.jsonl import repair_jsonl
+
+    run_dir = Path(run_dir)
+    root = run_dir / "checkpoints"
+    folder = resolve_resume(resume, root)
+    if folder is not None:
+        return folder
+    if not resume and latest_checkpoint(root) is not None:
+        raise CheckpointError(
+            f"run folder {str(run_dir)!r} already holds checkpoints; continue it with trainer.resume=auto "
+            "or choose another trainer.output_dir"
+        )
+    if resume == "auto":
+        print(f"trainer.resume=auto: no checkpoint in {root}, starting fresh")
+    if clear_logs:
+        for name in ("metrics.jsonl", "samples.jsonl"):
+            repair_jsonl(run_dir / name, before_step=0)
+    return None
+
+
+def run_folder_of(resume: str | Path) -> Path | None:
+    """The run folder a resume path belongs to: ``RUN``, ``RUN/checkpoints`` or ``RUN/checkpoints/step_N``."""
+    path = Path(resume).expanduser()
+    if STEP_FOLDER.match(path.name) and path.parent.name == "checkpoints":
+        return path.parent.parent
+    if path.name == "checkpoints" and path.is_dir():
+        return path.parent
+    if (path / "checkpoints").is_dir():
+        return path
+    return None
+
+
+def resolve_resume(resume: str | None, checkpoint_root: Path) -> Path | None:
+    """The checkpoint folder ``trainer.resume`` names, or None for a fresh start.
+
+    ``null``: fresh. ``auto``: the latest complete checkpoint under ``checkpoint_root``, fresh if there is
+    none. A path: a checkpoint folder, a ``checkpoints`` folder or a run folder; it must hold a complete
+    checkpoint (:class:`CheckpointError` otherwise).
+    """
+    if not resume:
+        return None
+    if resume == "auto":
+        return latest_checkpoint(checkpoint_root)
+    path = Path(resume).expanduser()
+    if not path.exists():
+        raise CheckpointError(f"trainer.resume={resume!r} does not exist; give a checkpoint or run folder, or auto")
+    if STEP_FOLDER.match(path.name) or read_state(path) is not None:
+        if not is_complete(path):
+            raise CheckpointError(f"trainer.resume={resume!r} is an incomplete checkpoint (a save was interrupted)")
+        return path
+    for root in (path, path / "checkpoints"):
+        found = latest_checkpoint(root)
+        if found is not None:
+            return found
+    raise CheckpointError(
+        f"trainer.resume={resume!r} holds no complete checkpoint; give a checkpoints/step_N folder, "
+        "a run folder, or auto"
+    )
+
+
+# ----------------------------------------------------------------------------- load
+def load_checkpoint(
+    folder: Path,
+    policy: nn.Module,
+    modules: dict[str, nn.Module],
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    uses_adapter: bool,
+) -> dict[str, Any]:
+    """Restore everything :func:`save_checkpoint` wrote into live objects; return the trainer state.
+
+    Only safetensors and JSON are read. A checkpoint that does not fit the configured run (another model
+    size, LoRA on/off, another algorithm's modules) raises :class:`CheckpointError`.
+    """
+    folder = Path(folder)
+    if not is_complete(folder):
+        raise CheckpointError(f"trainer.resume={str(folder)!r} is not a complete checkpoint folder")
+    state = read_state(folder)
+    model_dir = folder / MODEL_FOLDER
+    has_adapter = (model_dir / "adapter_config.json").is_file()
+    if has_adapter != uses_adapter:
+        saved, wanted = ("a LoRA adapter", "true") if has_adapter else ("full weights", "false")
+        raise CheckpointError(f"checkpoint {folder} holds {saved} but model.lora.enabled is not {wanted}")
+    missing_modules = sorted(set(modules) - set(state.get("modules", [])))
+    if missing_modules:
+        raise CheckpointError(
+            f"checkpoint {folder} has no {', '.join(missing_modules)} (it was written by another algorithm)"
+        )
+    try:
+        if uses_adapter:
+            from peft import set_peft_model_state_dict
+            from peft.utils import SAFETENSORS_WEIGHTS_NAME
+
+            set_peft_model_state_dict(policy, load_file(str(model_dir / SAFETENSORS_WEIGHTS_NAME)))
+        else:
+            weights: dict[str, torch.Tensor] = {}
+            for shard in sorted(model_dir.glob("*.safetensors")):
+                weights.update(load_file(str(shard)))
+            missing, unexpected = policy.load_state_dict(weights, strict=False)
+            tied = {k for k in missing if "lm_head" in k}
+            if set(missing) - tied or unexpected:
+                raise CheckpointError(
+                    f"checkpoint {folder} does not match the model: missing {sorted(set(missing) - tied)[:3]}, "
+                    f"unexpected {sorted(unexpected)[:3]}"
+                )
+        for name, module in modules.items():
+            module.load_state_dict(load_file(str(folder / f"{name}.safetensors")))
+        plain = decode_state(state.pop("optimizer"), load_file(str(folder / OPTIMIZER_FILE)))
+        optimizer.load_state_dict(plain["optimizer"])
+        scheduler.load_state_dict(plain["scheduler"])
+    except CheckpointError:
+        raise
+    except RuntimeError as error:  # shape mismatches from load_state_dict
+        first = str(error).strip().splitlines()
+        detail = next((line.strip() for line in first[1:] if line.strip()), first[0] if first else "")
+        raise CheckpointError(f"checkpoint {folder} does not match the configured model: {detail}") from None
+    except ValueError as error:  # e.g. an optimizer with other parameter groups
+        raise CheckpointError(f"checkpoint {folder} does not match the configured run: {error}") from None
+    set_rng_state(load_file(str(folder / RNG_FILE)), state.pop("rng"))
+    for key in ("files", "modules"):
+        state.pop(key, None)
+    return state

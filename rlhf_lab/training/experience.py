@@ -1,0 +1,137 @@
+"""Experience: prompts -> generate -> score -> reference log-probs -> per-token KL terms -> a :class:`Rollout`.
+
+The rollout keeps the sequence scores (``scores``, [B]) and the KL terms apart: ``kl_estimate`` is the
+configured estimator's per-token value, ``kl_exact`` the exact per-token KL from full logits (a diagnostic,
+logged beside every estimate), and ``kl_penalty`` what the KL placement takes out of the token rewards
+(coef × estimate for ``kl.placement=reward``, zeros for ``loss``). The algorithm builds its token rewards
+from these once (:meth:`rlhf_lab.algorithms.base.Algorithm.prepare`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from rlhf_lab.errors import RewardError
+from rlhf_lab.kl import exact_kl
+from rlhf_lab.models import PolicyAndReference
+from rlhf_lab.ops import gather_logprobs
+from rlhf_lab.rewards.base import Reward, fill_nonfinite
+from rlhf_lab.rollout import Rollout, format_prompts, generate, response_logits
+from rlhf_lab.training.records import StepTimer
+
+
+@dataclass
+class Experience:
+    """A scored rollout with what produced it: the prompt of every sample, the decoded responses, and which
+    samples have a finite score ([B] bool; the others were filled under ``reward.on_nonfinite=drop``)."""
+
+    rollout: Rollout
+    prompts: list[str]  # one per sample (each prompt repeated group_size times)
+    responses: list[str]
+    valid: Tensor  # [B] bool
+
+
+def screen_scores(scores: Tensor, components: dict[str, Tensor], names: list[str], group_size: int,
+                  on_nonfinite: str, reward_name: str) -> tuple[Tensor, Tensor]:
+    """NaN/inf scores: a one-line RewardError (``on_nonfinite=error``) or filled and marked invalid (``drop``).
+
+    Returns (scores [B], valid [B] bool). ``names[i]`` says where prompt i comes from, for the message.
+    """
+    valid = torch.isfinite(scores)
+    if bool(valid.all()):
+        return scores, valid
+    if on_nonfinite == "error":
+        sample = int((~valid).nonzero()[0])
+        culprits = [key for key, values in components.items() if not math.isfinite(float(values[sample]))]
+        source = f"component {', '.join(map(repr, culprits))} of {reward_name}" if culprits else reward_name
+        raise RewardError(
+            f"{source} returned {float(scores[sample])} for sample {sample} ({names[sample // group_size]}); "
+            "reward.on_nonfinite=drop drops such samples instead",
+            sample=sample,
+        )
+    return fill_nonfinite(scores, group_size)
+
+
+class ExperienceMaker:
+    """Turns prompts into scored rollouts with reference log-probs and KL terms (no gradient anywhere)."""
+
+    def __init__(self, cfg: Any, tokenizer: Any, models: PolicyAndReference, policy: nn.Module, reward: Reward,
+                 kl_estimator: Any, kl_placement: Any, device: torch.device) -> None:
+        self.cfg, self.tokenizer, self.models, self.policy = cfg, tokenizer, models, policy
+        self.reward, self.kl_estimator, self.kl_placement, self.device = reward, kl_estimator, kl_placement, device
+
+    def make(self, prompts: list[str], group_size: int, timer: StepTimer, names: list[str],
+             kl_coef: float) -> Experience:
+        """Generate ``group_size`` samples per prompt, score them, run the reference, and fill the KL terms.
+
+        ``names`` says where each prompt comes from (``train prompt 12``), for error messages.
+        """
+        rollout, responses, valid = self.sample_and_score(prompts, group_size, timer, names)
+        self.reference(rollout, timer)
+        mask = rollout.response_mask
+        rollout.kl_estimate, rollout.kl_exact = self.kl_terms(rollout)
+        rollout.kl_coef = kl_coef
+        rollout.kl_penalty = self.kl_placement.reward_penalty(rollout.kl_estimate, kl_coef, mask)
+        repeated_prompts = [p for p in prompts for _ in range(group_size)]
+        return Experience(rollout, repeated_prompts, responses, valid.to(self.device))
+
+    def sample_and_score(self, prompts: list[str], group_size: int, timer: StepTimer,
+                         names: list[str]) -> tuple[Rollout, list[str], Tensor]:
+        """Generate and score: (rollout with ``scores`` and reward components, decoded responses, valid [B])."""
+        cfg = self.cfg
+        formatted = format_prompts(prompts, self.tokenizer, cfg.model.chat_template, cfg.model.system_prompt)
+        with timer.phase("generate"):
+            rollout = generate(
+                self.policy,
+                self.tokenizer,
+                formatted,
+                group_size=group_size,
+                max_new_tokens=cfg.trainer.max_new_tokens,
+                temperature=cfg.trainer.temperature,
+                top_p=cfg.trainer.top_p,
+                top_k=cfg.trainer.top_k,
+                max_prompt_tokens=cfg.data.max_prompt_tokens,
+                keep_logits=True,
+            )
+        response_mask = rollout.response_mask.long()
+        responses = self.tokenizer.batch_decode(
+            rollout.response_ids * response_mask + (1 - response_mask) * self.tokenizer.pad_token_id,
+            skip_special_tokens=True,
+        )
+        repeated_prompts = [p for p in prompts for _ in range(group_size)]
+        with timer.phase("reward"):
+            try:
+                output = self.reward(repeated_prompts, responses)
+            except RewardError as error:  # name the prompt the failing sample answered
+                where = f" ({names[error.sample // group_size]})" if error.sample is not None else ""
+                raise RewardError(f"{error}{where}", sample=error.sample) from None
+        scores, valid = screen_scores(output.scores, output.components, names, group_size,
+                                      cfg.reward.on_nonfinite, self.reward.describe())
+        rollout.scores = scores.to(self.device).float()
+        rollout.extras = {f"reward/{k}": v.to(self.device).float() for k, v in output.components.items()}
+        return rollout, responses, valid
+
+    def reference(self, rollout: Rollout, timer: StepTimer) -> None:
+        """Fill ``ref_logprobs`` and ``ref_logits`` from the reference (the adapter-disabled policy under LoRA)."""
+        with timer.phase("reference"), torch.no_grad(), self.models.reference_context():
+            ref_logits, _ = response_logits(
+                self.models.reference_model(), rollout.input_ids, rollout.attention_mask, rollout.prompt_width,
+                self.cfg.trainer.temperature,
+            )
+        rollout.ref_logprobs = gather_logprobs(ref_logits, rollout.response_ids) * rollout.response_mask
+        rollout.ref_logits = ref_logits
+
+    def kl_terms(self, rollout: Rollout) -> tuple[Tensor, Tensor]:
+        """(estimate, exact) per-token KL of the sampling policy from the reference, masked: [B, T] each."""
+        mask = rollout.response_mask
+        with torch.no_grad():
+            estimate = self.kl_estimator(
+                rollout.logprobs, rollout.ref_logprobs, logits=rollout.policy_logits, ref_logits=rollout.ref_logits
+            ) * mask
+            exact = exact_kl(rollout.policy_logits, rollout.ref_logits) * mask
+        return estimate, exact

@@ -1,0 +1,319 @@
+"""The one training loop for every on-policy algorithm: build the parts, then steps, evaluation, checkpoints.
+
+A step: sample prompts -> experience (generate, score, reference, KL terms) -> the algorithm's advantages ->
+the updater's epochs -> KL controller -> records. Every swappable part is looked up in the registry by its
+config name; this file never asks which algorithm, estimator, placement or reward it runs.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from omegaconf import OmegaConf
+
+import rlhf_lab.components  # noqa: F401  (registers the built-in parts)
+from rlhf_lab import distributed
+from rlhf_lab.data import check_prompt_lengths, load_prompts, prompt_indices, prompt_token_limit
+from rlhf_lab.errors import TrainingStopped
+from rlhf_lab.models import build_policy, load_tokenizer
+from rlhf_lab.ops import masked_mean, masked_sum
+from rlhf_lab.registry import get
+from rlhf_lab.rewards.base import build_reward
+from rlhf_lab.rollout import format_prompts
+from rlhf_lab.trackers.jsonl import repair_jsonl
+from rlhf_lab.training import checkpoint as ckpt
+from rlhf_lab.training.experience import ExperienceMaker
+from rlhf_lab.training.records import Records, StepTimer, distinct_n, run_summary
+from rlhf_lab.training.update import Updater
+
+EVAL_CHUNK = 16  # held-out prompts generated at once
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+class Trainer:
+    """Builds a run's parts from its config and trains; ``experience``, ``updater`` and ``records`` are its units."""
+
+    def __init__(self, cfg: Any, run_dir: Path) -> None:
+        distributed.refuse_multi_process()
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if cfg.trainer.num_threads > 0:
+            torch.set_num_threads(cfg.trainer.num_threads)
+        seed_everything(cfg.seed)
+        self.device = resolve_device(cfg.trainer.device)
+        self.checkpoint_root = self.run_dir / "checkpoints"
+        # Checked before anything loads: what to resume from, and that a fresh start mixes with no earlier run.
+        self.resume_from = ckpt.prepare_run_folder(cfg.trainer.resume, self.run_dir,
+                                                   clear_logs=distributed.is_main_process())
+
+        self.prompts = load_prompts(cfg.data, seed=cfg.seed)
+        self.tokenizer = load_tokenizer(cfg.model)
+        self.models = build_policy(cfg.model, self.tokenizer, cfg.trainer.dtype, cfg.seed)
+        self._check_prompt_lengths()
+        self.policy = self.models.policy.to(self.device)
+        if self.models.reference is not None:
+            self.models.reference.to(self.device)
+
+        self.algorithm = get("algorithm", cfg.algorithm.name)(cfg.algorithm)
+        self.algorithm.setup(self.policy)
+        for module in self.algorithm.modules().values():
+            module.to(self.device)
+        self.kl_estimator = get("kl", cfg.kl.name)
+        self.kl_placement = get("kl_placement", cfg.kl.placement)
+        self.kl_controller = get("kl_controller", cfg.kl.controller)(
+            coef=cfg.kl.coef, target=cfg.kl.target, horizon=cfg.kl.horizon
+        )
+        self.reward = build_reward(cfg.reward, device=str(self.device))
+        self.experience = ExperienceMaker(cfg, self.tokenizer, self.models, self.policy, self.reward,
+                                          self.kl_estimator, self.kl_placement, self.device)
+        self.updater = Updater(cfg, self.policy, self.algorithm, self.kl_estimator, self.kl_placement, self.device)
+        self.start_step = 0
+        self.step = -1
+        self.first_eval: dict[str, Any] | None = None
+        self.stop_requested: str | None = None
+        self.stop_signal: int | None = None
+        self._eval_examples: list[tuple[str, str, float]] = []
+
+        resolved = OmegaConf.to_container(cfg, resolve=True)
+        tracker = get("logger", cfg.logger.name)(cfg.logger, resolved, self.run_dir)
+        self._maybe_resume()
+        self.records = Records(self.run_dir, tracker, cfg.logger.samples_every)
+
+    # ----------------------------------------------------------------- resume and checkpoints
+    def _maybe_resume(self) -> None:
+        folder = self.resume_from
+        if folder is None:
+            return
+        updater = self.updater
+        state = ckpt.load_checkpoint(folder, self.policy, self.algorithm.modules(), updater.optimizer,
+                                     updater.scheduler, self.models.uses_adapter)
+        self.kl_controller.load_state_dict(state["kl_controller"])
+        updater.load_state_dict(state)
+        self.first_eval = state.get("first_eval")
+        self.start_step = state["step"] + 1
+        for name in ("metrics.jsonl", "samples.jsonl"):
+            if distributed.is_main_process():
+                repair_jsonl(self.run_dir / name, before_step=self.start_step)
+        print(f"resumed from {folder} at step {self.start_step}")
+
+    def _check_prompt_lengths(self) -> None:
+        """Every prompt, as the model sees it, must fit data.max_prompt_tokens and the model's context."""
+        cfg = self.cfg
+        contexts = [getattr(self.models.policy.config, "max_position_embeddings", None)]
+        if self.tokenizer.model_max_length < 1_000_000:  # tokenizers without a limit report a huge number
+            contexts.append(self.tokenizer.model_max_length)
+        context = min((c for c in contexts if c), default=None)
+        limit, why = prompt_token_limit(cfg.data.max_prompt_tokens, cfg.trainer.max_new_tokens, context)
+
+        def count_tokens(prompts: list[str]) -> list[int]:
+            formatted = format_prompts(prompts, self.tokenizer, cfg.model.chat_template, cfg.model.system_prompt)
+            return [len(ids) for ids in self.tokenizer(formatted, add_special_tokens=False)["input_ids"]]
+
+        check_prompt_lengths(self.prompts, count_tokens, limit, why)
+
+    def save(self, step: int) -> Path | None:
+        if not distributed.is_main_process():
+            return None  # one writer: rank 0
+        updater = self.updater
+        return ckpt.save_checkpoint(
+            self.checkpoint_root, step, self.policy, self.tokenizer, self.algorithm.modules(), updater.optimizer,
+            updater.scheduler,
+            {"kl_controller": self.kl_controller.state_dict(), **updater.state_dict(), "first_eval": self.first_eval},
+            keep_last_n=self.cfg.trainer.keep_last_n,
+        )
+
+    # ----------------------------------------------------------------- one step
+    def train_step(self, step: int) -> dict[str, Any]:
+        """One step on fresh samples; returns its metrics (written by the caller, :meth:`train`)."""
+        cfg = self.cfg
+        self.step = step  # the step being trained (read by hooks in tests and tools)
+        timer = StepTimer()
+        start = time.perf_counter()
+        indices = prompt_indices(step, cfg.trainer.prompts_per_step, len(self.prompts.train), cfg.seed,
+                                 rank=distributed.rank(), world_size=distributed.world_size())
+        prompts = [self.prompts.train[i] for i in indices]
+        coef = self.kl_controller.coef
+        experience = self.experience.make(prompts, cfg.algorithm.group_size, timer,
+                                          [f"train prompt {i}" for i in indices], coef)
+        rollout, valid = experience.rollout, experience.valid
+        mask = rollout.response_mask
+        with timer.phase("advantages"):
+            prepare_stats = self.algorithm.prepare(rollout, self.updater.forward)
+        if not bool(valid.all()):
+            # Dropped samples (non-finite score) took part in the advantage statistics with their filled
+            # score; from here on their tokens count nowhere: no loss, no gradient, no token in any mean.
+            rollout.response_mask = mask * valid[:, None]
+            rollout.advantages = rollout.advantages * rollout.response_mask
+        rollout.policy_logits = None  # no longer needed; frees [B, T, V]
+        if not (self.kl_placement.needs_grad and getattr(self.kl_estimator, "needs_logits", False)):
+            rollout.ref_logits = None
+        update_stats = self.updater.update(rollout, coef, step, timer)
+        exact_per_sequence = masked_sum(rollout.kl_exact, mask, dim=-1)
+        self.kl_controller.update(float(exact_per_sequence.mean()), rollout.batch_size)
+        self.updater.scheduler.step()
+
+        elapsed = time.perf_counter() - start
+        metrics: dict[str, Any] = {
+            "step": step,
+            "reward/mean": rollout.scores[valid].mean().item(),
+            "reward/std": rollout.scores[valid].std().item() if int(valid.sum()) > 1 else 0.0,
+            "reward/dropped": int((~valid).sum()),
+            "kl/estimate": masked_mean(rollout.kl_estimate, mask).item(),
+            "kl/exact": masked_mean(rollout.kl_exact, mask).item(),
+            "kl/exact_sequence": exact_per_sequence.mean().item(),
+            "kl/coef": coef,
+            "policy/entropy": masked_mean(rollout.entropy, mask).item(),
+            "response/length_mean": mask.sum(-1).mean().item(),
+            "lr": self.updater.scheduler.get_last_lr()[0],
+            "optim/grad_norm": self.updater.last_grad_norm,
+            "time/step_s": elapsed,
+            "throughput/tokens_per_s": float(rollout.attention_mask.sum()) / elapsed,
+        }
+        for key, value in rollout.extras.items():
+            metrics[key] = value[valid].mean().item()
+        metrics.update(prepare_stats)
+        metrics.update(update_stats)
+        metrics.setdefault("loss/policy", 0.0)
+        metrics.setdefault("policy/clipfrac", 0.0)
+        metrics.update({f"time/{name}_s": seconds for name, seconds in timer.times.items()})
+        shown = min(cfg.trainer.samples_per_step_logged, len(experience.responses))
+        self.records.log_samples([
+            {"step": step, "prompt": experience.prompts[i], "response": experience.responses[i],
+             "reward": float(rollout.scores[i])} for i in range(shown)
+        ], step)
+        if self.updater.consecutive_skips >= cfg.trainer.max_consecutive_skips:
+            self.stop_requested = (
+                f"{self.updater.consecutive_skips} consecutive updates were skipped for non-finite loss or gradient"
+            )
+        return metrics
+
+    # ----------------------------------------------------------------- evaluation
+    @torch.no_grad()
+    def evaluate(self, step: int) -> dict[str, Any]:
+        """Reward, KL, length and distinct-2 on held-out prompts (one sample each)."""
+        prompts = self.prompts.eval[: self.cfg.trainer.eval_prompts]
+        if not prompts:
+            return {}
+        timer = StepTimer()
+        scores, estimates, exacts, lengths, texts, tokens, shown = [], [], [], [], [], [], []
+        for start in range(0, len(prompts), EVAL_CHUNK):
+            chunk = prompts[start : start + EVAL_CHUNK]
+            experience = self.experience.make(chunk, 1, timer, [f"eval prompt {start + i}" for i in range(len(chunk))],
+                                              self.kl_controller.coef)
+            rollout, mask = experience.rollout, experience.rollout.response_mask
+            scores.append(rollout.scores[experience.valid])  # dropped (non-finite) scores count in no eval mean
+            shown.append(rollout.scores)
+            estimates.append(masked_sum(rollout.kl_estimate, mask))
+            exacts.append(masked_sum(rollout.kl_exact, mask))
+            tokens.append(mask.sum())
+            lengths.append(mask.sum(-1))
+            texts += experience.responses
+        all_scores = torch.cat(scores)
+        total_tokens = torch.stack(tokens).sum()
+        self._eval_examples = list(zip(prompts, texts, torch.cat(shown).tolist()))
+        if not len(all_scores):
+            all_scores = torch.full((1,), float("nan"))
+        return {
+            "eval/reward/mean": all_scores.mean().item(),
+            "eval/reward/std": all_scores.std().item() if len(all_scores) > 1 else 0.0,
+            "eval/kl/estimate": (torch.stack(estimates).sum() / total_tokens).item(),
+            "eval/kl/exact": (torch.stack(exacts).sum() / total_tokens).item(),
+            "eval/response/length_mean": torch.cat(lengths).mean().item(),
+            "eval/distinct_2": distinct_n(texts, 2),
+        }
+
+    def _print_example(self, when: str) -> None:
+        if self._eval_examples:
+            prompt, response, score = self._eval_examples[0]
+            print(f"[{when}] prompt: {prompt}\n[{when}] response ({score:+.3f}): {response}")
+
+    # ----------------------------------------------------------------- signals and the loop
+    def _handle_signal(self, signum: int, frame: Any) -> None:
+        """First SIGINT/SIGTERM: finish the step, checkpoint, stop. A second one aborts at once."""
+        name = signal.Signals(signum).name
+        if self.stop_signal is not None:
+            raise KeyboardInterrupt(f"second {name}")
+        self.stop_signal = signum
+        self.stop_requested = f"received {name}"
+        print(f"received {name}: finishing the current step, then writing a checkpoint "
+              f"(send it again to abort without one)", file=sys.stderr, flush=True)
+
+    def _stopped(self, step: int) -> TrainingStopped:
+        resume = ("trainer.resume=auto", f"trainer.output_dir={self.run_dir.resolve()}")
+        message = (f"stopped after step {step}: {self.stop_requested}; checkpoint "
+                   f"{self.checkpoint_root / f'step_{step}'} written; continue with: {' '.join(resume)}")
+        exit_code = 128 + self.stop_signal if self.stop_signal is not None else 3
+        return TrainingStopped(message, exit_code=exit_code, resume_overrides=resume)
+
+    def train(self) -> dict[str, Any]:
+        cfg = self.cfg
+        steps = cfg.trainer.steps
+        previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        for s in previous:
+            signal.signal(s, self._handle_signal)
+        history: list[dict[str, Any]] = []
+        progress = _progress(range(self.start_step, steps), cfg.trainer.progress_bar, self.start_step, steps)
+        try:
+            if self.start_step == 0 and cfg.trainer.eval_prompts > 0:
+                self.first_eval = self.evaluate(0)  # saved with checkpoints: a resumed run's summary keeps it
+                if self.first_eval:
+                    self.records.log({"step": 0, **self.first_eval}, 0)
+                self._print_example("before training")
+            step = self.start_step - 1
+            for step in progress:
+                metrics = self.train_step(step)
+                if cfg.trainer.eval_every > 0 and (step + 1) % cfg.trainer.eval_every == 0 and step + 1 < steps:
+                    metrics.update(self.evaluate(step))
+                self.records.log(metrics, step)
+                history.append(metrics)
+                if hasattr(progress, "set_postfix"):
+                    progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}", kl=f"{metrics['kl/exact']:.4f}")
+                every = cfg.trainer.checkpoint_every
+                if self.stop_requested or step + 1 == steps or (every > 0 and (step + 1) % every == 0):
+                    self.save(step)
+                if self.stop_requested:
+                    raise self._stopped(step)
+            final_eval = self.evaluate(steps) if cfg.trainer.eval_prompts > 0 else {}
+            if final_eval:
+                self.records.log({"step": steps, **final_eval}, steps)
+                self._print_example("after training")
+            summary = run_summary(self.records.history() or history, steps, self.run_dir,
+                                  self.updater.skipped_updates, self.first_eval, final_eval)
+            self.records.finish(summary)
+            return summary
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+            self.records.close()
+
+
+def _progress(iterable: range, enabled: bool, initial: int, total: int):
+    if not enabled:
+        return iterable
+    from tqdm.auto import tqdm
+
+    return tqdm(iterable, initial=initial, total=total, desc="train", dynamic_ncols=True)
+
+
+def run(cfg: Any, run_dir: Path) -> dict[str, Any]:
+    """Train the run ``cfg`` describes in ``run_dir`` and return its summary (what the CLI calls)."""
+    return Trainer(cfg, run_dir).train()

@@ -1,0 +1,118 @@
+"""What a run leaves behind: per-phase step timing, metrics and samples (JSONL always, plus the configured
+tracker), and the summary.
+
+Only rank 0 writes; metrics are averaged over ranks before they are written, so every destination sees the
+same numbers. ``metrics.jsonl`` is the run's own record: the summary is computed from it, so a resumed run's
+summary covers the steps before the resume too.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rlhf_lab import distributed
+from rlhf_lab.trackers.base import Tracker
+from rlhf_lab.trackers.jsonl import JsonlTracker, read_jsonl
+
+NONFINITE_STRINGS = {"nan", "inf", "-inf"}  # how JSONL stores non-finite floats (JSON has none)
+
+
+class StepTimer:
+    """Wall time per phase of a step (seconds): ``with timer.phase("generate"): ...`` adds to ``times``."""
+
+    def __init__(self) -> None:
+        self.times: dict[str, float] = {}
+
+    def phase(self, name: str) -> _Phase:
+        return _Phase(self, name)
+
+
+class _Phase:
+    def __init__(self, timer: StepTimer, name: str) -> None:
+        self.timer, self.name = timer, name
+
+    def __enter__(self) -> None:
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.timer.times[self.name] = self.timer.times.get(self.name, 0.0) + time.perf_counter() - self.start
+
+
+def distinct_n(texts: list[str], n: int = 2) -> float:
+    """Distinct-n (Li et al. 2016): unique word n-grams / all word n-grams over the texts."""
+    grams = [tuple(words[i : i + n]) for words in (t.split() for t in texts) for i in range(len(words) - n + 1)]
+    return len(set(grams)) / len(grams) if grams else 0.0
+
+
+def run_summary(history: list[dict[str, Any]], steps: int, run_dir: Path, skipped_updates: int,
+                first_eval: dict[str, Any] | None, final_eval: dict[str, Any]) -> dict[str, Any]:
+    """``summary.json``: reward over the first and last 20% of steps, final KL, timing, and the evaluations."""
+    summary: dict[str, Any] = {"steps": steps, "run_dir": str(run_dir)}
+    if history:
+        rewards = [m["reward/mean"] for m in history]
+        fifth = max(1, len(rewards) // 5)
+        summary.update({
+            "reward/first_20pct_mean": float(np.mean(rewards[:fifth])),
+            "reward/last_20pct_mean": float(np.mean(rewards[-fifth:])),
+            "reward/final": rewards[-1],
+            "kl/exact_final": history[-1]["kl/exact"],
+            "time/step_s_median": float(np.median([m["time/step_s"] for m in history])),
+            "time/total_s": float(sum(m["time/step_s"] for m in history)),
+            "optim/skipped_updates": skipped_updates,
+        })
+    if first_eval:
+        summary.update({f"before/{k}": v for k, v in first_eval.items()})
+    summary.update(final_eval)
+    return summary
+
+
+class Records:
+    """The run folder's files and the external tracker, written by rank 0 only.
+
+    ``samples_every``: steps between sample tables sent to the tracker (samples.jsonl gets every step's).
+    """
+
+    def __init__(self, run_dir: Path, tracker: Tracker, samples_every: int) -> None:
+        self.run_dir = Path(run_dir)
+        self.tracker = tracker
+        self.samples_every = samples_every
+        self.main = distributed.is_main_process()
+        self.local = JsonlTracker(self.run_dir) if self.main else None
+
+    def log(self, metrics: dict[str, Any], step: int) -> dict[str, Any]:
+        """Average ``metrics`` over ranks and write them everywhere; returns what was written."""
+        metrics = distributed.mean_across_ranks(metrics)
+        if self.local is not None:
+            self.local.log(metrics, step)
+            self.tracker.log(metrics, step)
+        return metrics
+
+    def log_samples(self, rows: list[dict[str, Any]], step: int) -> None:
+        if self.local is None:
+            return
+        self.local.log_samples(rows, step)
+        if self.samples_every > 0 and step % self.samples_every == 0:
+            self.tracker.log_samples(rows, step)
+
+    def history(self) -> list[dict[str, Any]]:
+        """Every training step's metrics in this run folder, from before a resume too (floats restored)."""
+        path = self.run_dir / "metrics.jsonl"
+        records = read_jsonl(path) if path.is_file() else []
+        return [
+            {k: float(v) if isinstance(v, str) and v in NONFINITE_STRINGS else v for k, v in record.items()}
+            for record in records if "reward/mean" in record
+        ]
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        """Write ``summary.json`` and close the tracker's run."""
+        if self.local is not None:
+            self.local.finish(summary)
+            self.tracker.finish(summary)
+
+    def close(self) -> None:
+        if self.local is not None:
+            self.local.close()

@@ -1,0 +1,185 @@
+"""The update: parameter groups, optimizer and schedule, epochs over mini-batches of micro-batches, guards.
+
+:class:`Updater` owns everything that changes weights. Per step it runs ``algorithm.epochs`` passes over the
+rollout in shuffled mini-batches of ``algorithm.mini_batch_size`` samples; each mini-batch accumulates the
+gradients of micro-batches of ``trainer.micro_batch_size`` samples (normalised by mini-batch totals, so the
+split does not change the update), then takes one optimizer step unless the algorithm vetoes it or the loss
+or a gradient is not finite (a skip: parameters and optimizer state untouched, counted towards
+``trainer.max_consecutive_skips``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from rlhf_lab.algorithms.base import Algorithm, LossContext, LossResult, PolicyOutput
+from rlhf_lab.ops import gather_logprobs
+from rlhf_lab.rollout import Rollout, response_logits
+from rlhf_lab.training.records import StepTimer
+
+
+def lr_lambda(schedule: str, warmup_steps: int, total_steps: int):
+    """Multiplier of the base learning rate at an optimizer step: linear warmup, then the schedule."""
+
+    def factor(step: int) -> float:
+        if warmup_steps > 0 and step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        if schedule == "linear":
+            return max(0.0, 1.0 - progress)
+        if schedule == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+        return 1.0
+
+    return factor
+
+
+def parameter_groups(policy: nn.Module, algorithm: Algorithm, lr: float) -> list[dict[str, Any]]:
+    """The policy's trainable tensors at ``lr``, then the algorithm's own groups (a tensor appears once)."""
+    policy_parameters = [p for p in policy.parameters() if p.requires_grad]
+    seen = {id(p) for p in policy_parameters}
+    groups = [{"params": policy_parameters, "lr": lr}]
+    for group in algorithm.parameter_groups(lr):
+        params = [p for p in group["params"] if id(p) not in seen]
+        seen.update(id(p) for p in params)
+        if params:
+            groups.append({**group, "params": params})
+    return groups
+
+
+class Updater:
+    """Optimizer, schedule and the epoch / mini-batch / micro-batch loop of one policy and its algorithm.
+
+    ``kl_estimator`` and ``kl_placement`` add the loss-placed KL term to every micro-batch's loss.
+    """
+
+    def __init__(self, cfg: Any, policy: nn.Module, algorithm: Algorithm, kl_estimator: Any, kl_placement: Any,
+                 device: torch.device) -> None:
+        self.cfg, self.policy, self.algorithm = cfg, policy, algorithm
+        self.kl_estimator, self.kl_placement = kl_estimator, kl_placement
+        trainer = cfg.trainer
+        groups = parameter_groups(policy, algorithm, trainer.lr)
+        self.parameters = [p for group in groups for p in group["params"]]
+        self.optimizer = torch.optim.AdamW(
+            groups,
+            lr=trainer.lr,
+            betas=(trainer.adam_beta1, trainer.adam_beta2),
+            weight_decay=trainer.weight_decay,
+            # One fused kernel instead of per-tensor loops: same update, ~6x faster on this CPU (0.75 -> 0.12 s).
+            fused=device.type in ("cpu", "cuda"),
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda(trainer.lr_schedule, trainer.warmup_steps, trainer.steps)
+        )
+        self.consecutive_skips = 0
+        self.skipped_updates = 0
+        self.last_grad_norm = float("nan")
+
+    # ------------------------------------------------------------------ counters (saved with checkpoints)
+    def state_dict(self) -> dict[str, int]:
+        return {"skipped_updates": self.skipped_updates, "consecutive_skips": self.consecutive_skips}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.skipped_updates = state.get("skipped_updates", 0)
+        self.consecutive_skips = state.get("consecutive_skips", 0)
+
+    # ------------------------------------------------------------------ units
+    def forward(self, batch: Rollout) -> PolicyOutput:
+        """The policy's training forward pass over ``batch``: log-probs, logits (and hidden states if needed)."""
+        logits, hidden = response_logits(
+            self.policy, batch.input_ids, batch.attention_mask, batch.prompt_width, self.cfg.trainer.temperature,
+            output_hidden_states=self.algorithm.needs_hidden_states,
+        )
+        logprobs = gather_logprobs(logits, batch.response_ids) * batch.response_mask
+        return PolicyOutput(logprobs=logprobs, logits=logits, hidden=hidden)
+
+    def micro_loss(self, batch: Rollout, context: LossContext, coef: float) -> LossResult:
+        """The algorithm's loss of a micro-batch plus the loss-placed KL term; ``loss/total`` in the stats."""
+        output = self.forward(batch)
+        mask = batch.response_mask
+        result = self.algorithm.loss(batch, output, context)
+        loss, stats = result.loss, result.stats
+        if self.kl_placement.needs_grad:
+            token_share = float(mask.sum()) / max(context.minibatch_tokens, 1.0)
+            kl_values = self.kl_estimator(output.logprobs, batch.ref_logprobs, logits=output.logits,
+                                          ref_logits=batch.ref_logits)
+            kl_loss = self.kl_placement.loss_term(kl_values, mask, coef) * token_share
+            loss = loss + kl_loss
+            stats["loss/kl"] = kl_loss.detach()
+        stats["loss/total"] = loss.detach()
+        return LossResult(loss, stats, result.veto)
+
+    def optimizer_step(self, loss_finite: bool = True) -> bool:
+        """Clip and apply gradients; skip (no parameter change) if the loss or any gradient is not finite."""
+        max_norm = self.cfg.trainer.max_grad_norm
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.parameters, max_norm if max_norm else float("inf"))
+        self.last_grad_norm = float(grad_norm)
+        if not loss_finite or not torch.isfinite(grad_norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            self.consecutive_skips += 1
+            self.skipped_updates += 1
+            return False
+        self.optimizer.step()
+        self.consecutive_skips = 0
+        return True
+
+    def minibatch_update(self, minibatch: Rollout, coef: float, timer: StepTimer) -> dict[str, float]:
+        """Accumulate the micro-batches' gradients and take one optimizer step (or a veto, or a skip)."""
+        micro = self.cfg.trainer.micro_batch_size or minibatch.batch_size
+        # Rows count only with a response token: a dropped sample (mask zeroed) weighs nothing.
+        live_rows = int((minibatch.response_mask.sum(-1) > 0).sum())
+        context = LossContext(float(minibatch.response_mask.sum()), live_rows, self.cfg.trainer.max_new_tokens)
+        self.optimizer.zero_grad(set_to_none=True)
+        stats: dict[str, float] = {}
+        veto: float | None = None
+        loss_finite = True
+        with timer.phase("policy_forward_backward"):
+            for micro_start in range(0, minibatch.batch_size, micro):
+                rows = torch.arange(micro_start, min(micro_start + micro, minibatch.batch_size))
+                result = self.micro_loss(minibatch.select(rows), context, coef)
+                loss_finite = loss_finite and bool(torch.isfinite(result.loss.detach()))
+                result.loss.backward()
+                for key, value in result.stats.items():
+                    stats[key] = stats.get(key, 0.0) + float(value)
+                if result.veto is not None:
+                    veto = (veto or 0.0) + float(result.veto)
+        with timer.phase("optimizer"):
+            if veto is not None and veto > 0:  # the algorithm vetoed this mini-batch: drop its gradient
+                self.optimizer.zero_grad(set_to_none=True)
+                applied = True
+            else:
+                applied = self.optimizer_step(loss_finite)
+        if veto is not None:
+            stats["optim/vetoed"] = float(veto > 0)
+        stats["optim/skipped"] = 0.0 if applied else 1.0
+        return stats
+
+    def update(self, rollout: Rollout, coef: float, step: int, timer: StepTimer) -> dict[str, float]:
+        """All epochs over ``rollout``; returns the update metrics averaged over mini-batches."""
+        cfg = self.cfg
+        batch_size = rollout.batch_size
+        mini = cfg.algorithm.mini_batch_size or batch_size
+        sums: dict[str, float] = {}
+        updates = 0
+        self.last_grad_norm = float("nan")  # stays nan if no optimizer step runs this step (all vetoed)
+        generator = torch.Generator().manual_seed(cfg.seed * 7919 + step)
+        for _epoch in range(cfg.algorithm.epochs):
+            order = torch.randperm(batch_size, generator=generator) if mini < batch_size else torch.arange(batch_size)
+            epoch_stats: dict[str, float] = {}
+            for start in range(0, batch_size, mini):
+                stats = self.minibatch_update(rollout.select(order[start : start + mini]), coef, timer)
+                updates += 1
+                for key, value in stats.items():
+                    sums[key] = sums.get(key, 0.0) + value
+                    epoch_stats[key] = epoch_stats.get(key, 0.0) + value
+            n_minibatches = math.ceil(batch_size / mini)
+            if self.algorithm.should_stop_epochs({k: v / n_minibatches for k, v in epoch_stats.items()}):
+                break
+        metrics = {key: value / max(updates, 1) for key, value in sums.items()}
+        metrics["optim/updates"] = updates
+        metrics.update(self.algorithm.summarize(metrics, updates))
+        return metrics

@@ -1,0 +1,57 @@
+"""experience: a scored rollout with its KL terms kept apart from the scores (ExperienceMaker, screen_scores)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlhf_lab.errors import RewardError
+from rlhf_lab.kl import exact_kl
+from rlhf_lab.training.experience import screen_scores
+from rlhf_lab.training.loop import Trainer
+from rlhf_lab.training.records import StepTimer
+
+
+def test_screen_scores_errors_or_fills() -> None:
+    scores = torch.tensor([0.5, float("nan"), 1.0, 2.0])
+    components = {"a": torch.tensor([0.5, float("nan"), 1.0, 2.0])}
+    with pytest.raises(RewardError) as raised:
+        screen_scores(scores, components, ["p0", "p1"], 2, "error", "reward 'x'")
+    assert str(raised.value) == ("component 'a' of reward 'x' returned nan for sample 1 (p0); "
+                                 "reward.on_nonfinite=drop drops such samples instead")
+    assert raised.value.sample == 1
+    filled, valid = screen_scores(scores, components, ["p0", "p1"], 2, "drop", "reward 'x'")
+    assert valid.tolist() == [True, False, True, True]
+    assert filled.tolist() == [0.5, 0.5, 1.0, 2.0]  # the group's mean of its finite scores
+    same, all_valid = screen_scores(scores[2:], {}, ["p"], 2, "error", "r")
+    assert same is not None and bool(all_valid.all())
+
+
+@pytest.mark.parametrize("placement", ["reward", "loss"])
+def test_make_keeps_scores_and_kl_terms_apart(compose, tiny_overrides, tmp_path: Path, placement: str) -> None:
+    cfg = compose([*tiny_overrides(tmp_path), "kl=kl", f"kl.placement={placement}", "kl.coef=0.5",
+                   "trainer.eval_prompts=0", "reward=length"])
+    trainer = Trainer(cfg, tmp_path / "run")
+    with torch.no_grad():  # move the policy off the reference so the KL terms are not all zero
+        for parameter in trainer.policy.parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter))
+    timer = StepTimer()
+    experience = trainer.experience.make(trainer.prompts.train[:2], 2, timer, ["a", "b"], kl_coef=0.5)
+    rollout, mask = experience.rollout, experience.rollout.response_mask
+    assert len(experience.prompts) == len(experience.responses) == rollout.batch_size == 4
+    assert experience.prompts[:2] == [trainer.prompts.train[0]] * 2
+    assert set(timer.times) == {"generate", "reward", "reference"}
+    # k1 per token is log π − log π_ref of the sampled token; the exact KL comes from the full logits.
+    torch.testing.assert_close(rollout.kl_estimate, (rollout.logprobs - rollout.ref_logprobs) * mask)
+    torch.testing.assert_close(rollout.kl_exact, exact_kl(rollout.policy_logits, rollout.ref_logits) * mask)
+    assert float(rollout.kl_exact.abs().sum()) > 0
+    expected_penalty = 0.5 * rollout.kl_estimate if placement == "reward" else torch.zeros_like(mask)
+    torch.testing.assert_close(rollout.kl_penalty, expected_penalty)
+    assert rollout.kl_coef == 0.5
+    # The scores are the reward's alone: the length rule on the decoded responses (4 tokens: few words).
+    lengths = [len(text.split()) for text in experience.responses]
+    assert rollout.scores.tolist() == pytest.approx([max(1 - (10 - n) / 20, -1.0) for n in lengths])
+    assert all(math.isfinite(s) for s in rollout.scores.tolist())

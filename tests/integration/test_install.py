@@ -1,0 +1,62 @@
+"""A non-editable install carries the Hydra tree (``rlhf_lab/conf``) and the embedded prompts, and runs.
+
+The package is installed with pip into a scratch folder (from a copy of the sources, so the checkout gets
+no ``build/``) and run from another working folder with only that folder on ``PYTHONPATH``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+RUN = ["model=tiny", "trainer.steps=1", "trainer.prompts_per_step=1", "algorithm.group_size=2",
+       "trainer.max_new_tokens=2", "trainer.eval_prompts=1", "trainer.progress_bar=false", "trainer.num_threads=1"]
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    source = tmp_path_factory.mktemp("source")
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(PROJECT_ROOT / name, source / name)
+    shutil.copytree(PROJECT_ROOT / "rlhf_lab", source / "rlhf_lab", ignore=shutil.ignore_patterns("__pycache__"))
+    target = tmp_path_factory.mktemp("site")
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+                    "--target", str(target), str(source)], check=True, capture_output=True, text=True, timeout=300)
+    return target
+
+
+def environment(target: Path) -> dict[str, str]:
+    env = {**os.environ, "PYTHONPATH": str(target), "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
+    return env
+
+
+def test_the_install_carries_conf_and_assets(installed: Path) -> None:
+    package = installed / "rlhf_lab"
+    shipped = {p.relative_to(package / "conf").as_posix() for p in (package / "conf").rglob("*.yaml")}
+    expected = {p.relative_to(PROJECT_ROOT / "rlhf_lab" / "conf").as_posix()
+                for p in (PROJECT_ROOT / "rlhf_lab" / "conf").rglob("*.yaml")}
+    assert shipped == expected and "config.yaml" in shipped and "experiment/smoke.yaml" in shipped
+    assert (package / "assets" / "movie_prompts" / "train.jsonl").is_file()
+    assert (package / "assets" / "movie_prompts" / "eval.jsonl").is_file()
+
+
+def test_an_installed_package_runs_from_another_folder(installed: Path, tmp_path: Path) -> None:
+    cwd = tmp_path / "elsewhere"
+    cwd.mkdir()
+    env = environment(installed)
+    where = subprocess.run([sys.executable, "-c", "import rlhf_lab.config as c; print(c.__file__); print(c.CONF_DIR)"],
+                           cwd=cwd, env=env, capture_output=True, text=True, check=True)
+    module_file, conf_dir = where.stdout.split()
+    assert Path(module_file).is_relative_to(installed) and Path(conf_dir) == installed / "rlhf_lab" / "conf"
+    run_dir = tmp_path / "run"
+    result = subprocess.run([sys.executable, "-m", "rlhf_lab", *RUN, f"trainer.output_dir={run_dir}"], cwd=cwd,
+                            env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (run_dir / "metrics.jsonl").is_file()
+    assert list(cwd.iterdir()) == []  # everything went to the run folder
