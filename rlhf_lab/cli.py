@@ -113,6 +113,7 @@ def _hydra_entry() -> None:
         from hydra.core.hydra_config import HydraConfig
 
         from rlhf_lab.config import validate
+        from rlhf_lab.config.objective import objective
         from rlhf_lab.errors import TrainingStopped, UserError
         from rlhf_lab.training import run as train
 
@@ -122,7 +123,9 @@ def _hydra_entry() -> None:
         run_dir = run_folder(cfg) or Path(HydraConfig.get().runtime.output_dir)
         try:
             validate(cfg)  # every job of a sweep; only the first was checked before Hydra started
-            return train(cfg, run_dir)
+            summary = train(cfg, run_dir)
+            # A hyperparameter search (hydra/sweeper=optuna) gets one number: the summary's optimized_metric.
+            return objective(summary, cfg) if cfg.get("optimized_metric") else summary
         except UserError as error:
             if os.environ.get("RLHF_LAB_TRACEBACK", "") not in ("", "0"):
                 raise

@@ -163,7 +163,8 @@ def prompt_indices(step: int, prompts_per_step: int, n_prompts: int, seed: int, 
     """Indices of the prompts for ``step``: consecutive slices of per-epoch seeded permutations.
 
     A pure function of its arguments, so resuming at any step draws the same prompts; with several
-    ranks each takes every ``world_size``-th of the step's prompts (the one place prompts are sharded).
+    ranks each takes a contiguous block of the step's prompts (the one place prompts are sharded), so the
+    ranks' blocks in rank order are the one-process list.
     """
     indices = []
     start = step * prompts_per_step
@@ -171,4 +172,5 @@ def prompt_indices(step: int, prompts_per_step: int, n_prompts: int, seed: int, 
         epoch, offset = divmod(position, n_prompts)
         order = torch.randperm(n_prompts, generator=torch.Generator().manual_seed(seed * 100003 + epoch))
         indices.append(int(order[offset]))
-    return indices[rank::world_size]
+    per_rank = len(indices) // world_size
+    return indices[rank * per_rank : (rank + 1) * per_rank]

@@ -261,3 +261,35 @@ def _plain_response_logits(model: nn.Module, input_ids: Tensor, attention_mask: 
     logits = output.logits[:, :-1].float() / temperature
     hidden = output.hidden_states[-1][:, prompt_width - 1 : -1] if output_hidden_states else None
     return logits, hidden
+
+
+def concat_rollouts(parts: list[Rollout], pad_token_id: int) -> Rollout:
+    """Stack rollouts generated separately into one batch: prompts left-padded to the widest prompt, responses
+    right-padded to the longest (pad token, mask 0; per-token tensors 0 there). Rows keep their order."""
+    if len(parts) == 1:
+        return parts[0]
+    prompt_width = max(part.prompt_width for part in parts)
+    response_width = max(part.response_mask.shape[1] for part in parts)
+
+    def pad(tensor: Tensor, left: int, right: int, value: float = 0) -> Tensor:
+        # F.pad pads the last dimensions first: move [B, T, V]'s T last, pad, move back.
+        if tensor.dim() == 3:
+            return torch.nn.functional.pad(tensor.transpose(1, 2), (left, right), value=value).transpose(1, 2)
+        return torch.nn.functional.pad(tensor, (left, right), value=value)
+
+    pieces: dict[str, list[Tensor]] = {key: [] for key in ("input_ids", "attention_mask", "response_mask",
+                                                           "logprobs", "entropy", "policy_logits")}
+    for part in parts:
+        left, right = prompt_width - part.prompt_width, response_width - part.response_mask.shape[1]
+        prompt_ids, response_ids = part.input_ids[:, : part.prompt_width], part.response_ids
+        pieces["input_ids"].append(torch.cat([pad(prompt_ids, left, 0, pad_token_id),
+                                              pad(response_ids, 0, right, pad_token_id)], dim=1))
+        prompt_mask, response_attention = part.attention_mask[:, : part.prompt_width], part.attention_mask[:, part.prompt_width :]
+        pieces["attention_mask"].append(torch.cat([pad(prompt_mask, left, 0), pad(response_attention, 0, right)], dim=1))
+        for key in ("response_mask", "logprobs", "entropy"):
+            pieces[key].append(pad(getattr(part, key), 0, right))
+        if part.policy_logits is not None:
+            pieces["policy_logits"].append(pad(part.policy_logits, 0, right))
+    logits = torch.cat(pieces.pop("policy_logits")) if parts[0].policy_logits is not None else None
+    return Rollout(prompt_width=prompt_width, group_size=parts[0].group_size, policy_logits=logits,
+                   **{key: torch.cat(values) for key, values in pieces.items()})

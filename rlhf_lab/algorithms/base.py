@@ -9,13 +9,15 @@ methods; it never asks which algorithm it runs. Per-token tensors are [B, T]; ``
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from rlhf_lab.ops import entropy_from_logits, masked_mean, masked_sum, masked_whiten
+from rlhf_lab import distributed
+from rlhf_lab.ops import entropy_from_logits, masked_mean, masked_sum
 from rlhf_lab.registry import get, register
 from rlhf_lab.rollout import Rollout, scores_to_token_rewards
 
@@ -127,7 +129,7 @@ def policy_weights(advantages: Tensor, scores: Tensor, mask: Tensor, weight_by: 
     """The per-token weight of ∇log π: [B] advantages or raw scores -> [B, T].
 
     ``weight_by``: ``advantage``, or ``reward`` (TapeAgents ``rl_step``): the raw sequence score, without
-    the KL penalty. ``whiten`` whitens the weights over the batch's valid tokens; ``clamp_negative`` then
+    the KL penalty. ``whiten`` whitens the weights over the batch's valid tokens (every rank's); ``clamp_negative`` then
     sets negative weights to 0, so only better-than-baseline samples are reinforced (the clamp comes last,
     so whitening cannot bring negative weights back).
     """
@@ -136,7 +138,7 @@ def policy_weights(advantages: Tensor, scores: Tensor, mask: Tensor, weight_by: 
     weights = advantages if weight_by == "advantage" else scores
     token_weights = weights[:, None] * mask
     if whiten:
-        token_weights = masked_whiten(token_weights, mask)
+        token_weights = distributed.masked_whiten(token_weights, mask)  # over every rank's tokens
     return token_weights.clamp(min=0.0) * mask if clamp_negative else token_weights
 
 
@@ -171,6 +173,9 @@ class Algorithm:
     def setup(self, policy: nn.Module) -> None:
         """Build extra modules once the policy exists."""
 
+    def wrap_modules(self, wrap: Callable[[nn.Module], nn.Module]) -> None:
+        """Let a multi-process strategy wrap the trainable modules (DDP, FSDP); none for critic-free ones."""
+
     def parameter_groups(self, lr: float) -> list[dict[str, Any]]:
         """Optimizer groups of the algorithm's own modules (``lr``: the policy's learning rate)."""
         parameters = [p for module in self.modules().values() for p in module.parameters() if p.requires_grad]
@@ -186,7 +191,8 @@ class Algorithm:
                                        self.cfg.whiten_advantages, self.cfg.clamp_negative_weights)
         rollout.advantages = token_weights
         rollout.returns = returns[:, None] * mask
-        return {"advantages/mean": masked_mean(token_weights, mask).item(), "returns/mean": returns.mean().item()}
+        return {"advantages/mean": distributed.masked_mean(token_weights, mask).item(),
+                "returns/mean": distributed.mean(returns).item()}
 
     def loss(self, batch: Rollout, output: PolicyOutput, context: LossContext) -> LossResult:
         """Clipped policy loss of a micro-batch minus the entropy bonus, and its statistics."""

@@ -12,14 +12,16 @@ whose mean ratio exploded (the loss result's ``veto``). The critic trains at its
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from rlhf_lab import distributed
 from rlhf_lab.algorithms.base import Algorithm, LossContext, LossResult, PolicyOutput, aggregate, build_token_rewards
 from rlhf_lab.algorithms.critic import SeparateCritic, ValueHead, hidden_size_of, policy_trunk
-from rlhf_lab.ops import masked_mean, masked_sum, masked_var, masked_whiten
+from rlhf_lab.ops import masked_sum
 from rlhf_lab.registry import register
 from rlhf_lab.rollout import Rollout
 
@@ -72,10 +74,10 @@ def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
 
     Defined as 0 when Var(R) = 0 (the ratio is undefined; 0 keeps the logged value finite).
     """
-    returns_variance = masked_var(returns, mask)
+    returns_variance = distributed.masked_var(returns, mask)
     if returns_variance <= 0:
         return returns_variance.new_zeros(())
-    return 1.0 - masked_var(returns - values, mask) / returns_variance
+    return 1.0 - distributed.masked_var(returns - values, mask) / returns_variance
 
 
 def shape_scores(scores: Tensor, reward_clip: float | None, normalize: bool) -> Tensor:
@@ -84,7 +86,7 @@ def shape_scores(scores: Tensor, reward_clip: float | None, normalize: bool) -> 
     The order is TRL's (``use_score_norm`` then ``score_clip``), so the clip is in normalised units.
     """
     if normalize:
-        scores = masked_whiten(scores, torch.ones_like(scores))
+        scores = distributed.masked_whiten(scores, torch.ones_like(scores))  # over every rank's scores
     if reward_clip is not None:
         scores = scores.clamp(-reward_clip, reward_clip)
     return scores
@@ -120,7 +122,12 @@ class PPO(Algorithm):
     def modules(self) -> dict[str, nn.Module]:
         if self.critic is None:
             return {}
-        return {"value_head" if self.shared_critic else "critic": self.critic}
+        return {"value_head" if self.shared_critic else "critic": distributed.unwrap(self.critic)}
+
+    def wrap_modules(self, wrap: Callable[[nn.Module], nn.Module]) -> None:
+        """The critic trains under the run's strategy too (its gradients averaged or sharded across ranks)."""
+        if self.critic is not None:
+            self.critic = wrap(self.critic)
 
     def values(self, batch: Rollout, output: PolicyOutput | None) -> Tensor:
         """Critic values of the response tokens, [B, T] float32, 0 on padding."""
@@ -151,11 +158,11 @@ class PPO(Algorithm):
         values = self.values(rollout, output).float()
         advantages, returns = gae_advantages(rollout.token_rewards, values, mask, cfg.gamma, cfg.lam)
         rollout.values, rollout.returns = values, returns
-        rollout.advantages = masked_whiten(advantages, mask) if cfg.whiten_advantages else advantages
+        rollout.advantages = distributed.masked_whiten(advantages, mask) if cfg.whiten_advantages else advantages
         return {
-            "value/mean": masked_mean(values, mask).item(),
-            "returns/mean": masked_mean(returns, mask).item(),
-            "advantages/mean": masked_mean(advantages, mask).item(),
+            "value/mean": distributed.masked_mean(values, mask).item(),
+            "returns/mean": distributed.masked_mean(returns, mask).item(),
+            "advantages/mean": distributed.masked_mean(advantages, mask).item(),
             "value/explained_variance": explained_variance(values, returns, mask).item(),
         }
 

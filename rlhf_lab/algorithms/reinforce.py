@@ -9,6 +9,7 @@ from typing import Any
 
 from torch import Tensor
 
+from rlhf_lab import distributed
 from rlhf_lab.algorithms.base import Algorithm
 from rlhf_lab.registry import get, register
 
@@ -21,8 +22,8 @@ def no_baseline(returns: Tensor, group_size: int) -> Tensor:
 
 @register("baseline", "batch_mean")
 def batch_mean_baseline(returns: Tensor, group_size: int) -> Tensor:
-    """A_i = R_i − mean over the whole batch."""
-    return returns - returns.mean()
+    """A_i = R_i − mean over the whole batch (every rank's samples)."""
+    return returns - distributed.mean(returns)
 
 
 @register("baseline", "loo")

@@ -9,9 +9,6 @@ loss_aggregation, baseline) or a constant next to the code (``rlhf_lab.algorithm
 
 from __future__ import annotations
 
-# trainer.dtype: the keys of rlhf_lab.models.DTYPES, repeated here because importing rlhf_lab.models
-# loads transformers (seconds), and a config is checked before anything heavy is imported.
-DTYPES = ("float32", "bfloat16", "float16")
 LR_SCHEDULES = ("constant", "linear", "cosine")  # trainer.lr_schedule (after warmup)
 DEVICES = ("auto", "cpu", "cuda", "mps")  # trainer.device, besides cuda:N
 ON_NONFINITE = ("error", "drop")  # reward.on_nonfinite: a NaN/inf score stops the run or drops that sample

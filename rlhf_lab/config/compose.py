@@ -4,6 +4,8 @@ The CLI (before Hydra starts), ``rlhf-lab bench``, the tests and the golden-reco
 one function, so a typo in a key, an unknown option or an out-of-range value fails the same way
 everywhere: a one-line :class:`~rlhf_lab.errors.ConfigError` naming the key and what it accepts.
 The Hydra tree ships inside the package (``CONF_DIR`` = ``rlhf_lab/conf``), so any install finds it.
+A command line that picks a launcher, a sweeper or a search (``hydra/launcher=ray``, ``+hparams_search=NAME``,
+``experiment=NAME``) also has Hydra's own config composed and checked (:mod:`.validate_sweep`).
 """
 
 from __future__ import annotations
@@ -13,14 +15,24 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from rlhf_lab.config.objective import check_objective
 from rlhf_lab.config.schema import register_configs
 from rlhf_lab.config.validate import validate
 from rlhf_lab.config.validate_keys import field_types, schema_at, type_name, unknown_key_message
+from rlhf_lab.config.validate_sweep import (
+    check_plugin_targets,
+    check_plugins,
+    check_search_space,
+    plugin_error,
+    sweep_values,
+)
 from rlhf_lab.errors import ConfigError
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
-GROUPS = ("algorithm", "kl", "reward", "model", "data", "logger", "experiment")
+GROUPS = ("algorithm", "kl", "reward", "model", "data", "logger", "experiment", "hparams_search")
 HYDRA_PREFIXES = ("hydra.", "hydra/", "+hydra", "++hydra")
+# Overrides that can change the launcher or the sweeper: composing Hydra's own config checks them.
+SWEEP_SETTINGS = (*HYDRA_PREFIXES, "experiment=", "+experiment=", "hparams_search=", "+hparams_search=")
 
 
 def group_options(group: str) -> list[str]:
@@ -35,9 +47,13 @@ def normalize_overrides(overrides: list[str]) -> list[str]:
     return [o[1:] if o.startswith("+experiment=") else o for o in overrides]
 
 
-def _split_sweep(value: str) -> list[str]:
-    """The choices of a simple sweep value ``a,b,c`` (brackets and function syntax are left to Hydra)."""
-    if any(ch in value for ch in "[](){}"):
+def _split_sweep(override: str, value: str) -> list[str]:
+    """The values of a sweep (``a,b,c``, ``choice(...)``, ``range(...)``; an ``interval``'s lower bound), parsed
+    by Hydra's override grammar; a plain value as typed."""
+    values = sweep_values(override)
+    if values is not None:
+        return values
+    if any(ch in value for ch in "[](){}'\"") or "," not in value:
         return [value]
     return [v.strip() for v in value.split(",")]
 
@@ -51,7 +67,13 @@ def check_overrides(overrides: list[str]) -> list[str]:
             continue
         key, value = override.split("=", 1)
         group = key.lstrip("+~")
-        choices = _split_sweep(value)
+        if key.startswith(HYDRA_PREFIXES):
+            if key.startswith(("hydra.", "+hydra.", "++hydra.")) and sweep_values(override) is not None:
+                raise ConfigError(f"{override} is a sweep over Hydra's own config; quote the value for Hydra, "
+                                  f"in the shell: \"{key}='{value}'\"")
+            first_job.append(override)
+            continue
+        choices = _split_sweep(override, value)
         if group in GROUPS:
             valid = group_options(group)
             for choice in choices:
@@ -61,7 +83,7 @@ def check_overrides(overrides: list[str]) -> list[str]:
     return first_job
 
 
-def _hydra_compose(overrides: list[str]) -> DictConfig:
+def _hydra_compose(overrides: list[str], return_hydra_config: bool = False) -> DictConfig:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
@@ -70,7 +92,8 @@ def _hydra_compose(overrides: list[str]) -> DictConfig:
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            return hydra_compose(config_name="config", overrides=list(overrides))
+            return hydra_compose(config_name="config", overrides=list(overrides),
+                                 return_hydra_config=return_hydra_config)
     finally:
         GlobalHydra.instance().clear()
 
@@ -80,16 +103,41 @@ def compose(overrides: list[str]) -> DictConfig:
 
     Raises :class:`ConfigError` (a ``UserError``), one line, on any mistake.
     """
+    overrides = normalize_overrides(list(overrides))
+    check_plugins(overrides, CONF_DIR)  # hydra/launcher=ray without ray: what to install, before Hydra needs it
+    first_job = check_overrides(overrides)
+    job_overrides = [o for o in first_job if not o.startswith(HYDRA_PREFIXES)]
+    cfg = _compose_job(job_overrides)
+    if any(o.startswith(SWEEP_SETTINGS) for o in overrides):
+        check_sweep(first_job, job_overrides, cfg)
+    return cfg
+
+
+def _compose_job(job_overrides: list[str]) -> DictConfig:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    job_overrides = [o for o in check_overrides(normalize_overrides(list(overrides))) if not o.startswith(HYDRA_PREFIXES)]
     try:
         cfg = _hydra_compose(job_overrides)
         validate(cfg)
+        check_objective(cfg)
     except (HydraException, OmegaConfBaseException) as error:
         raise ConfigError(one_line(error, job_overrides)) from None
     return cfg
+
+
+def check_sweep(first_job: list[str], job_overrides: list[str], cfg: DictConfig) -> None:
+    """Compose Hydra's own config too (launcher, sweeper, search space) and check what the sweep would run."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        hydra_cfg = _hydra_compose(first_job, return_hydra_config=True)
+    except (HydraException, OmegaConfBaseException) as error:
+        raise (plugin_error(error, CONF_DIR) or ConfigError(one_line(error, first_job))) from None
+    check_plugin_targets(hydra_cfg)
+    groups = {group: group_options(group) for group in GROUPS}
+    check_search_space(hydra_cfg, cfg, groups, _compose_job, job_overrides)
 
 
 def one_line(error: Exception, overrides: list[str] = ()) -> str:

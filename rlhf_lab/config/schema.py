@@ -247,7 +247,13 @@ class TrainerConfig:
     keep_last_n: int = 2
     resume: str | None = None  # null | auto | path to a checkpoint folder
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    dtype: str = "float32"  # float32 | bfloat16 | float16
+    precision: str = "fp32"  # fp32 | bf16-mixed | bf16-true | fp16-mixed (Lightning's names; rlhf_lab/precision.py)
+    dtype: str | None = None  # deprecated alias: float32 -> precision=fp32, bfloat16 -> precision=bf16-true
+    strategy: str = "auto"  # auto | single | ddp | fsdp (rlhf_lab/distributed.py); auto: ddp under torchrun
+    gradient_checkpointing: bool = False  # recompute activations in backward (transformers' own)
+    offload_reference: bool = False  # keep the frozen reference on the CPU between its passes
+    logprob_chunk: int = 0  # rows per chunk of the reference scoring pass; 0: the whole batch at once
+    seed_per_prompt: bool = False  # each prompt group samples from its own seeded generator (batch-independent)
     num_threads: int = 0  # torch intra-op threads; 0: torch's default
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
@@ -276,6 +282,10 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     seed: int = 0
     experiment_name: str = "default"
+    # What a run returns to a hyperparameter search (rlhf_lab/config/objective.py): null returns the summary.
+    optimized_metric: str | None = None  # a summary.json key, e.g. eval/reward/mean
+    kl_budget: float | None = None  # subtract kl_budget_penalty * (eval/kl/exact - kl_budget) above the budget
+    kl_budget_penalty: float = 10.0
 
 
 # group -> {schema name in the ConfigStore: dataclass}; each option's YAML names one in its defaults list.

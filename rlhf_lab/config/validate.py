@@ -2,9 +2,10 @@
 
 1. keys: each key belongs to its node's schema (:mod:`~rlhf_lab.config.validate_keys`);
 2. values: choices, ranges, batch shapes (:mod:`~rlhf_lab.config.validate_values`);
-3. paths: data files, model and reward-model folders, hub cache (:mod:`~rlhf_lab.config.validate_paths`);
-4. code: user ``module:function`` specs import (:mod:`~rlhf_lab.config.validate_code`);
-5. resume: a ``trainer.resume`` path names a complete checkpoint (``rlhf_lab.training.checkpoint``).
+3. scale: strategy, precision and the batch over the ranks (:mod:`~rlhf_lab.config.validate_scale`);
+4. paths: data files, model and reward-model folders, hub cache (:mod:`~rlhf_lab.config.validate_paths`);
+5. code: user ``module:function`` specs import (:mod:`~rlhf_lab.config.validate_code`);
+6. resume: a ``trainer.resume`` path names a complete checkpoint (``rlhf_lab.training.checkpoint``).
 
 The first bad value raises :class:`~rlhf_lab.errors.ConfigError`, one line naming the key, the value and
 what is allowed.
@@ -18,6 +19,7 @@ from typing import Any
 from rlhf_lab.config.validate_code import check_code
 from rlhf_lab.config.validate_keys import check_known_keys
 from rlhf_lab.config.validate_paths import check_paths
+from rlhf_lab.config.validate_scale import check_scale
 from rlhf_lab.config.validate_values import check_values
 from rlhf_lab.errors import CheckpointError, ConfigError
 
@@ -38,6 +40,7 @@ def validate(cfg: Any) -> None:
     """Check a composed config; raise :class:`ConfigError` on the first bad key or value."""
     check_known_keys(cfg)
     check_values(cfg)
+    check_scale(cfg)
     check_paths(cfg)
     check_code(cfg)
     check_resume(cfg.trainer)

@@ -15,7 +15,7 @@ from typing import Any
 import rlhf_lab.components  # noqa: F401  (registers the built-in parts, whose names are the valid choices)
 from rlhf_lab.algorithms.base import WEIGHT_SOURCES
 from rlhf_lab.algorithms.ppo import CRITICS
-from rlhf_lab.config.choices import DEVICES, DTYPES, LR_SCHEDULES, ON_NONFINITE
+from rlhf_lab.config.choices import DEVICES, LR_SCHEDULES, ON_NONFINITE
 from rlhf_lab.errors import ConfigError
 from rlhf_lab.registry import get, names
 from rlhf_lab.rewards.classifier import OUTPUTS
@@ -55,7 +55,6 @@ def check_choices(cfg: Any) -> None:
         choice("algorithm.weight_by", algorithm.weight_by, WEIGHT_SOURCES)
     if "critic" in algorithm:
         choice("algorithm.critic", algorithm.critic, CRITICS)
-    choice("trainer.dtype", trainer.dtype, DTYPES)
     choice("trainer.lr_schedule", trainer.lr_schedule, LR_SCHEDULES)
     choice("reward.on_nonfinite", reward.on_nonfinite, ON_NONFINITE)
     if "target" in reward:

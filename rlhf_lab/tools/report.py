@@ -18,6 +18,9 @@ Training curves use the lines that have ``reward/mean``; the evaluation-only lin
 left out of them. Written into the folder (or ``--out``): ``report.csv``, ``report.md``,
 ``reward_vs_step.png``, ``kl_exact_vs_step.png`` (mean line, ± std band) and ``reward_vs_kl.png``
 (final reward against final exact KL per arm). The markdown table is printed.
+
+An Optuna search's folder (``hydra/sweeper=optuna``) also holds ``optimization_results.yaml``: the report then
+starts with the best trial (value, parameters, folder) and a table of every trial by objective value.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ METRICS = (
     ("eval_reward", "eval reward"),
 )
 PLOTS = ("reward_vs_step.png", "kl_exact_vs_step.png", "reward_vs_kl.png")
+OPTUNA_RESULTS = "optimization_results.yaml"  # written by hydra_plugins/rlhf_lab_optuna
 
 
 class ReportError(ToolError):
@@ -134,7 +138,7 @@ def load_job(folder: Path) -> Job:
 
 
 def _job_order(folder: Path) -> tuple[int, str]:
-    match = re.match(r"(\d+)_", folder.name)  # Hydra's job number prefix: 2_... before 10_...
+    match = re.match(r"(\d+)(?:_|$)", folder.name)  # Hydra's job number prefix: 2_... before 10_... (or just 2, 10)
     return (int(match.group(1)) if match else 1 << 30, str(folder))
 
 
@@ -336,6 +340,48 @@ def write_plots(arms: list[Arm], rows: list[dict[str, Any]], out: Path) -> list[
     return paths
 
 
+# ------------------------------------------------------------------------------------------ optuna
+
+
+def _params_text(params: dict[str, Any]) -> str:
+    return ", ".join(f"{key}={value:.4g}" if isinstance(value, float) else f"{key}={value}"
+                     for key, value in params.items())
+
+
+def optuna_section(folder: Path) -> list[str]:
+    """Markdown lines for an Optuna search's results (best trial first, then every trial), or [] if none."""
+    path = Path(folder) / OPTUNA_RESULTS
+    if not path.is_file():
+        return []
+    import yaml
+
+    try:
+        results = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except (OSError, yaml.YAMLError) as error:
+        return [f"(could not read {path.name}: {error})", ""]
+    direction = results.get("direction", "maximize")
+    lines = [
+        "## Optuna search",
+        "",
+        f"Study `{results.get('study_name')}` ({results.get('storage') or 'in memory'}), {direction}, "
+        f"{results.get('n_complete', 0)} of {results.get('n_trials', 0)} trials complete.",
+    ]
+    if "best_value" in results:
+        lines.append(f"**Best trial {results.get('best_trial')}: value {results['best_value']:.6g}** with "
+                     f"{_params_text(results.get('best_params') or {})} ({results.get('best_job_dir')})")
+    trials = [t for t in results.get("trials") or [] if isinstance(t, dict)]
+    done = sorted((t for t in trials if t.get("value") is not None), key=lambda t: t["value"],
+                  reverse=direction == "maximize")
+    rows = done + [t for t in trials if t.get("value") is None]
+    if rows:
+        lines += ["", "| trial | state | value | parameters |", "| ---: | --- | ---: | --- |"]
+        for trial in rows:
+            value = "" if trial.get("value") is None else f"{trial['value']:.6g}"
+            lines.append(f"| {trial.get('number')} | {trial.get('state')} | {value} | "
+                         f"{_params_text(trial.get('params') or {})} |")
+    return [*lines, ""]
+
+
 # ------------------------------------------------------------------------------------------ command
 
 
@@ -359,6 +405,7 @@ def build_report(folder: Path, out: Path | None = None) -> tuple[str, list[dict[
         [
             f"# Report: {folder.resolve()}",
             "",
+            *optuna_section(folder),
             f"{len(jobs)} jobs in {len(arms)} arms (arms differ by: {keys}; seeds are averaged).",
             "Cells are mean ± sample std over seeds. Final values are at the last training step; "
             "KL est − exact is the mean over steps of kl/estimate − kl/exact; s/step is the median time/step_s.",
@@ -384,4 +431,7 @@ def main(args: list[str] | None = None) -> None:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
     print(table)
+    search = optuna_section(options.folder)
+    if search:
+        print("\n" + "\n".join(line for line in search[:5] if line))
     print(f"\nwrote report.md, report.csv and {', '.join(PLOTS)} to {options.out or options.folder}")

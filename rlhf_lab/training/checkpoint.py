@@ -161,22 +161,32 @@ def save_checkpoint(
     scheduler: Any,
     trainer_state: dict[str, Any],
     keep_last_n: int,
+    model_state: dict[str, torch.Tensor] | None = None,
+    optimizer_state: dict[str, Any] | None = None,
+    module_states: dict[str, dict[str, torch.Tensor]] | None = None,
 ) -> Path:
-    """Write ``root/step_{step}`` atomically, point ``root/latest`` at it, keep the newest ``keep_last_n``."""
+    """Write ``root/step_{step}`` atomically, point ``root/latest`` at it, keep the newest ``keep_last_n``.
+
+    ``model_state`` / ``optimizer_state`` / ``module_states``: the whole states gathered from sharded (FSDP)
+    modules, written in
+    the same format as an unsharded run's, so any strategy loads them.
+    """
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     remove_temporary(root)
     final = root / f"step_{step}"
     tmp = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{step}.", dir=root))
     try:
-        policy.save_pretrained(tmp / MODEL_FOLDER, safe_serialization=True)
+        policy.save_pretrained(tmp / MODEL_FOLDER, safe_serialization=True, state_dict=model_state)
         tokenizer.save_pretrained(tmp / MODEL_FOLDER)
         for name, module in modules.items():
-            state = {k: v.detach().contiguous() for k, v in module.state_dict().items()}
+            whole = (module_states or {}).get(name) or module.state_dict()
+            state = {k: v.detach().contiguous() for k, v in whole.items()}
             save_file(state, str(tmp / f"{name}.safetensors"))
         optimizer_tensors: dict[str, torch.Tensor] = {}
         optimizer_plain = encode_state(
-            {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, optimizer_tensors
+            {"optimizer": optimizer_state or optimizer.state_dict(), "scheduler": scheduler.state_dict()},
+            optimizer_tensors,
         )
         save_file(optimizer_tensors, str(tmp / OPTIMIZER_FILE))
         rng_tensors, rng_plain = rng_state()
@@ -345,8 +355,11 @@ def load_checkpoint(
     optimizer: torch.optim.Optimizer,
     scheduler: Any,
     uses_adapter: bool,
+    sharded: bool = False,
 ) -> dict[str, Any]:
     """Restore everything :func:`save_checkpoint` wrote into live objects; return the trainer state.
+
+    ``sharded``: the policy, modules and optimizer are FSDP-sharded; the whole states are loaded into them.
 
     Only safetensors and JSON are read. A checkpoint that does not fit the configured run (another model
     size, LoRA on/off, another algorithm's modules) raises :class:`CheckpointError`.
@@ -375,7 +388,12 @@ def load_checkpoint(
             weights: dict[str, torch.Tensor] = {}
             for shard in sorted(model_dir.glob("*.safetensors")):
                 weights.update(load_file(str(shard)))
-            missing, unexpected = policy.load_state_dict(weights, strict=False)
+            if sharded:
+                from rlhf_lab.distributed import load_full_model_state
+
+                missing, unexpected = load_full_model_state(policy, weights)
+            else:
+                missing, unexpected = policy.load_state_dict(weights, strict=False)
             tied = {k for k in missing if "lm_head" in k}
             if set(missing) - tied or unexpected:
                 raise CheckpointError(
@@ -383,9 +401,20 @@ def load_checkpoint(
                     f"unexpected {sorted(unexpected)[:3]}"
                 )
         for name, module in modules.items():
-            module.load_state_dict(load_file(str(folder / f"{name}.safetensors")))
+            module_state = load_file(str(folder / f"{name}.safetensors"))
+            if sharded:
+                from rlhf_lab.distributed import load_full_model_state
+
+                load_full_model_state(module, module_state)
+            else:
+                module.load_state_dict(module_state)
         plain = decode_state(state.pop("optimizer"), load_file(str(folder / OPTIMIZER_FILE)))
-        optimizer.load_state_dict(plain["optimizer"])
+        if sharded:
+            from rlhf_lab.distributed import load_full_optimizer_state
+
+            load_full_optimizer_state({"policy": policy, **modules}, optimizer, plain["optimizer"])
+        else:
+            optimizer.load_state_dict(plain["optimizer"])
         scheduler.load_state_dict(plain["scheduler"])
     except CheckpointError:
         raise

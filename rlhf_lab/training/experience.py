@@ -20,8 +20,9 @@ from rlhf_lab.errors import RewardError
 from rlhf_lab.kl import exact_kl
 from rlhf_lab.models import PolicyAndReference
 from rlhf_lab.ops import gather_logprobs
+from rlhf_lab.precision import Precision
 from rlhf_lab.rewards.base import Reward, fill_nonfinite
-from rlhf_lab.rollout import Rollout, format_prompts, generate, response_logits
+from rlhf_lab.rollout import Rollout, concat_rollouts, format_prompts, generate, response_logits
 from rlhf_lab.training.records import StepTimer
 
 
@@ -58,46 +59,59 @@ def screen_scores(scores: Tensor, components: dict[str, Tensor], names: list[str
 
 
 class ExperienceMaker:
-    """Turns prompts into scored rollouts with reference log-probs and KL terms (no gradient anywhere)."""
+    """Turns prompts into scored rollouts with reference log-probs and KL terms (no gradient anywhere).
+
+    ``policy`` is the network that generates (unwrapped from DDP); every forward pass runs under the run's
+    precision. ``trainer.seed_per_prompt`` samples each prompt group from its own generator, so the samples
+    do not depend on how prompts are batched or sharded over ranks. ``trainer.logprob_chunk`` scores the
+    reference in chunks of rows, so its [B, T, V] logits never exist whole unless the update needs them.
+    """
 
     def __init__(self, cfg: Any, tokenizer: Any, models: PolicyAndReference, policy: nn.Module, reward: Reward,
-                 kl_estimator: Any, kl_placement: Any, device: torch.device) -> None:
+                 kl_estimator: Any, kl_placement: Any, device: torch.device, precision: Precision | None = None) -> None:
         self.cfg, self.tokenizer, self.models, self.policy = cfg, tokenizer, models, policy
         self.reward, self.kl_estimator, self.kl_placement, self.device = reward, kl_estimator, kl_placement, device
+        self.precision = precision or Precision("fp32", device.type)
+        # The update needs the reference's full logits only for a logits-based estimator placed in the loss.
+        self.update_needs_ref_logits = kl_placement.needs_grad and getattr(kl_estimator, "needs_logits", False)
 
     def make(self, prompts: list[str], group_size: int, timer: StepTimer, names: list[str],
-             kl_coef: float) -> Experience:
+             kl_coef: float, rng_keys: list[int] | None = None) -> Experience:
         """Generate ``group_size`` samples per prompt, score them, run the reference, and fill the KL terms.
 
-        ``names`` says where each prompt comes from (``train prompt 12``), for error messages.
+        ``names`` says where each prompt comes from (``train prompt 12``), for error messages; ``rng_keys``
+        seed each prompt's generator under ``trainer.seed_per_prompt``.
         """
-        rollout, responses, valid = self.sample_and_score(prompts, group_size, timer, names)
+        rollout, responses, valid = self.sample_and_score(prompts, group_size, timer, names, rng_keys)
         self.reference(rollout, timer)
-        mask = rollout.response_mask
-        rollout.kl_estimate, rollout.kl_exact = self.kl_terms(rollout)
         rollout.kl_coef = kl_coef
-        rollout.kl_penalty = self.kl_placement.reward_penalty(rollout.kl_estimate, kl_coef, mask)
+        rollout.kl_penalty = self.kl_placement.reward_penalty(rollout.kl_estimate, kl_coef, rollout.response_mask)
         repeated_prompts = [p for p in prompts for _ in range(group_size)]
         return Experience(rollout, repeated_prompts, responses, valid.to(self.device))
 
-    def sample_and_score(self, prompts: list[str], group_size: int, timer: StepTimer,
-                         names: list[str]) -> tuple[Rollout, list[str], Tensor]:
-        """Generate and score: (rollout with ``scores`` and reward components, decoded responses, valid [B])."""
+    def generate(self, prompts: list[str], group_size: int, rng_keys: list[int] | None) -> Rollout:
+        """Sample the responses; one generate call per prompt group, each seeded, under ``seed_per_prompt``."""
         cfg = self.cfg
         formatted = format_prompts(prompts, self.tokenizer, cfg.model.chat_template, cfg.model.system_prompt)
+        settings = dict(group_size=group_size, max_new_tokens=cfg.trainer.max_new_tokens,
+                        temperature=cfg.trainer.temperature, top_p=cfg.trainer.top_p, top_k=cfg.trainer.top_k,
+                        max_prompt_tokens=cfg.data.max_prompt_tokens, keep_logits=True)
+        with self.precision.autocast():
+            if not (cfg.trainer.seed_per_prompt and rng_keys is not None):
+                return generate(self.policy, self.tokenizer, formatted, **settings)
+            parts = []
+            for prompt, key in zip(formatted, rng_keys):
+                with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+                    torch.manual_seed(key)
+                    parts.append(generate(self.policy, self.tokenizer, [prompt], **settings))
+        return concat_rollouts(parts, self.tokenizer.pad_token_id)
+
+    def sample_and_score(self, prompts: list[str], group_size: int, timer: StepTimer, names: list[str],
+                         rng_keys: list[int] | None = None) -> tuple[Rollout, list[str], Tensor]:
+        """Generate and score: (rollout with ``scores`` and reward components, decoded responses, valid [B])."""
+        cfg = self.cfg
         with timer.phase("generate"):
-            rollout = generate(
-                self.policy,
-                self.tokenizer,
-                formatted,
-                group_size=group_size,
-                max_new_tokens=cfg.trainer.max_new_tokens,
-                temperature=cfg.trainer.temperature,
-                top_p=cfg.trainer.top_p,
-                top_k=cfg.trainer.top_k,
-                max_prompt_tokens=cfg.data.max_prompt_tokens,
-                keep_logits=True,
-            )
+            rollout = self.generate(prompts, group_size, rng_keys)
         response_mask = rollout.response_mask.long()
         responses = self.tokenizer.batch_decode(
             rollout.response_ids * response_mask + (1 - response_mask) * self.tokenizer.pad_token_id,
@@ -117,14 +131,41 @@ class ExperienceMaker:
         return rollout, responses, valid
 
     def reference(self, rollout: Rollout, timer: StepTimer) -> None:
-        """Fill ``ref_logprobs`` and ``ref_logits`` from the reference (the adapter-disabled policy under LoRA)."""
-        with timer.phase("reference"), torch.no_grad(), self.models.reference_context():
-            ref_logits, _ = response_logits(
-                self.models.reference_model(), rollout.input_ids, rollout.attention_mask, rollout.prompt_width,
-                self.cfg.trainer.temperature,
-            )
-        rollout.ref_logprobs = gather_logprobs(ref_logits, rollout.response_ids) * rollout.response_mask
-        rollout.ref_logits = ref_logits
+        """Fill ``ref_logprobs``, ``kl_estimate``, ``kl_exact`` (and ``ref_logits``) from the reference: the
+        adapter-disabled policy under LoRA, else the frozen copy (on the CPU between passes with
+        ``trainer.offload_reference``)."""
+        model = self.models.reference_model()
+        offload = self.cfg.trainer.offload_reference and self.models.reference is not None
+        chunk = self.cfg.trainer.logprob_chunk
+        with timer.phase("reference"), torch.no_grad(), self.models.reference_context(), self.precision.autocast():
+            if offload:
+                model.to(self.device)
+            if not chunk or chunk >= rollout.batch_size:
+                ref_logits, _ = response_logits(model, rollout.input_ids, rollout.attention_mask,
+                                                rollout.prompt_width, self.cfg.trainer.temperature)
+                rollout.ref_logprobs = gather_logprobs(ref_logits, rollout.response_ids) * rollout.response_mask
+                rollout.ref_logits = ref_logits
+                rollout.kl_estimate, rollout.kl_exact = self.kl_terms(rollout)
+            else:
+                self._reference_in_chunks(model, rollout, chunk)
+            if offload:
+                model.to("cpu")
+
+    def _reference_in_chunks(self, model: nn.Module, rollout: Rollout, chunk: int) -> None:
+        """The reference pass over ``chunk`` rows at a time; each chunk's logits die with it."""
+        pieces: dict[str, list[Tensor]] = {"ref_logprobs": [], "kl_estimate": [], "kl_exact": [], "ref_logits": []}
+        for start in range(0, rollout.batch_size, chunk):
+            part = rollout.select(torch.arange(start, min(start + chunk, rollout.batch_size)))
+            part.ref_logits, _ = response_logits(model, part.input_ids, part.attention_mask, part.prompt_width,
+                                                 self.cfg.trainer.temperature)
+            part.ref_logprobs = gather_logprobs(part.ref_logits, part.response_ids) * part.response_mask
+            part.kl_estimate, part.kl_exact = self.kl_terms(part)
+            for key in ("ref_logprobs", "kl_estimate", "kl_exact"):
+                pieces[key].append(getattr(part, key))
+            if self.update_needs_ref_logits:
+                pieces["ref_logits"].append(part.ref_logits)
+        for key, values in pieces.items():
+            setattr(rollout, key, torch.cat(values) if values else None)
 
     def kl_terms(self, rollout: Rollout) -> tuple[Tensor, Tensor]:
         """(estimate, exact) per-token KL of the sampling policy from the reference, masked: [B, T] each."""

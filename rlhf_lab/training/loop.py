@@ -7,6 +7,7 @@ config name; this file never asks which algorithm, estimator, placement or rewar
 
 from __future__ import annotations
 
+import os
 import random
 import signal
 import sys
@@ -23,7 +24,8 @@ from rlhf_lab import distributed
 from rlhf_lab.data import check_prompt_lengths, load_prompts, prompt_indices, prompt_token_limit
 from rlhf_lab.errors import TrainingStopped
 from rlhf_lab.models import build_policy, load_tokenizer
-from rlhf_lab.ops import masked_mean, masked_sum
+from rlhf_lab.ops import masked_sum
+from rlhf_lab.precision import Precision
 from rlhf_lab.registry import get
 from rlhf_lab.rewards.base import build_reward
 from rlhf_lab.rollout import format_prompts
@@ -37,9 +39,24 @@ EVAL_CHUNK = 16  # held-out prompts generated at once
 
 
 def resolve_device(name: str) -> torch.device:
+    """``auto``: CUDA when available; under a multi-process launch each rank takes its ``LOCAL_RANK`` GPU."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and distributed.launched_processes() > 1:
+        return torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}")
     return torch.device(name)
+
+
+def rng_key(seed: int, split: int, step: int, position: int) -> int:
+    """The generator seed of one prompt group under ``trainer.seed_per_prompt`` (split 0 train, 1 eval)."""
+    return (((seed * 1_000_003 + split) * 1_000_033 + step) * 1_000_037 + position) % 2**62
+
+
+def shard(count: int, rank: int, world_size: int) -> list[int]:
+    """Rank ``rank``'s contiguous block of ``range(count)`` (the first ``count % world_size`` ranks take one more)."""
+    base, extra = divmod(count, world_size)
+    start = rank * base + min(rank, extra)
+    return list(range(start, start + base + (rank < extra)))
 
 
 def seed_everything(seed: int) -> None:
@@ -52,14 +69,16 @@ class Trainer:
     """Builds a run's parts from its config and trains; ``experience``, ``updater`` and ``records`` are its units."""
 
     def __init__(self, cfg: Any, run_dir: Path) -> None:
-        distributed.refuse_multi_process()
         self.cfg = cfg
         self.run_dir = Path(run_dir)
+        self.strategy = distributed.resolve_strategy(cfg.trainer.strategy)
+        self.device = resolve_device(cfg.trainer.device)
+        distributed.setup(self.strategy, self.device)
+        self.precision = Precision.from_config(cfg.trainer, self.device, warn=distributed.is_main_process())
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if cfg.trainer.num_threads > 0:
             torch.set_num_threads(cfg.trainer.num_threads)
-        seed_everything(cfg.seed)
-        self.device = resolve_device(cfg.trainer.device)
+        seed_everything(cfg.seed)  # the same on every rank: the same initial model
         self.checkpoint_root = self.run_dir / "checkpoints"
         # Checked before anything loads: what to resume from, and that a fresh start mixes with no earlier run.
         self.resume_from = ckpt.prepare_run_folder(cfg.trainer.resume, self.run_dir,
@@ -67,25 +86,40 @@ class Trainer:
 
         self.prompts = load_prompts(cfg.data, seed=cfg.seed)
         self.tokenizer = load_tokenizer(cfg.model)
-        self.models = build_policy(cfg.model, self.tokenizer, cfg.trainer.dtype, cfg.seed)
+        self.models = build_policy(cfg.model, self.tokenizer, self.precision.weights_dtype, cfg.seed)
         self._check_prompt_lengths()
-        self.policy = self.models.policy.to(self.device)
+        if cfg.trainer.gradient_checkpointing:
+            self.models.policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        policy = self.models.policy.to(self.device)
         if self.models.reference is not None:
-            self.models.reference.to(self.device)
+            self.models.reference.to("cpu" if cfg.trainer.offload_reference else self.device)
 
         self.algorithm = get("algorithm", cfg.algorithm.name)(cfg.algorithm)
-        self.algorithm.setup(self.policy)
+        self.algorithm.setup(policy)
         for module in self.algorithm.modules().values():
             module.to(self.device)
+        # Under ddp/fsdp the policy and the algorithm's own modules train wrapped; generation uses the module.
+        self.policy = distributed.wrap(policy, self.strategy, self.device)
+        sync_modules = [self.policy]
+
+        def wrap(module: torch.nn.Module) -> torch.nn.Module:
+            sync_modules.append(distributed.wrap(module, self.strategy, self.device))
+            return sync_modules[-1]
+
+        self.algorithm.wrap_modules(wrap)
+        if distributed.world_size() > 1:  # every rank samples its own noise from here on
+            seed_everything(cfg.seed + 1_000_003 * distributed.rank())
         self.kl_estimator = get("kl", cfg.kl.name)
         self.kl_placement = get("kl_placement", cfg.kl.placement)
         self.kl_controller = get("kl_controller", cfg.kl.controller)(
             coef=cfg.kl.coef, target=cfg.kl.target, horizon=cfg.kl.horizon
         )
         self.reward = build_reward(cfg.reward, device=str(self.device))
-        self.experience = ExperienceMaker(cfg, self.tokenizer, self.models, self.policy, self.reward,
-                                          self.kl_estimator, self.kl_placement, self.device)
-        self.updater = Updater(cfg, self.policy, self.algorithm, self.kl_estimator, self.kl_placement, self.device)
+        self.experience = ExperienceMaker(cfg, self.tokenizer, self.models, distributed.unwrap(self.policy),
+                                          self.reward, self.kl_estimator, self.kl_placement, self.device,
+                                          self.precision)
+        self.updater = Updater(cfg, self.policy, self.algorithm, self.kl_estimator, self.kl_placement, self.device,
+                               self.precision, self.strategy, sync_modules)
         self.start_step = 0
         self.step = -1
         self.first_eval: dict[str, Any] | None = None
@@ -104,16 +138,21 @@ class Trainer:
         if folder is None:
             return
         updater = self.updater
-        state = ckpt.load_checkpoint(folder, self.policy, self.algorithm.modules(), updater.optimizer,
-                                     updater.scheduler, self.models.uses_adapter)
+        state = ckpt.load_checkpoint(folder, distributed.unwrap(self.policy), self.algorithm.modules(),
+                                     updater.optimizer, updater.scheduler, self.models.uses_adapter,
+                                     sharded=self.strategy == "fsdp")
         self.kl_controller.load_state_dict(state["kl_controller"])
         updater.load_state_dict(state)
+        rank_rng = state.get("rank_rng")
+        if rank_rng and len(rank_rng) == distributed.world_size():  # every rank's own generator
+            torch.set_rng_state(torch.tensor(rank_rng[distributed.rank()], dtype=torch.uint8))
         self.first_eval = state.get("first_eval")
         self.start_step = state["step"] + 1
         for name in ("metrics.jsonl", "samples.jsonl"):
             if distributed.is_main_process():
                 repair_jsonl(self.run_dir / name, before_step=self.start_step)
-        print(f"resumed from {folder} at step {self.start_step}")
+        if distributed.is_main_process():
+            print(f"resumed from {folder} at step {self.start_step}")
 
     def _check_prompt_lengths(self) -> None:
         """Every prompt, as the model sees it, must fit data.max_prompt_tokens and the model's context."""
@@ -131,15 +170,26 @@ class Trainer:
         check_prompt_lengths(self.prompts, count_tokens, limit, why)
 
     def save(self, step: int) -> Path | None:
+        """Write a checkpoint of ``step``: rank 0 writes, after gathering what other ranks hold (FSDP shards,
+        every rank's generator). Returns its folder (None on other ranks)."""
+        updater, modules = self.updater, self.algorithm.modules()
+        policy = distributed.unwrap(self.policy)
+        whole: dict[str, Any] = {}
+        if self.strategy == "fsdp":  # collectives: every rank takes part
+            whole = {"model_state": distributed.full_model_state(policy),
+                     "module_states": {name: distributed.full_model_state(m) for name, m in modules.items()},
+                     "optimizer_state": distributed.full_optimizer_state({"policy": policy, **modules},
+                                                                         updater.optimizer)}
+        rank_rng = distributed.gather_objects([torch.get_rng_state().tolist()])
         if not distributed.is_main_process():
             return None  # one writer: rank 0
-        updater = self.updater
-        return ckpt.save_checkpoint(
-            self.checkpoint_root, step, self.policy, self.tokenizer, self.algorithm.modules(), updater.optimizer,
-            updater.scheduler,
-            {"kl_controller": self.kl_controller.state_dict(), **updater.state_dict(), "first_eval": self.first_eval},
-            keep_last_n=self.cfg.trainer.keep_last_n,
-        )
+        trainer_state = {"kl_controller": self.kl_controller.state_dict(), **updater.state_dict(),
+                         "first_eval": self.first_eval}
+        if distributed.world_size() > 1:
+            trainer_state["rank_rng"] = rank_rng
+        return ckpt.save_checkpoint(self.checkpoint_root, step, policy, self.tokenizer, modules, updater.optimizer,
+                                    updater.scheduler, trainer_state, keep_last_n=self.cfg.trainer.keep_last_n,
+                                    **whole)
 
     # ----------------------------------------------------------------- one step
     def train_step(self, step: int) -> dict[str, Any]:
@@ -152,8 +202,10 @@ class Trainer:
                                  rank=distributed.rank(), world_size=distributed.world_size())
         prompts = [self.prompts.train[i] for i in indices]
         coef = self.kl_controller.coef
+        first = distributed.rank() * len(indices)  # this rank's first position among the step's prompts
         experience = self.experience.make(prompts, cfg.algorithm.group_size, timer,
-                                          [f"train prompt {i}" for i in indices], coef)
+                                          [f"train prompt {i}" for i in indices], coef,
+                                          rng_keys=[rng_key(cfg.seed, 0, step, first + j) for j in range(len(indices))])
         rollout, valid = experience.rollout, experience.valid
         mask = rollout.response_mask
         with timer.phase("advantages"):
@@ -164,32 +216,34 @@ class Trainer:
             rollout.response_mask = mask * valid[:, None]
             rollout.advantages = rollout.advantages * rollout.response_mask
         rollout.policy_logits = None  # no longer needed; frees [B, T, V]
-        if not (self.kl_placement.needs_grad and getattr(self.kl_estimator, "needs_logits", False)):
+        if not self.experience.update_needs_ref_logits:
             rollout.ref_logits = None
         update_stats = self.updater.update(rollout, coef, step, timer)
-        exact_per_sequence = masked_sum(rollout.kl_exact, mask, dim=-1)
-        self.kl_controller.update(float(exact_per_sequence.mean()), rollout.batch_size)
+        # Batch statistics over every rank's samples (each rank holds whole prompt groups, in rank order).
+        exact_per_sequence = distributed.gather_rows(masked_sum(rollout.kl_exact, mask, dim=-1))
+        self.kl_controller.update(float(exact_per_sequence.mean()), len(exact_per_sequence))
         self.updater.scheduler.step()
 
         elapsed = time.perf_counter() - start
+        scores, all_valid = distributed.gather_rows(rollout.scores), distributed.gather_rows(valid)
         metrics: dict[str, Any] = {
             "step": step,
-            "reward/mean": rollout.scores[valid].mean().item(),
-            "reward/std": rollout.scores[valid].std().item() if int(valid.sum()) > 1 else 0.0,
-            "reward/dropped": int((~valid).sum()),
-            "kl/estimate": masked_mean(rollout.kl_estimate, mask).item(),
-            "kl/exact": masked_mean(rollout.kl_exact, mask).item(),
+            "reward/mean": scores[all_valid].mean().item(),
+            "reward/std": scores[all_valid].std().item() if int(all_valid.sum()) > 1 else 0.0,
+            "reward/dropped": int((~all_valid).sum()),
+            "kl/estimate": distributed.masked_mean(rollout.kl_estimate, mask).item(),
+            "kl/exact": distributed.masked_mean(rollout.kl_exact, mask).item(),
             "kl/exact_sequence": exact_per_sequence.mean().item(),
             "kl/coef": coef,
-            "policy/entropy": masked_mean(rollout.entropy, mask).item(),
-            "response/length_mean": mask.sum(-1).mean().item(),
+            "policy/entropy": distributed.masked_mean(rollout.entropy, mask).item(),
+            "response/length_mean": distributed.gather_rows(mask.sum(-1)).mean().item(),
             "lr": self.updater.scheduler.get_last_lr()[0],
             "optim/grad_norm": self.updater.last_grad_norm,
             "time/step_s": elapsed,
-            "throughput/tokens_per_s": float(rollout.attention_mask.sum()) / elapsed,
+            "throughput/tokens_per_s": float(distributed.all_reduce_sum(rollout.attention_mask.sum())) / elapsed,
         }
         for key, value in rollout.extras.items():
-            metrics[key] = value[valid].mean().item()
+            metrics[key] = distributed.gather_rows(value)[all_valid].mean().item()
         metrics.update(prepare_stats)
         metrics.update(update_stats)
         metrics.setdefault("loss/policy", 0.0)
@@ -209,16 +263,18 @@ class Trainer:
     # ----------------------------------------------------------------- evaluation
     @torch.no_grad()
     def evaluate(self, step: int) -> dict[str, Any]:
-        """Reward, KL, length and distinct-2 on held-out prompts (one sample each)."""
+        """Reward, KL, length and distinct-2 on held-out prompts (one sample each), sharded over ranks."""
         prompts = self.prompts.eval[: self.cfg.trainer.eval_prompts]
         if not prompts:
             return {}
+        positions = shard(len(prompts), distributed.rank(), distributed.world_size())
         timer = StepTimer()
         scores, estimates, exacts, lengths, texts, tokens, shown = [], [], [], [], [], [], []
-        for start in range(0, len(prompts), EVAL_CHUNK):
-            chunk = prompts[start : start + EVAL_CHUNK]
-            experience = self.experience.make(chunk, 1, timer, [f"eval prompt {start + i}" for i in range(len(chunk))],
-                                              self.kl_controller.coef)
+        for start in range(0, len(positions), EVAL_CHUNK):
+            chunk = positions[start : start + EVAL_CHUNK]
+            experience = self.experience.make([prompts[i] for i in chunk], 1, timer,
+                                              [f"eval prompt {i}" for i in chunk], self.kl_controller.coef,
+                                              rng_keys=[rng_key(self.cfg.seed, 1, step, i) for i in chunk])
             rollout, mask = experience.rollout, experience.rollout.response_mask
             scores.append(rollout.scores[experience.valid])  # dropped (non-finite) scores count in no eval mean
             shown.append(rollout.scores)
@@ -227,17 +283,24 @@ class Trainer:
             tokens.append(mask.sum())
             lengths.append(mask.sum(-1))
             texts += experience.responses
-        all_scores = torch.cat(scores)
-        total_tokens = torch.stack(tokens).sum()
-        self._eval_examples = list(zip(prompts, texts, torch.cat(shown).tolist()))
+        all_scores, all_shown, all_lengths = torch.cat(scores), torch.cat(shown), torch.cat(lengths)
+        estimates, exacts, tokens = torch.stack(estimates), torch.stack(exacts), torch.stack(tokens)
+        if distributed.world_size() > 1:  # every rank's results, in rank order
+            all_scores, all_shown, all_lengths, estimates, exacts, tokens = (
+                torch.tensor(distributed.gather_objects(t.tolist()))
+                for t in (all_scores, all_shown, all_lengths, estimates, exacts, tokens)
+            )
+            texts = distributed.gather_objects(texts)
+        total_tokens = tokens.sum()
+        self._eval_examples = list(zip(prompts, texts, all_shown.tolist()))
         if not len(all_scores):
             all_scores = torch.full((1,), float("nan"))
         return {
             "eval/reward/mean": all_scores.mean().item(),
             "eval/reward/std": all_scores.std().item() if len(all_scores) > 1 else 0.0,
-            "eval/kl/estimate": (torch.stack(estimates).sum() / total_tokens).item(),
-            "eval/kl/exact": (torch.stack(exacts).sum() / total_tokens).item(),
-            "eval/response/length_mean": torch.cat(lengths).mean().item(),
+            "eval/kl/estimate": (estimates.sum() / total_tokens).item(),
+            "eval/kl/exact": (exacts.sum() / total_tokens).item(),
+            "eval/response/length_mean": all_lengths.mean().item(),
             "eval/distinct_2": distinct_n(texts, 2),
         }
 

@@ -6,6 +6,12 @@ gradients of micro-batches of ``trainer.micro_batch_size`` samples (normalised b
 split does not change the update), then takes one optimizer step unless the algorithm vetoes it or the loss
 or a gradient is not finite (a skip: parameters and optimizer state untouched, counted towards
 ``trainer.max_consecutive_skips``).
+
+Under N processes (``trainer.strategy=ddp|fsdp``) each rank holds a contiguous block of whole prompt groups;
+a mini-batch is ``algorithm.mini_batch_size / N`` rows on every rank, normalised by the mini-batch's global
+token and row counts, and the loss is scaled by N because DDP and FSDP average gradients: the update equals
+one process's on the whole batch. Vetoes, non-finite checks and statistics are reduced across ranks, so
+every rank takes the same decision.
 """
 
 from __future__ import annotations
@@ -14,10 +20,12 @@ import math
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
+from rlhf_lab import distributed
 from rlhf_lab.algorithms.base import Algorithm, LossContext, LossResult, PolicyOutput
 from rlhf_lab.ops import gather_logprobs
+from rlhf_lab.precision import Precision
 from rlhf_lab.rollout import Rollout, response_logits
 from rlhf_lab.training.records import StepTimer
 
@@ -58,9 +66,14 @@ class Updater:
     """
 
     def __init__(self, cfg: Any, policy: nn.Module, algorithm: Algorithm, kl_estimator: Any, kl_placement: Any,
-                 device: torch.device) -> None:
+                 device: torch.device, precision: Precision | None = None, strategy: str = "single",
+                 sync_modules: list[nn.Module] | None = None) -> None:
         self.cfg, self.policy, self.algorithm = cfg, policy, algorithm
+        self.sync_modules = sync_modules or [policy]  # as the strategy wrapped them: DDP ones sync gradients
         self.kl_estimator, self.kl_placement = kl_estimator, kl_placement
+        self.precision = precision or Precision("fp32", device.type)
+        self.scaler = self.precision.grad_scaler()
+        self.world_size = distributed.world_size()
         trainer = cfg.trainer
         groups = parameter_groups(policy, algorithm, trainer.lr)
         self.parameters = [p for group in groups for p in group["params"]]
@@ -70,7 +83,7 @@ class Updater:
             betas=(trainer.adam_beta1, trainer.adam_beta2),
             weight_decay=trainer.weight_decay,
             # One fused kernel instead of per-tensor loops: same update, ~6x faster on this CPU (0.75 -> 0.12 s).
-            fused=device.type in ("cpu", "cuda"),
+            fused=device.type in ("cpu", "cuda") and strategy != "fsdp",
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(trainer.lr_schedule, trainer.warmup_steps, trainer.steps)
@@ -89,11 +102,17 @@ class Updater:
 
     # ------------------------------------------------------------------ units
     def forward(self, batch: Rollout) -> PolicyOutput:
-        """The policy's training forward pass over ``batch``: log-probs, logits (and hidden states if needed)."""
-        logits, hidden = response_logits(
-            self.policy, batch.input_ids, batch.attention_mask, batch.prompt_width, self.cfg.trainer.temperature,
-            output_hidden_states=self.algorithm.needs_hidden_states,
-        )
+        """The policy's training forward pass over ``batch``: log-probs, logits (and hidden states if needed).
+
+        Rows sharing a prompt share its prefill, except under gradient checkpointing (which turns the
+        key/value cache off in training).
+        """
+        with self.precision.autocast():
+            logits, hidden = response_logits(
+                self.policy, batch.input_ids, batch.attention_mask, batch.prompt_width,
+                self.cfg.trainer.temperature, output_hidden_states=self.algorithm.needs_hidden_states,
+                share_prompts=not self.cfg.trainer.gradient_checkpointing,
+            )
         logprobs = gather_logprobs(logits, batch.response_ids) * batch.response_mask
         return PolicyOutput(logprobs=logprobs, logits=logits, hidden=hidden)
 
@@ -116,14 +135,24 @@ class Updater:
     def optimizer_step(self, loss_finite: bool = True) -> bool:
         """Clip and apply gradients; skip (no parameter change) if the loss or any gradient is not finite."""
         max_norm = self.cfg.trainer.max_grad_norm
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.parameters, max_norm if max_norm else float("inf"))
+        if hasattr(grad_norm, "full_tensor"):  # FSDP: the norm over every rank's shards
+            grad_norm = grad_norm.full_tensor()
         self.last_grad_norm = float(grad_norm)
         if not loss_finite or not torch.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
+            if self.scaler is not None:
+                self.scaler.update()  # lowers the scale after an overflow
             self.consecutive_skips += 1
             self.skipped_updates += 1
             return False
-        self.optimizer.step()
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
         self.consecutive_skips = 0
         return True
 
@@ -131,23 +160,32 @@ class Updater:
         """Accumulate the micro-batches' gradients and take one optimizer step (or a veto, or a skip)."""
         micro = self.cfg.trainer.micro_batch_size or minibatch.batch_size
         # Rows count only with a response token: a dropped sample (mask zeroed) weighs nothing.
-        live_rows = int((minibatch.response_mask.sum(-1) > 0).sum())
-        context = LossContext(float(minibatch.response_mask.sum()), live_rows, self.cfg.trainer.max_new_tokens)
+        local = torch.stack([minibatch.response_mask.sum().double(),
+                             (minibatch.response_mask.sum(-1) > 0).sum().double()])
+        tokens, rows = distributed.all_reduce_sum(local).tolist()
+        context = LossContext(tokens, int(rows), self.cfg.trainer.max_new_tokens)
         self.optimizer.zero_grad(set_to_none=True)
         stats: dict[str, float] = {}
         veto: float | None = None
         loss_finite = True
+        starts = range(0, minibatch.batch_size, micro)
         with timer.phase("policy_forward_backward"):
-            for micro_start in range(0, minibatch.batch_size, micro):
-                rows = torch.arange(micro_start, min(micro_start + micro, minibatch.batch_size))
-                result = self.micro_loss(minibatch.select(rows), context, coef)
-                loss_finite = loss_finite and bool(torch.isfinite(result.loss.detach()))
-                result.loss.backward()
+            for micro_start in starts:
+                rows_index = torch.arange(micro_start, min(micro_start + micro, minibatch.batch_size))
+                # DDP all-reduces the gradients once, in the mini-batch's last backward.
+                with distributed.no_sync(self.sync_modules, skip=micro_start != starts[-1]):
+                    result = self.micro_loss(minibatch.select(rows_index), context, coef)
+                    loss_finite = loss_finite and bool(torch.isfinite(result.loss.detach()))
+                    self.backward(result.loss)
                 for key, value in result.stats.items():
                     stats[key] = stats.get(key, 0.0) + float(value)
                 if result.veto is not None:
                     veto = (veto or 0.0) + float(result.veto)
+        stats = distributed.sum_dict(stats)
+        loss_finite = distributed.all_reduce_flags(loss_finite)
         with timer.phase("optimizer"):
+            if veto is not None:
+                veto = distributed.sum_dict({"veto": veto})["veto"]
             if veto is not None and veto > 0:  # the algorithm vetoed this mini-batch: drop its gradient
                 self.optimizer.zero_grad(set_to_none=True)
                 applied = True
@@ -158,11 +196,20 @@ class Updater:
         stats["optim/skipped"] = 0.0 if applied else 1.0
         return stats
 
+    def backward(self, loss: Tensor) -> None:
+        """Backward of a micro-batch's loss; ×N under N processes (DDP/FSDP average the gradients), scaled
+        against float16 underflow under ``fp16-mixed``."""
+        if self.world_size > 1:
+            loss = loss * self.world_size
+        if self.scaler is not None:
+            loss = self.scaler.scale(loss)
+        loss.backward()
+
     def update(self, rollout: Rollout, coef: float, step: int, timer: StepTimer) -> dict[str, float]:
         """All epochs over ``rollout``; returns the update metrics averaged over mini-batches."""
         cfg = self.cfg
-        batch_size = rollout.batch_size
-        mini = cfg.algorithm.mini_batch_size or batch_size
+        batch_size = rollout.batch_size  # this rank's rows
+        mini = cfg.algorithm.mini_batch_size // self.world_size or batch_size
         sums: dict[str, float] = {}
         updates = 0
         self.last_grad_norm = float("nan")  # stays nan if no optimizer step runs this step (all vetoed)

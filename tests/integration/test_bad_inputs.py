@@ -198,13 +198,13 @@ def test_bad_input_stops_with_one_line(results, case_id: str) -> None:
     assert result.stderr.rstrip().splitlines()[-1] == f"error: {case.message}"
 
 
-def test_a_multi_process_launch_stops_at_start(tmp_path: Path) -> None:
-    """Under torchrun (WORLD_SIZE=2) each rank would train its own model: refused with one line, exit 2."""
-    env = {**environment(), "WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
-    command = [sys.executable, "-m", "rlhf_lab", *TINY, f"trainer.output_dir={tmp_path / 'run'}"]
-    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+def test_ddp_without_a_distributed_launch_names_torchrun(tmp_path: Path) -> None:
+    """``trainer.strategy=ddp`` in one process would train alone: one line naming torchrun, exit 2."""
+    command = [sys.executable, "-m", "rlhf_lab", *TINY, "trainer.strategy=ddp", f"trainer.output_dir={tmp_path / 'run'}"]
+    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=environment())
     assert result.returncode == 2, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
-    last = result.stderr.rstrip().splitlines()[-1]
-    assert last.startswith("error: launched as 2 processes (WORLD_SIZE=2), but rlhf_lab trains in one process only")
-    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    assert result.stderr.rstrip().splitlines()[-1] == (
+        "error: trainer.strategy=ddp needs a multi-process launch (WORLD_SIZE=1); launch with torchrun "
+        "--nproc_per_node=N -m rlhf_lab ... (or accelerate launch)"
+    )

@@ -71,7 +71,9 @@ def test_ranks_split_a_step_between_them() -> None:
     whole = prompt_indices(4, 4, 50, seed=3)
     rank_0 = prompt_indices(4, 4, 50, seed=3, rank=0, world_size=2)
     rank_1 = prompt_indices(4, 4, 50, seed=3, rank=1, world_size=2)
-    assert rank_0 == whole[0::2] and rank_1 == whole[1::2]
+    # Contiguous blocks of whole prompts: rank 0's then rank 1's is the one-process list.
+    assert rank_0 == whole[:2] and rank_1 == whole[2:]
+    assert rank_0 + rank_1 == whole
 
 
 # --------------------------------------------------------------------------------------- local files

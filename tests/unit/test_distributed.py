@@ -1,26 +1,61 @@
-"""distributed: one process today; a multi-process launch stops at start with one line."""
+"""distributed: strategy resolution, sharding helpers, and reductions that are exact identities in one process."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
-from rlhf_lab import distributed
+from rlhf_lab import distributed, ops
 from rlhf_lab.errors import ConfigError
+from rlhf_lab.training.loop import rng_key, shard
 
 
 def test_single_process_is_rank_zero_of_one(monkeypatch) -> None:
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert (distributed.rank(), distributed.world_size(), distributed.is_main_process()) == (0, 1, True)
     assert distributed.launched_processes() == 1
-    distributed.refuse_multi_process()  # no error
     assert distributed.mean_across_ranks({"a": 1.0}) == {"a": 1.0}
 
 
-def test_a_torchrun_launch_is_refused_with_one_line(monkeypatch) -> None:
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ConfigError) as raised:
-        distributed.refuse_multi_process()
-    message = str(raised.value)
-    assert "\n" not in message
-    assert message.startswith("launched as 2 processes (WORLD_SIZE=2), but rlhf_lab trains in one process only")
-    assert "torchrun" in message
+@pytest.mark.parametrize(("strategy", "processes", "expected"), [
+    ("auto", 1, "single"), ("auto", 2, "ddp"), ("fsdp", 1, "fsdp"), ("fsdp", 4, "fsdp"), ("ddp", 2, "ddp"),
+    ("single", 1, "single"),
+])
+def test_strategy_follows_the_launch(strategy: str, processes: int, expected: str) -> None:
+    assert distributed.resolve_strategy(strategy, processes) == expected
+
+
+def test_strategies_that_do_not_fit_the_launch_are_one_line_errors() -> None:
+    with pytest.raises(ConfigError, match=r"^trainer.strategy=ddp needs a multi-process launch \(WORLD_SIZE=1\); "
+                                          r"launch with torchrun"):
+        distributed.resolve_strategy("ddp", 1)
+    with pytest.raises(ConfigError, match=r"^trainer.strategy=single, but launched as 2 processes"):
+        distributed.resolve_strategy("single", 2)
+    with pytest.raises(ConfigError, match=r"^trainer.strategy='zero3' is not valid; choose from: auto, single, "):
+        distributed.resolve_strategy("zero3", 1)
+
+
+def test_reductions_are_the_local_expressions_in_one_process() -> None:
+    values = torch.tensor([[1.0, 2.0, 7.0], [4.0, 5.0, 6.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    assert torch.equal(distributed.masked_mean(values, mask), ops.masked_mean(values, mask))
+    assert torch.equal(distributed.masked_var(values, mask), ops.masked_var(values, mask))
+    assert torch.equal(distributed.masked_whiten(values, mask), ops.masked_whiten(values, mask))
+    assert torch.equal(distributed.mean(values), values.mean())
+    assert distributed.gather_rows(values) is values
+    assert distributed.gather_objects(["a"]) == ["a"]
+    assert distributed.sum_dict({"x": 1.5}) == {"x": 1.5}
+    assert distributed.all_reduce_flags(True) and not distributed.all_reduce_flags(False)
+
+
+def test_shard_gives_contiguous_blocks_covering_every_index_once() -> None:
+    assert [shard(5, r, 2) for r in range(2)] == [[0, 1, 2], [3, 4]]
+    assert [shard(2, r, 4) for r in range(4)] == [[0], [1], [], []]
+    assert sum((shard(16, r, 3) for r in range(3)), []) == list(range(16))
+
+
+def test_rng_keys_differ_by_split_step_and_position_and_fit_a_generator_seed() -> None:
+    keys = {rng_key(0, split, step, position) for split in (0, 1) for step in range(3) for position in range(4)}
+    assert len(keys) == 24
+    assert all(0 <= key < 2**62 for key in keys)
+    assert rng_key(1, 0, 0, 0) != rng_key(0, 0, 0, 0)

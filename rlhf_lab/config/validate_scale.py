@@ -1,0 +1,58 @@
+"""Scale-out settings: strategy against the launch, precision against the device, the batch against the ranks.
+
+Checked before any model loads: ``trainer.strategy`` (``ddp`` needs a multi-process launch), the precision
+(``fp16-mixed`` needs CUDA; the deprecated ``trainer.dtype`` maps onto it), and that the global batch splits
+into whole prompt groups per rank, with mini-batches that split evenly across ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from rlhf_lab import distributed
+from rlhf_lab.config.validate_values import at_least
+from rlhf_lab.errors import ConfigError
+from rlhf_lab.precision import check_device, resolve_precision
+
+
+def planned_device(name: str) -> torch.device:
+    """The device a run will use (``auto``: CUDA when available)."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def check_scale(cfg: Any) -> None:
+    trainer, algorithm = cfg.trainer, cfg.algorithm
+    precision = resolve_precision(trainer.precision, trainer.dtype, warn=False)
+    check_device(precision, planned_device(trainer.device))
+    at_least("trainer.logprob_chunk", trainer.logprob_chunk, 0)
+    strategy = distributed.resolve_strategy(trainer.strategy)
+    if strategy == "fsdp" and cfg.model.lora.enabled:
+        raise ConfigError("trainer.strategy=fsdp with model.lora.enabled=true is not supported yet; "
+                          "use trainer.strategy=ddp for LoRA (the adapter is small: replicate it)")
+    if strategy == "fsdp" and algorithm.get("critic") == "separate":
+        raise ConfigError("trainer.strategy=fsdp with algorithm.critic=separate is not supported yet; "
+                          "use algorithm.critic=shared or trainer.strategy=ddp")
+    ranks = distributed.launched_processes()
+    if ranks == 1:
+        return
+    if trainer.prompts_per_step % ranks:
+        raise ConfigError(
+            f"trainer.prompts_per_step={trainer.prompts_per_step} does not split into whole prompt groups over "
+            f"{ranks} processes; use a multiple of {ranks}"
+        )
+    samples = trainer.prompts_per_step * algorithm.group_size
+    if algorithm.mini_batch_size and algorithm.mini_batch_size % ranks:
+        raise ConfigError(
+            f"algorithm.mini_batch_size={algorithm.mini_batch_size} (samples per update, all processes) does not "
+            f"split evenly over {ranks} processes"
+        )
+    per_rank = (algorithm.mini_batch_size or samples) // ranks
+    if trainer.micro_batch_size and per_rank % trainer.micro_batch_size:
+        raise ConfigError(
+            f"trainer.micro_batch_size={trainer.micro_batch_size} does not divide the {per_rank} samples of a "
+            f"mini-batch on each of {ranks} processes"
+        )

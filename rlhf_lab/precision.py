@@ -1,0 +1,83 @@
+"""Numeric precision of a run, with Lightning's names (``trainer.precision``).
+
+- ``fp32``: float32 weights, float32 compute;
+- ``bf16-mixed``: float32 master weights and optimizer state; forward passes (generation, reference,
+  training) under ``torch.autocast(dtype=bfloat16)``; gradients land in float32;
+- ``bf16-true``: the weights themselves in bfloat16 (the former ``trainer.dtype=bfloat16``);
+- ``fp16-mixed``: float32 master weights, float16 autocast, and a gradient scaler against underflow
+  (CUDA only: float16 autocast with a scaler is a GPU recipe).
+
+``trainer.dtype`` is the former key: ``float32`` maps to ``fp32`` and ``bfloat16`` to ``bf16-true`` with a
+deprecation line; ``float16`` (pure fp16 weights) has no safe equivalent and is refused with a pointer.
+"""
+
+from __future__ import annotations
+
+import sys
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rlhf_lab.errors import ConfigError
+
+PRECISIONS = ("fp32", "bf16-mixed", "bf16-true", "fp16-mixed")
+DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16-true"}  # trainer.dtype -> trainer.precision
+WEIGHT_DTYPES = {"fp32": "float32", "bf16-mixed": "float32", "bf16-true": "bfloat16", "fp16-mixed": "float32"}
+AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
+
+
+def resolve_precision(precision: str, dtype: str | None, warn: bool = True) -> str:
+    """The precision a run uses, from ``trainer.precision`` and the deprecated ``trainer.dtype``."""
+    if precision not in PRECISIONS:
+        raise ConfigError(f"trainer.precision={precision!r} is not valid; choose from: {', '.join(PRECISIONS)}")
+    if dtype is None:
+        return precision
+    if dtype == "float16":
+        raise ConfigError("trainer.dtype=float16 (pure float16 weights) is replaced by trainer.precision=fp16-mixed "
+                          "(float32 master weights, float16 autocast, gradient scaling; CUDA only)")
+    if dtype not in DTYPE_ALIASES:
+        raise ConfigError(f"trainer.dtype={dtype!r} is not valid; choose from: float32, bfloat16, float16")
+    mapped = DTYPE_ALIASES[dtype]
+    if precision != "fp32" and precision != mapped:
+        raise ConfigError(f"trainer.dtype={dtype} (= trainer.precision={mapped}) contradicts "
+                          f"trainer.precision={precision}; set trainer.precision only")
+    if warn:
+        print(f"trainer.dtype is deprecated: trainer.dtype={dtype} means trainer.precision={mapped}; use that",
+              file=sys.stderr)
+    return mapped
+
+
+def check_device(precision: str, device: torch.device) -> None:
+    """fp16-mixed needs CUDA (a gradient scaler over float16 autocast)."""
+    if precision == "fp16-mixed" and device.type != "cuda":
+        raise ConfigError(f"trainer.precision=fp16-mixed needs a CUDA device (got trainer.device={device.type}); "
+                          "on a CPU use trainer.precision=bf16-mixed")
+
+
+@dataclass
+class Precision:
+    """How a run's forward passes and weights are typed; ``autocast()`` wraps every forward pass."""
+
+    name: str
+    device_type: str
+
+    @classmethod
+    def from_config(cls, trainer: Any, device: torch.device, warn: bool = True) -> Precision:
+        name = resolve_precision(trainer.precision, trainer.dtype, warn=warn)
+        check_device(name, device)
+        return cls(name, device.type)
+
+    @property
+    def weights_dtype(self) -> str:
+        """The dtype name the model's parameters are stored in."""
+        return WEIGHT_DTYPES[self.name]
+
+    def autocast(self) -> AbstractContextManager:
+        dtype = AUTOCAST_DTYPES.get(self.name)
+        return torch.autocast(self.device_type, dtype=dtype) if dtype is not None else nullcontext()
+
+    def grad_scaler(self) -> torch.amp.GradScaler | None:
+        """A gradient scaler for float16 autocast (None otherwise)."""
+        return torch.amp.GradScaler(self.device_type) if self.name == "fp16-mixed" else None
