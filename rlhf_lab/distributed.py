@@ -231,7 +231,14 @@ def full_model_state(module: nn.Module) -> dict[str, Tensor]:
     """The whole (unsharded) state dict of an FSDP-sharded module on the CPU; a collective: every rank calls."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    # A tied parameter (lm_head = embeddings) is one tensor saved once, as an unsharded model saves it.
+    seen: set[int] = set()
+    for name, parameter in module.named_parameters(remove_duplicate=False):
+        if id(parameter) in seen:
+            state.pop(name, None)
+        seen.add(id(parameter))
+    return state
 
 
 def load_full_model_state(module: nn.Module, state: dict[str, Tensor]) -> Any:

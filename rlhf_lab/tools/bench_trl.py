@@ -123,7 +123,7 @@ def grpo_config_kwargs(cfg: Any, total_steps: int, output_dir: str) -> dict[str,
         "num_iterations": algorithm.epochs,
         "scale_rewards": "group" if algorithm.scale_by_std else "none",
         "loss_type": "dapo" if algorithm.loss_aggregation == "token_mean" else "grpo",
-        "model_init_kwargs": {"dtype": trainer.dtype},
+        "model_init_kwargs": {"dtype": weights_dtype(trainer)},
         "bf16": False,
         "fp16": False,
         "activation_checkpointing": False,  # TRL's default is on (its alias gradient_checkpointing=True)
@@ -190,13 +190,20 @@ def reward_function(cfg: Any) -> Any:
     return score
 
 
+def weights_dtype(trainer: Any) -> str:
+    """The dtype name of the weights rlhf_lab trains in (``trainer.precision``, or its ``dtype`` alias)."""
+    from rlhf_lab.precision import WEIGHT_DTYPES, resolve_precision
+
+    return WEIGHT_DTYPES[resolve_precision(trainer.precision, trainer.dtype, warn=False)]
+
+
 def model_folder(cfg: Any, tokenizer: Any, work_dir: Path) -> str:
     """A folder TRL can load the policy (and its reference) from: the same weights rlhf_lab starts from."""
     from rlhf_lab.models import DTYPES, build_tiny_llama, smollm2_model_path
 
     if cfg.model.name == "tiny":
         folder = work_dir / "tiny_model"
-        build_tiny_llama(tokenizer, cfg.model.tiny, seed=cfg.seed).to(DTYPES[cfg.trainer.dtype]).save_pretrained(folder)
+        build_tiny_llama(tokenizer, cfg.model.tiny, seed=cfg.seed).to(DTYPES[weights_dtype(cfg.trainer)]).save_pretrained(folder)
         tokenizer.save_pretrained(folder)
         return str(folder)
     return cfg.model.name_or_path or str(smollm2_model_path())

@@ -1,0 +1,181 @@
+"""One run on two processes (torchrun, gloo on CPU) equals the same run in one process.
+
+Every run here is a real ``python -m rlhf_lab`` (or ``torchrun ... -m rlhf_lab``) process on the tiny model with
+``trainer.seed_per_prompt=true``, so each prompt group samples the same tokens however prompts are sharded.
+With the same global batch and seed, a 2-process DDP or FSDP2 run logs the same metrics and ends with the same
+weights as the 1-process run, to float tolerance (batches of other shapes sum in another order).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+TINY = [
+    "model=tiny", "trainer.steps=3", "trainer.prompts_per_step=2", "algorithm.group_size=2",
+    "trainer.max_new_tokens=4", "trainer.eval_prompts=2", "trainer.progress_bar=false", "trainer.num_threads=1",
+    "trainer.lr=1e-3", "trainer.seed_per_prompt=true", "reward=length",
+]
+ALGORITHMS = {
+    "grpo": ["algorithm=grpo", "kl=k3", "kl.placement=loss"],
+    "ppo": ["algorithm=ppo", "algorithm.mini_batch_size=4", "kl=kl", "kl.placement=reward"],
+}
+WALL_CLOCK = ("time/", "throughput/")
+TIMEOUT = 300
+
+
+def environment() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "PYTHONPATH")}
+    env.update(HF_HUB_OFFLINE="1", WANDB_MODE="disabled", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1",
+               PYTHONUNBUFFERED="1")
+    return env
+
+
+def command(processes: int, *overrides: str) -> list[str]:
+    launcher = [sys.executable, "-m", "rlhf_lab"]
+    if processes > 1:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
+                    "-m", "rlhf_lab"]
+    return [*launcher, *TINY, *overrides]
+
+
+def train(run_dir: Path, processes: int, *overrides: str) -> subprocess.CompletedProcess:
+    result = subprocess.run(command(processes, *overrides, f"trainer.output_dir={run_dir}"), cwd=run_dir.parent,
+                            capture_output=True, text=True, timeout=TIMEOUT, env=environment())
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in line.items() if not k.startswith(WALL_CLOCK)} for line in lines]
+
+
+def weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
+    return load_file(str(run_dir / "checkpoints" / f"step_{step}" / "model" / "model.safetensors"))
+
+
+def assert_same_run(one: Path, two: Path, rel: float = 1e-4, atol: float = 1e-5) -> None:
+    expected, got = metrics(one), metrics(two)
+    assert [line["step"] for line in got] == [line["step"] for line in expected]
+    for want, have in zip(expected, got):
+        assert have.keys() == want.keys()
+        for key, value in want.items():
+            assert have[key] == pytest.approx(value, rel=rel, abs=1e-5), (want["step"], key)
+    final = max(int(p.name.split("_")[1]) for p in (one / "checkpoints").glob("step_*"))
+    reference, candidate = weights(one, final), weights(two, final)
+    assert reference.keys() == candidate.keys()
+    for name in reference:
+        torch.testing.assert_close(candidate[name], reference[name], rtol=0, atol=atol)
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> dict[str, Path]:
+    """The 1-process reference run of each algorithm (shared by the tests below)."""
+    root = tmp_path_factory.mktemp("one_process")
+    runs = {}
+    for name, overrides in ALGORITHMS.items():
+        runs[name] = root / name
+        train(runs[name], 1, *overrides)
+    return runs
+
+
+@pytest.mark.parametrize(("algorithm", "strategy"), [("grpo", "ddp"), ("ppo", "ddp"), ("grpo", "fsdp")])
+def test_two_processes_equal_one(one_process, tmp_path: Path, algorithm: str, strategy: str) -> None:
+    two = tmp_path / "two"
+    train(two, 2, *ALGORITHMS[algorithm], f"trainer.strategy={strategy}")
+    assert_same_run(one_process[algorithm], two)
+    # Rank 0 alone writes: one metrics line per step, one checkpoint folder, no second writer's files.
+    steps = [line["step"] for line in metrics(two) if "reward/mean" in line]
+    assert steps == [0, 1, 2]
+    assert sorted(p.name for p in (two / "checkpoints").glob("step_*")) == ["step_2"]
+
+
+def test_fsdp_in_one_process_equals_the_plain_run(one_process, tmp_path: Path) -> None:
+    run = tmp_path / "fsdp"
+    train(run, 1, *ALGORITHMS["grpo"], "trainer.strategy=fsdp")
+    assert_same_run(one_process["grpo"], run)
+
+
+def test_checkpoints_load_across_process_counts(tmp_path: Path) -> None:
+    """A 2-process DDP checkpoint continues in one process, and a 1-process one under 2-process FSDP; both
+    continuations equal the 1-process run straight to step 4."""
+    straight = tmp_path / "straight"
+    train(straight, 1, *ALGORITHMS["grpo"], "trainer.steps=4", "trainer.checkpoint_every=1", "trainer.keep_last_n=5")
+    for first, then, name in ((2, 1, "ddp_then_one"), (1, 2, "one_then_fsdp")):
+        run = tmp_path / name
+        strategy = {1: "auto", 2: "ddp" if first == 2 else "fsdp"}
+        train(run, first, *ALGORITHMS["grpo"], "trainer.steps=4", "trainer.checkpoint_every=1",
+              "trainer.keep_last_n=5", f"trainer.strategy={strategy[first]}")
+        # Back to step 1's checkpoint, as if the run had died there, and continue with the other process count.
+        for late in ("step_2", "step_3"):
+            subprocess.run(["rm", "-rf", str(run / "checkpoints" / late)], check=True)
+        (run / "checkpoints" / "latest").write_text("step_1")
+        continued = train(run, then, *ALGORITHMS["grpo"], "trainer.steps=4", "trainer.checkpoint_every=1",
+                          "trainer.keep_last_n=5", "trainer.resume=auto",
+                          f"trainer.strategy={'fsdp' if then == 2 else 'auto'}")
+        assert "resumed from" in continued.stdout + continued.stderr
+        assert_same_run(straight, run)
+
+
+def test_exact_resume_after_sigkill_of_every_rank(tmp_path: Path) -> None:
+    """2-process DDP with the global generator (no per-prompt seeds): killed at a random step, resumed, the
+    metrics equal an uninterrupted 2-process run value for value (every rank's generator is restored)."""
+    overrides = [*ALGORITHMS["grpo"], "trainer.seed_per_prompt=false", "trainer.steps=5", "trainer.checkpoint_every=1",
+                 "trainer.keep_last_n=10", "trainer.eval_every=2"]
+    reference = tmp_path / "reference"
+    train(reference, 2, *overrides)
+    run = tmp_path / "killed"
+    run.mkdir()
+    kill_after = random.Random(7).choice([1, 2, 3])
+    process = subprocess.Popen(command(2, *overrides, f"trainer.output_dir={run}"), cwd=tmp_path,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=environment(),
+                               start_new_session=True)
+    deadline = time.monotonic() + TIMEOUT
+    while not (run / "checkpoints" / f"step_{kill_after}").is_dir() and process.poll() is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    os.killpg(process.pid, signal.SIGKILL)  # torchrun and both ranks at once
+    process.wait(timeout=60)
+    train(run, 2, *overrides, "trainer.resume=auto")
+    assert metrics(run) == metrics(reference)
+
+
+def test_a_failing_rank_stops_every_rank_with_its_message(tmp_path: Path) -> None:
+    module = tmp_path / "rank_reward.py"
+    module.write_text(
+        "import os\n"
+        "def score(prompts, responses):\n"
+        "    if os.environ.get('RANK') == '1':\n"
+        "        raise RuntimeError('rank one cannot score')\n"
+        "    return [0.0] * len(responses)\n"
+    )
+    env = {**environment(), "PYTHONPATH": str(tmp_path)}
+    started = time.monotonic()
+    result = subprocess.run(command(2, "reward=python", "reward.function=rank_reward:score",
+                                    f"trainer.output_dir={tmp_path / 'run'}"),
+                            cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT, env=env)
+    assert result.returncode != 0
+    assert time.monotonic() - started < 120  # no hang: torchrun stops the other rank
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert errors and "rank one cannot score" in errors[0], result.stderr[-3000:]
+
+
+def test_a_batch_that_does_not_split_into_whole_groups_is_refused(tmp_path: Path) -> None:
+    result = subprocess.run(command(2, "trainer.prompts_per_step=3", f"trainer.output_dir={tmp_path / 'run'}"),
+                            cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT, env=environment())
+    assert result.returncode != 0
+    assert ("error: trainer.prompts_per_step=3 does not split into whole prompt groups over 2 processes; use a "
+            "multiple of 2") in result.stderr
+    # Each rank stops with that one line; the only traceback is torchrun's own report of the failed ranks.
+    assert "rlhf_lab/" not in "".join(line for line in result.stderr.splitlines() if line.lstrip().startswith("File"))

@@ -1,0 +1,142 @@
+"""Memory savers and mixed precision on the tiny model, in-process.
+
+Each saver is checked for the memory it is meant to save, measured directly (bytes kept for backward, the
+largest logits tensor of the reference pass, where the reference lives between passes) and for leaving the
+numbers alone: the same rollout scored or trained with and without it agrees to float tolerance.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import rlhf_lab.training.experience as experience_module
+from rlhf_lab.training.loop import Trainer
+from rlhf_lab.training.records import StepTimer
+
+WIDER = ["model.tiny.hidden_size=128", "model.tiny.intermediate_size=256", "model.tiny.num_hidden_layers=4",
+         "trainer.max_new_tokens=8", "trainer.prompts_per_step=2", "algorithm.group_size=4", "trainer.eval_prompts=0"]
+
+
+def make_trainer(compose, tiny_overrides, run_dir: Path, *overrides: str) -> Trainer:
+    return Trainer(compose([*tiny_overrides(None), *WIDER, *overrides]), run_dir)
+
+
+def scored_rollout(trainer: Trainer):
+    torch.manual_seed(0)
+    experience = trainer.experience.make(trainer.prompts.train[:2], 4, StepTimer(), ["a", "b"], kl_coef=0.05)
+    return experience.rollout
+
+
+def saved_bytes_and_grads(trainer: Trainer, rollout) -> tuple[int, list[torch.Tensor]]:
+    """Bytes autograd keeps for backward during one update of ``rollout``, and the gradients it produced."""
+    total = 0
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        total += tensor.numel() * tensor.element_size()
+        return tensor
+
+    trainer.algorithm.prepare(rollout, trainer.updater.forward)
+    grads = []
+    trainer.updater.optimizer.register_step_pre_hook(
+        lambda optimizer, args, kwargs: grads.extend(p.grad.clone() for p in trainer.updater.parameters))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        trainer.updater.update(rollout, 0.05, 0, StepTimer())
+    return total, grads
+
+
+def test_gradient_checkpointing_keeps_less_for_backward_and_the_same_gradient(compose, tiny_overrides, tmp_path):
+    plain = make_trainer(compose, tiny_overrides, tmp_path / "plain")
+    checkpointed = make_trainer(compose, tiny_overrides, tmp_path / "ckpt", "trainer.gradient_checkpointing=true")
+    rollout = scored_rollout(plain)
+    plain_bytes, plain_grads = saved_bytes_and_grads(plain, copy.deepcopy(rollout))
+    ckpt_bytes, ckpt_grads = saved_bytes_and_grads(checkpointed, copy.deepcopy(rollout))
+    assert ckpt_bytes < 0.6 * plain_bytes, (ckpt_bytes, plain_bytes)
+    for want, got in zip(plain_grads, ckpt_grads):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_chunked_reference_bounds_the_logits_and_gives_the_same_terms(compose, tiny_overrides, tmp_path,
+                                                                        monkeypatch):
+    trainer = make_trainer(compose, tiny_overrides, tmp_path / "run", "kl=mse", "kl.placement=reward")
+    rollout = scored_rollout(trainer)
+    sizes = []
+    original = experience_module.response_logits
+
+    def recording(*args, **kwargs):
+        logits, hidden = original(*args, **kwargs)
+        sizes.append(logits.numel())
+        return logits, hidden
+
+    monkeypatch.setattr(experience_module, "response_logits", recording)
+    whole, chunked = copy.deepcopy(rollout), copy.deepcopy(rollout)
+    trainer.experience.reference(whole, StepTimer())
+    trainer.cfg.trainer.logprob_chunk = 2
+    trainer.experience.reference(chunked, StepTimer())
+    assert sizes[0] == 4 * max(sizes[1:])  # 8 rows at once, then 2 at a time
+    assert len(sizes) == 1 + 4
+    for key in ("ref_logprobs", "kl_estimate", "kl_exact"):
+        torch.testing.assert_close(getattr(chunked, key), getattr(whole, key), rtol=1e-5, atol=1e-6)
+    assert chunked.ref_logits is None  # not kept: the update does not need them (mse in the reward)
+
+
+def test_offloaded_reference_visits_the_device_only_for_its_pass(compose, tiny_overrides, tmp_path):
+    plain = make_trainer(compose, tiny_overrides, tmp_path / "plain")
+    offloaded = make_trainer(compose, tiny_overrides, tmp_path / "offloaded", "trainer.offload_reference=true")
+    reference = offloaded.models.reference
+    moves = []
+    move = reference.to
+
+    def recording_to(*args, **kwargs):
+        moves.append(str(args[0]))
+        return move(*args, **kwargs)
+
+    reference.to = recording_to
+    rollout = scored_rollout(plain)
+    a, b = copy.deepcopy(rollout), copy.deepcopy(rollout)
+    plain.experience.reference(a, StepTimer())
+    offloaded.experience.reference(b, StepTimer())
+    assert moves == [str(offloaded.device), "cpu"]
+    assert all(p.device.type == "cpu" for p in reference.parameters())
+    for key in ("ref_logprobs", "kl_estimate", "kl_exact"):
+        assert torch.equal(getattr(a, key), getattr(b, key))
+
+
+def test_bf16_mixed_trains_fp32_master_weights_with_bf16_compute(compose, tiny_overrides, tmp_path):
+    trainer = make_trainer(compose, tiny_overrides, tmp_path / "run", "trainer.precision=bf16-mixed",
+                           "trainer.steps=2")
+    dtypes = set()
+    layer = next(m for m in trainer.policy.modules() if isinstance(m, torch.nn.Linear))
+    layer.register_forward_hook(lambda module, inputs, output: dtypes.add(output.dtype))
+    summary = trainer.train()
+    assert dtypes == {torch.bfloat16}  # generation, reference and training passes all ran under autocast
+    assert all(p.dtype == torch.float32 for p in trainer.policy.parameters())
+    states = [s for s in trainer.updater.optimizer.state.values() if "exp_avg" in s]
+    assert states and all(s["exp_avg"].dtype == torch.float32 for s in states)
+    assert summary["reward/final"] == summary["reward/final"]  # finite, not NaN
+
+
+def test_bf16_true_stores_the_weights_in_bf16(compose, tiny_overrides, tmp_path):
+    trainer = make_trainer(compose, tiny_overrides, tmp_path / "run", "trainer.dtype=bfloat16")
+    assert trainer.precision.name == "bf16-true"
+    assert {p.dtype for p in trainer.policy.parameters()} == {torch.bfloat16}
+
+
+@pytest.mark.parametrize("saver", ["trainer.gradient_checkpointing=true", "trainer.logprob_chunk=3",
+                                   "trainer.offload_reference=true"])
+def test_each_saver_leaves_a_run_s_metrics_alone(compose, tiny_overrides, tmp_path, saver: str):
+    base = [*tiny_overrides(None), "trainer.steps=2", "trainer.eval_prompts=0", "kl=k3", "kl.placement=loss"]
+    runs = []
+    for name, overrides in (("plain", base), ("saving", [*base, saver])):
+        Trainer(compose(overrides), tmp_path / name).train()  # one at a time: each seeds the generators
+        runs.append([json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()])
+    assert len(runs[0]) == len(runs[1]) == 2
+    for want, got in zip(*runs):
+        for key, value in want.items():
+            if not key.startswith(("time/", "throughput/")):
+                assert got[key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
