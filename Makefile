@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: install train test test-unit lint clean bench
+.PHONY: install install-ray train test test-unit lint clean bench
 
 $(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -44,8 +44,17 @@ $(TRL_STAMP): $(STAMP) requirements-trl.txt
 bench: $(TRL_STAMP)
 	HF_HUB_OFFLINE=$${HF_HUB_OFFLINE:-1} $(VENV)/bin/rlhf-lab bench $(BENCH_ARGS) $(ARGS)
 
+# `make install-ray`: the optional Ray extra (requirements-ray.txt) for `hydra/launcher=ray` / `ray_cluster` sweeps.
+RAY_STAMP := $(VENV)/.installed-ray
+
+$(RAY_STAMP): $(STAMP) requirements-ray.txt
+	$(PY) -m pip install --quiet -r requirements-ray.txt
+	touch $(RAY_STAMP)
+
+install-ray: $(RAY_STAMP)
+
 lint: install
-	$(VENV)/bin/ruff check rlhf_lab tests
+	$(VENV)/bin/ruff check rlhf_lab hydra_plugins tests
 
 clean:
 	rm -rf $(VENV)

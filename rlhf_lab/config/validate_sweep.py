@@ -38,27 +38,30 @@ class Plugin:
 
 
 RAY = Plugin("hydra-ray-launcher and ray", ("hydra_plugins.hydra_ray_launcher", "ray"),
-             "the optional `ray` extra: pip install -r requirements-ray.txt (or: make install-ray)")
+             "install the optional `ray` extra: pip install -r requirements-ray.txt (or: make install-ray)")
 PLUGINS: dict[tuple[str, str], Plugin] = {
     ("launcher", "ray"): RAY,
     ("launcher", "ray_aws"): RAY,
+    ("launcher", "ray_cluster"): RAY,  # rlhf_lab/conf/hydra/launcher/ray_cluster.yaml
     ("launcher", "joblib"): Plugin("hydra-joblib-launcher", ("hydra_plugins.hydra_joblib_launcher", "joblib"),
-                                   "pip install -r requirements.txt"),
+                                   "install it: pip install -r requirements.txt"),
     ("launcher", "submitit_local"): Plugin("hydra-submitit-launcher",
                                            ("hydra_plugins.hydra_submitit_launcher", "submitit"),
-                                           "pip install -r requirements.txt"),
+                                           "install it: pip install -r requirements.txt"),
     ("launcher", "rq"): Plugin("hydra-rq-launcher", ("hydra_plugins.hydra_rq_launcher", "rq"),
-                               "pip install hydra-rq-launcher"),
+                               "install it: pip install hydra-rq-launcher"),
     ("sweeper", "optuna"): Plugin("optuna", ("hydra_plugins.rlhf_lab_optuna", "optuna"),
-                                  "pip install -r requirements.txt"),
-    ("sweeper", "ax"): Plugin("hydra-ax-sweeper", ("hydra_plugins.hydra_ax_sweeper",), "pip install hydra-ax-sweeper"),
+                                  "install it: pip install -r requirements.txt"),
+    ("sweeper", "ax"): Plugin("hydra-ax-sweeper", ("hydra_plugins.hydra_ax_sweeper",), "install it: pip install hydra-ax-sweeper"),
     ("sweeper", "nevergrad"): Plugin("hydra-nevergrad-sweeper", ("hydra_plugins.hydra_nevergrad_sweeper",),
-                                     "pip install hydra-nevergrad-sweeper"),
+                                     "install it: pip install hydra-nevergrad-sweeper"),
 }
 PLUGINS[("launcher", "submitit_slurm")] = PLUGINS[("launcher", "submitit_local")]
 PLUGINS[("launcher", "slurm")] = PLUGINS[("launcher", "submitit_local")]  # rlhf_lab/conf/hydra/launcher/slurm.yaml
 PLUGINS[("launcher", "joblib_local")] = PLUGINS[("launcher", "joblib")]
-_BY_PACKAGE = {plugin.modules[0].split(".")[1]: (kind, name) for (kind, name), plugin in PLUGINS.items()}
+_BY_PACKAGE: dict[str, tuple[str, str]] = {}  # hydra_plugins.<package> -> the first option that names it
+for _choice, _plugin in PLUGINS.items():
+    _BY_PACKAGE.setdefault(_plugin.modules[0].split(".")[1], _choice)
 
 
 def _installed(module: str) -> bool:
@@ -72,7 +75,8 @@ def _missing(kind: str, name: str) -> str | None:
     plugin = PLUGINS.get((kind, name))
     if plugin is None or all(_installed(module) for module in plugin.modules):
         return None
-    return f"hydra/{kind}={name} needs {plugin.packages}, which is not installed; install {plugin.install}"
+    verb = "are" if " and " in plugin.packages else "is"
+    return f"hydra/{kind}={name} needs {plugin.packages}, which {verb} not installed; {plugin.install}"
 
 
 def plugin_options(kind: str, conf_dir: Path) -> list[str]:

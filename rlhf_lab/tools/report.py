@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from rlhf_lab.errors import ToolError
+from rlhf_lab.tools.report_search import optuna_section
 
 IGNORED_KEYS = ("seed", "trainer.resume", "trainer.output_dir", "trainer.progress_bar")
 IGNORED_PREFIXES = ("logger.",)
@@ -52,7 +53,6 @@ METRICS = (
     ("eval_reward", "eval reward"),
 )
 PLOTS = ("reward_vs_step.png", "kl_exact_vs_step.png", "reward_vs_kl.png")
-OPTUNA_RESULTS = "optimization_results.yaml"  # written by hydra_plugins/rlhf_lab_optuna
 
 
 class ReportError(ToolError):
@@ -338,48 +338,6 @@ def write_plots(arms: list[Arm], rows: list[dict[str, Any]], out: Path) -> list[
     _plot_curves(arms, "kl/exact", "exact KL per token", paths[1])
     _plot_frontier(rows, paths[2])
     return paths
-
-
-# ------------------------------------------------------------------------------------------ optuna
-
-
-def _params_text(params: dict[str, Any]) -> str:
-    return ", ".join(f"{key}={value:.4g}" if isinstance(value, float) else f"{key}={value}"
-                     for key, value in params.items())
-
-
-def optuna_section(folder: Path) -> list[str]:
-    """Markdown lines for an Optuna search's results (best trial first, then every trial), or [] if none."""
-    path = Path(folder) / OPTUNA_RESULTS
-    if not path.is_file():
-        return []
-    import yaml
-
-    try:
-        results = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except (OSError, yaml.YAMLError) as error:
-        return [f"(could not read {path.name}: {error})", ""]
-    direction = results.get("direction", "maximize")
-    lines = [
-        "## Optuna search",
-        "",
-        f"Study `{results.get('study_name')}` ({results.get('storage') or 'in memory'}), {direction}, "
-        f"{results.get('n_complete', 0)} of {results.get('n_trials', 0)} trials complete.",
-    ]
-    if "best_value" in results:
-        lines.append(f"**Best trial {results.get('best_trial')}: value {results['best_value']:.6g}** with "
-                     f"{_params_text(results.get('best_params') or {})} ({results.get('best_job_dir')})")
-    trials = [t for t in results.get("trials") or [] if isinstance(t, dict)]
-    done = sorted((t for t in trials if t.get("value") is not None), key=lambda t: t["value"],
-                  reverse=direction == "maximize")
-    rows = done + [t for t in trials if t.get("value") is None]
-    if rows:
-        lines += ["", "| trial | state | value | parameters |", "| ---: | --- | ---: | --- |"]
-        for trial in rows:
-            value = "" if trial.get("value") is None else f"{trial['value']:.6g}"
-            lines.append(f"| {trial.get('number')} | {trial.get('state')} | {value} | "
-                         f"{_params_text(trial.get('params') or {})} |")
-    return [*lines, ""]
 
 
 # ------------------------------------------------------------------------------------------ command

@@ -261,6 +261,75 @@ def test_slurm_launcher_config_composes() -> None:
     assert launcher.partition == "gpu"
 
 
+def test_slurm_launcher_submits_one_array_with_these_sbatch_options(tmp_path: Path, monkeypatch) -> None:
+    """``hydra/launcher=slurm experiment=smoke``: the parameters hydra-submitit-launcher gives submitit and the sbatch
+    script submitit writes from them, captured where ``sbatch`` would run (no cluster here: srun is faked present)."""
+    import submitit
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.utils import instantiate
+    from submitit.core.utils import DelayedSubmission
+    from submitit.slurm.slurm import SlurmExecutor
+
+    sweep_dir = tmp_path / "sweep"
+    cfg = _compose("hydra/launcher=slurm", "hydra.launcher.partition=gpu", "experiment=smoke", f"hydra.sweep.dir={sweep_dir}")
+    assert _compose("hydra/launcher=submitit_slurm").hydra.launcher._target_ == cfg.hydra.launcher._target_
+
+    class Submitted(Exception):
+        pass
+
+    updates: dict[str, Any] = {}
+    executors: list[Any] = []
+    scripts: list[str] = []
+    real_update = submitit.AutoExecutor.update_parameters
+
+    def update_parameters(self, **kwargs: Any) -> None:
+        updates.update(kwargs)
+        executors.append(self)
+        real_update(self, **kwargs)  # submitit's own check of every name and value
+
+    def submit_command(self, command: str):
+        scripts.append(self._make_submission_file_text(command, "uid"))
+        raise Submitted  # instead of running sbatch
+
+    monkeypatch.setattr(submitit.AutoExecutor, "update_parameters", update_parameters)
+    monkeypatch.setattr(SlurmExecutor, "affinity", classmethod(lambda cls: 1))
+    monkeypatch.setattr(SlurmExecutor, "_submit_command", submit_command)
+
+    launcher = instantiate(cfg.hydra.launcher)
+    launcher.setup(hydra_context=None, task_function=lambda job_cfg: None, config=cfg)
+    params = OverridesParser.create().parse_overrides([f"{k}={v}" for k, v in cfg.hydra.sweeper.params.items()])
+    (jobs,) = BasicSweeper.split_arguments(params, max_batch_size=None)  # the smoke sweep's 4 jobs, as Hydra splits it
+    with pytest.raises(Submitted):
+        launcher.launch(jobs, initial_job_idx=0)
+
+    assert updates == {
+        "timeout_min": 240, "cpus_per_task": 8, "gpus_per_node": 1, "tasks_per_node": 1, "mem_gb": 32, "nodes": 1,
+        "name": "rlhf_lab-smoke", "stderr_to_stdout": False, "slurm_partition": "gpu", "slurm_qos": None,
+        "slurm_comment": None, "slurm_constraint": None, "slurm_exclude": None, "slurm_gres": None,
+        "slurm_cpus_per_gpu": None, "slurm_gpus_per_task": None, "slurm_mem_per_gpu": None, "slurm_mem_per_cpu": None,
+        "slurm_account": None, "slurm_signal_delay_s": 120, "slurm_additional_parameters": {},
+        "slurm_array_parallelism": 32, "slurm_setup": None,
+    }
+    (executor,) = executors
+    assert executor.cluster == "slurm" and executor._executor.max_num_timeout == 0
+    assert executor.folder == sweep_dir / ".submitit" / "%j"
+    (script,) = scripts  # one sbatch call: the whole sweep as one job array
+    logs = sweep_dir / ".submitit" / "%A_%a"
+    for line in ("--array=0-3%4", "--partition=gpu", "--time=240", "--cpus-per-task=8", "--gpus-per-node=1",
+                 "--mem=32GB", "--nodes=1", "--ntasks-per-node=1", "--job-name=rlhf_lab-smoke",
+                 f"--output={logs}/%A_%a_0_log.out", "--signal=USR2@120"):
+        assert f"#SBATCH {line}\n" in script, (line, script)
+    assert f"-u -m submitit.core._submit {sweep_dir}/.submitit/%j" in script.splitlines()[-1]
+    # Each array task's pickled call (written by this test): the job's overrides and number in the sweep folder.
+    calls = [DelayedSubmission.load(path) for path in (sweep_dir / ".submitit").glob("*.pkl")]
+    assert [",".join(job) for job in jobs] == SMOKE_JOBS
+    assert sorted((call.args[2], list(call.args[0]), call.args[1]) for call in calls) == [
+        (number, list(job), "hydra.sweep.dir") for number, job in enumerate(jobs)
+    ]
+    assert all(type(call.function).__name__ == "SlurmLauncher" for call in calls)
+
+
 def test_joblib_local_launcher_config_composes() -> None:
     launcher = _compose("hydra/launcher=joblib_local").hydra.launcher
     assert launcher._target_.endswith("JoblibLauncher")
