@@ -4,7 +4,17 @@ The registry itself imports nothing of the package, so this module is the one pl
 built-ins. A new estimator, algorithm, reward or tracker is one module listed here plus its config file.
 """
 
-from rlhf_lab import kl  # noqa: F401
-from rlhf_lab.algorithms import grpo, ppo, reinforce  # noqa: F401
-from rlhf_lab.rewards import classifier, composite, length, python_function, reward_model, sentiment  # noqa: F401
-from rlhf_lab.trackers import base, wandb  # noqa: F401
+import rlhf_lab.algorithms.advantages  # noqa: F401  (advantage estimators, baselines)
+import rlhf_lab.algorithms.base  # noqa: F401  (the composed algorithms, loss aggregations)
+import rlhf_lab.algorithms.losses  # noqa: F401  (policy losses)
+import rlhf_lab.algorithms.ppo  # noqa: F401
+import rlhf_lab.kl  # noqa: F401
+import rlhf_lab.rewards.classifier  # noqa: F401
+import rlhf_lab.rewards.composite  # noqa: F401
+import rlhf_lab.rewards.exact_table  # noqa: F401  (the exact task's reward table)
+import rlhf_lab.rewards.length  # noqa: F401
+import rlhf_lab.rewards.python_function  # noqa: F401
+import rlhf_lab.rewards.reward_model  # noqa: F401
+import rlhf_lab.rewards.sentiment  # noqa: F401
+import rlhf_lab.trackers.base  # noqa: F401
+import rlhf_lab.trackers.wandb  # noqa: F401

@@ -123,7 +123,11 @@ def prompt_token_limit(max_prompt_tokens: int, max_new_tokens: int, context: int
 
 
 def load_prompts(data_cfg: Any, seed: int = 0) -> PromptSplits:
-    """Train and eval prompt lists for ``data_cfg`` (``name``: movie_prompts | jsonl | csv | hub)."""
+    """Train and eval prompt lists for ``data_cfg`` (``name``: movie_prompts | jsonl | csv | hub | exact)."""
+    if data_cfg.name == "exact":  # the exact task's one prompt: its BOS token (rlhf_lab/exact/)
+        from rlhf_lab.exact.task import PROMPT
+
+        return PromptSplits(train=[PROMPT], eval=[PROMPT])
     if data_cfg.name in EMBEDDED:
         folder = EMBEDDED[data_cfg.name]
         splits = _load_files(_with_path(data_cfg, folder), "json", ".jsonl", seed)
@@ -142,7 +146,7 @@ def load_prompts(data_cfg: Any, seed: int = 0) -> PromptSplits:
         evaluation = _column(eval_set, data_cfg.prompt_column, f"{data_cfg.path}[{data_cfg.eval_split}]")
         splits = PromptSplits(train=train, eval=evaluation)
     else:
-        valid = sorted([*EMBEDDED, *FILE_FORMATS, "hub"])
+        valid = sorted([*EMBEDDED, *FILE_FORMATS, "hub", "exact"])
         raise DataError(f"data={data_cfg.name!r} is not a prompt source; valid: {', '.join(valid)}")
     if not splits.train:
         raise DataError(f"data={data_cfg.name!r} has no training prompts")

@@ -217,6 +217,20 @@ def masked_whiten(values: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
     return (values - centre) / (std + eps) * mask
 
 
+def maximum(value: Tensor) -> float:
+    """The largest of every rank's scalar ``value``."""
+    if _single():
+        return float(value)
+    total = value.detach().double().reshape(1).clone()
+    dist.all_reduce(total, op=dist.ReduceOp.MAX)
+    return float(total[0])
+
+
+def minimum(value: Tensor) -> float:
+    """The smallest of every rank's scalar ``value``."""
+    return -maximum(-value)
+
+
 def mean_across_ranks(metrics: dict[str, Any]) -> dict[str, Any]:
     """Average numeric metrics over ranks (identity in a single process)."""
     if not is_distributed() or world_size() == 1:

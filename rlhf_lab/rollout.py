@@ -76,6 +76,8 @@ class Rollout:
     advantages: Tensor | None = None  # [B, T]
     returns: Tensor | None = None  # [B, T] (critic targets)
     values: Tensor | None = None  # [B, T] (critic estimates at sampling time)
+    old_logprobs: Tensor | None = None  # [B, T] π_old from a training pass (algorithm.tis_cap); None: logprobs
+    tis_weights: Tensor | None = None  # [B, T] truncated importance weights π_train/π_sampler (tis_cap)
     extras: dict[str, Tensor] = field(default_factory=dict)
 
     @property

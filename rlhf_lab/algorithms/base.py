@@ -10,13 +10,15 @@ methods; it never asks which algorithm it runs. Per-token tensors are [B, T]; ``
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from rlhf_lab import distributed
+from rlhf_lab.algorithms.advantages import GROUP_ADVANTAGES, sequence_returns
+from rlhf_lab.algorithms.losses import ClipRange, clip_loss, truncated_importance_weights
 from rlhf_lab.ops import entropy_from_logits, masked_mean, masked_sum
 from rlhf_lab.registry import get, register
 from rlhf_lab.rollout import Rollout, scores_to_token_rewards
@@ -54,11 +56,7 @@ class LossResult:
     loss: Tensor
     stats: dict[str, Tensor]
     veto: Tensor | None = None
-
-
-def sequence_returns(token_rewards: Tensor, mask: Tensor) -> Tensor:
-    """Undiscounted return of each sequence: Σ_t r_t over valid tokens, [B, T] -> [B]."""
-    return masked_sum(token_rewards, mask, dim=-1)
+    extrema: dict[str, Tensor] = field(default_factory=dict)  # ``*_max`` / ``*_min``: reduced by max / min
 
 
 def build_token_rewards(scores: Tensor, kl_penalty: Tensor, mask: Tensor) -> Tensor:
@@ -98,45 +96,27 @@ def aggregate(per_token: Tensor, mask: Tensor, mode: str, context: LossContext) 
     return get("loss_aggregation", mode)(per_token, mask, context)
 
 
-def clipped_policy_loss(
-    logprobs: Tensor,
-    old_logprobs: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    clip_low: float | None,
-    clip_high: float | None,
-) -> tuple[Tensor, Tensor]:
-    """Per-token clipped surrogate (Schulman et al. 2017) and where the clip binds.
-
-    ratio = exp(log π − log π_old); loss = max(−A·ratio, −A·clip(ratio, 1−ε_low, 1+ε_high)).
-    With no clip it is −A·ratio, whose gradient at ratio = 1 is the REINFORCE gradient −A·∇log π.
-    Returns (loss [B, T], clipped [B, T] as 0/1 floats).
-    """
-    ratio = torch.exp(logprobs - old_logprobs)
-    unclipped = -advantages * ratio
-    if clip_low is None and clip_high is None:
-        return unclipped * mask, torch.zeros_like(mask)
-    low = 1.0 - (clip_low if clip_low is not None else float("inf"))
-    high = 1.0 + (clip_high if clip_high is not None else float("inf"))
-    clipped = -advantages * ratio.clamp(low, high)
-    loss = torch.maximum(unclipped, clipped)
-    binds = (clipped > unclipped).float()
-    return loss * mask, binds * mask
+def clipped_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
+                        clip_low: float | None, clip_high: float | None) -> tuple[Tensor, Tensor]:
+    """PPO's clipped surrogate per token and where the clip binds (0/1): :func:`losses.clip_loss`."""
+    result = clip_loss(logprobs, old_logprobs, advantages, mask, ClipRange(clip_low, clip_high))
+    binds = sum(result.events.values(), torch.zeros_like(mask))
+    return result.per_token, binds
 
 
 def policy_weights(advantages: Tensor, scores: Tensor, mask: Tensor, weight_by: str, whiten: bool,
                    clamp_negative: bool) -> Tensor:
-    """The per-token weight of ∇log π: [B] advantages or raw scores -> [B, T].
+    """The per-token weight of ∇log π: advantages [B, T] (or [B]) or raw scores [B] -> [B, T].
 
     ``weight_by``: ``advantage``, or ``reward`` (TapeAgents ``rl_step``): the raw sequence score, without
-    the KL penalty. ``whiten`` whitens the weights over the batch's valid tokens (every rank's); ``clamp_negative`` then
-    sets negative weights to 0, so only better-than-baseline samples are reinforced (the clamp comes last,
-    so whitening cannot bring negative weights back).
+    the KL penalty. ``whiten`` whitens the weights over the batch's valid tokens (every rank's);
+    ``clamp_negative`` then sets negative weights to 0, so only better-than-baseline samples are reinforced
+    (the clamp comes last, so whitening cannot bring negative weights back).
     """
     if weight_by not in WEIGHT_SOURCES:
         raise ValueError(f"algorithm.weight_by={weight_by!r}; valid: {', '.join(WEIGHT_SOURCES)}")
     weights = advantages if weight_by == "advantage" else scores
-    token_weights = weights[:, None] * mask
+    token_weights = weights * mask if weights.dim() == 2 else weights[:, None] * mask
     if whiten:
         token_weights = distributed.masked_whiten(token_weights, mask)  # over every rank's tokens
     return token_weights.clamp(min=0.0) * mask if clamp_negative else token_weights
@@ -149,7 +129,9 @@ def entropy_bonus(logits: Tensor, mask: Tensor, context: LossContext) -> Tensor:
 
 
 class Algorithm:
-    """A critic-free policy-gradient algorithm; subclasses define ``sequence_advantages``."""
+    """A policy-gradient algorithm composed of an advantage estimator (``algorithm.advantage``) and a policy
+    loss (``algorithm.policy_loss``), both looked up in the registry; critic-free as it stands (PPO adds
+    a critic and GAE in ``ppo.py``)."""
 
     needs_hidden_states = False  # True when the loss needs the trunk's hidden states (a value head)
 
@@ -157,14 +139,18 @@ class Algorithm:
         self.cfg = cfg
         self.clip_low = cfg.clip_eps_low if cfg.clip_eps_low is not None else cfg.clip_eps
         self.clip_high = cfg.clip_eps_high if cfg.clip_eps_high is not None else cfg.clip_eps
+        self.clip = ClipRange(self.clip_low, self.clip_high, cfg.get("clip_ratio_c"))
 
     @classmethod
     def min_group_size(cls, cfg: Any) -> int:
         """The smallest ``algorithm.group_size`` the config can run with (group baselines need 2)."""
+        if cfg.get("advantage") in GROUP_ADVANTAGES or cfg.get("baseline") == "loo":
+            return 2
         return 1
 
-    def sequence_advantages(self, returns: Tensor, group_size: int) -> Tensor:  # [B] -> [B]
-        raise NotImplementedError
+    def advantages(self, token_rewards: Tensor, mask: Tensor, group_size: int) -> Tensor:
+        """The registered ``algorithm.advantage`` estimator: [B, T] token rewards -> [B, T] advantages."""
+        return get("advantage", self.cfg.advantage)(token_rewards, mask, group_size, self.cfg)
 
     def modules(self) -> dict[str, nn.Module]:
         """Extra trainable modules (a critic), saved and restored with checkpoints."""
@@ -186,34 +172,60 @@ class Algorithm:
         mask = rollout.response_mask
         rollout.token_rewards = build_token_rewards(rollout.scores, rollout.kl_penalty, mask)
         returns = sequence_returns(rollout.token_rewards, mask)
-        advantages = self.sequence_advantages(returns, rollout.group_size)
+        advantages = self.advantages(rollout.token_rewards, mask, rollout.group_size)
         token_weights = policy_weights(advantages, rollout.scores, mask, self.cfg.weight_by,
                                        self.cfg.whiten_advantages, self.cfg.clamp_negative_weights)
         rollout.advantages = token_weights
         rollout.returns = returns[:, None] * mask
-        return {"advantages/mean": distributed.masked_mean(token_weights, mask).item(),
-                "returns/mean": distributed.mean(returns).item()}
+        stats = {"advantages/mean": distributed.masked_mean(token_weights, mask).item(),
+                 "returns/mean": distributed.mean(returns).item()}
+        return {**stats, **self.importance_weights(rollout, forward), **advantage_range(token_weights, mask)}
+
+    def importance_weights(self, rollout: Rollout, forward: Any) -> dict[str, float]:
+        """``algorithm.tis_cap``: the training pass's log-probs become π_old, and each token's loss is weighted
+        by min(π_train/π_sampler, cap) (TIS); the sampler's log-probs stay for the KL terms."""
+        cap = self.cfg.get("tis_cap")
+        if cap is None:
+            return {}
+        with torch.no_grad():
+            train_logprobs = forward(rollout).logprobs.float()
+        mask = rollout.response_mask
+        rollout.tis_weights = truncated_importance_weights(train_logprobs, rollout.logprobs, cap) * mask
+        rollout.old_logprobs = train_logprobs
+        capped = (torch.exp(train_logprobs - rollout.logprobs) > cap).float()
+        return {"tis/weight_mean": distributed.masked_mean(rollout.tis_weights, mask).item(),
+                "tis/capped_frac": distributed.masked_mean(capped, mask).item()}
 
     def loss(self, batch: Rollout, output: PolicyOutput, context: LossContext) -> LossResult:
-        """Clipped policy loss of a micro-batch minus the entropy bonus, and its statistics."""
+        """The policy loss of a micro-batch minus the entropy bonus, and its statistics (shares of the
+        mini-batch's: summed over micro-batches they give the mini-batch's values)."""
         mask = batch.response_mask
-        per_token, clipped = clipped_policy_loss(
-            output.logprobs, batch.logprobs, batch.advantages, mask, self.clip_low, self.clip_high
-        )
+        old_logprobs = batch.old_logprobs if batch.old_logprobs is not None else batch.logprobs
+        result = get("policy_loss", self.cfg.policy_loss)(output.logprobs, old_logprobs, batch.advantages, mask,
+                                                          self.clip)
+        per_token = result.per_token if batch.tis_weights is None else result.per_token * batch.tis_weights
         policy_loss = aggregate(per_token, mask, self.cfg.loss_aggregation, context)
-        log_ratio = (output.logprobs - batch.logprobs).detach()
+        log_ratio = (output.logprobs - old_logprobs).detach()
+        tokens = context.minibatch_tokens
+        clipped = sum(result.events.get(k, 0) for k in ("clipped_low", "clipped_high")) + torch.zeros_like(mask)
         stats = {
             "loss/policy": policy_loss.detach(),
-            "policy/clipfrac": masked_sum(clipped, mask) / context.minibatch_tokens,
+            "policy/clipfrac": masked_sum(clipped, mask) / tokens,
             # k3 estimate of KL(π_old‖π_new), the PPO "approx_kl".
-            "policy/approxkl": masked_sum(torch.expm1(log_ratio) - log_ratio, mask) / context.minibatch_tokens,
+            "policy/approxkl": masked_sum(torch.expm1(log_ratio) - log_ratio, mask) / tokens,
+            "policy/ratio_mean": masked_sum(result.ratio, mask) / tokens,
         }
+        for event, values in result.events.items():
+            stats[f"policy/{event}_frac"] = masked_sum(values, mask) / tokens
         loss = policy_loss
         if self.cfg.entropy_coef > 0:
             bonus = self.cfg.entropy_coef * entropy_bonus(output.logits, mask, context)
             loss = loss - bonus
             stats["loss/entropy_bonus"] = -bonus.detach()
-        return LossResult(loss, stats)
+        valid = mask > 0
+        extrema = {"policy/ratio_max": result.ratio[valid].max() if valid.any() else None,
+                   "policy/ratio_min": result.ratio[valid].min() if valid.any() else None}
+        return LossResult(loss, stats, extrema={k: v for k, v in extrema.items() if v is not None})
 
     def should_stop_epochs(self, stats: dict[str, float]) -> bool:
         """Early stop of the update epochs (PPO's target_kl); never for critic-free algorithms."""
@@ -222,3 +234,16 @@ class Algorithm:
     def summarize(self, metrics: dict[str, float], n_updates: int) -> dict[str, float]:
         """Extra step metrics from the update metrics (averages over ``n_updates`` mini-batches)."""
         return {}
+
+
+def advantage_range(advantages: Tensor, mask: Tensor) -> dict[str, float]:
+    """Smallest and largest advantage over every rank's valid tokens."""
+    valid = advantages[mask > 0]
+    if not valid.numel():
+        return {}
+    return {"advantages/min": distributed.minimum(valid.min()), "advantages/max": distributed.maximum(valid.max())}
+
+
+# The critic-free presets: each composes an advantage estimator and a policy loss (conf/algorithm/NAME.yaml).
+for _name in ("grpo", "dr_grpo", "reinforce", "rloo", "reinforce_pp", "gspo", "cispo"):
+    register("algorithm", _name)(Algorithm)

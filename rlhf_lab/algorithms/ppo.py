@@ -19,7 +19,15 @@ import torch
 from torch import Tensor, nn
 
 from rlhf_lab import distributed
-from rlhf_lab.algorithms.base import Algorithm, LossContext, LossResult, PolicyOutput, aggregate, build_token_rewards
+from rlhf_lab.algorithms.base import (
+    Algorithm,
+    LossContext,
+    LossResult,
+    PolicyOutput,
+    advantage_range,
+    aggregate,
+    build_token_rewards,
+)
 from rlhf_lab.algorithms.critic import SeparateCritic, ValueHead, hidden_size_of, policy_trunk
 from rlhf_lab.ops import masked_sum
 from rlhf_lab.registry import register
@@ -160,6 +168,8 @@ class PPO(Algorithm):
         rollout.values, rollout.returns = values, returns
         rollout.advantages = distributed.masked_whiten(advantages, mask) if cfg.whiten_advantages else advantages
         return {
+            **self.importance_weights(rollout, forward),
+            **advantage_range(rollout.advantages, mask),
             "value/mean": distributed.masked_mean(values, mask).item(),
             "returns/mean": distributed.masked_mean(returns, mask).item(),
             "advantages/mean": distributed.masked_mean(advantages, mask).item(),
@@ -175,15 +185,15 @@ class PPO(Algorithm):
             self.values(batch, output), batch.values, batch.returns, mask, self.cfg.clip_value
         )
         value_loss = aggregate(per_token, mask, self.cfg.loss_aggregation, context)
-        ratio = torch.exp(output.logprobs - batch.logprobs).detach()
+        old_logprobs = batch.old_logprobs if batch.old_logprobs is not None else batch.logprobs
+        ratio = torch.exp(output.logprobs - old_logprobs).detach()
         stats = result.stats
         stats["loss/value"] = value_loss.detach()  # ½ squared error, before vf_coef
         stats["value/clipfrac"] = masked_sum(value_clipped, mask) / tokens
-        stats["policy/ratio_mean"] = masked_sum(ratio, mask) / tokens
         veto = None
         if self.cfg.ratio_threshold is not None:  # TRL's ratio_threshold: skip a mini-batch whose mean ratio exploded
             veto = ratio_veto_margin(ratio, mask, self.cfg.ratio_threshold, tokens)
-        return LossResult(result.loss + self.cfg.vf_coef * value_loss, stats, veto)
+        return LossResult(result.loss + self.cfg.vf_coef * value_loss, stats, veto, result.extrema)
 
     def should_stop_epochs(self, stats: dict[str, float]) -> bool:
         """Stop the epochs once the epoch's mean approximate KL(π_old‖π_new) exceeds ``target_kl``."""

@@ -26,7 +26,11 @@ from omegaconf import MISSING
 class AlgorithmConfig:
     """What every algorithm reads: sampling groups, ratio clipping, loss reduction, update epochs."""
 
-    name: str = MISSING  # registered algorithm
+    name: str = MISSING  # registered algorithm (a preset composing the axes below)
+    advantage: str = MISSING  # registered kind `advantage` (rlhf_lab/algorithms/advantages.py); ppo: gae
+    policy_loss: str = "clip"  # registered kind `policy_loss`: clip | gspo | cispo | reinforce
+    clip_ratio_c: float | None = None  # Dual-clip c (> 1): negative-advantage tokens' loss at most −c·A
+    tis_cap: float | None = None  # truncated importance sampling against the sampler's log-probs (cap, e.g. 2)
     group_size: int = 8  # samples per prompt; samples per step = prompts_per_step × group_size
     clip_eps: float | None = 0.2  # null: no ratio clipping
     clip_eps_low: float | None = None  # defaults to clip_eps
@@ -44,18 +48,18 @@ class CriticFreeConfig(AlgorithmConfig):
 
     weight_by: str = "advantage"  # rlhf_lab.algorithms.base.WEIGHT_SOURCES (TapeAgents rl_step option)
     clamp_negative_weights: bool = False  # weights below zero become zero
+    scale_by_std: bool = True  # advantage=grpo: divide by the group std (false: Dr. GRPO's centring only)
+    baseline: str = "batch_mean"  # advantage=reinforce: registered kind `baseline` (none | batch_mean | loo)
 
 
 @dataclass
 class GRPOConfig(CriticFreeConfig):
-    scale_by_std: bool = True  # divide by the group std; false = Dr. GRPO
+    """GRPO and its relatives (dr_grpo, gspo, cispo): group-relative advantages."""
 
 
 @dataclass
 class ReinforceConfig(CriticFreeConfig):
-    """REINFORCE and RLOO (``algorithm=rloo`` is REINFORCE with ``baseline: loo``)."""
-
-    baseline: str = "batch_mean"  # registered kind `baseline`
+    """REINFORCE, RLOO and REINFORCE++ (``algorithm=rloo``: the leave-one-out advantage)."""
 
 
 @dataclass
@@ -87,6 +91,10 @@ class KLConfig:
     controller: str = "fixed"  # registered kind `kl_controller`
     target: float | None = None  # adaptive: target KL per sequence
     horizon: int = 10000  # adaptive: samples over which the error is corrected
+    # Options of the loss-placed KL term (rlhf_lab/kl/estimators.py), off by default:
+    clamp_log_ratio: float | None = None  # bound log r to [-c, c] before the estimator (verl: 20)
+    clamp_value: float | None = None  # bound the estimate to [-c, c] (verl clamps k3 to 10)
+    importance_weight: bool = False  # weight the estimate by sg(pi_theta / pi_old) (off-policy epochs/mini-batches)
 
 
 # ------------------------------------------------------------------------------------------------- reward
@@ -140,6 +148,18 @@ class LengthRewardConfig(RewardConfig):
 
 
 @dataclass
+class ExactTableRewardConfig(RewardConfig):
+    """A seeded reward table over all V^T responses of the exact task (rlhf_lab/rewards/exact_table.py)."""
+
+    symbols: int = 4  # V; conf/reward/exact_table.yaml reads it from model.exact.symbols
+    length: int = 4  # T; conf/reward/exact_table.yaml reads it from trainer.max_new_tokens
+    seed: int = 0  # the table's seed (the task, not the run)
+    peaks: int = 3  # high-reward sequences: the k-th (k = 0, 1, ...) scores peak_reward·(1 − k/peaks)
+    peak_reward: float = 1.0
+    noise: float = 0.3  # every sequence also scores noise·u, u ~ U[0, 1)
+
+
+@dataclass
 class CompositeRewardConfig(RewardConfig):
     components: list[Any] = field(default_factory=list)  # [{name, weight, key, <that reward's fields>}]
 
@@ -173,7 +193,7 @@ class TinyDims:
 class ModelConfig:
     """``smollm2_135m`` and ``path`` use this schema as it is."""
 
-    name: str = MISSING  # smollm2_135m | tiny | path
+    name: str = MISSING  # smollm2_135m | tiny | exact | path
     name_or_path: str | None = None  # local folder or hub id (model=path), ignored by builtins
     system_prompt: str | None = None  # null: the chat template's default
     chat_template: bool = True  # wrap prompts in the tokenizer's chat template when it has one
@@ -185,6 +205,25 @@ class TinyModelConfig(ModelConfig):
     tiny: TinyDims = field(default_factory=TinyDims)
 
 
+@dataclass
+class ExactTaskDims:
+    """The exact task's policy (``model=exact``, rlhf_lab/exact/): a tiny Llama over ``symbols`` symbols."""
+
+    symbols: int = 4  # V: responses are trainer.max_new_tokens (T) symbols, V^T of them in all
+    init_seed: int = 0  # the initial policy = the reference; fixed by the task, not by the run's seed
+    init_std: float = 0.2  # initializer_range: how far from uniform the reference is
+    hidden_size: int = 32
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    intermediate_size: int = 64
+
+
+@dataclass
+class ExactModelConfig(ModelConfig):
+    exact: ExactTaskDims = field(default_factory=ExactTaskDims)
+
+
 # --------------------------------------------------------------------------------------------------- data
 
 
@@ -192,7 +231,7 @@ class TinyModelConfig(ModelConfig):
 class DataConfig:
     """What every prompt source reads; ``movie_prompts`` (embedded) uses it as it is."""
 
-    name: str = MISSING  # movie_prompts | jsonl | csv | hub
+    name: str = MISSING  # movie_prompts | jsonl | csv | hub | exact
     prompt_column: str = "prompt"
     train_split: str = "train"  # file stem in a data folder, or the hub split
     eval_split: str = "eval"
@@ -265,6 +304,7 @@ class TrainerConfig:
     samples_per_step_logged: int = 2  # rows appended to samples.jsonl each step
     max_consecutive_skips: int = 5  # non-finite loss/gradient skips before the run stops
     progress_bar: bool = True
+    exact_every: int = 1  # model=exact: steps between exact/* metrics (by enumeration); 0: the last step only
     output_dir: str | None = None  # null: Hydra's run folder
 
 
@@ -299,8 +339,9 @@ OPTION_SCHEMAS: dict[str, dict[str, type]] = {
         "python_schema": PythonRewardConfig,
         "length_schema": LengthRewardConfig,
         "composite_schema": CompositeRewardConfig,
+        "exact_table_schema": ExactTableRewardConfig,
     },
-    "model": {"model_schema": ModelConfig, "tiny_schema": TinyModelConfig},
+    "model": {"model_schema": ModelConfig, "tiny_schema": TinyModelConfig, "exact_schema": ExactModelConfig},
     "data": {"data_schema": DataConfig, "data_path_schema": DataPathConfig},
     "logger": {"logger_schema": LoggerConfig, "wandb_schema": WandbLoggerConfig},
 }

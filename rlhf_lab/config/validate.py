@@ -1,7 +1,8 @@
 """``validate(cfg)``: every check of a composed config, in order, before any model loads.
 
 1. keys: each key belongs to its node's schema (:mod:`~rlhf_lab.config.validate_keys`);
-2. values: choices, ranges, batch shapes (:mod:`~rlhf_lab.config.validate_values`);
+2. values: choices, ranges, batch shapes (:mod:`~rlhf_lab.config.validate_values`); KL options, the exact task
+   and the zero-gradient warning (:mod:`~rlhf_lab.config.validate_kl`);
 3. scale: strategy, precision and the batch over the ranks (:mod:`~rlhf_lab.config.validate_scale`);
 4. paths: data files, model and reward-model folders, hub cache (:mod:`~rlhf_lab.config.validate_paths`);
 5. code: user ``module:function`` specs import (:mod:`~rlhf_lab.config.validate_code`);
@@ -18,6 +19,7 @@ from typing import Any
 
 from rlhf_lab.config.validate_code import check_code
 from rlhf_lab.config.validate_keys import check_known_keys
+from rlhf_lab.config.validate_kl import check_kl
 from rlhf_lab.config.validate_paths import check_paths
 from rlhf_lab.config.validate_scale import check_scale
 from rlhf_lab.config.validate_values import check_values
@@ -40,6 +42,7 @@ def validate(cfg: Any) -> None:
     """Check a composed config; raise :class:`ConfigError` on the first bad key or value."""
     check_known_keys(cfg)
     check_values(cfg)
+    check_kl(cfg)
     check_scale(cfg)
     check_paths(cfg)
     check_code(cfg)

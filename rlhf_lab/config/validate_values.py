@@ -49,6 +49,15 @@ def check_choices(cfg: Any) -> None:
     choice("logger", cfg.logger.name, names("logger"))
     choice("logger.mode", cfg.logger.mode, MODES)
     choice("algorithm.loss_aggregation", algorithm.loss_aggregation, names("loss_aggregation"))
+    choice("algorithm.advantage", algorithm.advantage, names("advantage"))
+    choice("algorithm.policy_loss", algorithm.policy_loss, names("policy_loss"))
+    has_critic = "critic" in algorithm
+    if has_critic and algorithm.advantage != "gae":
+        raise ConfigError(f"algorithm.advantage={algorithm.advantage!r} does not fit algorithm={algorithm.name}, "
+                          "whose critic estimates advantages: it needs algorithm.advantage=gae")
+    if not has_critic and algorithm.advantage == "gae":
+        raise ConfigError(f"algorithm.advantage=gae needs a critic, which algorithm={algorithm.name} has not; "
+                          "use algorithm=ppo")
     if "baseline" in algorithm:
         choice("algorithm.baseline", algorithm.baseline, names("baseline"))
     if "weight_by" in algorithm:
@@ -92,7 +101,11 @@ def check_ranges(cfg: Any) -> None:
     at_least("model.lora.r", cfg.model.lora.r, 1)
     if not 0.0 < trainer.top_p <= 1.0:
         raise ConfigError(f"trainer.top_p={trainer.top_p!r} is out of range; must be in (0, 1]")
-    for key in ("clip_eps", "clip_eps_low", "clip_eps_high"):
+    if algorithm.clip_eps_high is not None:
+        at_least("algorithm.clip_eps_high", algorithm.clip_eps_high, 0.0, strict=True)
+    at_least("algorithm.clip_ratio_c", algorithm.clip_ratio_c, 1.0, strict=True)
+    at_least("algorithm.tis_cap", algorithm.tis_cap, 0.0, strict=True)
+    for key in ("clip_eps", "clip_eps_low"):
         value = algorithm[key]
         if value is not None and not 0.0 < value < 1.0:
             raise ConfigError(f"algorithm.{key}={value!r} is out of range; must be in (0, 1) or null")

@@ -12,7 +12,10 @@ Per arm, as mean ± sample std over seeds (a single seed has no std):
 - final KL: ``kl/exact`` at the last training step;
 - KL est − exact: the mean over steps of ``kl/estimate − kl/exact`` (the estimator's bias, per token);
 - s/step: the median ``time/step_s``;
-- eval reward: the last ``eval/reward/mean`` (only when jobs evaluated).
+- eval reward: the last ``eval/reward/mean`` (only when jobs evaluated);
+- on the exact task (``exact/*`` metrics): final gap J* − J, true KL, KL of π*, TV to π*, the estimate's bias;
+  arms are then ranked by final gap, and gap and true KL are plotted against steps
+  (:mod:`rlhf_lab.tools.report_exact`).
 
 Training curves use the lines that have ``reward/mean``; the evaluation-only lines (``eval/...``) are
 left out of them. Written into the folder (or ``--out``): ``report.csv``, ``report.md``,
@@ -38,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from rlhf_lab.errors import ToolError
+from rlhf_lab.tools.report_exact import EXACT_METRICS, exact_job_metrics, exact_plots, rank_by_gap
 from rlhf_lab.tools.report_search import optuna_section
 
 IGNORED_KEYS = ("seed", "trainer.resume", "trainer.output_dir", "trainer.progress_bar")
@@ -51,6 +55,7 @@ METRICS = (
     ("kl_estimate_minus_exact", "KL est − exact"),
     ("step_time_s", "s/step"),
     ("eval_reward", "eval reward"),
+    *((column, header) for column, header, _ in EXACT_METRICS),
 )
 PLOTS = ("reward_vs_step.png", "kl_exact_vs_step.png", "reward_vs_kl.png")
 
@@ -222,6 +227,7 @@ def job_metrics(job: Job) -> dict[str, float]:
     }
     if job.eval:
         metrics["eval_reward"] = job.eval[-1]["eval/reward/mean"]
+    metrics.update(exact_job_metrics(job.train))
     return metrics
 
 
@@ -337,7 +343,7 @@ def write_plots(arms: list[Arm], rows: list[dict[str, Any]], out: Path) -> list[
     _plot_curves(arms, "reward/mean", "reward (mean over the step's samples)", paths[0])
     _plot_curves(arms, "kl/exact", "exact KL per token", paths[1])
     _plot_frontier(rows, paths[2])
-    return paths
+    return paths + exact_plots(arms, out, curve)  # the exact task's gap and true KL, when logged
 
 
 # ------------------------------------------------------------------------------------------ command
@@ -355,6 +361,7 @@ def build_report(folder: Path, out: Path | None = None) -> tuple[str, list[dict[
     out.mkdir(parents=True, exist_ok=True)
     arms = group_arms(jobs)
     rows, metrics = summarize(arms)
+    rows, arms = rank_by_gap(rows, arms)  # the exact task: best (smallest final gap J* − J) first
     table = markdown_table(rows, metrics)
     write_csv(rows, out / "report.csv")
     plots = write_plots(arms, rows, out)

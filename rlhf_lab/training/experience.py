@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from rlhf_lab.errors import RewardError
+from rlhf_lab.kl import estimate as estimate_kl
 from rlhf_lab.kl import exact_kl
 from rlhf_lab.models import PolicyAndReference
 from rlhf_lab.ops import gather_logprobs
@@ -170,9 +171,12 @@ class ExperienceMaker:
     def kl_terms(self, rollout: Rollout) -> tuple[Tensor, Tensor]:
         """(estimate, exact) per-token KL of the sampling policy from the reference, masked: [B, T] each."""
         mask = rollout.response_mask
+        kl_cfg = self.cfg.kl
         with torch.no_grad():
-            estimate = self.kl_estimator(
-                rollout.logprobs, rollout.ref_logprobs, logits=rollout.policy_logits, ref_logits=rollout.ref_logits
+            estimate = estimate_kl(  # with the configured clamps, which bound a reward-placed penalty too
+                self.kl_estimator, rollout.logprobs, rollout.ref_logprobs, logits=rollout.policy_logits,
+                ref_logits=rollout.ref_logits, mask=mask, clamp_log_ratio=kl_cfg.get("clamp_log_ratio"),
+                clamp_value=kl_cfg.get("clamp_value"),
             ) * mask
             exact = exact_kl(rollout.policy_logits, rollout.ref_logits) * mask
         return estimate, exact

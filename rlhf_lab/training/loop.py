@@ -23,6 +23,7 @@ import rlhf_lab.components  # noqa: F401  (registers the built-in parts)
 from rlhf_lab import distributed
 from rlhf_lab.data import check_prompt_lengths, load_prompts, prompt_indices, prompt_token_limit
 from rlhf_lab.errors import TrainingStopped
+from rlhf_lab.exact.metrics import exact_step_metrics
 from rlhf_lab.models import build_policy, load_tokenizer
 from rlhf_lab.ops import masked_sum
 from rlhf_lab.precision import Precision
@@ -344,6 +345,8 @@ class Trainer:
             step = self.start_step - 1
             for step in progress:
                 metrics = self.train_step(step)
+                # Hook: the exact task's metrics by enumeration (model=exact, rlhf_lab/exact/); {} otherwise.
+                metrics.update(exact_step_metrics(self, step))
                 if cfg.trainer.eval_every > 0 and (step + 1) % cfg.trainer.eval_every == 0 and step + 1 < steps:
                     metrics.update(self.evaluate(step))
                 self.records.log(metrics, step)

@@ -23,7 +23,8 @@ import torch
 from torch import Tensor, nn
 
 from rlhf_lab import distributed
-from rlhf_lab.algorithms.base import Algorithm, LossContext, LossResult, PolicyOutput
+from rlhf_lab.algorithms.base import Algorithm, LossContext, LossResult, PolicyOutput, aggregate
+from rlhf_lab.kl import estimate, importance_weights
 from rlhf_lab.ops import gather_logprobs
 from rlhf_lab.precision import Precision
 from rlhf_lab.rollout import Rollout, response_logits
@@ -44,6 +45,16 @@ def lr_lambda(schedule: str, warmup_steps: int, total_steps: int):
         return 1.0
 
     return factor
+
+
+EXTREMA = ("_max", "_min")  # statistics reduced by max / min instead of averaged
+
+
+def combine_extremum(key: str, current: float | None, value: float) -> float:
+    """The running max (``*_max``) or min (``*_min``) of a statistic."""
+    if current is None:
+        return value
+    return max(current, value) if key.endswith("_max") else min(current, value)
 
 
 def parameter_groups(policy: nn.Module, algorithm: Algorithm, lr: float) -> list[dict[str, Any]]:
@@ -123,14 +134,19 @@ class Updater:
         result = self.algorithm.loss(batch, output, context)
         loss, stats = result.loss, result.stats
         if self.kl_placement.needs_grad:
-            token_share = float(mask.sum()) / max(context.minibatch_tokens, 1.0)
-            kl_values = self.kl_estimator(output.logprobs, batch.ref_logprobs, logits=output.logits,
-                                          ref_logits=batch.ref_logits)
-            kl_loss = self.kl_placement.loss_term(kl_values, mask, coef) * token_share
+            kl_cfg = self.cfg.kl  # options of the loss-placed term: clamps, importance weight (rlhf_lab/kl/)
+            kl_values = estimate(self.kl_estimator, output.logprobs, batch.ref_logprobs, logits=output.logits,
+                                 ref_logits=batch.ref_logits, mask=mask, clamp_log_ratio=kl_cfg.clamp_log_ratio,
+                                 clamp_value=kl_cfg.clamp_value)
+            if kl_cfg.importance_weight:  # samples of π_old (later epochs / mini-batches): reweight to π_θ
+                kl_values = kl_values * importance_weights(output.logprobs, batch.logprobs, mask)
+            aggregation = self.cfg.algorithm.loss_aggregation  # reduced like the policy loss
+            kl_loss = self.kl_placement.loss_term(
+                kl_values, mask, coef, reduce=lambda values, m: aggregate(values, m, aggregation, context))
             loss = loss + kl_loss
             stats["loss/kl"] = kl_loss.detach()
         stats["loss/total"] = loss.detach()
-        return LossResult(loss, stats, result.veto)
+        return LossResult(loss, stats, result.veto, result.extrema)
 
     def optimizer_step(self, loss_finite: bool = True) -> bool:
         """Clip and apply gradients; skip (no parameter change) if the loss or any gradient is not finite."""
@@ -166,6 +182,7 @@ class Updater:
         context = LossContext(tokens, int(rows), self.cfg.trainer.max_new_tokens)
         self.optimizer.zero_grad(set_to_none=True)
         stats: dict[str, float] = {}
+        extrema: dict[str, float] = {}
         veto: float | None = None
         loss_finite = True
         starts = range(0, minibatch.batch_size, micro)
@@ -179,9 +196,14 @@ class Updater:
                     self.backward(result.loss)
                 for key, value in result.stats.items():
                     stats[key] = stats.get(key, 0.0) + float(value)
+                for key, value in result.extrema.items():
+                    extrema[key] = combine_extremum(key, extrema.get(key), float(value))
                 if result.veto is not None:
                     veto = (veto or 0.0) + float(result.veto)
         stats = distributed.sum_dict(stats)
+        for key, value in extrema.items():  # over every rank's tokens
+            stats[key] = distributed.maximum(torch.tensor(value)) if key.endswith("_max") else \
+                distributed.minimum(torch.tensor(value))
         loss_finite = distributed.all_reduce_flags(loss_finite)
         with timer.phase("optimizer"):
             if veto is not None:
@@ -221,12 +243,15 @@ class Updater:
                 stats = self.minibatch_update(rollout.select(order[start : start + mini]), coef, timer)
                 updates += 1
                 for key, value in stats.items():
+                    if key.endswith(EXTREMA):
+                        sums[key] = combine_extremum(key, sums.get(key), value)
+                        continue
                     sums[key] = sums.get(key, 0.0) + value
                     epoch_stats[key] = epoch_stats.get(key, 0.0) + value
             n_minibatches = math.ceil(batch_size / mini)
             if self.algorithm.should_stop_epochs({k: v / n_minibatches for k, v in epoch_stats.items()}):
                 break
-        metrics = {key: value / max(updates, 1) for key, value in sums.items()}
+        metrics = {key: value if key.endswith(EXTREMA) else value / max(updates, 1) for key, value in sums.items()}
         metrics["optim/updates"] = updates
         metrics.update(self.algorithm.summarize(metrics, updates))
         return metrics

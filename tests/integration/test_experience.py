@@ -55,3 +55,17 @@ def test_make_keeps_scores_and_kl_terms_apart(compose, tiny_overrides, tmp_path:
     lengths = [len(text.split()) for text in experience.responses]
     assert rollout.scores.tolist() == pytest.approx([max(1 - (10 - n) / 20, -1.0) for n in lengths])
     assert all(math.isfinite(s) for s in rollout.scores.tolist())
+
+
+def test_a_clamp_bounds_the_reward_placed_penalty(compose, tiny_overrides, tmp_path: Path) -> None:
+    cfg = compose([*tiny_overrides(tmp_path), "kl=kl", "kl.placement=reward", "kl.coef=1.0", "kl.clamp_value=0.01",
+                   "trainer.eval_prompts=0", "reward=length"])
+    trainer = Trainer(cfg, tmp_path / "run")
+    with torch.no_grad():  # far from the reference: |log r| well above the bound
+        for parameter in trainer.policy.parameters():
+            parameter.add_(0.5 * torch.randn_like(parameter))
+    rollout = trainer.experience.make(trainer.prompts.train[:2], 2, StepTimer(), ["a", "b"], kl_coef=1.0).rollout
+    raw = (rollout.logprobs - rollout.ref_logprobs) * rollout.response_mask
+    assert float(raw.abs().max()) > 0.01
+    torch.testing.assert_close(rollout.kl_estimate, raw.clamp(-0.01, 0.01))
+    assert float(rollout.kl_penalty.abs().max()) <= 0.01 + 1e-7

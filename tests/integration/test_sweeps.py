@@ -339,7 +339,7 @@ def test_joblib_local_launcher_config_composes() -> None:
 EXPERIMENT_SWEEPS = {
     "smoke": {"algorithm": "grpo,rloo", "kl": "k3,kl"},
     "kl_ablation": {"kl": "kl,abs,mse,k3,full,none", "kl.placement": "reward,loss", "seed": "0,1,2"},
-    "algo_comparison": {"algorithm": "ppo,grpo,reinforce,rloo", "seed": "0,1,2"},
+    "algo_comparison": {"algorithm": "ppo,grpo,dr_grpo,rloo,reinforce,reinforce_pp,gspo,cispo", "seed": "0,1,2"},
 }
 
 
@@ -368,7 +368,7 @@ def test_experiment_selects_a_whole_sweep(name: str) -> None:
 
 def test_experiment_sizes() -> None:
     sizes = {name: math.prod(len(v.split(",")) for v in params.values()) for name, params in EXPERIMENT_SWEEPS.items()}
-    assert sizes == {"smoke": 4, "kl_ablation": 36, "algo_comparison": 12}
+    assert sizes == {"smoke": 4, "kl_ablation": 36, "algo_comparison": 24}
     assert _compose("experiment=smoke").model.name == "tiny"
     kl = _compose("experiment=algo_comparison").kl
     assert (kl.name, kl.placement) == ("kl", "reward")

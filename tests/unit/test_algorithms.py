@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 
+from rlhf_lab.algorithms.advantages import baseline_advantages, group_advantages
 from rlhf_lab.algorithms.base import (
     Algorithm,
     LossContext,
@@ -20,8 +21,6 @@ from rlhf_lab.algorithms.base import (
     policy_weights,
     sequence_returns,
 )
-from rlhf_lab.algorithms.grpo import group_advantages
-from rlhf_lab.algorithms.reinforce import Reinforce, baseline_advantages
 from rlhf_lab.errors import RegistryError
 from rlhf_lab.registry import get
 from rlhf_lab.rollout import Rollout, last_token_index, scores_to_token_rewards
@@ -141,7 +140,7 @@ def test_reinforce_prepare_per_baseline(compose, baseline: str, expected: list[f
     cfg = compose(["algorithm=reinforce", "algorithm.group_size=2", f"algorithm.baseline={baseline}"])
     token_rewards, mask = rewards_on_last_token(torch.tensor([1.0, 3.0], dtype=torch.float64))
     rollout = make_rollout(token_rewards, mask, group_size=2)
-    Reinforce(cfg.algorithm).prepare(rollout)
+    Algorithm(cfg.algorithm).prepare(rollout)
     torch.testing.assert_close(rollout.advantages[:, 0], torch.tensor(expected, dtype=torch.float64))
 
 
@@ -155,7 +154,7 @@ def test_whitening_uses_valid_tokens_only(compose) -> None:
     token_rewards = torch.tensor([[0.0, 0.0, 1.0, 0.0], [3.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
     rollout = make_rollout(token_rewards, mask, group_size=2)
-    Reinforce(cfg.algorithm).prepare(rollout)
+    Algorithm(cfg.algorithm).prepare(rollout)
     expected = torch.tensor([[-0.5, -0.5, -0.5, 0.0], [1.5, 0.0, 0.0, 0.0]], dtype=torch.float64)
     torch.testing.assert_close(rollout.advantages, expected, rtol=0, atol=1e-7)
 
@@ -195,7 +194,7 @@ def test_weight_by_reward_uses_the_raw_score_not_the_kl_penalised_return(compose
     rollout = make_rollout(torch.zeros(2, 2, dtype=torch.float64), torch.ones(2, 2, dtype=torch.float64), 2)
     rollout.scores = torch.tensor([1.0, 3.0], dtype=torch.float64)
     rollout.kl_penalty = torch.full((2, 2), 0.25, dtype=torch.float64)
-    Reinforce(cfg.algorithm).prepare(rollout)
+    Algorithm(cfg.algorithm).prepare(rollout)
     assert rollout.returns[:, 0].tolist() == [0.5, 2.5]
     assert rollout.advantages[:, 0].tolist() == [1.0, 3.0]
 
@@ -360,12 +359,13 @@ def test_micro_batch_accumulation_equals_the_whole_mini_batch(compose, aggregati
 
 
 def test_rloo_is_reinforce_with_the_loo_baseline(compose) -> None:
-    assert get("algorithm", "rloo") is Reinforce
-    assert get("algorithm", "reinforce") is Reinforce
+    assert get("algorithm", "rloo") is Algorithm
+    assert get("algorithm", "reinforce") is Algorithm
+    assert compose(["algorithm=rloo"]).algorithm.advantage == "rloo"
     cfg = compose(["algorithm=rloo"])
     assert (cfg.algorithm.name, cfg.algorithm.baseline) == ("rloo", "loo")
     assert compose(["algorithm=reinforce"]).algorithm.baseline == "batch_mean"
-    assert "baseline" not in compose(["algorithm=grpo"]).algorithm  # GRPO's baseline is its group, always
+    assert compose(["algorithm=grpo"]).algorithm.advantage == "grpo"  # the group is its baseline
 
 
 def test_sequence_returns_sums_only_masked_tokens() -> None:

@@ -22,6 +22,8 @@ from rlhf_lab.config.schema import (
     CompositeRewardConfig,
     DataConfig,
     DataPathConfig,
+    ExactModelConfig,
+    ExactTableRewardConfig,
     GRPOConfig,
     KLConfig,
     LengthRewardConfig,
@@ -37,8 +39,11 @@ from rlhf_lab.config.schema import (
 )
 
 SCHEMAS = {
-    "algorithm": {"grpo": GRPOConfig, "ppo": PPOConfig, "reinforce": ReinforceConfig, "rloo": ReinforceConfig},
-    "kl": {name: KLConfig for name in ("kl", "abs", "mse", "k3", "full", "none")},
+    "algorithm": {"grpo": GRPOConfig, "dr_grpo": GRPOConfig, "gspo": GRPOConfig, "cispo": GRPOConfig,
+                  "ppo": PPOConfig, "reinforce": ReinforceConfig, "rloo": ReinforceConfig,
+                  "reinforce_pp": ReinforceConfig},
+    "kl": {name: KLConfig for name in ("kl", "abs", "mse", "k3", "full", "none", "k1_plus", "k3_plus", "sequence_k1",
+                                       "sequence_full")},
     "reward": {
         "sentiment": SentimentRewardConfig,
         "classifier": ClassifierRewardConfig,
@@ -46,9 +51,11 @@ SCHEMAS = {
         "python": PythonRewardConfig,
         "length": LengthRewardConfig,
         "composite": CompositeRewardConfig,
+        "exact_table": ExactTableRewardConfig,
     },
-    "model": {"smollm2_135m": ModelConfig, "path": ModelConfig, "tiny": TinyModelConfig},
-    "data": {"movie_prompts": DataConfig, "jsonl": DataPathConfig, "csv": DataPathConfig, "hub": DataPathConfig},
+    "model": {"smollm2_135m": ModelConfig, "path": ModelConfig, "tiny": TinyModelConfig, "exact": ExactModelConfig},
+    "data": {"movie_prompts": DataConfig, "jsonl": DataPathConfig, "csv": DataPathConfig, "hub": DataPathConfig,
+             "exact": DataConfig},
     "logger": {"none": LoggerConfig, "wandb": WandbLoggerConfig},
 }
 # Overrides that let an option compose and validate offline (its required fields filled in).
@@ -60,6 +67,8 @@ NEEDS = {
     ("data", "jsonl"): ["data.path={file}"],
     ("data", "csv"): ["data.path={file}"],
     ("data", "hub"): ["data.path=org/name"],
+    ("model", "exact"): ["data=exact", "trainer.max_new_tokens=3"],  # the exact task's prompt and a small T
+    ("reward", "exact_table"): ["model=exact", "data=exact", "trainer.max_new_tokens=3"],
 }
 
 
@@ -98,8 +107,9 @@ def test_group_options_are_yaml_files_not_stored_schemas() -> None:
     register_configs()
     stored = ConfigStore.instance().list("algorithm")
     assert "grpo_schema.yaml" in stored and "ppo_schema.yaml" in stored
-    assert group_options("algorithm") == ["grpo", "ppo", "reinforce", "rloo"]
-    assert group_options("experiment") == ["algo_comparison", "kl_ablation", "smoke"]
+    assert group_options("algorithm") == ["cispo", "dr_grpo", "grpo", "gspo", "ppo", "reinforce", "reinforce_pp",
+                                          "rloo"]
+    assert group_options("experiment") == ["algo_comparison", "exact", "kl_ablation", "kl_ablation_exact", "smoke"]
 
 
 @pytest.mark.parametrize(
@@ -109,10 +119,10 @@ def test_group_options_are_yaml_files_not_stored_schemas() -> None:
          "unknown key 'reward.min_words' for reward=sentiment; valid keys: name, on_nonfinite, target"),
         (["algorithm=ppo", "algorithm.weight_by=reward"],
          f"unknown key 'algorithm.weight_by' for algorithm=ppo; valid keys: {keys(PPOConfig)}"),
-        (["algorithm=grpo", "algorithm.baseline=loo"],
-         f"unknown key 'algorithm.baseline' for algorithm=grpo; valid keys: {keys(GRPOConfig)}"),
-        (["algorithm=rloo", "algorithm.scale_by_std=false"],
-         f"unknown key 'algorithm.scale_by_std' for algorithm=rloo; valid keys: {keys(ReinforceConfig)}"),
+        (["algorithm=grpo", "algorithm.critic=separate"],
+         f"unknown key 'algorithm.critic' for algorithm=grpo; valid keys: {keys(GRPOConfig)}"),
+        (["algorithm=rloo", "algorithm.gamma=0.9"],
+         f"unknown key 'algorithm.gamma' for algorithm=rloo; valid keys: {keys(ReinforceConfig)}"),
         (["model=smollm2_135m", "model.tiny.hidden_size=8"],
          f"unknown key 'model.tiny' for model=smollm2_135m; valid keys: {keys(ModelConfig)}"),
         (["logger=none", "logger.project=x"],
@@ -242,8 +252,9 @@ def test_group_size_minimum_comes_from_the_algorithm_class(registered) -> None:
 
 def test_unknown_option_lists_the_yaml_options() -> None:
     assert compose_error(["algorithm=grpo_schema"]) == (
-        "algorithm='grpo_schema' is not an option; choose from: grpo, ppo, reinforce, rloo"
+        "algorithm='grpo_schema' is not an option; choose from: cispo, dr_grpo, grpo, gspo, ppo, reinforce, "
+        "reinforce_pp, rloo"
     )
     assert compose_error(["+experiment=nope"]) == (
-        "experiment='nope' is not an option; choose from: algo_comparison, kl_ablation, smoke"
+        "experiment='nope' is not an option; choose from: algo_comparison, exact, kl_ablation, kl_ablation_exact, smoke"
     )

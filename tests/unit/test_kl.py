@@ -1,4 +1,4 @@
-"""KL estimators, exact KL, controllers and placements (rlhf_lab/kl.py).
+"""KL estimators, exact KL, controllers and placements (rlhf_lab/kl/).
 
 The gradient tests enumerate every token of a tiny categorical policy, so "expected gradient" below is exact,
 not sampled: they decide which estimator × placement pairs are unbiased for ∇KL(π‖π_ref).
@@ -208,9 +208,10 @@ def _reverse_kl_gradient() -> torch.Tensor:
 
 
 def test_unbiasedness_table_covers_every_builtin_pair() -> None:
-    assert set(REVERSE_KL_GRADIENT_UNBIASED) == set(itertools.product(ESTIMATORS, PLACEMENTS))
+    # Every registered pair, the new variants included, is checked in tests/unit/test_kl_truth.py.
+    assert set(REVERSE_KL_GRADIENT_UNBIASED) >= set(itertools.product(ESTIMATORS, PLACEMENTS))
     for name in ESTIMATORS:
-        assert get("kl", name).__module__ == kl_module.__name__
+        assert get("kl", name).__module__.startswith(kl_module.__name__ + ".")
 
 
 @pytest.mark.parametrize(("name", "placement_name"), list(itertools.product(ESTIMATORS, PLACEMENTS)))

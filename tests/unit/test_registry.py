@@ -22,8 +22,13 @@ def test_registry_imports_nothing_of_the_package_but_its_error_type() -> None:
 
 
 def test_builtins_are_registered_once_components_is_imported() -> None:
-    assert registry.names("algorithm") == ["grpo", "ppo", "reinforce", "rloo"]
-    assert registry.names("kl") == ["abs", "full", "k3", "kl", "mse", "none"]
+    assert registry.names("algorithm") == ["cispo", "dr_grpo", "grpo", "gspo", "ppo", "reinforce", "reinforce_pp",
+                                           "rloo"]
+    assert registry.names("advantage") == ["dr_grpo", "gae", "grpo", "reinforce", "reinforce_pp",
+                                           "reinforce_pp_baseline", "rloo"]
+    assert registry.names("policy_loss") == ["cispo", "clip", "gspo", "reinforce"]
+    assert registry.names("kl") == ["abs", "full", "k1_plus", "k3", "k3_plus", "kl", "mse", "none", "sequence_full",
+                                    "sequence_k1"]
     assert registry.names("kl_placement") == ["loss", "reward"]
     assert registry.names("loss_aggregation") == ["sequence_mean", "sequence_sum_constant", "token_mean"]
     assert registry.names("baseline") == ["batch_mean", "loo", "none"]
@@ -33,7 +38,8 @@ def test_builtins_are_registered_once_components_is_imported() -> None:
 def test_unknown_name_and_kind_are_one_line_user_errors() -> None:
     with pytest.raises(RegistryError) as raised:
         registry.get("kl", "k4")
-    assert str(raised.value) == "unknown kl 'k4'; registered: abs, full, k3, kl, mse, none"
+    assert str(raised.value) == ("unknown kl 'k4'; registered: abs, full, k1_plus, k3, k3_plus, kl, mse, none, "
+                                 "sequence_full, sequence_k1")
     assert isinstance(raised.value, UserError)
     with pytest.raises(RegistryError, match="^unknown component kind 'klx'; valid kinds: "):
         registry.get("klx", "k3")

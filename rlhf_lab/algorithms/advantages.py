@@ -1,0 +1,127 @@
+"""Advantage estimators (kind ``advantage``, ``algorithm.advantage``): token rewards -> per-token advantages.
+
+Each is ``estimator(token_rewards [B, T], mask [B, T], group_size, cfg) -> advantages [B, T]`` (0 on
+padding), where ``token_rewards`` hold the sequence score on each response's last token minus the per-token KL
+penalty of a reward-placed KL; rows are grouped (row i answers prompt i // group_size). Sequence-level
+estimators reduce to the return R = Σ_t r_t and give every token of a response the same advantage.
+Batch statistics (means, whitening) run over every rank's samples. ``gae`` belongs to PPO (it needs a critic).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor
+
+from rlhf_lab import distributed
+from rlhf_lab.ops import masked_sum
+from rlhf_lab.registry import get, register
+
+
+def sequence_returns(token_rewards: Tensor, mask: Tensor) -> Tensor:
+    """Undiscounted return of each sequence: Σ_t r_t over valid tokens, [B, T] -> [B]."""
+    return masked_sum(token_rewards, mask, dim=-1)
+
+
+def rewards_to_go(token_rewards: Tensor, mask: Tensor) -> Tensor:
+    """Σ_{t' ≥ t} r_t' over valid tokens (γ = 1), [B, T] -> [B, T], 0 on padding."""
+    rewards = token_rewards * mask
+    return rewards.flip(-1).cumsum(-1).flip(-1) * mask
+
+
+def group_advantages(returns: Tensor, group_size: int, scale_by_std: bool = True, eps: float = 1e-4) -> Tensor:
+    """A_i = (R_i − mean_group(R)) / (std_group(R) + eps) for G consecutive samples per prompt.
+
+    ``scale_by_std=False`` drops the division (Dr. GRPO, Liu et al. 2025), which removes the bias
+    towards groups with low reward spread. std is Bessel-corrected, as in GRPO's reference code.
+    returns: [B] with B = prompts × G -> [B].
+    """
+    groups = returns.reshape(-1, group_size)
+    centred = groups - groups.mean(dim=1, keepdim=True)
+    if scale_by_std:
+        centred = centred / (groups.std(dim=1, keepdim=True) + eps)
+    return centred.reshape(-1)
+
+
+# ----------------------------------------------------------------------------------------- baselines
+@register("baseline", "none")
+def no_baseline(returns: Tensor, group_size: int) -> Tensor:
+    """A_i = R_i (b = 0)."""
+    return returns.clone()
+
+
+@register("baseline", "batch_mean")
+def batch_mean_baseline(returns: Tensor, group_size: int) -> Tensor:
+    """A_i = R_i − mean over the whole batch (every rank's samples)."""
+    return returns - distributed.mean(returns)
+
+
+@register("baseline", "loo")
+def leave_one_out_baseline(returns: Tensor, group_size: int) -> Tensor:
+    """A_i = R_i − mean of the other G−1 samples of the same prompt = G/(G−1) · (R_i − mean_group(R)).
+
+    Unbiased: b_i does not depend on sample i.
+    """
+    if group_size < 2:
+        raise ValueError(f"algorithm.baseline=loo needs algorithm.group_size >= 2, got {group_size}")
+    groups = returns.reshape(-1, group_size)
+    others_mean = (groups.sum(dim=1, keepdim=True) - groups) / (group_size - 1)
+    return (groups - others_mean).reshape(-1)
+
+
+def baseline_advantages(returns: Tensor, group_size: int, baseline: str) -> Tensor:
+    """A_i = R_i − b_i with the registered ``baseline``, returns [B] -> [B]."""
+    return get("baseline", baseline)(returns, group_size)
+
+
+# ---------------------------------------------------------------------------------------- estimators
+def per_token(sequence_advantages: Tensor, mask: Tensor) -> Tensor:
+    return sequence_advantages[:, None] * mask
+
+
+@register("advantage", "grpo")
+def grpo(token_rewards: Tensor, mask: Tensor, group_size: int, cfg: Any) -> Tensor:
+    """GRPO (Shao et al. 2024): (R − mean_group) / (std_group + 1e-4); ``algorithm.scale_by_std=false`` skips
+    the division."""
+    return per_token(group_advantages(sequence_returns(token_rewards, mask), group_size, cfg.scale_by_std), mask)
+
+
+@register("advantage", "dr_grpo")
+def dr_grpo(token_rewards: Tensor, mask: Tensor, group_size: int, cfg: Any) -> Tensor:
+    """Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training"): R − mean_group, no std division."""
+    return per_token(group_advantages(sequence_returns(token_rewards, mask), group_size, False), mask)
+
+
+@register("advantage", "rloo")
+def rloo(token_rewards: Tensor, mask: Tensor, group_size: int, cfg: Any) -> Tensor:
+    """RLOO (Ahmadian et al. 2024): R_i − mean of the group's other samples."""
+    return per_token(leave_one_out_baseline(sequence_returns(token_rewards, mask), group_size), mask)
+
+
+@register("advantage", "reinforce")
+def reinforce(token_rewards: Tensor, mask: Tensor, group_size: int, cfg: Any) -> Tensor:
+    """REINFORCE (Williams 1992): R − b with ``algorithm.baseline`` none | batch_mean | loo."""
+    return per_token(baseline_advantages(sequence_returns(token_rewards, mask), group_size, cfg.baseline), mask)
+
+
+@register("advantage", "reinforce_pp")
+def reinforce_pp(token_rewards: Tensor, mask: Tensor, group_size: int, cfg: Any) -> Tensor:
+    """REINFORCE++ (Hu 2025): token-level rewards-to-go (the KL penalty per token when ``kl.placement=reward``),
+    whitened over every valid token of the batch (global normalisation, no critic, no groups)."""
+    return distributed.masked_whiten(rewards_to_go(token_rewards, mask), mask)
+
+
+@register("advantage", "reinforce_pp_baseline")
+def reinforce_pp_baseline(token_rewards: Tensor, mask: Tensor, group_size: int, cfg: Any) -> Tensor:
+    """REINFORCE++-baseline (Hu 2025): R − mean_group, then whitened over every valid token of the batch."""
+    centred = group_advantages(sequence_returns(token_rewards, mask), group_size, scale_by_std=False)
+    return distributed.masked_whiten(per_token(centred, mask), mask)
+
+
+@register("advantage", "gae")
+def gae(token_rewards: Tensor, mask: Tensor, group_size: int, cfg: Any) -> Tensor:
+    """GAE (Schulman et al. 2016) needs a critic: it is computed by ``algorithm=ppo`` (algorithms/ppo.py)."""
+    raise ValueError("algorithm.advantage=gae needs a critic; use algorithm=ppo")
+
+
+GROUP_ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")  # need G >= 2 samples per prompt

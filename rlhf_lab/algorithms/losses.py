@@ -1,0 +1,105 @@
+"""Policy losses (kind ``policy_loss``, ``algorithm.policy_loss``): the surrogate whose gradient moves the policy.
+
+Each is ``loss(logprobs, old_logprobs, advantages, mask, clip) -> PolicyLoss`` over [B, T] tensors: the
+per-token loss (0 on padding, reduced later by ``loss_aggregation``), the importance ratio it used, and 0/1
+masks of the tokens each of its rules touched (logged as shares). ``logprobs`` carry the gradient;
+``old_logprobs`` are the sampling policy's (π_old).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from rlhf_lab.registry import register
+
+
+@dataclass
+class ClipRange:
+    """Ratio bounds: [1 − low, 1 + high] (None: unbounded on that side); ``dual``: Dual-clip's c (Ye et al.
+    2020), bounding the loss of negative-advantage tokens by −c·A; None: off."""
+
+    low: float | None = 0.2
+    high: float | None = 0.2
+    dual: float | None = None
+
+    def bounds(self) -> tuple[float, float]:
+        return (1.0 - (self.low if self.low is not None else float("inf")),
+                1.0 + (self.high if self.high is not None else float("inf")))
+
+
+@dataclass
+class PolicyLoss:
+    per_token: Tensor  # [B, T] loss, 0 on padding
+    ratio: Tensor  # [B, T] importance ratio (detached), 1 where it plays no part
+    events: dict[str, Tensor] = field(default_factory=dict)  # name -> [B, T] 0/1, tokens a rule touched
+
+
+def _ppo_clip(ratio: Tensor, advantages: Tensor, mask: Tensor, clip: ClipRange) -> PolicyLoss:
+    """max(−A·r, −A·clip(r)) (and Dual-clip's bound), with where each clip binds."""
+    unclipped = -advantages * ratio
+    if clip.low is None and clip.high is None:
+        return PolicyLoss(unclipped * mask, ratio.detach(), {})
+    low, high = clip.bounds()
+    clipped = -advantages * ratio.clamp(low, high)
+    loss = torch.maximum(unclipped, clipped)
+    binds = clipped > unclipped
+    detached = ratio.detach()
+    events = {"clipped_low": (binds & (detached < 1)).float() * mask,
+              "clipped_high": (binds & (detached > 1)).float() * mask}
+    if clip.dual is not None:
+        bound = -clip.dual * advantages
+        dual = (advantages < 0) & (loss > bound)
+        loss = torch.where(dual, bound, loss)
+        events["dual_clipped"] = dual.float() * mask
+    return PolicyLoss(loss * mask, detached, events)
+
+
+@register("policy_loss", "clip")
+def clip_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
+              clip: ClipRange) -> PolicyLoss:
+    """PPO's clipped surrogate (Schulman et al. 2017), per token: r = π/π_old,
+    loss = max(−A·r, −A·clip(r, 1−ε_low, 1+ε_high)); separate ε_low/ε_high is DAPO's clip-higher (Yu et al.
+    2025); with Dual-clip c, negative-advantage tokens' loss is at most −c·A. No clip: −A·r, whose gradient at
+    r = 1 is REINFORCE's."""
+    return _ppo_clip(torch.exp(logprobs - old_logprobs), advantages, mask, clip)
+
+
+@register("policy_loss", "gspo")
+def gspo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
+              clip: ClipRange) -> PolicyLoss:
+    """GSPO (Zheng et al. 2025): the sequence's length-normalised ratio s = exp(mean_t log(π/π_old)) clipped in
+    place of the token ratio. Token form: s_t = sg(s)·π(y_t)/sg(π(y_t)), equal to s in value, whose gradient
+    is s·∇log π(y_t); loss = max(−A·s_t, −A·clip(s_t)) with GSPO's small ε (e.g. 3e-4 / 4e-4)."""
+    lengths = mask.sum(-1).clamp(min=1.0)
+    sequence_log_ratio = ((logprobs - old_logprobs) * mask).sum(-1) / lengths  # [B]
+    token_log_ratio = sequence_log_ratio.detach()[:, None] + logprobs - logprobs.detach()
+    return _ppo_clip(torch.exp(token_log_ratio), advantages, mask, clip)
+
+
+@register("policy_loss", "cispo")
+def cispo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
+               clip: ClipRange) -> PolicyLoss:
+    """CISPO (MiniMax-M1, 2025): the importance weight is clipped and stopped, never the gradient:
+    loss = −sg(clip(r, 1−ε_low, 1+ε_high))·A·log π(y_t), so every token keeps a gradient."""
+    ratio = torch.exp(logprobs - old_logprobs).detach()
+    low, high = clip.bounds()
+    weight = ratio.clamp(low, high)
+    events = {"clipped_low": (ratio < low).float() * mask, "clipped_high": (ratio > high).float() * mask}
+    return PolicyLoss(-weight * advantages * logprobs * mask, ratio, events)
+
+
+@register("policy_loss", "reinforce")
+def reinforce_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
+                   clip: ClipRange) -> PolicyLoss:
+    """REINFORCE (Williams 1992), no ratio: loss = −A·log π(y_t); its gradient is −A·∇log π at any π_old."""
+    return PolicyLoss(-advantages * logprobs * mask, torch.ones_like(logprobs), {})
+
+
+def truncated_importance_weights(train_logprobs: Tensor, sampler_logprobs: Tensor, cap: float) -> Tensor:
+    """TIS (Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL training"):
+    w = min(π_train(y) / π_sampler(y), cap) per token, for when generation and training compute log-probs
+    differently (another dtype or engine); [B, T], no gradient."""
+    return torch.exp(train_logprobs - sampler_logprobs).clamp(max=cap).detach()

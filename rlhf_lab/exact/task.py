@@ -1,0 +1,136 @@
+"""The exact task's parts: a tokenizer of V symbols, a tiny Llama over it, the seeded reward table, and the
+enumeration of all V^T responses.
+
+Every response is exactly T = ``trainer.max_new_tokens`` symbols after a one-token prompt (``<bos>``). The
+tokenizer has no EOS (generation runs T steps, the response mask is all ones) and its special tokens
+(``<bos>``, ``<pad>``, ``<unk>``) get zero probability: :class:`ExactTaskLM` sets their logits to −1e9 in
+every forward pass, so generation, scoring, the full-logit KL and the enumeration all see a distribution
+over the V symbols only, and the V^T responses carry the whole probability mass.
+"""
+
+from __future__ import annotations
+
+import itertools
+import string
+from typing import Any
+
+import torch
+from torch import Tensor
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+PROMPT = "<bos>"  # the single prompt token
+SPECIAL_TOKENS = (PROMPT, "<pad>", "<unk>")  # ids 0, 1, 2; the symbols follow
+SYMBOL_NAMES = string.ascii_lowercase  # "a", "b", ...: at most 26 symbols
+MAX_SEQUENCES = 1 << 16  # V^T above this is too many to enumerate every step
+SPECIAL_LOGIT = -1e9  # finite: exp underflows to 0 without inf − inf = NaN in log-ratios
+
+
+def symbols(count: int) -> list[str]:
+    """The first ``count`` symbol names."""
+    if not 2 <= count <= len(SYMBOL_NAMES):
+        raise ValueError(f"model.exact.symbols={count} is out of range; must be in [2, {len(SYMBOL_NAMES)}]")
+    return list(SYMBOL_NAMES[:count])
+
+
+def build_tokenizer(symbol_count: int) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer (``tokenizers``) of the special tokens and ``symbol_count`` symbols, responses
+    written as space-separated symbols ("a c b d"); left padding, no EOS, no chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocabulary = {token: index for index, token in enumerate([*SPECIAL_TOKENS, *symbols(symbol_count)])}
+    backend = Tokenizer(models.WordLevel(vocab=vocabulary, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.add_special_tokens(list(SPECIAL_TOKENS))
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=PROMPT, pad_token="<pad>", unk_token="<unk>",
+                                   padding_side="left")
+
+
+class ExactTaskLM(LlamaForCausalLM):
+    """A ``LlamaForCausalLM`` whose special tokens have zero probability: their logits are set to −1e9 (a
+    fixed, non-trainable mask) in every forward pass, generation and scoring alike, LoRA-wrapped or not."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__(config)
+        special = torch.zeros(config.vocab_size, dtype=torch.bool)
+        special[: len(SPECIAL_TOKENS)] = True
+        self.register_buffer("special_tokens", special, persistent=False)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().forward(*args, **kwargs)
+        if output.logits is not None:
+            output.logits = output.logits.masked_fill(self.special_tokens, SPECIAL_LOGIT)
+        return output
+
+
+def build_model(tokenizer: PreTrainedTokenizerFast, dims: Any) -> ExactTaskLM:
+    """The exact task's policy, initialised from ``dims.init_seed`` (so every run of the task starts from, and
+    is regularised towards, the same reference), with no EOS: generation always runs ``max_new_tokens``."""
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=dims.hidden_size,
+        intermediate_size=dims.intermediate_size,
+        num_hidden_layers=dims.num_hidden_layers,
+        num_attention_heads=dims.num_attention_heads,
+        num_key_value_heads=dims.num_key_value_heads,
+        max_position_embeddings=64,
+        initializer_range=dims.init_std,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=None,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(dims.init_seed)
+        model = ExactTaskLM(config)
+    model.generation_config.eos_token_id = None
+    return model
+
+
+# ------------------------------------------------------------------------------------------ responses
+
+
+def all_responses(symbol_count: int, length: int) -> Tensor:
+    """Every response as symbol indices, in table order (index = base-V number, first symbol most
+    significant): [V^T, T] long."""
+    count = symbol_count**length
+    if count > MAX_SEQUENCES:
+        raise ValueError(f"the exact task has {symbol_count}^{length} = {count} responses, over the "
+                         f"{MAX_SEQUENCES} that can be enumerated; lower model.exact.symbols or trainer.max_new_tokens")
+    return torch.tensor(list(itertools.product(range(symbol_count), repeat=length)), dtype=torch.long)
+
+
+def table_index(symbol_indices: Tensor, symbol_count: int) -> Tensor:
+    """Row of each response in the table: [..., T] symbol indices -> [...] (base-V number)."""
+    length = symbol_indices.shape[-1]
+    place = symbol_count ** torch.arange(length - 1, -1, -1, device=symbol_indices.device)
+    return (symbol_indices * place).sum(-1)
+
+
+def token_ids(symbol_indices: Tensor) -> Tensor:
+    """Symbol indices -> the tokenizer's ids (the symbols follow the special tokens)."""
+    return symbol_indices + len(SPECIAL_TOKENS)
+
+
+def parse_response(text: str, symbol_count: int, length: int) -> list[int]:
+    """A decoded response ("a c b d") -> its symbol indices; ValueError if it is not T known symbols."""
+    names = symbols(symbol_count)
+    parts = text.split()
+    if len(parts) != length or any(part not in names for part in parts):
+        raise ValueError(f"{text!r} is not {length} symbols of {''.join(names)} (is trainer.max_new_tokens "
+                         f"the reward's length, {length}?)")
+    return [names.index(part) for part in parts]
+
+
+def reward_table(symbol_count: int, length: int, seed: int, peaks: int, peak_reward: float,
+                 noise: float) -> Tensor:
+    """R(y) for all V^T responses (float64, table order): noise·u(y) with u ~ U[0, 1) for every y, plus, for
+    ``peaks`` responses drawn without replacement, peak_reward·(1 − k/peaks) for the k-th (k = 0, 1, ...).
+    Seeded by ``seed`` alone, so the table is the same for every run of the task."""
+    count = symbol_count**length
+    if not 0 <= peaks <= count:
+        raise ValueError(f"reward.peaks={peaks} is out of range; must be in [0, {count}] (V^T responses)")
+    generator = torch.Generator().manual_seed(seed)
+    rewards = noise * torch.rand(count, generator=generator, dtype=torch.float64)
+    chosen = torch.randperm(count, generator=generator)[:peaks]
+    rewards[chosen] += peak_reward * (1.0 - torch.arange(peaks, dtype=torch.float64) / max(peaks, 1))
+    return rewards

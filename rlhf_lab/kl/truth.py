@@ -1,0 +1,95 @@
+"""Which estimator × placement gives an unbiased gradient of the reverse KL(π‖π_ref), and how the advantage
+estimators treat a reward-placed KL. Every cell is checked by exact enumeration in ``tests/unit/test_kl.py``
+and ``tests/unit/test_kl_truth.py`` (tabular policies: expected gradient summed over every sequence).
+
+On-policy x ~ π_θ, l(x) = log π(x) − log π_ref(x). The target is
+    ∇KL(π‖π_ref) = ∇ Σ_x π l = E_π[l ∇log π] + E_π[∇log π] = E_π[l ∇log π]          (E_π[∇log π] = 0).
+reward placement: reward −f(x), no gradient through f; REINFORCE's expected gradient of the penalty is
+    E_π[f(x) ∇log π(x)].
+loss placement: the sample carries no gradient, the estimate does (through log π(x) or the logits); the
+    expected gradient is E_π[∇f(x)] — for a function of l, E_π[f'(l) ∇log π(x)].
+
+Sequences x_1..x_T: KL(π‖π_ref) = E[Σ_t l_t], and its gradient is E[Σ_t ∇log π(x_t) · Σ_{t'≥t} l_t']; the
+KL at position t also depends on the earlier tokens through the prefix. Critic-free algorithms sum the
+per-token penalties into one return that weighs every token, so k1 in the reward carries that dependence;
+a per-token estimator in the loss differentiates each position with its prefix held fixed and misses it.
+"""
+
+from __future__ import annotations
+
+# (estimator, placement) -> is E[gradient] = ∇KL(π‖π_ref) for ONE token (= per position, prefix fixed)?
+REVERSE_KL_GRADIENT_UNBIASED: dict[tuple[str, str], bool] = {
+    ("kl", "reward"): True,  # E[l ∇log π]: exactly the target
+    ("kl", "loss"): False,  # f' = 1: E[∇log π] = 0, no KL gradient at all in expectation
+    ("abs", "reward"): False,  # E[|l| ∇log π] ≠ E[l ∇log π] whenever some sampled l < 0
+    ("abs", "loss"): False,  # E[sign(l) ∇log π]: neither KL's gradient
+    ("mse", "reward"): False,  # E[½ l² ∇log π]: the gradient of another functional
+    ("mse", "loss"): True,  # f' = l: E[l ∇log π], the target (the GRPO-style choice that is right)
+    ("k3", "reward"): False,  # E[(π_ref/π − 1 + l) ∇log π] = ∇KL(π‖π_ref) − ∇KL(π_ref‖π)
+    ("k3", "loss"): False,  # f' = 1 − π_ref/π: E = −Σ π_ref ∇log π = ∇KL(π_ref‖π), the FORWARD KL's gradient
+    ("full", "reward"): False,  # the same value whichever token was sampled: E[c ∇log π] = 0 at that position
+    ("full", "loss"): True,  # the exact KL, differentiated exactly
+    ("none", "reward"): False,  # no penalty: not applicable, recorded as False
+    ("none", "loss"): False,
+    ("k1_plus", "reward"): True,  # the value of k1: as k1 in the reward
+    ("k1_plus", "loss"): True,  # the gradient of k2: E[l ∇log π]
+    ("k3_plus", "reward"): False,  # the value of k3: as k3 in the reward
+    ("k3_plus", "loss"): True,  # the gradient of k2
+    ("sequence_k1", "reward"): True,  # the value of k1
+    ("sequence_k1", "loss"): True,  # gradient l ∇log π for one token
+    ("sequence_full", "reward"): False,  # the value of full: zero expected gradient at its own position
+    ("sequence_full", "loss"): True,  # ∇KL exactly for one token
+}
+
+# (estimator, placement) -> is E[gradient] = ∇KL(π‖π_ref) of whole SEQUENCES (T > 1), with the penalties of a
+# reward-placed estimator summed into the return every token is weighed by (REINFORCE, RLOO, GRPO)?
+SEQUENCE_KL_GRADIENT_UNBIASED: dict[tuple[str, str], bool] = {
+    **dict.fromkeys(REVERSE_KL_GRADIENT_UNBIASED, False),
+    # E[Σ_t ∇log π(x_t) Σ_t' l_t']: the terms t' < t vanish in expectation, the rest are the target.
+    ("kl", "reward"): True,
+    ("k1_plus", "reward"): True,
+    ("sequence_k1", "reward"): True,
+    # The score function with the KL to go (sampled l_t', or the exact KL_t' of later positions, whose
+    # conditional expectations are equal) plus the per-position term: the target.
+    ("sequence_k1", "loss"): True,
+    ("sequence_full", "loss"): True,
+    # mse, full, k1_plus, k3_plus in the loss: per position with the prefix held fixed, so the part
+    # E[Σ_t ∇log π(x_t) Σ_{t'>t} KL_t'] is missing. full in the reward has only that part.
+}
+
+# Pairs whose expected gradient is exactly zero for one token: the penalty does nothing on average. A run
+# configured with one prints one warning at start (rlhf_lab/config/validate_kl.py) with this advice.
+ZERO_KL_GRADIENT: dict[tuple[str, str], str] = {
+    ("kl", "loss"): "E[∇log π] = 0; use kl.placement=reward, or kl=k1_plus / kl=sequence_k1 in the loss",
+    ("full", "reward"): "its value does not depend on the sampled token (E[c·∇log π] = 0 at each position; "
+                        "it reaches earlier tokens only through the return); use kl.placement=loss",
+    ("sequence_full", "reward"): "in the reward it is `full`; use kl.placement=loss",
+}
+
+# How the advantage estimator (algorithm.advantage, with algorithm.baseline for reinforce) treats a
+# reward-placed k1 penalty, measured by exact enumeration with groups of G = 2 (one token, every pair of
+# samples): "exact" — E[A·∇log π] is the KL gradient; "scaled" — multiplied by (1 − 1/G) (by (1 − 1/B) over
+# the whole batch for batch_mean): a baseline that includes the sample itself; the task reward is scaled by
+# the same factor, so the optimum is unchanged, only the step is smaller, but a loss-placed KL next to it is
+# not scaled (its effective β grows by G/(G − 1)); "turned" — divided by a standard deviation of the
+# returns, which is not linear in them: the direction changes (cosine 0.977 on the test policy, with the
+# norm × 0.31), and with it the fixed point.
+REWARD_KL_UNDER_ADVANTAGE: dict[str, str] = {
+    "reinforce/none": "exact",
+    "reinforce/loo": "exact",
+    "rloo": "exact",
+    "reinforce/batch_mean": "scaled",
+    "dr_grpo": "scaled",
+    "grpo": "turned",
+    "reinforce_pp": "turned",
+    "reinforce_pp_baseline": "turned",
+}
+
+
+def zero_gradient_warning(estimator: str, placement: str) -> str | None:
+    """The one-line warning for a pair whose expected gradient is zero, naming its table entry; else None."""
+    advice = ZERO_KL_GRADIENT.get((estimator, placement))
+    if advice is None:
+        return None
+    return (f"warning: kl={estimator} with kl.placement={placement} has zero expected KL gradient "
+            f"(rlhf_lab.kl.REVERSE_KL_GRADIENT_UNBIASED[({estimator!r}, {placement!r})] is False): {advice}")

@@ -1,0 +1,35 @@
+"""`exact_table`: the exact task's reward, a seeded table over all V^T responses (rlhf_lab/exact/)."""
+
+from __future__ import annotations
+
+import torch
+
+from rlhf_lab.exact.task import parse_response, reward_table, table_index
+from rlhf_lab.registry import register
+from rlhf_lab.rewards.base import ConfigLike, Reward, RewardOutput
+
+
+@register("reward", "exact_table")
+class ExactTableReward(Reward):
+    """R(y) looked up in :func:`rlhf_lab.exact.task.reward_table`: ``noise``·u(y), u ~ U[0, 1) for every
+    response, plus peak_reward·(1 − k/peaks) for the k-th of ``peaks`` seeded high-reward responses.
+
+    Config fields: symbols (V), length (T), seed, peaks, peak_reward, noise. A response that is not T of
+    the V symbols is an error (the task's model cannot produce one).
+    """
+
+    name = "exact_table"
+    config_fields = ("symbols", "length", "seed", "peaks", "peak_reward", "noise")
+
+    def __init__(self, cfg: ConfigLike, device: str | torch.device = "cpu") -> None:
+        super().__init__(cfg, device)
+        self.symbols = int(self.option("symbols", 4))
+        self.length = int(self.option("length", 4))
+        self.table = reward_table(self.symbols, self.length, int(self.option("seed", 0)),
+                                  int(self.option("peaks", 3)), float(self.option("peak_reward", 1.0)),
+                                  float(self.option("noise", 0.3)))
+
+    def score(self, prompts: list[str], responses: list[str]) -> RewardOutput:
+        indices = torch.tensor([parse_response(text, self.symbols, self.length) for text in responses],
+                               dtype=torch.long).reshape(len(responses), self.length)
+        return RewardOutput(scores=self.table[table_index(indices, self.symbols)].float())

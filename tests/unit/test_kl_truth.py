@@ -1,0 +1,190 @@
+"""Every cell of the KL truth tables (rlhf_lab/kl/truth.py), checked by exact enumeration on tabular policies.
+
+"Expected gradient" is exact: the trainer's surrogate loss of every sequence, weighted by its probability
+(detached) and summed over all sequences, then differentiated. It is compared with the exact gradient of the
+reverse KL(π‖π_ref) (cosine and relative error). One token: a categorical over 5 symbols; sequences: two
+steps over 4 symbols, the second step's logits depending on the first token.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import rlhf_lab.components  # noqa: F401  (registers estimators, placements, advantage estimators)
+from rlhf_lab.kl import (
+    REVERSE_KL_GRADIENT_UNBIASED,
+    REWARD_KL_UNDER_ADVANTAGE,
+    SEQUENCE_KL_GRADIENT_UNBIASED,
+    ZERO_KL_GRADIENT,
+    estimate,
+    zero_gradient_warning,
+)
+from rlhf_lab.registry import get, names
+
+DOUBLE = torch.float64
+THETA = torch.tensor([1.0, 0.2, -0.5, 0.3, -1.2], dtype=DOUBLE)
+REF = torch.tensor([-0.8, 0.5, 0.1, 1.1, -0.3], dtype=DOUBLE)
+STEP1_THETA = torch.tensor([0.4, -0.6, 1.0, 0.0], dtype=DOUBLE)
+STEP2_THETA = torch.tensor([[1.5, -1.0, 0.0, 0.2], [0.0, 0.0, 0.0, 0.0], [-2.0, 1.0, 0.5, 0.3],
+                            [0.3, 0.3, -0.9, 1.2]], dtype=DOUBLE)
+STEP1_REF = torch.tensor([0.0, 0.5, -0.5, 0.2], dtype=DOUBLE)
+STEP2_REF = torch.tensor([[0.0, 0.1, 0.2, 0.3], [1.0, -1.0, 0.5, 0.0], [0.0, 0.0, 0.0, 0.0],
+                          [-0.5, 0.8, 0.1, -0.2]], dtype=DOUBLE)
+
+
+def sample_loss(name: str, placement_name: str, logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
+                logits: torch.Tensor, ref_logits: torch.Tensor) -> torch.Tensor:
+    """One sequence's surrogate as the trainer builds it, with zero task reward and β = 1: the reward placement
+    puts −estimate into every token's reward and weighs every log π(x_t) by the return (REINFORCE, no baseline);
+    the loss placement adds the estimates, with their gradient, summed over the sequence. [1, T] inputs."""
+    placement = get("kl_placement", placement_name)
+    mask = torch.ones_like(logprobs)
+    values = estimate(get("kl", name), logprobs, ref_logprobs, logits, ref_logits, mask=mask)
+    if not placement.needs_grad:
+        values = values.detach()
+    shaped = placement.shape_rewards(torch.zeros_like(logprobs), values, 1.0, mask).detach()
+    return_ = shaped.sum()
+    return -return_ * logprobs.sum() + placement.loss_term(values, mask, 1.0) * logprobs.shape[1]
+
+
+def one_token_gradients(name: str, placement_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(exact E[∇ surrogate], ∇KL(π‖π_ref)) for the categorical policy softmax(THETA)."""
+    theta = THETA.clone().requires_grad_()
+    log_pi, log_ref = theta.log_softmax(-1), REF.log_softmax(-1)
+    surrogate = torch.zeros((), dtype=DOUBLE)
+    for token in range(len(THETA)):
+        loss = sample_loss(name, placement_name, log_pi[token].view(1, 1), log_ref[token].view(1, 1),
+                           theta.view(1, 1, -1), REF.view(1, 1, -1))
+        surrogate = surrogate + log_pi[token].exp().detach() * loss
+    (estimated,) = torch.autograd.grad(surrogate, theta, retain_graph=True, allow_unused=True,
+                                    materialize_grads=True)
+    (target,) = torch.autograd.grad((log_pi.exp() * (log_pi - log_ref)).sum(), theta)
+    return estimated, target
+
+
+def two_step_gradients(name: str, placement_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(exact E[∇ surrogate], ∇ sequence KL(π‖π_ref)) for x1 ~ p1(θ1), x2 ~ p2(· | x1; θ2), flattened."""
+    theta1, theta2 = STEP1_THETA.clone().requires_grad_(), STEP2_THETA.clone().requires_grad_()
+    log_p1, log_p2 = theta1.log_softmax(-1), theta2.log_softmax(-1)
+    log_ref1, log_ref2 = STEP1_REF.log_softmax(-1), STEP2_REF.log_softmax(-1)
+    surrogate, sequence_kl = torch.zeros((), dtype=DOUBLE), torch.zeros((), dtype=DOUBLE)
+    for first, second in itertools.product(range(4), range(4)):
+        logprobs = torch.stack([log_p1[first], log_p2[first, second]])[None]
+        ref_logprobs = torch.stack([log_ref1[first], log_ref2[first, second]])[None]
+        logits = torch.stack([theta1, theta2[first]])[None]
+        ref_logits = torch.stack([STEP1_REF, STEP2_REF[first]])[None]
+        sequence_logprob = logprobs.sum()
+        loss = sample_loss(name, placement_name, logprobs, ref_logprobs, logits, ref_logits)
+        surrogate = surrogate + sequence_logprob.exp().detach() * loss
+        sequence_kl = sequence_kl + sequence_logprob.exp() * (sequence_logprob - ref_logprobs.sum())
+    parameters = (theta1, theta2)
+    estimated = torch.autograd.grad(surrogate, parameters, retain_graph=True, allow_unused=True,
+                                    materialize_grads=True)
+    target = torch.autograd.grad(sequence_kl, parameters)
+    return torch.cat([g.reshape(-1) for g in estimated]), torch.cat([g.reshape(-1) for g in target])
+
+
+def cosine_and_error(estimated: torch.Tensor, target: torch.Tensor) -> tuple[float, float]:
+    cosine = float(estimated @ target / (estimated.norm() * target.norm()).clamp(min=1e-300))
+    return cosine, float((estimated - target).norm() / target.norm())
+
+
+def test_tables_cover_every_registered_pair() -> None:
+    pairs = set(itertools.product(names("kl"), names("kl_placement")))
+    assert set(REVERSE_KL_GRADIENT_UNBIASED) == pairs
+    assert set(SEQUENCE_KL_GRADIENT_UNBIASED) == pairs
+    assert set(ZERO_KL_GRADIENT) <= pairs
+
+
+@pytest.mark.parametrize(("name", "placement_name"), sorted(REVERSE_KL_GRADIENT_UNBIASED))
+def test_one_token_cell(name: str, placement_name: str) -> None:
+    estimated, target = one_token_gradients(name, placement_name)
+    cosine, error = cosine_and_error(estimated, target)
+    if REVERSE_KL_GRADIENT_UNBIASED[(name, placement_name)]:
+        assert error < 1e-12, f"{name}/{placement_name}: relative error {error:.3g}"
+    else:
+        assert error > 0.05, f"{name}/{placement_name} is unbiased (cosine {cosine:.4f})"
+    zero = float(estimated.norm()) < 1e-12
+    assert zero == ((name, placement_name) in ZERO_KL_GRADIENT or name == "none")
+
+
+@pytest.mark.parametrize(("name", "placement_name"), sorted(SEQUENCE_KL_GRADIENT_UNBIASED))
+def test_two_token_cell(name: str, placement_name: str) -> None:
+    estimated, target = two_step_gradients(name, placement_name)
+    cosine, error = cosine_and_error(estimated, target)
+    if SEQUENCE_KL_GRADIENT_UNBIASED[(name, placement_name)]:
+        assert error < 1e-12, f"{name}/{placement_name}: relative error {error:.3g}"
+    else:
+        assert error > 0.05, f"{name}/{placement_name} is unbiased for sequences (cosine {cosine:.4f})"
+
+
+def test_k3_in_the_loss_follows_the_forward_kl_for_one_token() -> None:
+    theta = THETA.clone().requires_grad_()
+    log_pi, log_ref = theta.log_softmax(-1), REF.log_softmax(-1)
+    (forward_kl_gradient,) = torch.autograd.grad((log_ref.exp() * (log_ref - log_pi)).sum(), theta)
+    torch.testing.assert_close(one_token_gradients("k3", "loss")[0], forward_kl_gradient, rtol=0, atol=1e-12)
+
+
+def test_zero_gradient_warning_names_the_table_entry() -> None:
+    message = zero_gradient_warning("kl", "loss")
+    assert message is not None and "REVERSE_KL_GRADIENT_UNBIASED[('kl', 'loss')]" in message and "\n" not in message
+    assert zero_gradient_warning("kl", "reward") is None and zero_gradient_warning("none", "loss") is None
+
+
+# ------------------------------------------------------------------------------------------------
+# Advantage estimators and a reward-placed k1: groups of 2, every pair of samples enumerated
+# ------------------------------------------------------------------------------------------------
+
+ADVANTAGES = {  # table key -> (algorithm.advantage, algorithm config)
+    "reinforce/none": ("reinforce", {"baseline": "none"}),
+    "reinforce/loo": ("reinforce", {"baseline": "loo"}),
+    "reinforce/batch_mean": ("reinforce", {"baseline": "batch_mean"}),
+    "rloo": ("rloo", {}),
+    "dr_grpo": ("dr_grpo", {}),
+    "grpo": ("grpo", {}),
+    "reinforce_pp": ("reinforce_pp", {}),
+    "reinforce_pp_baseline": ("reinforce_pp_baseline", {}),
+}
+GROUP = 2
+
+
+def reward_kl_gradient_under(advantage: str, options: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(exact expected per-sample policy-loss gradient with return −k1, ∇KL) for one group of 2 samples."""
+    cfg = SimpleNamespace(**{"scale_by_std": True, "baseline": "batch_mean", **options})
+    estimator = get("advantage", advantage)
+    theta = THETA.clone().requires_grad_()
+    log_pi, log_ref = theta.log_softmax(-1), REF.log_softmax(-1)
+    surrogate = torch.zeros((), dtype=DOUBLE)
+    mask = torch.ones(GROUP, 1, dtype=DOUBLE)
+    for pair in itertools.product(range(len(THETA)), repeat=GROUP):
+        tokens = torch.tensor(pair)
+        penalty = (log_pi[tokens] - log_ref[tokens]).detach()[:, None]  # β = 1, k1 in the reward
+        advantages = estimator(-penalty, mask, GROUP, cfg).detach()
+        loss = -(advantages[:, 0] * log_pi[tokens]).sum() / GROUP  # the policy loss at ratio 1, per sample
+        surrogate = surrogate + log_pi[tokens].sum().exp().detach() * loss
+    (estimated,) = torch.autograd.grad(surrogate, theta, retain_graph=True)
+    (target,) = torch.autograd.grad((log_pi.exp() * (log_pi - log_ref)).sum(), theta)
+    return estimated, target
+
+
+def test_advantage_table_covers_the_estimators_tested() -> None:
+    assert set(REWARD_KL_UNDER_ADVANTAGE) == set(ADVANTAGES)
+
+
+@pytest.mark.parametrize("key", sorted(ADVANTAGES))
+def test_advantage_estimator_with_reward_placed_k1(key: str) -> None:
+    estimated, target = reward_kl_gradient_under(*ADVANTAGES[key])
+    cosine, error = cosine_and_error(estimated, target)
+    verdict = REWARD_KL_UNDER_ADVANTAGE[key]
+    if verdict == "exact":
+        assert error < 1e-12, f"{key}: relative error {error:.3g}"
+    elif verdict == "scaled":  # a baseline that includes the sample itself: × (1 − 1/G)
+        torch.testing.assert_close(estimated, (1 - 1 / GROUP) * target, rtol=0, atol=1e-12)
+    else:  # divided by a standard deviation of the returns: the direction turns
+        assert 0.9 < cosine < 0.999, f"{key}: cosine {cosine:.4f}"
+        assert not math.isclose(cosine, 1.0, abs_tol=1e-6)
