@@ -21,6 +21,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.trial import TrialState
 
+from rlhf_lab.overrides import override_text
+
 log = logging.getLogger(__name__)
 
 RESULTS_FILE = "optimization_results.yaml"
@@ -45,24 +47,6 @@ def flatten_params(params: Any, prefix: str = "") -> dict[str, Any]:
         else:
             flat[name] = value
     return flat
-
-
-def format_value(value: Any) -> str:
-    """A sampled value as Hydra override text (``null``, ``true``, floats in full precision, quoted strings)."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return repr(value)
-    text = str(value)
-    try:  # a plain word or number reads back as itself; anything else is quoted
-        parsed = OverridesParser.create().parse_override(f"k={text}")
-        if not parsed.is_sweep_override() and parsed.get_value_element_as_str() == text:
-            return text
-    except Exception:
-        pass
-    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
 def distribution(override: Override) -> BaseDistribution:
@@ -175,7 +159,7 @@ class OptunaSearch:
         while to_go > 0:
             trials = [study.ask(space) for _ in range(min(self.n_jobs, to_go))]
             overrides = [
-                tuple([*(f"{key}={format_value(trial.params[key])}" for key in space), *fixed_lines])
+                tuple([*(f"{key}={override_text(trial.params[key])}" for key in space), *fixed_lines])
                 for trial in trials
             ]
             returns = self.launcher.launch(overrides, initial_job_idx=trials[0].number)

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from rlhf_lab import distributed
 from rlhf_lab.algorithms.advantages import GROUP_ADVANTAGES, sequence_returns
-from rlhf_lab.algorithms.losses import ClipRange, clip_loss, truncated_importance_weights
+from rlhf_lab.algorithms.losses import ClipRange, truncated_importance_weights
 from rlhf_lab.ops import entropy_from_logits, masked_mean, masked_sum
 from rlhf_lab.registry import get, register
 from rlhf_lab.rollout import Rollout, scores_to_token_rewards
@@ -94,14 +94,6 @@ def sequence_sum_constant(per_token: Tensor, mask: Tensor, context: LossContext)
 def aggregate(per_token: Tensor, mask: Tensor, mode: str, context: LossContext) -> Tensor:
     """Reduce a per-token loss to a scalar with the registered ``loss_aggregation`` named ``mode``."""
     return get("loss_aggregation", mode)(per_token, mask, context)
-
-
-def clipped_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
-                        clip_low: float | None, clip_high: float | None) -> tuple[Tensor, Tensor]:
-    """PPO's clipped surrogate per token and where the clip binds (0/1): :func:`losses.clip_loss`."""
-    result = clip_loss(logprobs, old_logprobs, advantages, mask, ClipRange(clip_low, clip_high))
-    binds = sum(result.events.values(), torch.zeros_like(mask))
-    return result.per_token, binds
 
 
 def policy_weights(advantages: Tensor, scores: Tensor, mask: Tensor, weight_by: str, whiten: bool,

@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlhf_lab.config.validate_keys import schema_at, unknown_key_message
 from rlhf_lab.errors import ConfigError
+from rlhf_lab.overrides import override_text
 
 PLUGIN_KINDS = ("launcher", "sweeper")
 OPTUNA_SWEEPER = "hydra_plugins.rlhf_lab_optuna.optuna_sweeper.OptunaSweeper"
@@ -138,20 +139,6 @@ def check_plugin_targets(hydra_cfg: Any) -> None:
 
 
 # ------------------------------------------------------------------------------------------ search space
-
-
-def override_text(value: Any) -> str:
-    """A Python value as Hydra override text."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return repr(value)
-    text = str(value)
-    if re.fullmatch(r"[\w./:@\-]*", text):
-        return text
-    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
 def sweep_values(override: str) -> list[str] | None:

@@ -144,7 +144,8 @@ def test_report_shows_the_best_trial(both: tuple[Search, Search], capsys) -> Non
 def test_search_space_grammar() -> None:
     from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
-    from hydra_plugins.rlhf_lab_optuna._search import flatten_params, format_value, search_space
+    from hydra_plugins.rlhf_lab_optuna._search import flatten_params, search_space
+    from rlhf_lab.overrides import override_text
 
     space, fixed = search_space([
         "a=interval(0.1, 0.5)", "b=tag(log, interval(1e-5, 1e-3))", "c=tag(int, interval(1, 8))",
@@ -158,7 +159,7 @@ def test_search_space_grammar() -> None:
     }
     assert fixed == {"h": "7", "+i": "x"}
     assert flatten_params({"trainer.lr": "x", "kl": {"coef": "y"}}) == {"trainer.lr": "x", "kl.coef": "y"}
-    assert [format_value(v) for v in (None, True, 1e-5, 3, "k3", "a b")] == ["null", "true", "1e-05", "3", "k3",
+    assert [override_text(v) for v in (None, True, 1e-5, 3, "k3", "a b")] == ["null", "true", "1e-05", "3", "k3",
                                                                             "'a b'"]
 
 

@@ -17,10 +17,10 @@ from rlhf_lab.algorithms.base import (
     LossContext,
     PolicyOutput,
     aggregate,
-    clipped_policy_loss,
     policy_weights,
     sequence_returns,
 )
+from rlhf_lab.algorithms.losses import ClipRange, clip_loss
 from rlhf_lab.errors import RegistryError
 from rlhf_lab.registry import get
 from rlhf_lab.rollout import Rollout, last_token_index, scores_to_token_rewards
@@ -35,6 +35,12 @@ GRPO_EXPECTED = [
     -0.8658754297607016, -0.8658754297607016, 0.8658754297607016, 0.8658754297607016,
 ]
 DR_GRPO_EXPECTED = [-2.0, -1.0, 0.0, 3.0, -0.5, -0.5, 0.5, 0.5]
+
+def clipped_policy_loss(logprobs, old_logprobs, advantages, mask, low, high):
+    """(per-token loss, 0/1 where either clip binds) of ``losses.clip_loss``."""
+    result = clip_loss(logprobs, old_logprobs, advantages, mask, ClipRange(low, high))
+    return result.per_token, sum(result.events.values(), torch.zeros_like(mask))
+
 
 
 def make_rollout(token_rewards: torch.Tensor, response_mask: torch.Tensor, group_size: int) -> Rollout:

@@ -15,8 +15,9 @@ import pytest
 import torch
 
 import rlhf_lab.algorithms  # noqa: F401  (registers the algorithms)
-from rlhf_lab.algorithms.base import LossContext, PolicyOutput, clipped_policy_loss
+from rlhf_lab.algorithms.base import LossContext, PolicyOutput
 from rlhf_lab.algorithms.critic import SeparateCritic, ValueHead, policy_trunk
+from rlhf_lab.algorithms.losses import ClipRange, clip_loss
 from rlhf_lab.algorithms.ppo import PPO, clipped_value_loss, explained_variance, gae_advantages, shape_scores
 from rlhf_lab.rollout import Rollout, scores_to_token_rewards
 
@@ -59,6 +60,12 @@ TINY_RUN = [
     "trainer.num_threads=1",
     "logger=none",
 ]
+
+def clipped_policy_loss(logprobs, old_logprobs, advantages, mask, low, high):
+    """(per-token loss, 0/1 where either clip binds) of ``losses.clip_loss``."""
+    result = clip_loss(logprobs, old_logprobs, advantages, mask, ClipRange(low, high))
+    return result.per_token, sum(result.events.values(), torch.zeros_like(mask))
+
 
 
 @pytest.fixture(autouse=True)
