@@ -78,6 +78,7 @@ class Rollout:
     values: Tensor | None = None  # [B, T] (critic estimates at sampling time)
     old_logprobs: Tensor | None = None  # [B, T] π_old from a training pass (algorithm.tis_cap); None: logprobs
     tis_weights: Tensor | None = None  # [B, T] truncated importance weights π_train/π_sampler (tis_cap)
+    baseline_scores: Tensor | None = None  # [B] the greedy response's score of each sample's prompt (ReMax)
     extras: dict[str, Tensor] = field(default_factory=dict)
 
     @property
@@ -126,6 +127,7 @@ def generate(
     max_prompt_tokens: int,
     keep_logits: bool,
     share_prompts: bool = True,
+    greedy: bool = False,
 ) -> Rollout:
     """Sample ``group_size`` responses per prompt and collect the sampling policy's log-probs and entropy.
 
@@ -134,6 +136,7 @@ def generate(
     once, not once per sample: all but its last token run through the network for the unique prompts, the
     key/value cache is repeated to the ``group_size`` rows of each, and ``generate`` continues from it
     (it feeds only the uncached last token). The logits equal the unshared run's to float precision.
+    ``greedy`` decodes the most likely token at every position instead (ReMax's baseline response).
     """
     device = next(model.parameters()).device
     encoded = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
@@ -154,14 +157,13 @@ def generate(
         prefix = prefill_shared(model, unique_ids[:, :-1], unique_mask[:, :-1],
                                 position_ids_from_mask(unique_mask)[:, :-1], rows)
         cache = {"past_key_values": prefix.past_key_values}
+    sampling = (dict(do_sample=False, temperature=None, top_p=None, top_k=None) if greedy
+                else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k))
     output = model.generate(
         **cache,
         input_ids=prompt_ids,
         attention_mask=prompt_mask,
-        do_sample=True,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
+        **sampling,
         max_new_tokens=max_new_tokens,
         min_new_tokens=1,
         pad_token_id=tokenizer.pad_token_id,
@@ -267,7 +269,8 @@ def _plain_response_logits(model: nn.Module, input_ids: Tensor, attention_mask: 
 
 def concat_rollouts(parts: list[Rollout], pad_token_id: int) -> Rollout:
     """Stack rollouts generated separately into one batch: prompts left-padded to the widest prompt, responses
-    right-padded to the longest (pad token, mask 0; per-token tensors 0 there). Rows keep their order."""
+    right-padded to the longest (pad token, mask 0; per-token tensors 0 there). Rows keep their order; scores
+    and reward components come along when the parts have them."""
     if len(parts) == 1:
         return parts[0]
     prompt_width = max(part.prompt_width for part in parts)
@@ -280,7 +283,7 @@ def concat_rollouts(parts: list[Rollout], pad_token_id: int) -> Rollout:
         return torch.nn.functional.pad(tensor, (left, right), value=value)
 
     pieces: dict[str, list[Tensor]] = {key: [] for key in ("input_ids", "attention_mask", "response_mask",
-                                                           "logprobs", "entropy", "policy_logits")}
+                                                           "logprobs", "entropy", "policy_logits", "scores")}
     for part in parts:
         left, right = prompt_width - part.prompt_width, response_width - part.response_mask.shape[1]
         prompt_ids, response_ids = part.input_ids[:, : part.prompt_width], part.response_ids
@@ -292,6 +295,10 @@ def concat_rollouts(parts: list[Rollout], pad_token_id: int) -> Rollout:
             pieces[key].append(pad(getattr(part, key), 0, right))
         if part.policy_logits is not None:
             pieces["policy_logits"].append(pad(part.policy_logits, 0, right))
+        if part.scores is not None:
+            pieces["scores"].append(part.scores)
     logits = torch.cat(pieces.pop("policy_logits")) if parts[0].policy_logits is not None else None
-    return Rollout(prompt_width=prompt_width, group_size=parts[0].group_size, policy_logits=logits,
-                   **{key: torch.cat(values) for key, values in pieces.items()})
+    scores = torch.cat(pieces.pop("scores")) if parts[0].scores is not None else None
+    extras = {key: torch.cat([part.extras[key] for part in parts]) for key in parts[0].extras}
+    return Rollout(prompt_width=prompt_width, group_size=parts[0].group_size, policy_logits=logits, scores=scores,
+                   extras=extras, **{key: torch.cat(values) for key, values in pieces.items()})

@@ -118,6 +118,20 @@ def reinforce_pp_baseline(token_rewards: Tensor, mask: Tensor, group_size: int, 
     return distributed.masked_whiten(per_token(centred, mask), mask)
 
 
+@register("advantage", "remax")
+def remax(token_rewards: Tensor, mask: Tensor, group_size: int, cfg: Any,
+          baseline_scores: Tensor | None = None) -> Tensor:
+    """ReMax (Li et al. 2024, "ReMax: A Simple, Effective, and Efficient Reinforcement Learning Method for
+    Aligning Large Language Models"): R_i − r(x, ȳ), the baseline being the reward of the prompt's greedy
+    response ȳ (``baseline_scores`` [B], one extra greedy generation per prompt, made by the experience step)."""
+    if baseline_scores is None:
+        raise ValueError("algorithm.advantage=remax needs the greedy responses' scores (baseline_scores)")
+    return per_token(sequence_returns(token_rewards, mask) - baseline_scores, mask)
+
+
+remax.needs_greedy_baseline = True  # type: ignore[attr-defined]  (read by the experience step)
+
+
 @register("advantage", "gae")
 def gae(token_rewards: Tensor, mask: Tensor, group_size: int, cfg: Any) -> Tensor:
     """GAE (Schulman et al. 2016) needs a critic: it is computed by ``algorithm=ppo`` (algorithms/ppo.py)."""

@@ -140,9 +140,14 @@ class Algorithm:
             return 2
         return 1
 
-    def advantages(self, token_rewards: Tensor, mask: Tensor, group_size: int) -> Tensor:
-        """The registered ``algorithm.advantage`` estimator: [B, T] token rewards -> [B, T] advantages."""
-        return get("advantage", self.cfg.advantage)(token_rewards, mask, group_size, self.cfg)
+    def advantages(self, token_rewards: Tensor, mask: Tensor, group_size: int,
+                   baseline_scores: Tensor | None = None) -> Tensor:
+        """The registered ``algorithm.advantage`` estimator: [B, T] token rewards -> [B, T] advantages
+        (an estimator marked ``needs_greedy_baseline`` also takes the greedy responses' scores [B])."""
+        estimator = get("advantage", self.cfg.advantage)
+        if getattr(estimator, "needs_greedy_baseline", False):
+            return estimator(token_rewards, mask, group_size, self.cfg, baseline_scores=baseline_scores)
+        return estimator(token_rewards, mask, group_size, self.cfg)
 
     def modules(self) -> dict[str, nn.Module]:
         """Extra trainable modules (a critic), saved and restored with checkpoints."""
@@ -164,13 +169,15 @@ class Algorithm:
         mask = rollout.response_mask
         rollout.token_rewards = build_token_rewards(rollout.scores, rollout.kl_penalty, mask)
         returns = sequence_returns(rollout.token_rewards, mask)
-        advantages = self.advantages(rollout.token_rewards, mask, rollout.group_size)
+        advantages = self.advantages(rollout.token_rewards, mask, rollout.group_size, rollout.baseline_scores)
         token_weights = policy_weights(advantages, rollout.scores, mask, self.cfg.weight_by,
                                        self.cfg.whiten_advantages, self.cfg.clamp_negative_weights)
         rollout.advantages = token_weights
         rollout.returns = returns[:, None] * mask
         stats = {"advantages/mean": distributed.masked_mean(token_weights, mask).item(),
                  "returns/mean": distributed.mean(returns).item()}
+        if rollout.baseline_scores is not None:
+            stats["advantages/baseline_mean"] = distributed.mean(rollout.baseline_scores).item()
         return {**stats, **self.importance_weights(rollout, forward), **advantage_range(token_weights, mask)}
 
     def importance_weights(self, rollout: Rollout, forward: Any) -> dict[str, float]:
@@ -237,5 +244,5 @@ def advantage_range(advantages: Tensor, mask: Tensor) -> dict[str, float]:
 
 
 # The critic-free presets: each composes an advantage estimator and a policy loss (conf/algorithm/NAME.yaml).
-for _name in ("grpo", "dr_grpo", "reinforce", "rloo", "reinforce_pp", "gspo", "cispo"):
+for _name in ("grpo", "dr_grpo", "dapo", "reinforce", "rloo", "reinforce_pp", "remax", "gspo", "cispo"):
     register("algorithm", _name)(Algorithm)

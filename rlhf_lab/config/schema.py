@@ -40,6 +40,12 @@ class AlgorithmConfig:
     mini_batch_size: int = 0  # samples per optimizer update; 0 = the whole rollout
     entropy_coef: float = 0.0  # entropy bonus weight (full entropy from logits)
     whiten_advantages: bool = False  # whiten advantages over the batch's valid tokens
+    # DAPO's sampling rules (rlhf_lab/training/sampling.py)
+    dynamic_sampling: bool = False  # drop prompt groups whose scores are all equal; refill from further prompts
+    max_refill_rounds: int = 3  # extra generation rounds per step for dynamic sampling
+    overlong_window: int = 0  # soft overlong penalty over the last N tokens up to max_new_tokens (0: off; capped at it)
+    overlong_penalty: float = 1.0  # the penalty at max_new_tokens (linear from 0 at the window's start)
+    mask_truncated: bool = False  # responses cut at max_new_tokens (no EOS) take no part in the loss
 
 
 @dataclass

@@ -105,6 +105,9 @@ def check_ranges(cfg: Any) -> None:
         at_least("algorithm.clip_eps_high", algorithm.clip_eps_high, 0.0, strict=True)
     at_least("algorithm.clip_ratio_c", algorithm.clip_ratio_c, 1.0, strict=True)
     at_least("algorithm.tis_cap", algorithm.tis_cap, 0.0, strict=True)
+    at_least("algorithm.max_refill_rounds", algorithm.max_refill_rounds, 0)
+    at_least("algorithm.overlong_penalty", algorithm.overlong_penalty, 0.0)
+    at_least("algorithm.overlong_window", algorithm.overlong_window, 0)
     for key in ("clip_eps", "clip_eps_low"):
         value = algorithm[key]
         if value is not None and not 0.0 < value < 1.0:
@@ -135,6 +138,9 @@ def check_batch_shape(cfg: Any) -> None:
             f"algorithm.group_size={algorithm.group_size} is too small for algorithm={algorithm.name}; "
             f"must be >= {minimum}"
         )
+    if algorithm.dynamic_sampling and algorithm.group_size < 2:
+        raise ConfigError(f"algorithm.dynamic_sampling=true compares samples within a prompt group; "
+                          f"algorithm.group_size={algorithm.group_size} must be >= 2")
     samples = trainer.prompts_per_step * algorithm.group_size
     if algorithm.mini_batch_size and samples % algorithm.mini_batch_size:
         raise ConfigError(

@@ -10,7 +10,8 @@ from these once (:meth:`rlhf_lab.algorithms.base.Algorithm.prepare`).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -22,9 +23,14 @@ from rlhf_lab.kl import exact_kl
 from rlhf_lab.models import PolicyAndReference
 from rlhf_lab.ops import gather_logprobs
 from rlhf_lab.precision import Precision
+from rlhf_lab.registry import get
 from rlhf_lab.rewards.base import Reward, fill_nonfinite
 from rlhf_lab.rollout import Rollout, concat_rollouts, format_prompts, generate, response_logits
 from rlhf_lab.training.records import StepTimer
+from rlhf_lab.training.sampling import SamplingRules, informative_groups, overlong_penalty, truncated
+
+# ``refill(round, count)`` -> (prompts, names, rng_keys) of ``count`` further prompts (dynamic sampling).
+Refill = Callable[[int, int], tuple[list[str], list[str], list[int] | None]]
 
 
 @dataclass
@@ -36,6 +42,8 @@ class Experience:
     prompts: list[str]  # one per sample (each prompt repeated group_size times)
     responses: list[str]
     valid: Tensor  # [B] bool
+    in_loss: Tensor | None = None  # [B] bool: samples whose tokens enter the loss (None: the valid ones)
+    stats: dict[str, float] = field(default_factory=dict)  # this rank's sampling counts (DAPO's rules)
 
 
 def screen_scores(scores: Tensor, components: dict[str, Tensor], names: list[str], group_size: int,
@@ -75,20 +83,111 @@ class ExperienceMaker:
         self.precision = precision or Precision("fp32", device.type)
         # The update needs the reference's full logits only for a logits-based estimator placed in the loss.
         self.update_needs_ref_logits = kl_placement.needs_grad and getattr(kl_estimator, "needs_logits", False)
+        self.rules = SamplingRules.from_config(cfg.algorithm)
+        # ReMax's advantage subtracts the greedy response's score: one extra greedy generation per prompt.
+        advantage = cfg.algorithm.get("advantage")
+        self.greedy_baseline = bool(advantage) and getattr(get("advantage", advantage), "needs_greedy_baseline", False)
 
     def make(self, prompts: list[str], group_size: int, timer: StepTimer, names: list[str],
-             kl_coef: float, rng_keys: list[int] | None = None) -> Experience:
+             kl_coef: float, rng_keys: list[int] | None = None, train: bool = False,
+             refill: Refill | None = None) -> Experience:
         """Generate ``group_size`` samples per prompt, score them, run the reference, and fill the KL terms.
 
         ``names`` says where each prompt comes from (``train prompt 12``), for error messages; ``rng_keys``
-        seed each prompt's generator under ``trainer.seed_per_prompt``.
+        seed each prompt's generator under ``trainer.seed_per_prompt``. ``train`` applies the algorithm's
+        sampling rules (overlong shaping, truncation mask, dynamic sampling through ``refill``) and ReMax's
+        greedy baseline; evaluation runs without them.
         """
-        rollout, responses, valid = self.sample_and_score(prompts, group_size, timer, names, rng_keys)
+        if not train:
+            rollout, responses, valid = self.sample_and_score(prompts, group_size, timer, names, rng_keys)
+            experience = Experience(rollout, [p for p in prompts for _ in range(group_size)], responses,
+                                    valid.to(self.device))
+        else:
+            experience = self._training_batch(prompts, group_size, timer, names, rng_keys, refill)
+            if self.greedy_baseline:
+                self._greedy_baseline(experience, group_size, timer, names)
+        rollout = experience.rollout
         self.reference(rollout, timer)
         rollout.kl_coef = kl_coef
         rollout.kl_penalty = self.kl_placement.reward_penalty(rollout.kl_estimate, kl_coef, rollout.response_mask)
-        repeated_prompts = [p for p in prompts for _ in range(group_size)]
-        return Experience(rollout, repeated_prompts, responses, valid.to(self.device))
+        return experience
+
+    def _shaped(self, prompts: list[str], group_size: int, timer: StepTimer, names: list[str],
+                rng_keys: list[int] | None) -> Experience:
+        """Sample and score, then the overlong penalty on the scores and the truncation mask."""
+        rollout, responses, valid = self.sample_and_score(prompts, group_size, timer, names, rng_keys)
+        rules, mask = self.rules, rollout.response_mask
+        in_loss = valid.to(self.device)
+        cut = truncated(rollout.response_ids, mask, self.tokenizer.eos_token_id)
+        stats = {"truncated": float(cut.sum())}
+        if rules.shapes_rewards:
+            penalty = overlong_penalty(mask.sum(-1), self.cfg.trainer.max_new_tokens, rules.overlong_window,
+                                       rules.overlong_factor).to(rollout.scores)
+            rollout.scores = rollout.scores + penalty
+            rollout.extras["reward/overlong_penalty"] = penalty
+        if rules.mask_truncated:
+            in_loss = in_loss & ~cut
+            stats["masked_truncated"] = float((valid.to(self.device) & cut).sum())
+        repeated = [p for p in prompts for _ in range(group_size)]
+        return Experience(rollout, repeated, responses, valid.to(self.device), in_loss, stats)
+
+    def _training_batch(self, prompts: list[str], group_size: int, timer: StepTimer, names: list[str],
+                        rng_keys: list[int] | None, refill: Refill | None) -> Experience:
+        """The step's batch under the sampling rules; with dynamic sampling only informative groups, refilled
+        round by round, and at the round limit tied groups kept out of the loss in the missing places."""
+        first = self._shaped(prompts, group_size, timer, names, rng_keys)
+        if not (self.rules.dynamic_sampling and refill is not None):
+            return first
+        wanted = len(prompts)
+        kept: list[Experience] = []
+        tied: list[Experience] = []
+        stats = {"rounds": 1.0, "groups_dropped": 0.0, "refill_prompts": 0.0, "groups_filled": 0.0, **first.stats}
+        batch, round_ = first, 0
+        while True:
+            informative = informative_groups(batch.rollout.scores, batch.valid, group_size)
+            stats["groups_dropped"] += float((~informative).sum())
+            for group, keep in enumerate(informative.tolist()):
+                (kept if keep else tied).append(_select_groups(batch, [group], group_size))
+            missing = wanted - len(kept)
+            if missing <= 0 or round_ >= self.rules.max_refill_rounds:
+                break
+            round_ += 1
+            more_prompts, more_names, more_keys = refill(round_, missing)
+            batch = self._shaped(more_prompts, group_size, timer, more_names, more_keys)
+            stats["rounds"] += 1
+            stats["refill_prompts"] += len(more_prompts)
+            for key in ("truncated", "masked_truncated"):
+                if key in batch.stats:
+                    stats[key] += batch.stats[key]
+        kept = kept[:wanted]
+        for filler in tied[: wanted - len(kept)]:  # the round limit: tied groups hold the places, out of the loss
+            filler.in_loss = torch.zeros_like(filler.in_loss)
+            kept.append(filler)
+            stats["groups_filled"] += 1
+        return _join(kept, self.tokenizer.pad_token_id, stats)
+
+    def _greedy_baseline(self, experience: Experience, group_size: int, timer: StepTimer, names: list[str]) -> None:
+        """ReMax (Li et al. 2024): each prompt's greedy response, scored, as every sample's baseline [B]."""
+        cfg = self.cfg
+        prompts = experience.prompts[::group_size]
+        formatted = format_prompts(prompts, self.tokenizer, cfg.model.chat_template, cfg.model.system_prompt)
+        with timer.phase("generate_greedy"), self.precision.autocast():
+            greedy = generate(self.policy, self.tokenizer, formatted, group_size=1,
+                              max_new_tokens=cfg.trainer.max_new_tokens, temperature=cfg.trainer.temperature,
+                              top_p=cfg.trainer.top_p, top_k=cfg.trainer.top_k,
+                              max_prompt_tokens=cfg.data.max_prompt_tokens, keep_logits=False, greedy=True)
+        responses = self._decode(greedy)
+        with timer.phase("reward"):
+            output = self.reward(prompts, responses)
+        scores, _ = screen_scores(output.scores, output.components, names, 1, "drop", self.reward.describe())
+        experience.rollout.baseline_scores = scores.to(self.device).float().repeat_interleave(group_size)
+
+    def _decode(self, rollout: Rollout) -> list[str]:
+        response_mask = rollout.response_mask.long()
+        return self.tokenizer.batch_decode(
+            rollout.response_ids * response_mask + (1 - response_mask) * self.tokenizer.pad_token_id,
+            skip_special_tokens=True,
+        )
 
     def generate(self, prompts: list[str], group_size: int, rng_keys: list[int] | None) -> Rollout:
         """Sample the responses; one generate call per prompt group, each seeded, under ``seed_per_prompt``."""
@@ -113,11 +212,7 @@ class ExperienceMaker:
         cfg = self.cfg
         with timer.phase("generate"):
             rollout = self.generate(prompts, group_size, rng_keys)
-        response_mask = rollout.response_mask.long()
-        responses = self.tokenizer.batch_decode(
-            rollout.response_ids * response_mask + (1 - response_mask) * self.tokenizer.pad_token_id,
-            skip_special_tokens=True,
-        )
+        responses = self._decode(rollout)
         repeated_prompts = [p for p in prompts for _ in range(group_size)]
         with timer.phase("reward"):
             try:
@@ -180,3 +275,20 @@ class ExperienceMaker:
             ) * mask
             exact = exact_kl(rollout.policy_logits, rollout.ref_logits) * mask
         return estimate, exact
+
+
+def _select_groups(experience: Experience, groups: list[int], group_size: int) -> Experience:
+    """The samples of the given prompt groups (scored rollout, prompts, responses, masks)."""
+    rows = [g * group_size + i for g in groups for i in range(group_size)]
+    index = torch.tensor(rows, device=experience.valid.device)
+    in_loss = experience.in_loss if experience.in_loss is not None else experience.valid
+    return Experience(experience.rollout.select(index), [experience.prompts[r] for r in rows],
+                      [experience.responses[r] for r in rows], experience.valid[index], in_loss[index])
+
+
+def _join(parts: list[Experience], pad_token_id: int, stats: dict[str, float]) -> Experience:
+    """Prompt groups from several generation rounds as one batch, in order."""
+    rollout = concat_rollouts([part.rollout for part in parts], pad_token_id)
+    return Experience(rollout, [p for part in parts for p in part.prompts],
+                      [r for part in parts for r in part.responses], torch.cat([part.valid for part in parts]),
+                      torch.cat([part.in_loss for part in parts]), stats)

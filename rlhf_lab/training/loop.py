@@ -34,6 +34,7 @@ from rlhf_lab.trackers.jsonl import repair_jsonl
 from rlhf_lab.training import checkpoint as ckpt
 from rlhf_lab.training.experience import ExperienceMaker
 from rlhf_lab.training.records import Records, StepTimer, distinct_n, run_summary
+from rlhf_lab.training.sampling import refill_indices
 from rlhf_lab.training.update import Updater
 
 EVAL_CHUNK = 16  # held-out prompts generated at once
@@ -206,15 +207,17 @@ class Trainer:
         first = distributed.rank() * len(indices)  # this rank's first position among the step's prompts
         experience = self.experience.make(prompts, cfg.algorithm.group_size, timer,
                                           [f"train prompt {i}" for i in indices], coef,
-                                          rng_keys=[rng_key(cfg.seed, 0, step, first + j) for j in range(len(indices))])
-        rollout, valid = experience.rollout, experience.valid
+                                          rng_keys=[rng_key(cfg.seed, 0, step, first + j) for j in range(len(indices))],
+                                          train=True, refill=self._refill(step))
+        rollout, valid, in_loss = experience.rollout, experience.valid, experience.in_loss
         mask = rollout.response_mask
         with timer.phase("advantages"):
             prepare_stats = self.algorithm.prepare(rollout, self.updater.forward)
-        if not bool(valid.all()):
-            # Dropped samples (non-finite score) took part in the advantage statistics with their filled
-            # score; from here on their tokens count nowhere: no loss, no gradient, no token in any mean.
-            rollout.response_mask = mask * valid[:, None]
+        if not bool(in_loss.all()):
+            # Dropped samples (non-finite score; truncated or tied-filler ones under the sampling rules) took
+            # part in the advantage statistics; from here on their tokens count nowhere: no loss, no gradient,
+            # no token in any mean.
+            rollout.response_mask = mask * in_loss[:, None]
             rollout.advantages = rollout.advantages * rollout.response_mask
         rollout.policy_logits = None  # no longer needed; frees [B, T, V]
         if not self.experience.update_needs_ref_logits:
@@ -245,6 +248,7 @@ class Trainer:
         }
         for key, value in rollout.extras.items():
             metrics[key] = distributed.gather_rows(value)[all_valid].mean().item()
+        metrics.update(self._sampling_metrics(experience.stats, len(all_valid)))
         metrics.update(prepare_stats)
         metrics.update(update_stats)
         metrics.setdefault("loss/policy", 0.0)
@@ -259,6 +263,33 @@ class Trainer:
             self.stop_requested = (
                 f"{self.updater.consecutive_skips} consecutive updates were skipped for non-finite loss or gradient"
             )
+        return metrics
+
+    def _refill(self, step: int) -> Any:
+        """Further prompts for dynamic sampling's refill rounds (this rank's own stream)."""
+        cfg = self.cfg
+
+        def refill(round_: int, count: int) -> tuple[list[str], list[str], list[int]]:
+            indices = refill_indices(step, round_ * distributed.world_size() + distributed.rank(), count,
+                                     len(self.prompts.train), cfg.seed)
+            offset = distributed.rank() * cfg.trainer.prompts_per_step  # splits 2, 3, …: refill rounds
+            keys = [rng_key(cfg.seed, 1 + round_, step, offset + j) for j in range(count)]
+            return [self.prompts.train[i] for i in indices], [f"train prompt {i}" for i in indices], keys
+
+        return refill
+
+    def _sampling_metrics(self, stats: dict[str, float], samples: int) -> dict[str, float]:
+        """The sampling rules' counts over every rank: refill rounds and groups, truncated and masked shares."""
+        keys = sorted(stats)
+        counts = distributed.all_reduce_sum(torch.tensor([stats[k] for k in keys], device=self.device))
+        totals = dict(zip(keys, counts.tolist()))
+        metrics = {"response/truncated_frac": totals.get("truncated", 0.0) / max(samples, 1)}
+        if "masked_truncated" in totals:
+            metrics["overlong/masked_frac"] = totals["masked_truncated"] / max(samples, 1)
+        if "rounds" in totals:
+            metrics["sampling/rounds"] = totals["rounds"] / distributed.world_size()
+            for key in ("groups_dropped", "groups_filled", "refill_prompts"):
+                metrics[f"sampling/{key}"] = totals[key]
         return metrics
 
     # ----------------------------------------------------------------- evaluation

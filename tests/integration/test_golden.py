@@ -24,7 +24,7 @@ RENAMED = {"skip_minibatch": "optim/vetoed"}  # PPO's ratio-threshold veto, now 
 # Metrics added since the recording (the algorithm menu's debugging statistics); every recorded key must still
 # be there with its value, and nothing else may appear.
 ADDED = {"advantages/min", "advantages/max", "policy/ratio_mean", "policy/ratio_max", "policy/ratio_min",
-         "policy/clipped_low_frac", "policy/clipped_high_frac"}
+         "policy/clipped_low_frac", "policy/clipped_high_frac", "response/truncated_frac"}
 
 
 def comparable(text: str) -> list[dict]:

@@ -39,9 +39,9 @@ from rlhf_lab.config.schema import (
 )
 
 SCHEMAS = {
-    "algorithm": {"grpo": GRPOConfig, "dr_grpo": GRPOConfig, "gspo": GRPOConfig, "cispo": GRPOConfig,
-                  "ppo": PPOConfig, "reinforce": ReinforceConfig, "rloo": ReinforceConfig,
-                  "reinforce_pp": ReinforceConfig},
+    "algorithm": {"grpo": GRPOConfig, "dr_grpo": GRPOConfig, "dapo": GRPOConfig, "gspo": GRPOConfig,
+                  "cispo": GRPOConfig, "ppo": PPOConfig, "reinforce": ReinforceConfig, "rloo": ReinforceConfig,
+                  "reinforce_pp": ReinforceConfig, "remax": ReinforceConfig},
     "kl": {name: KLConfig for name in ("kl", "abs", "mse", "k3", "full", "none", "k1_plus", "k3_plus", "sequence_k1",
                                        "sequence_full")},
     "reward": {
@@ -107,9 +107,10 @@ def test_group_options_are_yaml_files_not_stored_schemas() -> None:
     register_configs()
     stored = ConfigStore.instance().list("algorithm")
     assert "grpo_schema.yaml" in stored and "ppo_schema.yaml" in stored
-    assert group_options("algorithm") == ["cispo", "dr_grpo", "grpo", "gspo", "ppo", "reinforce", "reinforce_pp",
-                                          "rloo"]
-    assert group_options("experiment") == ["algo_comparison", "exact", "kl_ablation", "kl_ablation_exact", "smoke"]
+    assert group_options("algorithm") == sorted(SCHEMAS["algorithm"])
+    assert {"dapo", "grpo", "ppo", "remax"} <= set(group_options("algorithm"))
+    assert group_options("experiment") == ["algo_comparison", "algo_comparison_exact", "exact", "kl_ablation",
+                                           "kl_ablation_exact", "smoke"]
 
 
 @pytest.mark.parametrize(
@@ -252,9 +253,9 @@ def test_group_size_minimum_comes_from_the_algorithm_class(registered) -> None:
 
 def test_unknown_option_lists_the_yaml_options() -> None:
     assert compose_error(["algorithm=grpo_schema"]) == (
-        "algorithm='grpo_schema' is not an option; choose from: cispo, dr_grpo, grpo, gspo, ppo, reinforce, "
-        "reinforce_pp, rloo"
+        f"algorithm='grpo_schema' is not an option; choose from: {', '.join(sorted(SCHEMAS['algorithm']))}"
     )
     assert compose_error(["+experiment=nope"]) == (
-        "experiment='nope' is not an option; choose from: algo_comparison, exact, kl_ablation, kl_ablation_exact, smoke"
+        "experiment='nope' is not an option; choose from: algo_comparison, algo_comparison_exact, exact, kl_ablation, "
+        "kl_ablation_exact, smoke"
     )

@@ -22,10 +22,10 @@ def test_registry_imports_nothing_of_the_package_but_its_error_type() -> None:
 
 
 def test_builtins_are_registered_once_components_is_imported() -> None:
-    assert registry.names("algorithm") == ["cispo", "dr_grpo", "grpo", "gspo", "ppo", "reinforce", "reinforce_pp",
-                                           "rloo"]
+    assert {"cispo", "dapo", "dr_grpo", "grpo", "gspo", "ppo", "reinforce", "reinforce_pp", "remax",
+            "rloo"} <= set(registry.names("algorithm"))
     assert registry.names("advantage") == ["dr_grpo", "gae", "grpo", "reinforce", "reinforce_pp",
-                                           "reinforce_pp_baseline", "rloo"]
+                                           "reinforce_pp_baseline", "remax", "rloo"]
     assert registry.names("policy_loss") == ["cispo", "clip", "gspo", "reinforce"]
     assert registry.names("kl") == ["abs", "full", "k1_plus", "k3", "k3_plus", "kl", "mse", "none", "sequence_full",
                                     "sequence_k1"]
