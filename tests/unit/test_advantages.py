@@ -79,3 +79,23 @@ def test_grpo_against_a_loop_reference(seed: int) -> None:
         mean = sum(group) / 2
         std = (sum((r - mean) ** 2 for r in group) / 1) ** 0.5
         assert got[i, 0].item() == pytest.approx((returns[i] - mean) / (std + 1e-4), abs=1e-9)
+
+
+def test_remax_by_hand_on_the_ragged_batch() -> None:
+    # Returns [.7, 1.9, -.2, 3.7]; greedy scores 1.0 for prompt 0 and 0.5 for prompt 1, per sample: [1, 1, .5, .5].
+    baseline = torch.tensor([1.0, 1.0, 0.5, 0.5], dtype=torch.float64)
+    got = get("advantage", "remax")(token_rewards(), MASK, 2, CFG, baseline_scores=baseline)
+    expected = torch.tensor([-0.3, 0.9, -0.7, 3.2], dtype=torch.float64)[:, None] * MASK
+    torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_remax_against_a_loop_reference(seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    rewards = torch.randn(4, 3, generator=generator, dtype=torch.float64) * MASK
+    greedy = torch.randn(2, generator=generator, dtype=torch.float64)
+    got = get("advantage", "remax")(rewards, MASK, 2, CFG, baseline_scores=greedy.repeat_interleave(2))
+    for i in range(4):
+        ret = sum(float(rewards[i, t]) for t in range(3) if MASK[i, t])
+        for t in range(3):
+            assert got[i, t].item() == pytest.approx((ret - float(greedy[i // 2])) * float(MASK[i, t]), abs=1e-9)
