@@ -297,8 +297,9 @@ def concat_rollouts(parts: list[Rollout], pad_token_id: int) -> Rollout:
             pieces["policy_logits"].append(pad(part.policy_logits, 0, right))
         if part.scores is not None:
             pieces["scores"].append(part.scores)
-    logits = torch.cat(pieces.pop("policy_logits")) if parts[0].policy_logits is not None else None
-    scores = torch.cat(pieces.pop("scores")) if parts[0].scores is not None else None
+    logits, scores = pieces.pop("policy_logits"), pieces.pop("scores")
+    logits = torch.cat(logits) if parts[0].policy_logits is not None else None
+    scores = torch.cat(scores) if parts[0].scores is not None else None
     extras = {key: torch.cat([part.extras[key] for part in parts]) for key in parts[0].extras}
     return Rollout(prompt_width=prompt_width, group_size=parts[0].group_size, policy_logits=logits, scores=scores,
                    extras=extras, **{key: torch.cat(values) for key, values in pieces.items()})

@@ -83,3 +83,28 @@ def test_the_remax_algorithm_uses_the_rollouts_baseline() -> None:
     stats = Algorithm(cfg).prepare(rollout)
     torch.testing.assert_close(rollout.advantages, torch.tensor([[0.75, 0.75], [-1.25, 0.0]]))
     assert stats["advantages/baseline_mean"] == pytest.approx(0.25)
+
+
+def _part(prompt_width: int, response_width: int, score: float | None) -> Rollout:
+    rows = 2
+    return Rollout(input_ids=torch.ones(rows, prompt_width + response_width, dtype=torch.long),
+                   attention_mask=torch.ones(rows, prompt_width + response_width, dtype=torch.long),
+                   response_mask=torch.ones(rows, response_width), prompt_width=prompt_width, group_size=2,
+                   logprobs=torch.full((rows, response_width), -1.0), entropy=torch.ones(rows, response_width),
+                   scores=None if score is None else torch.full((rows,), score),
+                   extras={} if score is None else {"reward/x": torch.full((rows,), 2 * score)})
+
+
+@pytest.mark.parametrize("scored", [False, True])
+def test_concat_rollouts_pads_and_carries_scores_when_there_are_any(scored: bool) -> None:
+    from rlhf_lab.rollout import concat_rollouts
+
+    joined = concat_rollouts([_part(3, 2, 1.0 if scored else None), _part(1, 4, 3.0 if scored else None)], 0)
+    assert joined.prompt_width == 3 and joined.response_mask.shape == (4, 4)
+    assert joined.response_mask.sum(-1).tolist() == [2.0, 2.0, 4.0, 4.0]
+    assert joined.attention_mask[2].tolist() == [0, 0, 1, 1, 1, 1, 1]  # left-padded prompt, full response
+    if scored:
+        assert joined.scores.tolist() == [1.0, 1.0, 3.0, 3.0]
+        assert joined.extras["reward/x"].tolist() == [2.0, 2.0, 6.0, 6.0]
+    else:
+        assert joined.scores is None and joined.extras == {}
