@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: install install-ray train test test-unit lint clean bench
+.PHONY: install install-ray install-mlflow train test test-unit lint clean bench
 
 $(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -52,6 +52,10 @@ $(RAY_STAMP): $(STAMP) requirements-ray.txt
 	touch $(RAY_STAMP)
 
 install-ray: $(RAY_STAMP)
+
+# `make install-mlflow`: the optional MLflow extra (requirements-mlflow.txt) for `logger=mlflow`.
+install-mlflow: $(STAMP) requirements-mlflow.txt
+	$(PY) -m pip install --quiet -r requirements-mlflow.txt
 
 lint: install
 	$(VENV)/bin/ruff check rlhf_lab hydra_plugins tests

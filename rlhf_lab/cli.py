@@ -19,9 +19,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import rlhf_lab.job_folders  # noqa: F401  (the job-folder label resolver, needed in every job process too)
 from rlhf_lab.errors import UserError
 
-SUBCOMMANDS = ("report", "bench")
+SUBCOMMANDS = ("report", "bench", "export", "eval")
 
 
 def _is_user_flag(arg: str) -> bool:
@@ -30,38 +31,121 @@ def _is_user_flag(arg: str) -> bool:
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["--version"], ["-V"]):
+        print(version_line())
+        return
     if argv and argv[0] in SUBCOMMANDS:
         _run_subcommand(argv[0], argv[1:])
         return
-    from rlhf_lab.config.compose import compose, normalize_overrides  # loads every part: not for sub-commands
+    _refuse_rerun(argv)
+    # loads every part: not for sub-commands
+    from rlhf_lab.config.compose import CONF_DIR, compose, normalize_overrides
+    from rlhf_lab.config.sweep_jobs import expand_globs, search_paths, with_config_dirs
 
-    flags_with_values = {"--config-name", "-cn", "--config-path", "-cp", "--config-dir", "-cd", "--experimental-rerun"}
-    overrides, skip = [], False
-    for arg in argv:
+    flags_with_values = {"--config-name", "-cn", "--config-path", "-cp", "--config-dir", "-cd", "--experimental-rerun",
+                         "--shell-completion", "-sc"}
+    overrides, skip, config_dirs = [], False, []
+    for index, arg in enumerate(argv):
         if skip:
             skip = False
             continue
         if arg in flags_with_values:
             skip = True
+            if arg in ("--config-dir", "-cd") and index + 1 < len(argv):
+                config_dirs.append(argv[index + 1])
             continue
-        if not _is_user_flag(arg):
+        if arg.startswith(("--config-dir=", "-cd=")):
+            config_dirs.append(arg.split("=", 1)[1])
+        elif not _is_user_flag(arg):
             overrides.append(arg)
     argv = normalize_overrides(argv)  # `+experiment=NAME` selects the experiment as `experiment=NAME` does
     if "" not in sys.path and os.getcwd() not in sys.path:
         # `python -m rlhf_lab` can import a reward module from the working folder; the console script too
         # (appended, so a file there never shadows an installed package).
         sys.path.append(os.getcwd())
-    informational = {"--help", "-h", "--hydra-help", "--info", "-i", "--cfg", "-c", "--resolve", "--version"}
+    informational = {"--help", "-h", "--hydra-help", "--info", "-i", "--cfg", "-c", "--resolve", "--version",
+                     "--shell-completion", "-sc"}
     if not informational.intersection(argv):
         try:
+            check_command_line(overrides)  # `=5`, a key given twice
+            overrides = with_config_dirs(overrides, config_dirs)  # --config-dir DIR: on the search path, as Hydra does
+            argv = expand_globs(argv, CONF_DIR, search_paths(overrides))  # kl=glob(*): the options, no schemas
+            overrides = expand_globs(overrides, CONF_DIR, search_paths(overrides))
             cfg = compose(overrides)
+            new_folder = _claim_run_folder(cfg, argv, overrides)
         except UserError as error:
             print(f"error: {error}", file=sys.stderr)
             sys.exit(2)
-        argv += _run_dir_override(cfg, argv, overrides)
+        argv += new_folder or _run_dir_override(cfg, argv, overrides)
     os.environ.setdefault("HF_HUB_OFFLINE", "0")
     sys.argv = [sys.argv[0], *argv]
     _hydra_entry()
+
+
+def _refuse_rerun(argv: list[str]) -> None:
+    """Hydra's ``--experimental-rerun FILE`` unpickles FILE; rlhf_lab never unpickles, so it is refused
+    (argparse also takes any prefix of the flag, e.g. ``--exp``)."""
+    flag = "--experimental-rerun"
+    for arg in argv:
+        name = arg.split("=", 1)[0]
+        if len(name) >= 3 and flag.startswith(name):
+            print(f"error: {name} is not supported (it would unpickle a file); re-run a job with the overrides "
+                  "in its .hydra/overrides.yaml", file=sys.stderr)
+            sys.exit(2)
+
+
+def check_command_line(overrides: list[str]) -> None:
+    """An override without a key (``=5``), or a key given twice (Hydra would silently keep the last)."""
+    from rlhf_lab.errors import ConfigError
+
+    seen: dict[str, str] = {}
+    for override in overrides:
+        key = override.split("=", 1)[0] if "=" in override else None
+        if key is not None and not key.lstrip("+~"):
+            raise ConfigError(f"{override!r} has no key; write KEY=VALUE (e.g. trainer.steps=5)")
+        name = (key or override).lstrip("+~")
+        if name in seen:
+            raise ConfigError(f"{name} is given twice ({seen[name]} and {override}); give it once")
+        seen[name] = override
+
+
+def _claim_run_folder(cfg: Any, argv: list[str], overrides: list[str]) -> list[str]:
+    """A folder the run names is checked (writable), locked and its resume checked before Hydra writes into it.
+
+    A single run in Hydra's default folder (``outputs/<experiment_name>/<time>``) gets that folder created here,
+    with ``_1``, ``_2``, ... appended when a run started in the same second took it, so two runs never share
+    one; returned as the ``hydra.run.dir`` override that puts Hydra's files there too.
+    """
+    from rlhf_lab.training.resume_contract import claim_run_folder
+    from rlhf_lab.training.run_lock import is_rank_zero, new_run_folder
+
+    sweep = {"-m", "--multirun"}.intersection(argv) or any(
+        o.lstrip("+").startswith(("experiment=", "hparams_search=", "hydra.mode=", "hydra/sweeper=")) for o in overrides)
+    hydra_settings = any(o.lstrip("+~").startswith("hydra") for o in overrides) or any(
+        a.startswith(("-cn", "-cp", "-cd", "--config")) for a in argv)  # they may place the run elsewhere
+    folder, extra = run_folder(cfg), []
+    if folder is None and not sweep and not hydra_settings and is_rank_zero():
+        folder = new_run_folder(Path("outputs") / str(cfg.experiment_name))
+        extra = [f"hydra.run.dir='{folder}'"] if "'" not in str(folder) and "\\" not in str(folder) else []
+        if not extra:
+            return []
+    claim_run_folder(cfg, folder, single_run=not sweep)
+    return extra
+
+
+def version_line() -> str:
+    """``rlhf-lab 0.1.0 (hydra-core 1.3.8, torch 2.13.0)``: the package's version and the two it is built on."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from rlhf_lab import __version__
+
+    def installed(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    return f"rlhf-lab {__version__} (hydra-core {installed('hydra-core')}, torch {installed('torch')})"
 
 
 def run_folder(cfg: Any) -> Path | None:
@@ -104,9 +188,11 @@ def resume_command(task_overrides: list[str], resume_overrides: tuple[str, ...])
 def _hydra_entry() -> None:
     import hydra
 
+    from rlhf_lab.cli_help import register_help
     from rlhf_lab.config import CONF_DIR, register_configs
 
     register_configs()
+    register_help()  # the option lists `rlhf-lab --help` shows
 
     @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
     def run(cfg: Any) -> Any:
@@ -153,3 +239,11 @@ def _run_subcommand(name: str, args: list[str]) -> None:
         from rlhf_lab.tools.bench import main as bench_main
 
         bench_main(args)
+    elif name == "export":
+        from rlhf_lab.tools.export import main as export_main
+
+        export_main(args)
+    elif name == "eval":
+        from rlhf_lab.tools.evaluate import main as evaluate_main
+
+        evaluate_main(args)

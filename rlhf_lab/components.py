@@ -9,6 +9,9 @@ import rlhf_lab.algorithms.base  # noqa: F401  (the composed algorithms, loss ag
 import rlhf_lab.algorithms.losses  # noqa: F401  (policy losses)
 import rlhf_lab.algorithms.ppo  # noqa: F401
 import rlhf_lab.kl  # noqa: F401
+import rlhf_lab.offline.dpo  # noqa: F401  (offline stages: sft, dpo, reward_model; preference losses)
+import rlhf_lab.offline.reward_model  # noqa: F401
+import rlhf_lab.offline.sft  # noqa: F401
 import rlhf_lab.rewards.classifier  # noqa: F401
 import rlhf_lab.rewards.composite  # noqa: F401
 import rlhf_lab.rewards.exact_table  # noqa: F401  (the exact task's reward table)
@@ -17,4 +20,7 @@ import rlhf_lab.rewards.python_function  # noqa: F401
 import rlhf_lab.rewards.reward_model  # noqa: F401
 import rlhf_lab.rewards.sentiment  # noqa: F401
 import rlhf_lab.trackers.base  # noqa: F401
+import rlhf_lab.trackers.csv  # noqa: F401
+import rlhf_lab.trackers.mlflow  # noqa: F401  (imports mlflow only when a run uses it)
+import rlhf_lab.trackers.tensorboard  # noqa: F401
 import rlhf_lab.trackers.wandb  # noqa: F401

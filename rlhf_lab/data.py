@@ -6,6 +6,7 @@ The order prompts are drawn in is a pure function of (seed, step), so a resumed 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +29,12 @@ class PromptSplits:
 def _column(dataset: Any, column: str, where: str) -> list[str]:
     if column not in dataset.column_names:
         raise DataError(f"data.prompt_column={column!r} is not a column of {where}; columns: {dataset.column_names}")
-    prompts = [str(p) for p in dataset[column]]
+    values = dataset[column]
+    wrong = next((i for i, p in enumerate(values) if not isinstance(p, str)), None)
+    if wrong is not None:
+        kind = JSON_TYPES.get(type(values[wrong]), type(values[wrong]).__name__)
+        raise DataError(f"prompt {wrong} of {where} is {kind} ({str(values[wrong])[:40]}), not a string")
+    prompts = list(values)
     empty = [i for i, p in enumerate(prompts) if not p.strip()]
     if empty:
         raise DataError(f"prompt {empty[0]} of {where} is empty")
@@ -61,6 +67,7 @@ def _load_files(data_cfg: Any, builder: str, suffix: str, seed: int) -> PromptSp
     for file in files.values():
         if _is_blank(file):
             raise DataError(f"data file {str(file)!r} is empty; it needs at least one prompt")
+        check_rows(file, builder, data_cfg.prompt_column)
     try:
         loaded = load_dataset(builder, data_files={k: str(v) for k, v in files.items()})
     except Exception as error:  # noqa: BLE001 (datasets raises many types for an unreadable file)
@@ -71,6 +78,35 @@ def _load_files(data_cfg: Any, builder: str, suffix: str, seed: int) -> PromptSp
     if data_cfg.eval_fraction <= 0:
         return PromptSplits(train=train, eval=[])
     return _split_off_eval(train, data_cfg.eval_fraction, seed)
+
+
+JSON_TYPES = {int: "a number", float: "a number", bool: "a boolean", type(None): "null", list: "a list", dict: "an object"}
+
+
+def check_rows(file: Path, builder: str, column: str) -> None:
+    """Every line decodes as UTF-8 and, in a jsonl file, is an object whose ``column`` (when it has one) is a
+    string: ``datasets`` would otherwise turn 42, null or a list into the prompts "42", "None", "['x']"."""
+    with open(file, "rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise DataError(f"data file {str(file)!r}, line {number}: not valid UTF-8 (byte {raw[error.start]:#04x} "
+                                f"at column {error.start + 1})") from None
+            if builder != "json" or not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError as error:
+                raise DataError(f"data file {str(file)!r}, line {number}: not valid JSON ({error.msg})") from None
+            if not isinstance(row, dict):
+                raise DataError(f"data file {str(file)!r}, line {number}: expected a JSON object, got "
+                                f"{JSON_TYPES.get(type(row), type(row).__name__)}")
+            if column in row and not isinstance(row[column], str):
+                value = row[column]
+                raise DataError(f"data file {str(file)!r}, line {number}: {column!r} is "
+                                f"{JSON_TYPES.get(type(value), type(value).__name__)} ({json.dumps(value)[:40]}), "
+                                "not a string")
 
 
 def _is_blank(file: Path) -> bool:

@@ -142,10 +142,29 @@ def load_causal_lm(model_cfg: Any, tokenizer: PreTrainedTokenizerBase, dtype: st
     return AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
 
 
+LORA_LAYERS = (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d)  # what peft's LoRA can wrap
+
+
+def check_target_modules(model: nn.Module, targets: list[str]) -> None:
+    """Each ``model.lora.target_modules`` entry names a module of ``model`` (peft matches a name or its last
+    dotted parts); otherwise one line lists the names LoRA could adapt."""
+    from rlhf_lab.errors import ConfigError
+
+    if targets in (["all-linear"], "all-linear"):
+        return
+    names = [name for name, module in model.named_modules() if isinstance(module, LORA_LAYERS)]
+    missing = [t for t in targets if not any(n == t or n.endswith(f".{t}") for n in names)]
+    if missing:
+        valid = sorted({name.rsplit(".", 1)[-1] for name in names})
+        raise ConfigError(f"model.lora.target_modules: {', '.join(map(repr, missing))} not in the model; "
+                          f"valid names: {', '.join(valid)} (or all-linear)")
+
+
 def apply_lora(model: nn.Module, lora_cfg: Any) -> nn.Module:
     """Wrap ``model`` with a peft LoRA adapter; only the adapter's weights train."""
     from peft import LoraConfig, get_peft_model
 
+    check_target_modules(model, list(lora_cfg.target_modules))
     config = LoraConfig(
         r=lora_cfg.r,
         lora_alpha=lora_cfg.alpha,

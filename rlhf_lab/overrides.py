@@ -24,3 +24,13 @@ def override_text(value: Any) -> str:
     except Exception:  # not a plain value: quote it
         pass
     return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+    """Nested dicts -> ``{"a.b": value}``; lists stay values."""
+    if not isinstance(node, dict):
+        return {prefix: node}
+    flat: dict[str, Any] = {}
+    for key, value in node.items():
+        flat.update(flatten(value, f"{prefix}{key}." if isinstance(value, dict) else f"{prefix}{key}"))
+    return flat

@@ -3,6 +3,7 @@
 
 from rlhf_lab.config.compose import CONF_DIR, compose
 from rlhf_lab.config.schema import Config, register_configs
+from rlhf_lab.config.schema_offline import OfflineAlgorithmConfig  # noqa: F401  (the offline stages' schemas)
 from rlhf_lab.config.validate import validate
 from rlhf_lab.errors import ConfigError
 

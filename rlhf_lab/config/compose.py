@@ -17,6 +17,15 @@ from omegaconf import DictConfig
 
 from rlhf_lab.config.objective import check_objective
 from rlhf_lab.config.schema import register_configs
+from rlhf_lab.config.sweep_jobs import (
+    check_jobs,
+    check_search_paths,
+    expand_jobs,
+    options,
+    search_paths,
+    searchpath_override,
+    sweeper_params,
+)
 from rlhf_lab.config.validate import validate
 from rlhf_lab.config.validate_keys import field_types, schema_at, type_name, unknown_key_message
 from rlhf_lab.config.validate_sweep import (
@@ -27,6 +36,7 @@ from rlhf_lab.config.validate_sweep import (
     sweep_values,
 )
 from rlhf_lab.errors import ConfigError
+from rlhf_lab.plugins import load_plugins, plugins_in_overrides
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 GROUPS = ("algorithm", "kl", "reward", "model", "data", "logger", "experiment", "hparams_search")
@@ -35,10 +45,10 @@ HYDRA_PREFIXES = ("hydra.", "hydra/", "+hydra", "++hydra")
 SWEEP_SETTINGS = (*HYDRA_PREFIXES, "experiment=", "+experiment=", "hparams_search=", "+hparams_search=")
 
 
-def group_options(group: str) -> list[str]:
-    """The YAML options of a config group (its schemas, ``*_schema`` in the ConfigStore, are not options)."""
-    folder = CONF_DIR / group
-    return sorted(p.stem for p in folder.glob("*.yaml")) if folder.is_dir() else []
+def group_options(group: str, paths: tuple[str, ...] = ()) -> list[str]:
+    """The YAML options of a config group (its schemas, ``*_schema`` in the ConfigStore, are not options), with
+    those of the user's search path (``hydra.searchpath=[pkg://my_pkg.conf]``, ``--config-dir``)."""
+    return options(CONF_DIR, group, paths)
 
 
 def normalize_overrides(overrides: list[str]) -> list[str]:
@@ -61,6 +71,7 @@ def _split_sweep(override: str, value: str) -> list[str]:
 def check_overrides(overrides: list[str]) -> list[str]:
     """Reject unknown group options with the valid list; return the first job's overrides (sweeps -> first)."""
     first_job = []
+    paths = search_paths(overrides)
     for override in overrides:
         if "=" not in override:
             first_job.append(override)
@@ -73,9 +84,16 @@ def check_overrides(overrides: list[str]) -> list[str]:
                                   f"in the shell: \"{key}='{value}'\"")
             first_job.append(override)
             continue
+        if group in GROUPS and value.startswith("[") and value.endswith("]"):  # logger=[wandb,csv]: all of them
+            valid = group_options(group, paths)
+            for choice in (part.strip() for part in value[1:-1].split(",") if part.strip()):
+                if choice not in valid:
+                    raise ConfigError(f"{group}={choice!r} is not an option; choose from: {', '.join(valid)}")
+            first_job.append(override)
+            continue
         choices = _split_sweep(override, value)
         if group in GROUPS:
-            valid = group_options(group)
+            valid = group_options(group, paths)
             for choice in choices:
                 if choice not in valid:
                     raise ConfigError(f"{group}={choice!r} is not an option; choose from: {', '.join(valid)}")
@@ -104,12 +122,22 @@ def compose(overrides: list[str]) -> DictConfig:
     Raises :class:`ConfigError` (a ``UserError``), one line, on any mistake.
     """
     overrides = normalize_overrides(list(overrides))
+    paths = search_paths(overrides)
+    check_search_paths(CONF_DIR, paths)
+    load_plugins(plugins_in_overrides(overrides))  # entry points and plugins=[...]: their parts and schemas
     check_plugins(overrides, CONF_DIR)  # hydra/launcher=ray without ray: what to install, before Hydra needs it
     first_job = check_overrides(overrides)
-    job_overrides = [o for o in first_job if not o.startswith(HYDRA_PREFIXES)]
+    job_overrides = [o for o in first_job if not o.startswith(HYDRA_PREFIXES)] + searchpath_override(paths)
     cfg = _compose_job(job_overrides)
+    hydra_cfg = None
     if any(o.startswith(SWEEP_SETTINGS) for o in overrides):
-        check_sweep(first_job, job_overrides, cfg)
+        hydra_cfg = check_sweep(first_job, job_overrides, cfg)
+    params = sweeper_params(hydra_cfg)
+    if params is not None:  # the basic sweeper: every job it would launch, composed and validated now
+        task = [o for o in overrides if "=" in o and not o.startswith(HYDRA_PREFIXES)]
+        jobs = expand_jobs(params, task, CONF_DIR, paths)
+        if len(jobs) > 1:
+            check_jobs(jobs, lambda job: _compose_job(check_overrides(job)), searchpath_override(paths))
     return cfg
 
 
@@ -126,8 +154,9 @@ def _compose_job(job_overrides: list[str]) -> DictConfig:
     return cfg
 
 
-def check_sweep(first_job: list[str], job_overrides: list[str], cfg: DictConfig) -> None:
-    """Compose Hydra's own config too (launcher, sweeper, search space) and check what the sweep would run."""
+def check_sweep(first_job: list[str], job_overrides: list[str], cfg: DictConfig) -> DictConfig:
+    """Compose Hydra's own config too (launcher, sweeper, search space) and check what the sweep would run;
+    returns it."""
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
@@ -136,8 +165,9 @@ def check_sweep(first_job: list[str], job_overrides: list[str], cfg: DictConfig)
     except (HydraException, OmegaConfBaseException) as error:
         raise (plugin_error(error, CONF_DIR) or ConfigError(one_line(error, first_job))) from None
     check_plugin_targets(hydra_cfg)
-    groups = {group: group_options(group) for group in GROUPS}
+    groups = {group: group_options(group, search_paths(first_job)) for group in GROUPS}
     check_search_space(hydra_cfg, cfg, groups, _compose_job, job_overrides)
+    return hydra_cfg
 
 
 def one_line(error: Exception, overrides: list[str] = ()) -> str:

@@ -262,11 +262,16 @@ class LoggerConfig:
     name: str = MISSING  # registered kind `logger`
     mode: str = "auto"  # rlhf_lab.trackers.wandb.MODES
     samples_every: int = 10  # steps between generation-sample tables
+    # logger=[wandb,tensorboard]: each option adds itself here (dicts merge); rlhf_lab/trackers/multi.py
+    trackers: dict[str, bool] = field(default_factory=dict)
+    mlflow_tracking_uri: str | None = None  # logger=mlflow: null = $MLFLOW_TRACKING_URI, else <run folder>/mlruns
+    mlflow_experiment: str | None = None  # logger=mlflow: null = experiment_name
 
 
 @dataclass
 class WandbLoggerConfig(LoggerConfig):
-    project: str = "rlhf_lab"
+    project: str | None = None  # null: $WANDB_PROJECT, else rlhf_lab
+    log_model: bool = False  # upload the final checkpoint as a W&B model artifact
     entity: str | None = None
     group: str | None = None
     run_name: str | None = None
@@ -314,6 +319,23 @@ class TrainerConfig:
     output_dir: str | None = None  # null: Hydra's run folder
 
 
+# ----------------------------------------------------------------------------------------------------- eval
+
+
+@dataclass
+class EvalConfig:
+    """Held-out evaluation (rlhf_lab/training/evaluation.py): training's periodic one and ``rlhf-lab eval``."""
+
+    prompts: int | None = None  # null: trainer.eval_prompts
+    samples_per_prompt: int = 1
+    temperature: float | None = None  # null: trainer.temperature
+    top_p: float | None = None  # null: trainer.top_p
+    greedy: bool = False  # the most likely token at every position
+    rewards: list[str] = field(default_factory=list)  # extra eval-only reward options, each eval/reward/<name>/mean
+    win_rate: bool = False  # the reference answers too: eval/win_rate under win_rate_reward
+    win_rate_reward: str | None = None  # a reward option; null: the run's reward
+
+
 # --------------------------------------------------------------------------------------------------- root
 
 
@@ -332,6 +354,8 @@ class Config:
     optimized_metric: str | None = None  # a summary.json key, e.g. eval/reward/mean
     kl_budget: float | None = None  # subtract kl_budget_penalty * (eval/kl/exact - kl_budget) above the budget
     kl_budget_penalty: float = 10.0
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    plugins: list[str] = field(default_factory=list)  # modules imported before validation (rlhf_lab/plugins.py)
 
 
 # group -> {schema name in the ConfigStore: dataclass}; each option's YAML names one in its defaults list.
@@ -349,7 +373,8 @@ OPTION_SCHEMAS: dict[str, dict[str, type]] = {
     },
     "model": {"model_schema": ModelConfig, "tiny_schema": TinyModelConfig, "exact_schema": ExactModelConfig},
     "data": {"data_schema": DataConfig, "data_path_schema": DataPathConfig},
-    "logger": {"logger_schema": LoggerConfig, "wandb_schema": WandbLoggerConfig},
+    # tensorboard/mlflow/csv name trackers_schema: the same type as wandb's, so logger=[wandb,csv] merges in any order
+    "logger": {"logger_schema": LoggerConfig, "wandb_schema": WandbLoggerConfig, "trackers_schema": WandbLoggerConfig},
 }
 
 

@@ -49,7 +49,8 @@ def check_choices(cfg: Any) -> None:
     choice("logger", cfg.logger.name, names("logger"))
     choice("logger.mode", cfg.logger.mode, MODES)
     choice("algorithm.loss_aggregation", algorithm.loss_aggregation, names("loss_aggregation"))
-    choice("algorithm.advantage", algorithm.advantage, names("advantage"))
+    if not getattr(get("algorithm", algorithm.name), "offline", False):  # sft, dpo, reward_model learn from data
+        choice("algorithm.advantage", algorithm.advantage, names("advantage"))
     choice("algorithm.policy_loss", algorithm.policy_loss, names("policy_loss"))
     has_critic = "critic" in algorithm
     if has_critic and algorithm.advantage != "gae":

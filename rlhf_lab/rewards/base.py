@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from rlhf_lab.errors import RewardError
+from rlhf_lab.errors import RewardError, UserError
 from rlhf_lab.registry import get
 
 ConfigLike = Mapping[str, Any] | DictConfig
@@ -105,11 +105,11 @@ class Reward:
 
 
 def check_config_fields(cfg: ConfigLike, allowed: Sequence[str], where: str) -> None:
-    """Raise ValueError for keys the reward does not read (``name`` and ``_``-prefixed keys are allowed)."""
+    """Raise RewardError for keys the reward does not read (``name`` and ``_``-prefixed keys are allowed)."""
     unknown = [str(key) for key in cfg if key != "name" and not str(key).startswith("_")]
     unknown = [key for key in unknown if key not in allowed]
     if unknown:
-        raise ValueError(
+        raise RewardError(
             f"unknown field(s) {', '.join(map(repr, unknown))} for {where}; "
             f"valid fields: {', '.join(allowed) or '(none)'}"
         )
@@ -234,5 +234,12 @@ def sequence_logits(
 
 
 def build_reward(cfg: ConfigLike, device: str | torch.device = "cpu") -> Reward:
-    """Build the reward named by ``cfg["name"]`` from the registry."""
-    return get("reward", cfg["name"])(cfg, device=device)
+    """Build the reward named by ``cfg["name"]`` from the registry; a constructor's complaint about its
+    config (ValueError, TypeError) becomes a one-line :class:`RewardError`."""
+    reward_class = get("reward", cfg["name"])
+    try:
+        return reward_class(cfg, device=device)
+    except UserError:
+        raise
+    except (ValueError, TypeError) as error:
+        raise RewardError(f"reward {cfg['name']!r}: {first_line(error)}") from error

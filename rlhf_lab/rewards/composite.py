@@ -6,6 +6,7 @@ from collections.abc import Mapping
 
 import torch
 
+from rlhf_lab.errors import RewardError
 from rlhf_lab.registry import get, register
 from rlhf_lab.rewards.base import (
     ConfigLike,
@@ -29,7 +30,7 @@ class CompositeReward(Reward):
 
     ``components`` of the output maps each key to its *unweighted* scores (logged as ``reward/<key>``).
     Keys must be unique: use ``key`` to tell two components of the same reward apart. A field that the
-    component's reward does not read raises ValueError (a typo would otherwise be silently ignored).
+    component's reward does not read raises RewardError (a typo would otherwise be silently ignored).
     """
 
     name = "composite"
@@ -39,17 +40,17 @@ class CompositeReward(Reward):
         super().__init__(cfg, device)
         component_cfgs = self.option("components", [])
         if not component_cfgs:
-            raise ValueError("reward 'composite' needs a non-empty list of components")
+            raise RewardError("reward 'composite' needs a non-empty list of components (reward.components)")
         self.parts: list[tuple[str, float, Reward]] = []
         for index, component_cfg in enumerate(component_cfgs):
             component_cfg = to_plain(component_cfg)
             if not isinstance(component_cfg, Mapping) or "name" not in component_cfg:
-                raise ValueError(
+                raise RewardError(
                     f"composite component {index} must be a mapping with a 'name'; got {component_cfg!r}"
                 )
             key = str(component_cfg.get("key") or component_cfg["name"])
             if key in [existing for existing, _, _ in self.parts]:
-                raise ValueError(
+                raise RewardError(
                     f"duplicate composite component key {key!r}; give each component a unique 'key'"
                 )
             weight = float(component_cfg.get("weight", 1.0))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from rlhf_lab.errors import RewardError
 from rlhf_lab.registry import register
 from rlhf_lab.rewards.base import ConfigLike, Reward, RewardOutput
 
@@ -51,11 +52,11 @@ class LengthReward(Reward):
         self.require_terminal_punctuation = bool(self.option("require_terminal_punctuation", False))
         self.format_weight = float(self.option("format_weight", 0.5))
         if not 0 <= self.min_words <= self.max_words:
-            raise ValueError(
+            raise RewardError(
                 f"length reward needs 0 <= min_words <= max_words; got {self.min_words}, {self.max_words}"
             )
         if not self.slope_words > 0:
-            raise ValueError(f"length reward needs slope_words > 0; got {self.slope_words}")
+            raise RewardError(f"length reward needs slope_words > 0; got {self.slope_words}")
 
     def score(self, prompts: list[str], responses: list[str]) -> RewardOutput:
         scores = []

@@ -12,8 +12,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
+from rlhf_lab.offline.losses import bradley_terry_loss as pair_bradley_terry_loss
 from rlhf_lab.registry import register
 from rlhf_lab.rewards.base import (
     ConfigLike,
@@ -25,6 +25,7 @@ from rlhf_lab.rewards.base import (
     sequence_logits,
     tokenize,
 )
+from rlhf_lab.rewards.pooling import sequence_rewards
 
 
 def uses_chat_template(tokenizer: Any) -> bool:
@@ -99,6 +100,8 @@ class RewardModelReward(Reward):
 
     def score(self, prompts: list[str], responses: list[str]) -> RewardOutput:
         texts = [format_prompt_response(self.tokenizer, p, r) for p, r in zip(prompts, responses)]
+        if getattr(self.model.config, "pooling", None):  # trained by algorithm=reward_model: its own pooling
+            return RewardOutput(scores=(self._pooled_rewards(texts) - self.mean) / self.std)
         logits = sequence_logits(
             self.model,
             self.tokenizer,
@@ -108,6 +111,17 @@ class RewardModelReward(Reward):
             add_special_tokens=not uses_chat_template(self.tokenizer),
         )
         return RewardOutput(scores=(logits[:, 0] - self.mean) / self.std)
+
+
+    @torch.no_grad()
+    def _pooled_rewards(self, texts: list[str]) -> torch.Tensor:
+        """Rewards [N] read with the pooling the model was trained with (``config.pooling``)."""
+        pieces = []
+        for start in range(0, len(texts), self.batch_size):
+            inputs = tokenize(self.tokenizer, texts[start : start + self.batch_size], self.max_length, self.device,
+                              add_special_tokens=not uses_chat_template(self.tokenizer))
+            pieces.append(sequence_rewards(self.model, inputs["input_ids"], inputs["attention_mask"]).cpu())
+        return torch.cat(pieces) if pieces else torch.zeros(0)
 
 
 def _rewards(model: Any, tokenizer: Any, texts: list[str], max_length: int) -> torch.Tensor:
@@ -120,8 +134,9 @@ def _rewards(model: Any, tokenizer: Any, texts: list[str], max_length: int) -> t
 
 
 def bradley_terry_loss(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor) -> torch.Tensor:
-    """Pairwise Bradley–Terry loss −log σ(r_chosen − r_rejected), averaged over pairs."""
-    return -F.logsigmoid(chosen_rewards - rejected_rewards).mean()
+    """Pairwise Bradley–Terry loss −log σ(r_chosen − r_rejected), averaged over pairs (the registered
+    :func:`rlhf_lab.offline.losses.bradley_terry_loss` without margin or centring)."""
+    return pair_bradley_terry_loss(chosen_rewards, rejected_rewards).mean()
 
 
 def train_reward_model(
@@ -138,6 +153,10 @@ def train_reward_model(
     device: str | torch.device = "cpu",
 ) -> dict[str, Any]:
     """Fit r(prompt, response) on (prompt, chosen, rejected) pairs with the Bradley–Terry loss; save it.
+
+    A Python helper for any sequence classifier object (an encoder too). The training stage
+    ``algorithm=reward_model`` (rlhf_lab/offline/) is the full version on a causal LM: LoRA, pooling, margins,
+    centring, held-out accuracy, checkpoints; both use :func:`rlhf_lab.offline.losses.bradley_terry_loss`.
 
     ``backbone_path_or_model`` is a folder/hub id (loaded as ``AutoModelForSequenceClassification`` with
     ``num_labels=1``; ``tokenizer`` may then be None to load it from the same place) or a model object

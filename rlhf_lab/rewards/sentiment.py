@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from rlhf_lab.errors import RewardError
 from rlhf_lab.registry import register
 from rlhf_lab.rewards.base import ConfigLike, Reward, RewardOutput
 
@@ -31,7 +32,7 @@ class SentimentReward(Reward):
 
         self.target = self.option("target", "positive")
         if self.target not in TARGETS:
-            raise ValueError(f"unknown sentiment target {self.target!r}; valid targets: {', '.join(TARGETS)}")
+            raise RewardError(f"unknown sentiment target {self.target!r}; valid targets: {', '.join(TARGETS)}")
         self.sign = 1.0 if self.target == "positive" else -1.0
         self.analyzer: Any = SentimentIntensityAnalyzer()
 

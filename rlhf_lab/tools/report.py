@@ -18,9 +18,10 @@ Per arm, as mean ± sample std over seeds (a single seed has no std):
   (:mod:`rlhf_lab.tools.report_exact`).
 
 Training curves use the lines that have ``reward/mean``; the evaluation-only lines (``eval/...``) are
-left out of them. Written into the folder (or ``--out``): ``report.csv``, ``report.md``,
-``reward_vs_step.png``, ``kl_exact_vs_step.png`` (mean line, ± std band) and ``reward_vs_kl.png``
-(final reward against final exact KL per arm). The markdown table is printed.
+left out of them. Written into the folder (or ``--out``): ``report.csv``, ``report.md`` and the plots of
+:mod:`rlhf_lab.tools.report_plots` (``--ema``, ``--band sd|ci95``, ``--last-k``): reward, exact KL and
+evaluation reward against step, the KL estimate against the exact KL per arm, and the reward-vs-KL frontier with
+its Pareto front. The markdown table is printed.
 
 An Optuna search's folder (``hydra/sweeper=optuna``) also holds ``optimization_results.yaml``: the report then
 starts with the best trial (value, parameters, folder) and a table of every trial by objective value.
@@ -41,7 +42,9 @@ from typing import Any
 import numpy as np
 
 from rlhf_lab.errors import ToolError
+from rlhf_lab.overrides import flatten
 from rlhf_lab.tools.report_exact import EXACT_METRICS, exact_job_metrics, exact_plots, rank_by_gap
+from rlhf_lab.tools.report_plots import BANDS, PLOT_FILES, PlotOptions, write_all
 from rlhf_lab.tools.report_search import optuna_section
 
 IGNORED_KEYS = ("seed", "trainer.resume", "trainer.output_dir", "trainer.progress_bar")
@@ -57,7 +60,7 @@ METRICS = (
     ("eval_reward", "eval reward"),
     *((column, header) for column, header, _ in EXACT_METRICS),
 )
-PLOTS = ("reward_vs_step.png", "kl_exact_vs_step.png", "reward_vs_kl.png")
+PLOTS = PLOT_FILES  # rlhf_lab/tools/report_plots.py: styles and legends that hold at 36 arms
 
 
 class ReportError(ToolError):
@@ -92,24 +95,27 @@ def _to_float(value: Any) -> float:
         return math.nan
 
 
-def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
-    """Nested dicts -> ``{"a.b": value}``; lists stay values."""
-    if not isinstance(node, dict):
-        return {prefix: node}
-    flat: dict[str, Any] = {}
-    for key, value in node.items():
-        flat.update(flatten(value, f"{prefix}{key}." if isinstance(value, dict) else f"{prefix}{key}"))
-    return flat
+class JobProblem(Exception):
+    """A job folder that cannot be read: it is skipped with one warning line naming the file and the problem."""
 
 
 def _read_lines(path: Path) -> list[dict[str, Any]]:
     records = []
-    with open(path, encoding="utf-8") as handle:
-        for line in handle:
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:  # a torn last line of a killed run
-                continue
+    try:
+        with open(path, encoding="utf-8") as handle:
+            for number, line in enumerate(handle, start=1):
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:  # a torn last line of a killed run
+                    continue
+                if not isinstance(record, dict):
+                    raise JobProblem(f"{path}: line {number} is not a JSON object ({line.strip()[:30]})")
+                step = record.get("step", 0)
+                if isinstance(step, bool) or not isinstance(step, int | float) or not math.isfinite(step):
+                    raise JobProblem(f"{path}: line {number}: step {step!r} is not a number")
+                records.append(record)
+    except UnicodeDecodeError as error:
+        raise JobProblem(f"{path}: not valid UTF-8 (byte {error.start})") from None
     return records
 
 
@@ -129,7 +135,17 @@ def _group_choices(hydra_file: Path) -> dict[str, Any]:
 def load_job(folder: Path) -> Job:
     from omegaconf import OmegaConf
 
-    config = flatten(OmegaConf.to_container(OmegaConf.load(folder / ".hydra" / "config.yaml"), resolve=True))
+    config_file = folder / ".hydra" / "config.yaml"
+    try:
+        loaded = OmegaConf.to_container(OmegaConf.load(config_file), resolve=True)
+    except UnicodeDecodeError as error:
+        raise JobProblem(f"{config_file}: not valid UTF-8 (byte {error.start})") from None
+    except Exception as error:  # noqa: BLE001 (YAML and OmegaConf raise many types)
+        first = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
+        raise JobProblem(f"{config_file}: invalid YAML or config ({first})") from None
+    if not isinstance(loaded, dict):
+        raise JobProblem(f"{config_file}: not a mapping of config keys")
+    config = flatten(loaded)
     for group, option in _group_choices(folder / ".hydra" / "hydra.yaml").items():
         if group != "schema" and group not in config:
             config[group] = option
@@ -152,7 +168,11 @@ def find_jobs(root: Path) -> list[Job]:
     folders = {p.parent for p in Path(root).rglob("metrics.jsonl") if (p.parent / ".hydra" / "config.yaml").is_file()}
     jobs = []
     for folder in sorted(folders, key=_job_order):
-        job = load_job(folder)
+        try:
+            job = load_job(folder)
+        except (JobProblem, OSError) as problem:
+            print(f"warning: skipping {folder}: {problem}", file=sys.stderr)
+            continue
         if job.train:
             jobs.append(job)
         else:
@@ -295,76 +315,36 @@ def curve(arm: Arm, key: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return steps, means, stds
 
 
-def _plot_curves(arms: list[Arm], key: str, ylabel: str, path: Path) -> None:
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
-
-    figure, axes = plt.subplots(figsize=(7, 4.5))
-    for arm in arms:
-        steps, means, stds = curve(arm, key)
-        (line,) = axes.plot(
-            steps, means, marker="o" if len(steps) < 20 else None, markersize=3, label=f"{arm.name} (n={len(arm.jobs)})"
-        )
-        axes.fill_between(steps, means - stds, means + stds, color=line.get_color(), alpha=0.2, linewidth=0)
-    axes.set_xlabel("step")
-    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
-    axes.set_ylabel(ylabel)
-    axes.grid(alpha=0.3)
-    axes.legend(fontsize="small")
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-
-
-def _plot_frontier(rows: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(figsize=(7, 4.5))
-    for row in rows:
-        x, y = row["final_kl_exact_mean"], row["final_reward_mean"]
-        xerr = None if math.isnan(row["final_kl_exact_std"]) else row["final_kl_exact_std"]
-        yerr = None if math.isnan(row["final_reward_std"]) else row["final_reward_std"]
-        axes.errorbar(x, y, xerr=xerr, yerr=yerr, fmt="o", capsize=3, label=row["arm"])
-    axes.set_xlabel("final exact KL per token, KL(π‖π_ref)")
-    axes.set_ylabel("final reward (mean)")
-    axes.set_title("reward vs KL (mean ± std over seeds)")
-    axes.grid(alpha=0.3)
-    axes.legend(fontsize="small")
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-
-
-def write_plots(arms: list[Arm], rows: list[dict[str, Any]], out: Path) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    paths = [out / name for name in PLOTS]
-    _plot_curves(arms, "reward/mean", "reward (mean over the step's samples)", paths[0])
-    _plot_curves(arms, "kl/exact", "exact KL per token", paths[1])
-    _plot_frontier(rows, paths[2])
+def write_plots(arms: list[Arm], rows: list[dict[str, Any]], out: Path, options: PlotOptions | None = None) -> list[Path]:
+    paths = write_all(arms, out, options)  # rlhf_lab/tools/report_plots.py
     return paths + exact_plots(arms, out, curve)  # the exact task's gap and true KL, when logged
 
 
 # ------------------------------------------------------------------------------------------ command
 
 
-def build_report(folder: Path, out: Path | None = None) -> tuple[str, list[dict[str, Any]]]:
+def build_report(folder: Path, out: Path | None = None,
+                 options: PlotOptions | None = None) -> tuple[str, list[dict[str, Any]]]:
     """Write report.csv, report.md and the plots; return the markdown table and the rows."""
     folder = Path(folder)
     if not folder.is_dir():
         raise ReportError(f"{folder} is not a folder")
+    if out is not None and Path(out).exists() and not Path(out).is_dir():
+        raise ReportError(f"--out {out} is a file, not a folder")
     jobs = find_jobs(folder)
     if not jobs:
         raise ReportError(f"no jobs in {folder}: expected job folders with metrics.jsonl and .hydra/config.yaml")
     out = Path(out) if out is not None else folder
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ReportError(f"--out {out} cannot be created: {error.strerror}") from None
     arms = group_arms(jobs)
     rows, metrics = summarize(arms)
     rows, arms = rank_by_gap(rows, arms)  # the exact task: best (smallest final gap J* − J) first
     table = markdown_table(rows, metrics)
     write_csv(rows, out / "report.csv")
-    plots = write_plots(arms, rows, out)
+    plots = write_plots(arms, rows, out, options)
     keys = ", ".join(arms[0].label) or "nothing varies across jobs"
     markdown = "\n".join(
         [
@@ -389,9 +369,18 @@ def main(args: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="rlhf-lab report", description=__doc__.split("\n\n")[0])
     parser.add_argument("folder", type=Path, help="a multirun folder (or any folder of run folders)")
     parser.add_argument("--out", type=Path, default=None, help="where to write the report (default: the folder)")
+    parser.add_argument("--ema", type=float, default=0.0, help="smooth curves: EMA weight in [0, 1) (default 0: off)")
+    parser.add_argument("--band", choices=BANDS, default="sd", help="band over seeds: sd (default) or ci95")
+    parser.add_argument("--last-k", type=int, default=None, help="frontier: mean of the last K training steps "
+                        "(default: 20%% of the steps)")
     options = parser.parse_args(args)
     try:
-        table, _ = build_report(options.folder, options.out)
+        if not 0 <= options.ema < 1:
+            raise ReportError(f"--ema {options.ema} is out of range; must be in [0, 1)")
+        if options.last_k is not None and options.last_k < 1:
+            raise ReportError(f"--last-k {options.last_k} is out of range; must be >= 1")
+        plot_options = PlotOptions(ema=options.ema, band=options.band, last_k=options.last_k)
+        table, _ = build_report(options.folder, options.out, plot_options)
     except ReportError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)

@@ -1,7 +1,8 @@
 """The tracker interface every destination of metrics implements, and ``logger=none`` (tracks nothing).
 
 The run folder's JSON Lines files (:mod:`rlhf_lab.trackers.jsonl`) are always written; ``logger=`` adds
-one external tracker (``wandb``) behind the same interface.
+external trackers (``wandb``, ``tensorboard``, ``mlflow``, ``csv``, or a list of them: :mod:`.multi`) behind
+the same interface.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ class Tracker:
 
     def log_samples(self, rows: list[dict[str, Any]], step: int) -> None:
         """Record generation samples (prompt, response, reward)."""
+
+    def log_eval_samples(self, rows: list[dict[str, Any]], step: int) -> None:
+        """Record an evaluation's samples (prompt, response, rewards), apart from the training samples."""
 
     def finish(self, summary: dict[str, Any]) -> None:
         """Record the final summary and close."""

@@ -32,6 +32,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from rlhf_lab import distributed
+from rlhf_lab.console import say
+from rlhf_lab.job_folders import read_swept_keys
 from rlhf_lab.registry import register
 from rlhf_lab.trackers.base import Tracker
 
@@ -111,26 +113,6 @@ def _hydra_config() -> Any | None:
         return None
 
 
-def _swept_keys(sweep_dir: Path) -> set[str] | None:
-    """Keys the sweep varies: sweep overrides on the command line and in ``hydra.sweeper.params``.
-
-    Read from ``multirun.yaml``, which Hydra's sweeper writes into the sweep folder before it launches
-    any job (so it is there for local, joblib and SLURM jobs alike); None when it cannot be read.
-    """
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from omegaconf import OmegaConf
-
-    try:
-        master = OmegaConf.load(sweep_dir / "multirun.yaml")
-        lines = [str(line) for line in master.hydra.overrides.task]
-        params = OmegaConf.select(master, "hydra.sweeper.params") or {}
-        lines += [f"{key}={value}" for key, value in params.items()]
-        parsed = OverridesParser.create().parse_overrides(lines)
-    except Exception:
-        return None
-    return {override.key_or_group for override in parsed if override.is_sweep_override()}
-
-
 def run_identity(experiment_name: str, run_dir: Path, hydra_cfg: Any | None = None) -> RunIdentity:
     """Group, name and tags for this run from Hydra's runtime config (see the module docstring)."""
     hydra_cfg = _hydra_config() if hydra_cfg is None else hydra_cfg
@@ -158,7 +140,7 @@ def run_identity(experiment_name: str, run_dir: Path, hydra_cfg: Any | None = No
         sweep_dir = Path(str(hydra_cfg.sweep.dir))
     except Exception:  # an interpolation that cannot resolve here: the job folder's parent is the sweep
         sweep_dir = Path(str(hydra_cfg.runtime.output_dir)).parent
-    swept = _swept_keys(sweep_dir)
+    swept = read_swept_keys(str(sweep_dir))
     lines = sorted(o.input_line for o in parsed if swept is None or o.key_or_group in swept)
     name = ",".join(lines) or override_dirname or f"job{hydra_cfg.job.num}"
     group = f"{experiment_name}-{sweep_dir.name}"
@@ -193,6 +175,31 @@ def dashboard_config(config: dict[str, Any], run_dir: Path, identity: RunIdentit
     return {**config, **flat}
 
 
+def short_name(name: str, limit: int = 128) -> str:
+    """A run name of at most ``limit`` characters (a long override list ends in a hash of the whole)."""
+    if len(name) <= limit:
+        return name
+    import hashlib
+
+    return f"{name[: limit - 9]}~{hashlib.sha1(name.encode()).hexdigest()[:8]}"
+
+
+def run_id(run_dir: Path, resuming: bool) -> str:
+    """This run folder's W&B run id: the stored one when the run resumes from its checkpoint, else a new one
+    (kept in ``<run folder>/wandb_run.json`` beside ``checkpoints/``), so a resumed run continues its W&B run."""
+    import json
+    import secrets
+
+    path = Path(run_dir) / "wandb_run.json"
+    if resuming and path.is_file():
+        with contextlib.suppress(ValueError, KeyError, OSError):
+            return str(json.loads(path.read_text())["id"])
+    new_id = secrets.token_hex(4)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"id": new_id}))
+    return new_id
+
+
 def _git_settings(start: Path) -> dict[str, Any]:
     """Point W&B at the code's git checkout (the run folder may be outside it), or turn git lookup off."""
     for folder in (start, *start.parents):
@@ -208,15 +215,16 @@ def _git_settings(start: Path) -> dict[str, Any]:
 class WandbTracker(Tracker):
     """Logs to a W&B run whose files live in ``<run_dir>/wandb/``; see the module docstring."""
 
-    def __init__(self, logger_cfg: Any, config: dict[str, Any], run_dir: Path) -> None:
+    def __init__(self, logger_cfg: Any, config: dict[str, Any], run_dir: Path, resuming: bool = False) -> None:
         super().__init__(logger_cfg, config, run_dir)
         self.run_dir = Path(run_dir)
         self.run: Any = None
+        self._tables: dict[str, Any] = {}
+        self._pending_eval: tuple[int, list[dict[str, Any]]] | None = None
         # Only rank 0 of a torchrun job has a W&B run (torchrun sets RANK before torch.distributed starts).
         main_process = distributed.is_main_process() and os.environ.get("RANK", "0") == "0"
         self.mode = resolve_mode(str(logger_cfg.mode)) if main_process else "disabled"
         self._warned = False
-        self._table: Any = None
         self._pending_samples: tuple[int, list[dict[str, Any]]] | None = None
         if self.mode == "disabled":
             return
@@ -232,12 +240,15 @@ class WandbTracker(Tracker):
             self.mode = "offline"
         experiment_name = str(config.get("experiment_name", "default"))
         identity = run_identity(experiment_name, self.run_dir)
-        tags = [*identity.tags, *(str(t) for t in (logger_cfg.tags or []))]
+        env_tags = [t.strip() for t in os.environ.get("WANDB_TAGS", "").split(",") if t.strip()]
+        tags = [*identity.tags, *(str(t) for t in (logger_cfg.tags or [])), *env_tags]
         init_kwargs = {
-            "project": logger_cfg.project,
+            "project": logger_cfg.project or os.environ.get("WANDB_PROJECT") or "rlhf_lab",
             "entity": logger_cfg.entity,
-            "group": logger_cfg.group or identity.group,
-            "name": logger_cfg.run_name or identity.name,
+            "group": logger_cfg.group or os.environ.get("WANDB_RUN_GROUP") or identity.group,
+            "name": short_name(logger_cfg.run_name or identity.name),
+            "id": run_id(self.run_dir, resuming),
+            "resume": "allow",  # a resumed run (trainer.resume) continues the same W&B run
             "tags": [tag[:64] for tag in dict.fromkeys(tags)],  # W&B caps tags at 64 characters
             "job_type": logger_cfg.job_type,
             "config": dashboard_config(config, self.run_dir, identity),
@@ -250,6 +261,9 @@ class WandbTracker(Tracker):
         if notes:  # online was asked for but the run is offline: say so once
             self._warn("; ".join(notes) + f"; logging offline (sync later: wandb sync {self.run.settings.sync_dir})")
         self._guarded("define_metric", self._define_metrics)
+        if (self.run_dir / ".hydra").is_dir():  # the resolved config and overrides, with the run's files
+            self._guarded("save", lambda: self.run.save(str(self.run_dir / ".hydra" / "*"), base_path=str(self.run_dir),
+                                                        policy="now"))
 
     def _init(self, init_kwargs: dict[str, Any], notes: list[str]) -> Any:
         """``wandb.init``; an online run that cannot start (no network, server down) falls back to offline."""
@@ -308,6 +322,9 @@ class WandbTracker(Tracker):
         if self._pending_samples is not None and self._pending_samples[0] == step:
             payload["samples"] = self._samples_table(self._pending_samples[1])
             self._pending_samples = None
+        if self._pending_eval is not None and self._pending_eval[0] == step:
+            payload["eval_samples"] = self._samples_table(self._pending_eval[1], "eval_samples")
+            self._pending_eval = None
         self._flush_samples()  # samples of an earlier step that got no metrics line
         self._guarded("log", lambda: self.run.log(payload))
 
@@ -325,24 +342,57 @@ class WandbTracker(Tracker):
         self._pending_samples = None
         self._guarded("log", lambda: self.run.log({"samples": self._samples_table(rows), "step": step}))
 
-    def _samples_table(self, rows: list[dict[str, Any]]) -> Any:
-        """One table for the whole run, logged incrementally (each log adds the new rows)."""
+    def _samples_table(self, rows: list[dict[str, Any]], name: str = "samples") -> Any:
+        """One table per name for the whole run, logged incrementally (each log adds the new rows); columns:
+        step, prompt, response, reward, then what the first rows carry (advantage, reward components)."""
         wandb = self._wandb
-        if self._table is None:
+        if name not in self._tables:
+            extra = [key for key in dict.fromkeys(k for row in rows for k in row) if key not in SAMPLE_COLUMNS]
+            columns = [*SAMPLE_COLUMNS, *extra]
             try:
-                self._table = wandb.Table(columns=list(SAMPLE_COLUMNS), log_mode="INCREMENTAL")
+                self._tables[name] = (wandb.Table(columns=columns, log_mode="INCREMENTAL"), columns)
             except TypeError:  # a W&B without incremental tables: one table per logged step
-                self._table = None
-        table = self._table if self._table is not None else wandb.Table(columns=list(SAMPLE_COLUMNS))
+                self._tables[name] = (None, columns)
+        table, columns = self._tables[name]
+        table = table if table is not None else wandb.Table(columns=columns)
         for row in rows:
-            table.add_data(*(row.get(column) for column in SAMPLE_COLUMNS))
+            table.add_data(*(row.get(column) for column in columns))
         return table
+
+    def log_eval_samples(self, rows: list[dict[str, Any]], step: int) -> None:
+        """An evaluation's samples, in their own table (``eval_samples``) beside the training samples; they go
+        out with the evaluation's metrics line (one W&B step per metrics.jsonl line)."""
+        if self.run is None or not rows:
+            return
+        self._flush_samples()
+        self._pending_eval = (step, list(rows))
+
+    def _flush_eval(self) -> None:
+        if self._pending_eval is None:
+            return
+        step, rows = self._pending_eval
+        self._pending_eval = None
+        self._guarded("log", lambda: self.run.log({"eval_samples": self._samples_table(rows, "eval_samples"),
+                                                   "step": step}))
+
+    def _log_model(self) -> None:
+        """The last checkpoint as a W&B model artifact (``logger.log_model=true``)."""
+        folders = sorted((self.run_dir / "checkpoints").glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
+        if not folders:
+            return
+        artifact = self._wandb.Artifact(f"model-{self.run.id}", type="model",
+                                        metadata={"step": int(folders[-1].name.split("_")[1])})
+        artifact.add_dir(str(folders[-1]))
+        self.run.log_artifact(artifact, aliases=["latest", folders[-1].name])
 
     def finish(self, summary: dict[str, Any]) -> None:
         if self.run is None:
             return
         self._flush_samples()
+        self._flush_eval()
         run = self.run
+        if self.logger_cfg.get("log_model"):
+            self._guarded("artifact", self._log_model)
         self._guarded("summary", lambda: run.summary.update(dict(summary)))
         if self.run is None:
             return
@@ -353,8 +403,8 @@ class WandbTracker(Tracker):
         except Exception as error:
             self._give_up("finish", error)
             return
-        print(f"wandb: run files in {folder}")
+        say(f"wandb: run files in {folder}", __name__)
         if offline:
-            print(f"wandb: offline run; upload it with: wandb sync {folder}")
+            say(f"wandb: offline run; upload it with: wandb sync {folder}", __name__)
         else:
-            print(f"wandb: {run.url}")
+            say(f"wandb: {run.url}", __name__)

@@ -8,9 +8,10 @@ A checkpoint holds only safetensors and JSON, so loading one never unpickles any
 - ``optimizer.safetensors``: the tensors of the optimizer and scheduler states; their other fields
   (hyper-parameters, step counts) are JSON inside ``trainer_state.json``;
 - ``rng.safetensors``: the torch (and CUDA) generator states; Python's and NumPy's are JSON;
+- ``config.json``: the resolved config of the run that wrote it (what a resume is compared against);
 - ``trainer_state.json``: step, KL controller, counters, and a manifest of every file above with its
-  size. It is written last, so a folder whose manifest is missing, unreadable or does not match the files
-  is incomplete and never loaded.
+  size and sha256 (:mod:`.verify`). It is written last, so a folder whose manifest is missing, unreadable or
+  does not match the files is incomplete and never loaded; a resume verifies the digests too.
 
 Write order: files -> fsync -> ``trainer_state.json`` -> rename the temporary ``.step_N.*`` folder to
 ``step_N`` -> replace the ``latest`` pointer. A run killed at any point leaves the previous checkpoint
@@ -31,15 +32,18 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
 from rlhf_lab.errors import CheckpointError
+from rlhf_lab.training.verify import seal
 
 STATE_FILE = "trainer_state.json"  # written last inside a checkpoint folder; holds the manifest
 COMPLETE_MARKER = STATE_FILE
 OPTIMIZER_FILE = "optimizer.safetensors"
 RNG_FILE = "rng.safetensors"
+CONFIG_FILE = "config.json"
 MODEL_FOLDER = "model"
 LATEST = "latest"
 STEP_FOLDER = re.compile(r"^step_(\d+)$")
@@ -164,6 +168,7 @@ def save_checkpoint(
     model_state: dict[str, torch.Tensor] | None = None,
     optimizer_state: dict[str, Any] | None = None,
     module_states: dict[str, dict[str, torch.Tensor]] | None = None,
+    config: dict[str, Any] | None = None,
 ) -> Path:
     """Write ``root/step_{step}`` atomically, point ``root/latest`` at it, keep the newest ``keep_last_n``.
 
@@ -191,6 +196,8 @@ def save_checkpoint(
         save_file(optimizer_tensors, str(tmp / OPTIMIZER_FILE))
         rng_tensors, rng_plain = rng_state()
         save_file(rng_tensors, str(tmp / RNG_FILE))
+        if config is not None:
+            (tmp / CONFIG_FILE).write_text(json.dumps(config), encoding="utf-8")
         _fsync_tree(tmp)
         state = {
             "step": step,
@@ -200,6 +207,7 @@ def save_checkpoint(
             "modules": sorted(modules),
             "files": _manifest(tmp),
         }
+        state = seal(state, tmp, skip=STATE_FILE)
         with open(tmp / STATE_FILE, "w", encoding="utf-8") as handle:
             json.dump(state, handle)
             handle.flush()
@@ -261,7 +269,7 @@ def complete_checkpoints(root: Path) -> list[Path]:
     found = []
     for child in root.iterdir():
         match = STEP_FOLDER.match(child.name)
-        if match and child.is_dir() and is_complete(child):
+        if match and child.is_dir() and not child.is_symlink() and is_complete(child):
             found.append((int(match.group(1)), child))
     return [path for _, path in sorted(found)]
 
@@ -272,9 +280,10 @@ def latest_checkpoint(root: Path) -> Path | None:
     pointer = root / LATEST
     try:
         named = root / pointer.read_text(encoding="utf-8").strip()
-    except OSError:
+    except (OSError, UnicodeDecodeError):
         named = None
-    if named is not None and STEP_FOLDER.match(named.name) and is_complete(named):
+    inside = named is not None and named.resolve().parent == root.resolve()  # never followed out of root
+    if inside and STEP_FOLDER.match(named.name) and is_complete(named):
         return named
     complete = complete_checkpoints(root)
     return complete[-1] if complete else None
@@ -418,6 +427,8 @@ def load_checkpoint(
         scheduler.load_state_dict(plain["scheduler"])
     except CheckpointError:
         raise
+    except SafetensorError as error:  # a checkpoint without digests (an older save) with a damaged file
+        raise CheckpointError(f"checkpoint {folder} has an unreadable safetensors file: {error}") from None
     except RuntimeError as error:  # shape mismatches from load_state_dict
         first = str(error).strip().splitlines()
         detail = next((line.strip() for line in first[1:] if line.strip()), first[0] if first else "")
@@ -425,6 +436,6 @@ def load_checkpoint(
     except ValueError as error:  # e.g. an optimizer with other parameter groups
         raise CheckpointError(f"checkpoint {folder} does not match the configured run: {error}") from None
     set_rng_state(load_file(str(folder / RNG_FILE)), state.pop("rng"))
-    for key in ("files", "modules"):
+    for key in ("files", "modules", "sha256", "keys", "state_sha256"):
         state.pop(key, None)
     return state

@@ -7,6 +7,7 @@ config name; this file never asks which algorithm, estimator, placement or rewar
 
 from __future__ import annotations
 
+import importlib
 import os
 import random
 import signal
@@ -21,7 +22,8 @@ from omegaconf import OmegaConf
 
 import rlhf_lab.components  # noqa: F401  (registers the built-in parts)
 from rlhf_lab import distributed
-from rlhf_lab.data import check_prompt_lengths, load_prompts, prompt_indices, prompt_token_limit
+from rlhf_lab.console import progress_label, say
+from rlhf_lab.data import PromptSplits, check_prompt_lengths, load_prompts, prompt_indices, prompt_token_limit
 from rlhf_lab.errors import TrainingStopped
 from rlhf_lab.exact.metrics import exact_step_metrics
 from rlhf_lab.models import build_policy, load_tokenizer
@@ -31,13 +33,14 @@ from rlhf_lab.registry import get
 from rlhf_lab.rewards.base import build_reward
 from rlhf_lab.rollout import format_prompts
 from rlhf_lab.trackers.jsonl import repair_jsonl
+from rlhf_lab.trackers.multi import build_tracker
 from rlhf_lab.training import checkpoint as ckpt
+from rlhf_lab.training import resume_contract
+from rlhf_lab.training.evaluation import Evaluation, rng_key, shard  # noqa: F401  (shard: imported from here)
 from rlhf_lab.training.experience import ExperienceMaker
-from rlhf_lab.training.records import Records, StepTimer, distinct_n, run_summary
+from rlhf_lab.training.records import Records, StepTimer, run_summary, sample_columns
 from rlhf_lab.training.sampling import refill_indices
 from rlhf_lab.training.update import Updater
-
-EVAL_CHUNK = 16  # held-out prompts generated at once
 
 
 def resolve_device(name: str) -> torch.device:
@@ -47,18 +50,6 @@ def resolve_device(name: str) -> torch.device:
     if name == "cuda" and distributed.launched_processes() > 1:
         return torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}")
     return torch.device(name)
-
-
-def rng_key(seed: int, split: int, step: int, position: int) -> int:
-    """The generator seed of one prompt group under ``trainer.seed_per_prompt`` (split 0 train, 1 eval)."""
-    return (((seed * 1_000_003 + split) * 1_000_033 + step) * 1_000_037 + position) % 2**62
-
-
-def shard(count: int, rank: int, world_size: int) -> list[int]:
-    """Rank ``rank``'s contiguous block of ``range(count)`` (the first ``count % world_size`` ranks take one more)."""
-    base, extra = divmod(count, world_size)
-    start = rank * base + min(rank, extra)
-    return list(range(start, start + base + (rank < extra)))
 
 
 def seed_everything(seed: int) -> None:
@@ -85,8 +76,11 @@ class Trainer:
         # Checked before anything loads: what to resume from, and that a fresh start mixes with no earlier run.
         self.resume_from = ckpt.prepare_run_folder(cfg.trainer.resume, self.run_dir,
                                                    clear_logs=distributed.is_main_process())
+        # Its digests verified (else an earlier checkpoint), its config compared: what may change, and how.
+        self.resume_from, self.resume_changes = resume_contract.prepare(cfg, self.resume_from,
+                                                                        warn=distributed.is_main_process())
 
-        self.prompts = load_prompts(cfg.data, seed=cfg.seed)
+        self.prompts = self.load_prompts()
         self.tokenizer = load_tokenizer(cfg.model)
         self.models = build_policy(cfg.model, self.tokenizer, self.precision.weights_dtype, cfg.seed)
         self._check_prompt_lengths()
@@ -128,9 +122,10 @@ class Trainer:
         self.stop_requested: str | None = None
         self.stop_signal: int | None = None
         self._eval_examples: list[tuple[str, str, float]] = []
+        self.evaluation: Evaluation | None = None  # built at the first evaluation
 
         resolved = OmegaConf.to_container(cfg, resolve=True)
-        tracker = get("logger", cfg.logger.name)(cfg.logger, resolved, self.run_dir)
+        tracker = build_tracker(cfg.logger, resolved, self.run_dir, resuming=self.resume_from is not None)
         self._maybe_resume()
         self.records = Records(self.run_dir, tracker, cfg.logger.samples_every)
 
@@ -140,11 +135,13 @@ class Trainer:
         if folder is None:
             return
         updater = self.updater
+        fresh_base_lrs = list(updater.scheduler.base_lrs)  # this config's, before the checkpoint's replace them
         state = ckpt.load_checkpoint(folder, distributed.unwrap(self.policy), self.algorithm.modules(),
                                      updater.optimizer, updater.scheduler, self.models.uses_adapter,
                                      sharded=self.strategy == "fsdp")
         self.kl_controller.load_state_dict(state["kl_controller"])
         updater.load_state_dict(state)
+        resume_contract.apply_changes(self.resume_changes, self.cfg, updater, self.kl_controller, fresh_base_lrs)
         rank_rng = state.get("rank_rng")
         if rank_rng and len(rank_rng) == distributed.world_size():  # every rank's own generator
             torch.set_rng_state(torch.tensor(rank_rng[distributed.rank()], dtype=torch.uint8))
@@ -154,7 +151,11 @@ class Trainer:
             if distributed.is_main_process():
                 repair_jsonl(self.run_dir / name, before_step=self.start_step)
         if distributed.is_main_process():
-            print(f"resumed from {folder} at step {self.start_step}")
+            say(f"resumed from {folder} at step {self.start_step}", __name__)
+
+    def load_prompts(self) -> PromptSplits:
+        """The train and held-out prompts (the offline stages read them from their examples)."""
+        return load_prompts(self.cfg.data, seed=self.cfg.seed)
 
     def _check_prompt_lengths(self) -> None:
         """Every prompt, as the model sees it, must fit data.max_prompt_tokens and the model's context."""
@@ -191,7 +192,7 @@ class Trainer:
             trainer_state["rank_rng"] = rank_rng
         return ckpt.save_checkpoint(self.checkpoint_root, step, policy, self.tokenizer, modules, updater.optimizer,
                                     updater.scheduler, trainer_state, keep_last_n=self.cfg.trainer.keep_last_n,
-                                    **whole)
+                                    config=OmegaConf.to_container(self.cfg, resolve=True), **whole)
 
     # ----------------------------------------------------------------- one step
     def train_step(self, step: int) -> dict[str, Any]:
@@ -257,7 +258,7 @@ class Trainer:
         shown = min(cfg.trainer.samples_per_step_logged, len(experience.responses))
         self.records.log_samples([
             {"step": step, "prompt": experience.prompts[i], "response": experience.responses[i],
-             "reward": float(rollout.scores[i])} for i in range(shown)
+             "reward": float(rollout.scores[i]), **sample_columns(rollout, i)} for i in range(shown)
         ], step)
         if self.updater.consecutive_skips >= cfg.trainer.max_consecutive_skips:
             self.stop_requested = (
@@ -295,51 +296,27 @@ class Trainer:
     # ----------------------------------------------------------------- evaluation
     @torch.no_grad()
     def evaluate(self, step: int) -> dict[str, Any]:
-        """Reward, KL, length and distinct-2 on held-out prompts (one sample each), sharded over ranks."""
-        prompts = self.prompts.eval[: self.cfg.trainer.eval_prompts]
+        """Held-out prompts under ``eval.*`` (rlhf_lab/training/evaluation.py, the code ``rlhf-lab eval`` runs)."""
+        if self.evaluation is None:
+            self.evaluation = Evaluation.from_parts(self.cfg, self.experience, self._experience_maker, self.models,
+                                                    lambda reward_cfg: build_reward(reward_cfg, device=str(self.device)))
+        prompts = self.prompts.eval[: self.evaluation.settings.prompts]
         if not prompts:
             return {}
-        positions = shard(len(prompts), distributed.rank(), distributed.world_size())
-        timer = StepTimer()
-        scores, estimates, exacts, lengths, texts, tokens, shown = [], [], [], [], [], [], []
-        for start in range(0, len(positions), EVAL_CHUNK):
-            chunk = positions[start : start + EVAL_CHUNK]
-            experience = self.experience.make([prompts[i] for i in chunk], 1, timer,
-                                              [f"eval prompt {i}" for i in chunk], self.kl_controller.coef,
-                                              rng_keys=[rng_key(self.cfg.seed, 1, step, i) for i in chunk])
-            rollout, mask = experience.rollout, experience.rollout.response_mask
-            scores.append(rollout.scores[experience.valid])  # dropped (non-finite) scores count in no eval mean
-            shown.append(rollout.scores)
-            estimates.append(masked_sum(rollout.kl_estimate, mask))
-            exacts.append(masked_sum(rollout.kl_exact, mask))
-            tokens.append(mask.sum())
-            lengths.append(mask.sum(-1))
-            texts += experience.responses
-        all_scores, all_shown, all_lengths = torch.cat(scores), torch.cat(shown), torch.cat(lengths)
-        estimates, exacts, tokens = torch.stack(estimates), torch.stack(exacts), torch.stack(tokens)
-        if distributed.world_size() > 1:  # every rank's results, in rank order
-            all_scores, all_shown, all_lengths, estimates, exacts, tokens = (
-                torch.tensor(distributed.gather_objects(t.tolist()))
-                for t in (all_scores, all_shown, all_lengths, estimates, exacts, tokens)
-            )
-            texts = distributed.gather_objects(texts)
-        total_tokens = tokens.sum()
-        self._eval_examples = list(zip(prompts, texts, all_shown.tolist()))
-        if not len(all_scores):
-            all_scores = torch.full((1,), float("nan"))
-        return {
-            "eval/reward/mean": all_scores.mean().item(),
-            "eval/reward/std": all_scores.std().item() if len(all_scores) > 1 else 0.0,
-            "eval/kl/estimate": (estimates.sum() / total_tokens).item(),
-            "eval/kl/exact": (exacts.sum() / total_tokens).item(),
-            "eval/response/length_mean": all_lengths.mean().item(),
-            "eval/distinct_2": distinct_n(texts, 2),
-        }
+        metrics, self._eval_examples = self.evaluation.run(prompts, step, self.cfg.seed, self.kl_controller.coef)
+        shown = self._eval_examples[: self.cfg.trainer.samples_per_step_logged]
+        self.records.log_eval_samples([{"step": step, "prompt": p, "response": r, "reward": score}
+                                       for p, r, score in shown], step)
+        return metrics
+
+    def _experience_maker(self, cfg: Any, policy: torch.nn.Module) -> ExperienceMaker:
+        return ExperienceMaker(cfg, self.tokenizer, self.models, policy, self.reward, self.kl_estimator,
+                               self.kl_placement, self.device, self.precision)
 
     def _print_example(self, when: str) -> None:
         if self._eval_examples:
             prompt, response, score = self._eval_examples[0]
-            print(f"[{when}] prompt: {prompt}\n[{when}] response ({score:+.3f}): {response}")
+            say(f"[{when}] prompt: {prompt}\n[{when}] response ({score:+.3f}): {response}", __name__)
 
     # ----------------------------------------------------------------- signals and the loop
     def _handle_signal(self, signum: int, frame: Any) -> None:
@@ -408,9 +385,21 @@ def _progress(iterable: range, enabled: bool, initial: int, total: int):
         return iterable
     from tqdm.auto import tqdm
 
-    return tqdm(iterable, initial=initial, total=total, desc="train", dynamic_ncols=True)
+    return tqdm(iterable, initial=initial, total=total, desc=progress_label(), dynamic_ncols=True)
 
 
 def run(cfg: Any, run_dir: Path) -> dict[str, Any]:
-    """Train the run ``cfg`` describes in ``run_dir`` and return its summary (what the CLI calls)."""
-    return Trainer(cfg, run_dir).train()
+    """Train the run ``cfg`` describes in ``run_dir`` and return its summary (what the CLI calls).
+
+    An algorithm that learns from data (sft, reward_model, dpo) names its own loop as ``module:Class`` in
+    its ``trainer`` attribute; that loop subclasses :class:`Trainer`, so it is imported by name here.
+    """
+    trainer_class: Any = Trainer
+    path = getattr(get("algorithm", cfg.algorithm.name), "trainer", None)
+    if path:
+        module, _, name = path.partition(":")
+        trainer_class = getattr(importlib.import_module(module), name)
+    with resume_contract.holding(run_dir):  # one writer per run folder (rank 0 holds its lock)
+        trainer = trainer_class(cfg, run_dir)
+        resume_contract.record_segment(trainer.start_step, cfg)
+        return trainer.train()

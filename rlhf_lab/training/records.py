@@ -70,6 +70,21 @@ def run_summary(history: list[dict[str, Any]], steps: int, run_dir: Path, skippe
     return summary
 
 
+def sample_columns(rollout: Any, index: int) -> dict[str, float]:
+    """A logged sample's extra columns: its mean advantage over its response tokens and the per-sample
+    reward terms the rollout carries (reward components, penalties)."""
+    columns: dict[str, float] = {}
+    advantages = getattr(rollout, "advantages", None)
+    if advantages is not None:
+        mask = rollout.response_mask[index]
+        tokens = float(mask.sum())
+        columns["advantage"] = float((advantages[index] * mask).sum()) / tokens if tokens else 0.0
+    for key, values in getattr(rollout, "extras", {}).items():
+        if values.dim() == 1:
+            columns[key] = float(values[index])
+    return columns
+
+
 class Records:
     """The run folder's files and the external tracker, written by rank 0 only.
 
@@ -97,6 +112,11 @@ class Records:
         self.local.log_samples(rows, step)
         if self.samples_every > 0 and step % self.samples_every == 0:
             self.tracker.log_samples(rows, step)
+
+    def log_eval_samples(self, rows: list[dict[str, Any]], step: int) -> None:
+        """An evaluation's samples, to the trackers' evaluation table (not samples.jsonl: training's)."""
+        if self.local is not None and rows:
+            self.tracker.log_eval_samples(rows, step)
 
     def history(self) -> list[dict[str, Any]]:
         """Every training step's metrics in this run folder, from before a resume too (floats restored)."""

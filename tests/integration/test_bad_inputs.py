@@ -124,7 +124,8 @@ def prepare(folder: Path) -> list[Case]:
         Case("dtype_int8", ["trainer.dtype=int8"],
              "trainer.dtype='int8' is not valid; choose from: float32, bfloat16, float16"),
         Case("data_option_unknown", ["data=parquet"],
-             "data='parquet' is not an option; choose from: csv, exact, hub, jsonl, movie_prompts"),
+             "data='parquet' is not an option; choose from: csv, demonstrations, embedded_preferences, exact, hub, "
+             "jsonl, movie_prompts, preferences"),
         Case("resume_path_missing", ["trainer.resume=no_such_run"],
              "trainer.resume='no_such_run' does not exist; give a checkpoint or run folder, or auto"),
         Case("resume_checkpoint_torn", ["trainer.resume=half/checkpoints/step_3"],
@@ -164,7 +165,9 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Case, s
     cases = prepare(folder)
 
     def run(case: Case) -> subprocess.CompletedProcess:
-        command = [sys.executable, "-m", "rlhf_lab", *TINY, *case.overrides]
+        replaced = {o.split("=", 1)[0] for o in case.overrides}  # the command line refuses a key given twice
+        command = [sys.executable, "-m", "rlhf_lab", *(o for o in TINY if o.split("=", 1)[0] not in replaced),
+                   *case.overrides]
         return subprocess.run(command, cwd=folder, capture_output=True, text=True, timeout=300, env=environment())
 
     with ThreadPoolExecutor(max_workers=4) as pool:

@@ -20,7 +20,15 @@ import time
 from pathlib import Path
 
 import pytest
-from test_sweeps import SMOKE_JOBS, Sweep, assert_complete_metrics, read_metrics, read_offline_run, wandb_test_env
+from test_sweeps import (
+    SMOKE_JOBS,
+    Sweep,
+    assert_complete_metrics,
+    read_metrics,
+    read_offline_run,
+    swept,
+    wandb_test_env,
+)
 
 from rlhf_lab.cli import main as cli_main
 
@@ -40,14 +48,14 @@ def run_smoke_sweep(base: Path, name: str, *launcher: str) -> Sweep:
 def check_sweep(sweep: Sweep, capsys: pytest.CaptureFixture[str]) -> None:
     """Every job's folder complete, one W&B run per job in the sweep's group, and the report on the folder."""
     jobs = sweep.jobs()
-    assert [job.name.split("_", 1)[1] for job in jobs] == SMOKE_JOBS
+    assert [swept(job) for job in jobs] == SMOKE_JOBS
     for job in jobs:
         for name in (".hydra/config.yaml", "metrics.jsonl", "samples.jsonl", "summary.json"):
             assert (job / name).is_file(), f"{job}/{name} missing"
         assert_complete_metrics(read_metrics(job))
         run = read_offline_run(job / "wandb")
         assert run["group"] == f"smoke-{sweep.folder.name}"
-        assert run["name"] == job.name.split("_", 1)[1]
+        assert run["name"] == swept(job)
         assert run["folder"].parent == job / "wandb"
     capsys.readouterr()
     cli_main(["report", str(sweep.folder)])

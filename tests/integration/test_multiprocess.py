@@ -46,7 +46,8 @@ def command(processes: int, *overrides: str) -> list[str]:
     if processes > 1:
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
                     "-m", "rlhf_lab"]
-    return [*launcher, *TINY, *overrides]
+    replaced = {o.split("=", 1)[0] for o in overrides}  # the command line refuses a key given twice
+    return [*launcher, *(o for o in TINY if o.split("=", 1)[0] not in replaced), *overrides]
 
 
 def train(run_dir: Path, processes: int, *overrides: str) -> subprocess.CompletedProcess:

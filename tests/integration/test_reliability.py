@@ -191,7 +191,7 @@ def test_resuming_a_checkpoint_of_another_model_is_a_one_line_error(compose, tin
     other = tmp_path / "other"
     save(other / "checkpoints", 3, tiny_parts())
     with pytest.raises(ckpt.CheckpointError) as raised:
-        make_trainer(compose, tiny_overrides, tmp_path / "run", f"trainer.resume={other}")
+        make_trainer(compose, tiny_overrides, tmp_path / "run", f"trainer.resume={other}", "trainer.steps=5")
     assert str(raised.value) == (
         f"checkpoint {other / 'checkpoints' / 'step_3'} does not match the configured model: size mismatch for "
         "model.embed_tokens.weight: copying a param with shape torch.Size([32, 8]) from checkpoint, the shape in "

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from test_sweeps import read_metrics, smoke_sweep
+from test_sweeps import read_metrics, smoke_sweep, swept
 
 from rlhf_lab.cli import main as cli_main
 from rlhf_lab.tools import report
@@ -193,7 +193,7 @@ def test_report_on_the_real_smoke_sweep(tmp_path_factory, capsys) -> None:
     printed = capsys.readouterr().out
     print(printed)  # shown with -s: the smoke sweep's table
     rows = read_csv(sweep.folder / "report.csv")
-    assert [row["arm"] for row in rows] == [job.name.split("_", 1)[1] for job in sweep.jobs()]
+    assert [row["arm"] for row in rows] == [swept(job) for job in sweep.jobs()]
     for row, job in zip(rows, sweep.jobs()):
         lines = read_metrics(job)
         train = [line for line in lines if "reward/mean" in line]

@@ -58,6 +58,13 @@ class Sweep:
         )
 
 
+def swept(job: Path) -> str:
+    """A job's swept overrides as W&B names its run (``algorithm=grpo,kl=k3``), from ``.hydra/overrides.yaml``
+    (the folder name is the job number and a short label: ``0_grpo,k3``)."""
+    lines = yaml.safe_load((job / ".hydra" / "overrides.yaml").read_text())
+    return ",".join(sorted(line for line in lines if line.split("=")[0] in ("algorithm", "kl")))
+
+
 @functools.cache
 def smoke_sweep(base: Path, launcher: str = "basic") -> Sweep:
     """Run ``rlhf-lab +experiment=smoke`` (W&B offline) once per session and launcher."""
@@ -166,16 +173,17 @@ def basic_sweep(tmp_path_factory) -> Sweep:
 
 def test_smoke_sweep_gives_one_offline_wandb_run_per_job(basic_sweep: Sweep) -> None:
     jobs = basic_sweep.jobs()
-    assert [job.name.split("_", 1)[1] for job in jobs] == SMOKE_JOBS
+    assert [swept(job) for job in jobs] == SMOKE_JOBS
+    assert [job.name for job in jobs] == ["0_grpo,k3", "1_grpo,kl", "2_rloo,k3", "3_rloo,kl"]
     groups = set()
     for job in jobs:
         config = yaml.safe_load((job / ".hydra" / "config.yaml").read_text())
         run = read_offline_run(job / "wandb")
-        swept = job.name.split("_", 1)[1]  # override string, e.g. algorithm=grpo,kl=k3
-        algorithm, kl = (part.split("=")[1] for part in swept.split(","))
+        name = swept(job)  # override string, e.g. algorithm=grpo,kl=k3
+        algorithm, kl = (part.split("=")[1] for part in name.split(","))
         groups.add(run["group"])
-        assert run["name"] == swept
-        assert run["tags"] == swept.split(",")
+        assert run["name"] == name
+        assert run["tags"] == name.split(",")
         assert (run["project"], run["job_type"]) == ("rlhf_lab", "train")
         # The resolved config, plus the flat keys the dashboard groups by.
         for section in ("algorithm", "kl", "trainer", "model"):
@@ -193,7 +201,7 @@ def test_smoke_sweep_gives_one_offline_wandb_run_per_job(basic_sweep: Sweep) -> 
         assert_complete_metrics(lines)
         assert len(run["history"]) == len(lines)
         for row, line in zip(run["history"], lines):
-            logged = {k: v for k, v in row.items() if not k.startswith(("_", "samples"))}
+            logged = {k: v for k, v in row.items() if not k.startswith(("_", "samples", "eval_samples"))}
             assert logged.keys() == line.keys()
             for key, value in line.items():
                 assert_close(logged[key], value, f"{job.name} step {line['step']} {key}")
@@ -201,6 +209,9 @@ def test_smoke_sweep_gives_one_offline_wandb_run_per_job(basic_sweep: Sweep) -> 
         sample_rows = [row for row in run["history"] if "samples.nrows" in row]
         assert [row["step"] for row in sample_rows] == list(range(SMOKE_STEPS))
         assert sample_rows[0]["samples.log_mode"] == "INCREMENTAL"
+        # Evaluation samples: their own table, with the evaluation lines (before and after training here).
+        eval_rows = [row for row in run["history"] if "eval_samples.nrows" in row]
+        assert [row["step"] for row in eval_rows] == [0, SMOKE_STEPS]
         # The final summary.
         summary = json.loads((job / "summary.json").read_text())
         for key, value in summary.items():
@@ -219,7 +230,7 @@ def test_joblib_launcher_runs_two_jobs_in_parallel(tmp_path_factory, basic_sweep
     print(f"smoke sweep wall time: basic {basic_sweep.wall_s:.1f} s, joblib (2 jobs) {sweep.wall_s:.1f} s")
     assert "Joblib.Parallel(n_jobs=2" in sweep.output
     jobs = sweep.jobs()
-    assert [job.name.split("_", 1)[1] for job in jobs] == SMOKE_JOBS
+    assert [swept(job) for job in jobs] == SMOKE_JOBS
     for job in jobs:  # every folder complete
         for name in (".hydra/config.yaml", "metrics.jsonl", "samples.jsonl", "summary.json"):
             assert (job / name).is_file(), f"{job}/{name} missing"
@@ -227,7 +238,7 @@ def test_joblib_launcher_runs_two_jobs_in_parallel(tmp_path_factory, basic_sweep
         assert (job / "checkpoints" / f"step_{SMOKE_STEPS - 1}").is_dir()
         run = read_offline_run(job / "wandb")
         assert run["group"] == f"smoke-{sweep.folder.name}"
-        assert run["name"] == job.name.split("_", 1)[1]
+        assert run["name"] == swept(job)
     (start0, end0), (start1, end1) = _interval(jobs[0]), _interval(jobs[1])
     assert max(start0, start1) < min(end0, end1), "jobs 0 and 1 did not run at the same time"
 
@@ -339,7 +350,10 @@ def test_joblib_local_launcher_config_composes() -> None:
 EXPERIMENT_SWEEPS = {
     "smoke": {"algorithm": "grpo,rloo", "kl": "k3,kl"},
     "kl_ablation": {"kl": "kl,abs,mse,k3,full,none", "kl.placement": "reward,loss", "seed": "0,1,2"},
-    "algo_comparison": {"algorithm": "ppo,grpo,dr_grpo,rloo,reinforce,reinforce_pp,gspo,cispo", "seed": "0,1,2"},
+    "algo_comparison": {"algorithm": "ppo,grpo,dr_grpo,dapo,rloo,reinforce,reinforce_pp,remax,gspo,cispo",
+                        "seed": "0,1,2"},
+    "algo_comparison_exact": {"algorithm": "ppo,grpo,dr_grpo,dapo,rloo,reinforce,reinforce_pp,remax,gspo,cispo",
+                              "seed": "0,1,2"},
 }
 
 
@@ -368,7 +382,7 @@ def test_experiment_selects_a_whole_sweep(name: str) -> None:
 
 def test_experiment_sizes() -> None:
     sizes = {name: math.prod(len(v.split(",")) for v in params.values()) for name, params in EXPERIMENT_SWEEPS.items()}
-    assert sizes == {"smoke": 4, "kl_ablation": 36, "algo_comparison": 24}
+    assert sizes == {"smoke": 4, "kl_ablation": 36, "algo_comparison": 30, "algo_comparison_exact": 30}
     assert _compose("experiment=smoke").model.name == "tiny"
     kl = _compose("experiment=algo_comparison").kl
     assert (kl.name, kl.placement) == ("kl", "reward")

@@ -330,8 +330,8 @@ def test_command_line_sweep_writes_one_folder_per_job(tiny_overrides, tmp_path: 
     assert len(jobs) == 8, [p.name for p in jobs]
     seen = set()
     for job in jobs:
-        number, _, override_dirname = job.name.partition("_")
-        overrides = dict(item.split("=", 1) for item in override_dirname.split(","))
+        assert job.name.split("_")[0].isdigit()  # job number + a short label; the overrides are in .hydra/
+        overrides = dict(str(line).split("=", 1) for line in OmegaConf.load(job / ".hydra" / "overrides.yaml"))
         config = OmegaConf.load(job / ".hydra" / "config.yaml")
         assert config.algorithm.name == overrides["algorithm"]
         assert config.kl.name == overrides["kl"]

@@ -37,11 +37,20 @@ from rlhf_lab.config.schema import (
     TinyModelConfig,
     WandbLoggerConfig,
 )
+from rlhf_lab.config.schema_offline import (
+    DemonstrationDataConfig,
+    DPOConfig,
+    EmbeddedPreferenceConfig,
+    PreferenceDataConfig,
+    RewardModelTrainingConfig,
+    SFTConfig,
+)
 
 SCHEMAS = {
     "algorithm": {"grpo": GRPOConfig, "dr_grpo": GRPOConfig, "dapo": GRPOConfig, "gspo": GRPOConfig,
                   "cispo": GRPOConfig, "ppo": PPOConfig, "reinforce": ReinforceConfig, "rloo": ReinforceConfig,
-                  "reinforce_pp": ReinforceConfig, "remax": ReinforceConfig},
+                  "reinforce_pp": ReinforceConfig, "remax": ReinforceConfig, "sft": SFTConfig, "dpo": DPOConfig,
+                  "reward_model": RewardModelTrainingConfig},
     "kl": {name: KLConfig for name in ("kl", "abs", "mse", "k3", "full", "none", "k1_plus", "k3_plus", "sequence_k1",
                                        "sequence_full")},
     "reward": {
@@ -55,8 +64,11 @@ SCHEMAS = {
     },
     "model": {"smollm2_135m": ModelConfig, "path": ModelConfig, "tiny": TinyModelConfig, "exact": ExactModelConfig},
     "data": {"movie_prompts": DataConfig, "jsonl": DataPathConfig, "csv": DataPathConfig, "hub": DataPathConfig,
-             "exact": DataConfig},
-    "logger": {"none": LoggerConfig, "wandb": WandbLoggerConfig},
+             "exact": DataConfig, "preferences": PreferenceDataConfig, "demonstrations": DemonstrationDataConfig,
+             "embedded_preferences": EmbeddedPreferenceConfig},
+    # tensorboard, mlflow and csv share wandb's schema type, so logger=[wandb,csv] merges in any order
+    "logger": {"none": LoggerConfig, "wandb": WandbLoggerConfig, "tensorboard": WandbLoggerConfig,
+               "mlflow": WandbLoggerConfig, "csv": WandbLoggerConfig},
 }
 # Overrides that let an option compose and validate offline (its required fields filled in).
 NEEDS = {
@@ -69,6 +81,13 @@ NEEDS = {
     ("data", "hub"): ["data.path=org/name"],
     ("model", "exact"): ["data=exact", "trainer.max_new_tokens=3"],  # the exact task's prompt and a small T
     ("reward", "exact_table"): ["model=exact", "data=exact", "trainer.max_new_tokens=3"],
+    # The offline stages and their data go together (rlhf_lab/config/validate_offline.py).
+    ("algorithm", "sft"): ["data=demonstrations", "data.path={file}"],
+    ("algorithm", "dpo"): ["data=preferences", "data.path={file}"],
+    ("algorithm", "reward_model"): ["data=preferences", "data.path={file}"],
+    ("data", "preferences"): ["algorithm=dpo", "data.path={file}"],
+    ("data", "demonstrations"): ["algorithm=sft", "data.path={file}"],
+    ("data", "embedded_preferences"): ["algorithm=dpo"],
 }
 
 
@@ -92,6 +111,8 @@ def test_each_option_composes_with_its_own_schema(group: str, option: str, tmp_p
     (tmp_path / "prompts.jsonl").write_text('{"prompt": "hi"}\n')
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2]))  # so "tests.reward_fns:..." imports
     extra = [o.format(folder=folder, file=tmp_path / "prompts.jsonl") for o in NEEDS.get((group, option), [])]
+    if (group, option) == ("logger", "mlflow"):
+        pytest.importorskip("mlflow")  # an optional extra (requirements-mlflow.txt)
     cfg = compose([f"{group}={option}", *extra])
     assert OmegaConf.get_type(cfg[group]) is SCHEMAS[group][option]
     assert cfg[group].name == option
@@ -127,7 +148,8 @@ def test_group_options_are_yaml_files_not_stored_schemas() -> None:
         (["model=smollm2_135m", "model.tiny.hidden_size=8"],
          f"unknown key 'model.tiny' for model=smollm2_135m; valid keys: {keys(ModelConfig)}"),
         (["logger=none", "logger.project=x"],
-         "unknown key 'logger.project' for logger=none; valid keys: name, mode, samples_every"),
+         "unknown key 'logger.project' for logger=none; valid keys: name, mode, samples_every, trackers, "
+         "mlflow_tracking_uri, mlflow_experiment"),
         (["data=movie_prompts", "data.path=x"],
          f"unknown key 'data.path' for data=movie_prompts; valid keys: {keys(DataConfig)}"),
         (["experiment=smoke", "model.tiny.depth=3"],

@@ -1,0 +1,183 @@
+"""The loop of the offline stages that train a causal LM (``algorithm=sft|dpo``): the online trainer, fed
+from data.
+
+It is :class:`rlhf_lab.training.loop.Trainer` with batches read from examples instead of sampled: the same
+model building (LoRA; the reference as the adapter-disabled policy), updater (AdamW, schedule, micro-batches,
+non-finite guards; no loss-placed KL term), trackers, checkpoints with exact resume, signals, and the same
+yardstick: :meth:`Trainer.evaluate` generates on the held-out prompts, scores them with ``reward=`` and logs
+``eval/reward/mean``, ``eval/kl/exact`` against the reference and the response length, so offline and online
+runs sit in one report. The stage adds its own held-out metrics (``eval/loss``, ``eval/rewards/…``).
+
+At the end the trained model is written to ``RUN/model`` (``save_pretrained`` with its tokenizer; under
+LoRA merged into full weights, or the adapter with ``algorithm.export=adapter``), loadable as
+``model=path model.name_or_path=RUN/model``.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rlhf_lab import distributed
+from rlhf_lab.data import PromptSplits, prompt_indices
+from rlhf_lab.offline.batch import Collator
+from rlhf_lab.offline.data import ExampleSplits, load_examples
+from rlhf_lab.offline.stage import to_device
+from rlhf_lab.registry import get
+from rlhf_lab.trackers.jsonl import read_jsonl
+from rlhf_lab.training.loop import Trainer, _progress
+from rlhf_lab.training.records import StepTimer
+
+MODEL_FOLDER = "model"  # the stage's output inside the run folder
+
+
+def load_stage_examples(cfg: Any, pairs: bool) -> ExampleSplits:
+    """The run's examples; ``data=embedded_preferences`` builds (once, cached) its pairs first."""
+    data_cfg = cfg.data
+    if data_cfg.name == "embedded_preferences":
+        from rlhf_lab.offline.builder import ensure_preferences
+
+        data_cfg = ensure_preferences(cfg)
+    return load_examples(data_cfg, seed=cfg.seed, pairs=pairs)
+
+
+def offline_summary(history: list[dict[str, Any]], steps: int, run_dir: Path, skipped: int,
+                    first_eval: dict[str, Any] | None, final_eval: dict[str, Any]) -> dict[str, Any]:
+    """``summary.json`` of an offline stage: loss over the first and last 20% of steps, timing, evaluations."""
+    summary: dict[str, Any] = {"steps": steps, "run_dir": str(run_dir), "model_dir": str(run_dir / MODEL_FOLDER)}
+    if history:
+        losses = [m["loss/total"] for m in history]
+        fifth = max(1, len(losses) // 5)
+        summary.update({
+            "loss/first_20pct_mean": float(np.mean(losses[:fifth])),
+            "loss/last_20pct_mean": float(np.mean(losses[-fifth:])),
+            "loss/final": losses[-1],
+            "time/step_s_median": float(np.median([m["time/step_s"] for m in history])),
+            "time/total_s": float(sum(m["time/step_s"] for m in history)),
+            "optim/skipped_updates": skipped,
+        })
+    if first_eval:
+        summary.update({f"before/{k}": v for k, v in first_eval.items()})
+    summary.update(final_eval)
+    return summary
+
+
+class OfflineTrainer(Trainer):
+    """Runs an offline stage (the registered ``algorithm``) over batches of ``trainer.prompts_per_step``
+    examples, drawn in an order that is a pure function of (seed, step), so a resumed run sees the same."""
+
+    def __init__(self, cfg: Any, run_dir: Path) -> None:
+        super().__init__(cfg, run_dir)
+        # The stage's loss is the whole objective: no loss-placed KL term (the KL is only measured).
+        self.updater.kl_placement = get("kl_placement", "reward")
+        self.collator = Collator(self.tokenizer, cfg.model, cfg.data)
+
+    def load_prompts(self) -> PromptSplits:
+        pairs = get("algorithm", self.cfg.algorithm.name).pairs
+        self.examples = load_stage_examples(self.cfg, pairs)
+        return PromptSplits(train=self.examples.train_prompts(), eval=self.examples.held_out_prompts())
+
+    # ----------------------------------------------------------------- one step
+    def train_step(self, step: int) -> dict[str, Any]:
+        cfg = self.cfg
+        self.step = step
+        timer = StepTimer()
+        start = time.perf_counter()
+        indices = prompt_indices(step, cfg.trainer.prompts_per_step, len(self.examples.train), cfg.seed)
+        with timer.phase("collate"):
+            batch = to_device(self.algorithm.collate(self.collator, [self.examples.train[i] for i in indices]),
+                              self.device)
+        with timer.phase("reference"):
+            self.algorithm.prepare(batch, self)
+        update_stats = self.updater.update(batch, 0.0, step, timer)
+        self.updater.scheduler.step()
+        elapsed = time.perf_counter() - start
+        metrics: dict[str, Any] = {
+            "step": step,
+            **update_stats,
+            "response/length_mean": batch.response_mask.sum(-1).mean().item(),
+            "lr": self.updater.scheduler.get_last_lr()[0],
+            "optim/grad_norm": self.updater.last_grad_norm,
+            "time/step_s": elapsed,
+            "throughput/tokens_per_s": float(batch.attention_mask.sum()) / elapsed,
+        }
+        metrics.update({f"time/{name}_s": seconds for name, seconds in timer.times.items()})
+        if self.updater.consecutive_skips >= cfg.trainer.max_consecutive_skips:
+            self.stop_requested = (
+                f"{self.updater.consecutive_skips} consecutive updates were skipped for non-finite loss or gradient"
+            )
+        return metrics
+
+    # ----------------------------------------------------------------- evaluation
+    def evaluate(self, step: int) -> dict[str, Any]:
+        """The yardstick of every run (generation on held-out prompts, reward, exact KL, length), then the
+        stage's own held-out metrics."""
+        metrics = super().evaluate(step)
+        was_training = self.policy.training
+        self.policy.eval()
+        metrics.update(self.algorithm.held_out_metrics(self, self.examples.eval))
+        self.policy.train(was_training)
+        return metrics
+
+    # ----------------------------------------------------------------- output
+    def export(self) -> Path:
+        """Write the trained model and tokenizer to ``RUN/model`` (merged under LoRA unless export=adapter)."""
+        folder = self.run_dir / MODEL_FOLDER
+        model = distributed.unwrap(self.policy)
+        if self.models.uses_adapter and self.cfg.algorithm.export == "merged":
+            model = model.merge_and_unload()
+        model.save_pretrained(folder, safe_serialization=True)
+        self.tokenizer.save_pretrained(folder)
+        return folder
+
+    def history(self) -> list[dict[str, Any]]:
+        path = self.run_dir / "metrics.jsonl"
+        return [r for r in read_jsonl(path) if "loss/total" in r] if path.is_file() else []
+
+    def train(self) -> dict[str, Any]:
+        """Steps, evaluation before and after, checkpoints, signals; as :meth:`Trainer.train`."""
+        cfg = self.cfg
+        steps = cfg.trainer.steps
+        previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        for s in previous:
+            signal.signal(s, self._handle_signal)
+        history: list[dict[str, Any]] = []
+        progress = _progress(range(self.start_step, steps), cfg.trainer.progress_bar, self.start_step, steps)
+        evaluate = cfg.trainer.eval_prompts > 0
+        try:
+            if self.start_step == 0 and evaluate:
+                self.first_eval = self.evaluate(0)
+                if self.first_eval:
+                    self.records.log({"step": 0, **self.first_eval}, 0)
+                self._print_example("before training")
+            for step in progress:
+                metrics = self.train_step(step)
+                if cfg.trainer.eval_every > 0 and (step + 1) % cfg.trainer.eval_every == 0 and step + 1 < steps:
+                    metrics.update(self.evaluate(step))
+                self.records.log(metrics, step)
+                history.append(metrics)
+                if hasattr(progress, "set_postfix"):
+                    progress.set_postfix(loss=f"{metrics['loss/total']:.4f}")
+                every = cfg.trainer.checkpoint_every
+                if self.stop_requested or step + 1 == steps or (every > 0 and (step + 1) % every == 0):
+                    self.save(step)
+                if self.stop_requested:
+                    raise self._stopped(step)
+            final_eval = self.evaluate(steps) if evaluate else {}
+            if final_eval:
+                self.records.log({"step": steps, **final_eval}, steps)
+                self._print_example("after training")
+            if distributed.is_main_process():
+                self.export()
+            summary = offline_summary(self.history() or history, steps, self.run_dir, self.updater.skipped_updates,
+                                      self.first_eval, final_eval)
+            self.records.finish(summary)
+            return summary
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+            self.records.close()

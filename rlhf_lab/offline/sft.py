@@ -1,0 +1,48 @@
+"""``algorithm=sft``: supervised fine-tuning on demonstrations.
+
+Loss: the token-mean negative log-likelihood of the response tokens, EOS included; prompt tokens carry no
+loss (only positions that predict response tokens are scored). Held out: ``eval/loss`` and
+``eval/perplexity`` = exp(loss). Examples are not packed: one demonstration per row.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from rlhf_lab.algorithms.base import LossContext, LossResult, PolicyOutput
+from rlhf_lab.offline.data import Example
+from rlhf_lab.offline.stage import OfflineStage, chunks, to_device
+from rlhf_lab.ops import masked_sum
+from rlhf_lab.registry import register
+from rlhf_lab.rollout import Rollout
+
+
+def response_nll(logprobs: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """Σ −log π(token) over the response tokens [B, T] (a scalar; divide by the token count for the mean)."""
+    return -masked_sum(logprobs, response_mask)
+
+
+@register("algorithm", "sft")
+class SFT(OfflineStage):
+    pairs = False
+
+    def loss(self, batch: Rollout, output: PolicyOutput, context: LossContext) -> LossResult:
+        """This micro-batch's share of the mini-batch's token-mean NLL."""
+        loss = response_nll(output.logprobs, batch.response_mask) / max(context.minibatch_tokens, 1.0)
+        return LossResult(loss, {"loss/sft": loss.detach()})
+
+    @torch.no_grad()
+    def held_out_metrics(self, trainer: Any, examples: list[Example]) -> dict[str, float]:
+        total, tokens = 0.0, 0.0
+        for part in chunks(examples):
+            batch = to_device(trainer.collator.demonstrations(part), trainer.device)
+            output = trainer.updater.forward(batch)
+            total += float(response_nll(output.logprobs, batch.response_mask))
+            tokens += float(batch.response_mask.sum())
+        if not tokens:
+            return {}
+        loss = total / tokens
+        return {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50.0))}

@@ -1,0 +1,147 @@
+"""``rlhf-lab eval RUN_OR_CHECKPOINT_OR_MODEL [overrides] [--out DIR]``: evaluate a policy on held-out prompts.
+
+The source is a run folder (its latest checkpoint), a ``checkpoints/step_N``, a model folder or a hub id. A run
+is re-composed from its ``.hydra/overrides.yaml`` plus the overrides given here; a model is evaluated as
+``model=path model.name_or_path=SOURCE``. The code is training's evaluation (:mod:`rlhf_lab.training.evaluation`),
+with its own settings: ``eval.prompts``, ``eval.samples_per_prompt``, ``eval.temperature``, ``eval.top_p``,
+``eval.greedy``, eval-only rewards (``eval.rewards=[length]``), the win rate against the reference policy
+(``eval.win_rate=true``, ``eval.win_rate_reward=NAME``) and the exact KL to the reference.
+
+Writes ``eval.json`` (metrics, source, settings) and ``eval_samples.jsonl`` into ``--out`` (default: the run's
+``eval/<time>/``, or ``outputs/eval/<time>/`` for a model) and logs to the configured trackers (``logger=...``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from rlhf_lab.errors import ToolError, UserError
+
+DROPPED = ("trainer.resume=", "trainer.output_dir=", "hydra.", "+hydra.")
+
+
+def source_overrides(source: str) -> tuple[list[str], Path | None, Path | None]:
+    """(overrides that rebuild the source's config, its checkpoint or None, its run folder or None)."""
+    from rlhf_lab.tools.export import find_checkpoint
+    from rlhf_lab.training.checkpoint import STEP_FOLDER
+
+    path = Path(source).expanduser()
+    if not path.exists():
+        looks_like_hub_id = source.count("/") == 1 and not source.startswith((".", "/", "~"))
+        if looks_like_hub_id:
+            return ["model=path", f"model.name_or_path={source}"], None, None
+        raise ToolError(f"{source!r} does not exist; give a run folder, a checkpoints/step_N, a model folder or a "
+                        "hub id (org/name)")
+    is_run = STEP_FOLDER.match(path.name) or (path / "checkpoints").is_dir() or path.name == "checkpoints"
+    if not is_run and (path / "config.json").is_file():  # a save_pretrained model folder
+        return ["model=path", f"model.name_or_path={path.resolve()}"], None, None
+    checkpoint = find_checkpoint(path)
+    run_dir = checkpoint.parent.parent
+    overrides_file = run_dir / ".hydra" / "overrides.yaml"
+    if not overrides_file.is_file():
+        raise ToolError(f"{str(run_dir)!r} has no .hydra/overrides.yaml to rebuild its config; evaluate its "
+                        f"model folder instead: {checkpoint / 'model'} (full fine-tuning) or export it first")
+    lines = [str(line) for line in (yaml.safe_load(overrides_file.read_text()) or [])]
+    return [line for line in lines if not line.startswith(DROPPED)], checkpoint, run_dir
+
+
+def load_weights(policy: Any, model_dir: Path) -> None:
+    """The checkpoint's weights into the freshly built policy (its adapter, or the whole network)."""
+    from safetensors.torch import load_file
+
+    adapter = model_dir / "adapter_model.safetensors"
+    if adapter.is_file():
+        from peft import set_peft_model_state_dict
+
+        set_peft_model_state_dict(policy, load_file(str(adapter)))
+        return
+    from transformers import AutoModelForCausalLM
+
+    trained = AutoModelForCausalLM.from_pretrained(str(model_dir))
+    policy.load_state_dict(trained.state_dict(), strict=False)
+
+
+def evaluate_source(source: str, overrides: list[str], out: Path | None = None) -> dict[str, Any]:
+    """Compose, load, evaluate; returns what ``eval.json`` holds."""
+    from omegaconf import OmegaConf
+
+    import rlhf_lab.components  # noqa: F401  (registers the built-in parts)
+    from rlhf_lab.config.compose import compose
+    from rlhf_lab.data import load_prompts
+    from rlhf_lab.models import build_policy, load_tokenizer
+    from rlhf_lab.precision import Precision
+    from rlhf_lab.registry import get
+    from rlhf_lab.rewards.base import build_reward
+    from rlhf_lab.trackers.jsonl import JsonlWriter, write_json_atomic
+    from rlhf_lab.trackers.multi import build_tracker
+    from rlhf_lab.training.evaluation import Evaluation
+    from rlhf_lab.training.experience import ExperienceMaker
+    from rlhf_lab.training.loop import resolve_device, seed_everything
+
+    base, checkpoint, run_dir = source_overrides(source)
+    cfg = compose([*base, *overrides])
+    stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
+    out = Path(out) if out is not None else (run_dir / "eval" / stamp if run_dir else Path("outputs") / "eval" / stamp)
+    device = resolve_device(cfg.trainer.device)
+    precision = Precision.from_config(cfg.trainer, device, warn=False)
+    seed_everything(cfg.seed)
+    tokenizer = load_tokenizer(cfg.model)
+    models = build_policy(cfg.model, tokenizer, precision.weights_dtype, cfg.seed)
+    if checkpoint is not None:
+        load_weights(models.policy, checkpoint / "model")
+    policy = models.policy.to(device).eval()
+    if models.reference is not None:
+        models.reference.to(device)
+    reward = build_reward(cfg.reward, device=str(device))
+    kl_estimator, kl_placement = get("kl", cfg.kl.name), get("kl_placement", cfg.kl.placement)
+
+    def make_maker(maker_cfg: Any, network: Any) -> ExperienceMaker:
+        return ExperienceMaker(maker_cfg, tokenizer, models, network, reward, kl_estimator, kl_placement, device,
+                               precision)
+
+    evaluation = Evaluation.from_parts(cfg, make_maker(cfg, policy), make_maker, models,
+                                       lambda reward_cfg: build_reward(reward_cfg, device=str(device)))
+    prompts = load_prompts(cfg.data, seed=cfg.seed).eval[: evaluation.settings.prompts]
+    if not prompts:
+        raise ToolError("no evaluation prompts: set eval.prompts (or trainer.eval_prompts) above 0, or give a data "
+                        "set with an eval split")
+    step = int(checkpoint.name.split("_")[1]) if checkpoint is not None else 0
+    metrics, examples = evaluation.run(prompts, step, cfg.seed, float(cfg.kl.coef))
+    out.mkdir(parents=True, exist_ok=True)
+    rows = [{"step": step, "prompt": p, "response": r, "reward": score} for p, r, score in examples]
+    writer = JsonlWriter(out / "eval_samples.jsonl")
+    for row in rows:
+        writer.write(row)
+    writer.close()
+    result = {"source": str(source), "checkpoint": str(checkpoint) if checkpoint else None, "step": step,
+              "overrides": [*base, *overrides], "settings": OmegaConf.to_container(cfg.eval, resolve=True),
+              "metrics": metrics}
+    write_json_atomic(out / "eval.json", result)
+    tracker = build_tracker(cfg.logger, OmegaConf.to_container(cfg, resolve=True), out)
+    tracker.log({"step": step, **metrics}, step)
+    tracker.log_eval_samples(rows[: cfg.trainer.samples_per_step_logged], step)
+    tracker.finish(metrics)
+    result["out"] = str(out)
+    return result
+
+
+def main(args: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="rlhf-lab eval", description=__doc__.split("\n\n")[0])
+    parser.add_argument("source", help="a run folder, a checkpoints/step_N, a model folder or a hub id")
+    parser.add_argument("overrides", nargs="*", help="config overrides, e.g. eval.samples_per_prompt=4 eval.greedy=true")
+    parser.add_argument("--out", type=Path, default=None, help="where to write eval.json (default: RUN/eval/<time>)")
+    options = parser.parse_args(args)
+    try:
+        result = evaluate_source(options.source, options.overrides, options.out)
+    except UserError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+    for key, value in result["metrics"].items():
+        print(f"{key:32s} {value:.4f}" if isinstance(value, float) else f"{key:32s} {value}")
+    print(f"wrote {Path(result['out']) / 'eval.json'}")

@@ -1,0 +1,183 @@
+"""The whole RLHF pipeline, offline on the embedded parts: ``python -m rlhf_lab.tools.pipeline OUT [...]``.
+
+Stages, each an ordinary run (its own folder under OUT, with ``.hydra/config.yaml``, metrics, checkpoints and
+``summary.json``):
+
+1. ``preferences``: pairs built from the embedded prompts by the gold reward (``data=embedded_preferences``);
+2. ``reward_model``: a Bradley–Terry reward model on those pairs (``algorithm=reward_model``);
+3. one folder per RL arm (``grpo``, ``ppo`` by default): trained against the learned reward
+   (``reward=reward_model reward.model_path=OUT/reward_model/model``);
+4. ``dpo``: DPO on the same pairs;
+5. ``gold_eval/<arm>``: every arm's final policy, and the initial one (``initial``), evaluated on the same
+   held-out prompts with the GOLD reward and the exact KL against the same initial model.
+
+``OUT/pipeline.md`` / ``pipeline.json`` tabulate gold reward, exact KL and length per arm beside the proxy
+(learned) reward the RL arms optimised: where proxy rises while gold flattens, the policy over-optimises
+the reward model (Gao et al. 2022).
+
+Overrides: ``KEY=VALUE`` applies to every stage; ``STAGE:KEY=VALUE`` to one (``build``, ``rm``, ``dpo``,
+``gold``, or an RL arm's name), e.g. ``model=tiny rm:trainer.steps=40 grpo:trainer.steps=20``.
+``--gold '{name: sentiment}'`` sets the gold reward (a reward config; VADER by default), ``--arms grpo,ppo``
+the RL arms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import OmegaConf
+
+STAGE_PREFIXES = ("build", "rm", "dpo", "gold")
+
+
+def reward_overrides(gold: dict[str, Any]) -> list[str]:
+    """``reward=NAME`` plus ``reward.KEY=VALUE`` for a reward config dict."""
+    return [f"reward={gold['name']}", *(f"reward.{k}={json.dumps(v)}" for k, v in gold.items() if k != "name")]
+
+
+def split_overrides(overrides: list[str], stages: list[str]) -> tuple[list[str], dict[str, list[str]]]:
+    common, per_stage = [], {stage: [] for stage in stages}
+    for override in overrides:
+        head, sep, rest = override.partition(":")
+        if sep and "=" not in head and head in per_stage:
+            per_stage[head].append(rest)
+        else:
+            common.append(override)
+    return common, per_stage
+
+
+def run_stage(overrides: list[str], folder: Path) -> dict[str, Any]:
+    """Compose and validate as the CLI does, write ``.hydra/config.yaml``, run; the stage's summary."""
+    from rlhf_lab.config import compose
+    from rlhf_lab.training.loop import run
+
+    cfg = compose([*overrides, f"trainer.output_dir={folder}"])
+    (folder / ".hydra").mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(cfg, folder / ".hydra" / "config.yaml")
+    print(f"== {folder.name}: {' '.join(overrides)}", flush=True)
+    return run(cfg, folder)
+
+
+def load_final_policy(trainer: Any, run_folder: Path) -> None:
+    """Load a run's last checkpoint's policy weights (full weights or LoRA adapter) into ``trainer``'s policy."""
+    from safetensors.torch import load_file
+
+    from rlhf_lab import distributed
+    from rlhf_lab.errors import CheckpointError
+    from rlhf_lab.training.checkpoint import MODEL_FOLDER, latest_checkpoint
+
+    folder = latest_checkpoint(run_folder / "checkpoints")
+    if folder is None:
+        raise CheckpointError(f"{run_folder} holds no complete checkpoint to evaluate")
+    policy = distributed.unwrap(trainer.policy)
+    weights: dict[str, Any] = {}
+    for shard in sorted((folder / MODEL_FOLDER).glob("*.safetensors")):
+        weights.update(load_file(str(shard)))
+    if trainer.models.uses_adapter:
+        from peft import set_peft_model_state_dict
+
+        set_peft_model_state_dict(policy, weights)
+        return
+    missing, unexpected = policy.load_state_dict(weights, strict=False)
+    if {k for k in missing if "lm_head" not in k} or unexpected:
+        raise CheckpointError(f"{folder} does not match the evaluated model")
+
+
+def gold_evaluate(overrides: list[str], arm_folder: Path | None, folder: Path) -> dict[str, Any]:
+    """Evaluate an arm's final policy (``None``: the initial model) with the online trainer's yardstick."""
+    from rlhf_lab.config import compose
+    from rlhf_lab.training.loop import Trainer
+
+    cfg = compose([*overrides, f"trainer.output_dir={folder}"])
+    (folder / ".hydra").mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(cfg, folder / ".hydra" / "config.yaml")
+    trainer = Trainer(cfg, folder)
+    try:
+        if arm_folder is not None:
+            load_final_policy(trainer, arm_folder)
+        metrics = trainer.evaluate(cfg.trainer.steps)
+        trainer.records.log({"step": cfg.trainer.steps, **metrics}, cfg.trainer.steps)
+        trainer.records.finish(metrics)
+    finally:
+        trainer.records.close()
+    return metrics
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    def cell(value: Any) -> str:
+        return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+    columns = ["arm", "gold eval reward", "eval KL exact", "eval length", "proxy eval reward", "s/step"]
+    lines = ["| " + " | ".join(columns) + " |", "| --- |" + " ---: |" * (len(columns) - 1)]
+    lines += ["| " + " | ".join(cell(row.get(c, "")) for c in columns) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    import rlhf_lab.components  # noqa: F401  (registers every part)
+
+    parser = argparse.ArgumentParser(prog="python -m rlhf_lab.tools.pipeline", description=__doc__.split("\n")[0])
+    parser.add_argument("out", type=Path, help="folder for every stage's run")
+    parser.add_argument("--arms", default="grpo,ppo", help="RL algorithms trained against the learned reward")
+    parser.add_argument("--gold", default="{name: sentiment}", help="the gold reward config (YAML mapping)")
+    parser.add_argument("overrides", nargs="*", help="KEY=VALUE (every stage) or STAGE:KEY=VALUE")
+    args = parser.parse_intermixed_args(argv)
+    out = args.out.resolve()
+    arms = [a for a in args.arms.split(",") if a]
+    gold = yaml.safe_load(args.gold)
+    common, stage = split_overrides(args.overrides, [*STAGE_PREFIXES, *arms])
+    pairs = out / "preferences"
+
+    from rlhf_lab.config import compose
+    from rlhf_lab.offline.builder import ensure_preferences
+
+    build_cfg = compose([*common, "algorithm=dpo", "data=embedded_preferences", f"data.path={pairs}", *stage["build"]])
+    build_cfg.data.gold = gold
+    ensure_preferences(build_cfg)
+    pair_data = ["data=preferences", f"data.path={pairs}", "data.margin_column=margin"]
+    summaries: dict[str, dict[str, Any]] = {}
+    summaries["reward_model"] = run_stage([*common, "algorithm=reward_model", *pair_data, *stage["rm"]],
+                                          out / "reward_model")
+    proxy = ["reward=reward_model", f"reward.model_path={out / 'reward_model' / 'model'}"]
+    for arm in arms:
+        summaries[arm] = run_stage([*common, f"algorithm={arm}", *proxy, *stage[arm]], out / arm)
+    summaries["dpo"] = run_stage([*common, "algorithm=dpo", *pair_data, *reward_overrides(gold), *stage["dpo"]],
+                                 out / "dpo")
+
+    evaluation = [*common, "algorithm=grpo", *reward_overrides(gold), *stage["gold"]]
+    rows = []
+    for arm in ["initial", *arms, "dpo"]:
+        metrics = gold_evaluate(evaluation, None if arm == "initial" else out / arm, out / "gold_eval" / arm)
+        summary = summaries.get(arm, {})
+        rows.append({"arm": arm, "gold eval reward": metrics.get("eval/reward/mean"),
+                     "eval KL exact": metrics.get("eval/kl/exact"),
+                     "eval length": metrics.get("eval/response/length_mean"),
+                     "proxy eval reward": summary.get("eval/reward/mean", "") if arm in arms else "",
+                     "s/step": summary.get("time/step_s_median", "")})
+    rm = summaries["reward_model"]
+    result = {"arms": rows, "reward_model": {k: v for k, v in rm.items() if k.startswith(("eval/", "before/eval/"))},
+              "preferences": json.loads((pairs / "recipe.json").read_text(encoding="utf-8"))["counts"]}
+    report = (f"# RLHF pipeline: {out}\n\nGold reward: `{gold}`; preference pairs: {result['preferences']}\n\n"
+              f"Reward model held-out accuracy {rm.get('eval/accuracy', float('nan')):.3f} "
+              f"(before training {rm.get('before/eval/accuracy', float('nan')):.3f}), "
+              f"mean margin {rm.get('eval/margin_mean', float('nan')):.3f}\n\n{table(rows)}\n")
+    (out / "pipeline.md").write_text(report, encoding="utf-8")
+    (out / "pipeline.json").write_text(json.dumps(result, indent=2), encoding="utf-8")
+    print(report)
+    return result
+
+
+if __name__ == "__main__":
+    import sys
+
+    from rlhf_lab.errors import UserError
+
+    try:
+        main()
+    except UserError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,252 @@
+"""The report's plots, readable at sweep scale (36 arms and more): ``rlhf-lab report`` calls :func:`write_all`.
+
+- every arm has its own colour × line style (10 colours × 4 styles: 40 distinct before any repeats), the same in
+  every plot, and the legend sits outside the axes, on the right;
+- curves are the mean over an arm's seeds, optionally smoothed by an exponential moving average (``--ema A``:
+  ``s_t = A·s_{t−1} + (1 − A)·x_t``), with a labelled band: ± 1 sample sd over seeds (``--band sd``) or a 95%
+  confidence interval of the mean (``--band ci95``, Student's t);
+- ``eval_reward_vs_step.png``: the evaluation reward against step;
+- ``kl_estimate_vs_exact.png``: one panel per arm, the KL estimate the run penalised and the exact KL;
+- ``reward_vs_kl.png``: each arm's reward against exact KL, each a mean over the last ``k`` training steps
+  (``--last-k``, default 20% of the steps) then over seeds, with the Pareto front (no other arm has more reward
+  at less KL) drawn through the arms on it.
+
+Arms are read duck-typed: ``arm.name``, ``arm.jobs``, each job's ``train`` and ``eval`` lines (dicts with ``step``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
+          "#17becf")  # matplotlib's tab10
+LINE_STYLES = ("-", "--", ":", "-.")
+MARKERS = ("o", "s", "^", "D")
+T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+
+
+@dataclass(frozen=True)
+class PlotOptions:
+    ema: float = 0.0  # 0: no smoothing
+    band: str = "sd"  # sd | ci95
+    last_k: int | None = None  # None: 20% of the steps (at least 1)
+
+
+BANDS = ("sd", "ci95")
+
+
+def arm_style(index: int) -> dict[str, Any]:
+    """Colour, line style and marker of the ``index``-th arm: distinct for the first 40 arms."""
+    return {"color": COLORS[index % len(COLORS)], "linestyle": LINE_STYLES[(index // len(COLORS)) % len(LINE_STYLES)],
+            "marker": MARKERS[(index // len(COLORS)) % len(MARKERS)]}
+
+
+def ema(values: np.ndarray, alpha: float) -> np.ndarray:
+    """Exponential moving average, ``s_0 = x_0``, ``s_t = alpha·s_{t−1} + (1 − alpha)·x_t``."""
+    if alpha <= 0 or len(values) == 0:
+        return values
+    out = np.empty_like(values, dtype=float)
+    out[0] = values[0]
+    for t in range(1, len(values)):
+        out[t] = alpha * out[t - 1] + (1 - alpha) * values[t]
+    return out
+
+
+def seed_curves(arm: Any, key: str, split: str = "train") -> tuple[np.ndarray, list[np.ndarray]]:
+    """Steps every seed of the arm logged ``key`` at, and each seed's values there."""
+    per_job = []
+    for job in arm.jobs:
+        lines = getattr(job, split)
+        per_job.append({int(line["step"]): float(line[key]) for line in lines if key in line and "step" in line})
+    per_job = [values for values in per_job if values]
+    if not per_job:
+        return np.array([]), []
+    steps = np.array(sorted(set.intersection(*(set(values) for values in per_job))))
+    return steps, [np.array([values[s] for s in steps]) for values in per_job]
+
+
+def mean_band(curves: list[np.ndarray], band: str) -> tuple[np.ndarray, np.ndarray]:
+    """Mean over seeds and the band's half-width (0 with one seed)."""
+    stacked = np.stack(curves)
+    mean = stacked.mean(axis=0)
+    if len(curves) < 2:
+        return mean, np.zeros_like(mean)
+    sd = stacked.std(axis=0, ddof=1)
+    if band == "ci95":
+        return mean, T_975.get(len(curves) - 1, 1.96) * sd / math.sqrt(len(curves))
+    return mean, sd
+
+
+def band_label(band: str, seeds: list[int]) -> str:
+    seeds_text = f"{min(seeds)}–{max(seeds)} seeds per arm" if seeds and min(seeds) != max(seeds) else (
+        f"{seeds[0]} seed(s) per arm" if seeds else "")
+    what = "95% CI of the mean (t)" if band == "ci95" else "± 1 sd over seeds"
+    return f"line: mean over seeds; band: {what}; {seeds_text}"
+
+
+def _figure(arms: list[Any], panels: int = 1) -> tuple[Any, Any]:
+    import matplotlib.pyplot as plt
+
+    legend_columns = 1 if len(arms) <= 18 else 2
+    width = 7 + 2.6 * legend_columns
+    height = max(4.5, 0.22 * len(arms) / legend_columns + 1.5)
+    return plt.subplots(figsize=(width, height)) if panels == 1 else plt.subplots(panels, figsize=(width, height))
+
+
+def _legend_outside(figure: Any, axes: Any, count: int) -> None:
+    columns = 1 if count <= 18 else 2
+    axes.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0, ncols=columns,
+                frameon=False)
+    figure.tight_layout()
+
+
+def plot_curves(arms: list[Any], key: str, ylabel: str, path: Path, options: PlotOptions,
+                split: str = "train") -> None:
+    """Mean ± band of ``key`` over steps, one styled line per arm, legend outside the axes."""
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    figure, axes = _figure(arms)
+    seeds, drawn = [], 0
+    for index, arm in enumerate(arms):
+        steps, curves = seed_curves(arm, key, split)
+        if not len(steps):
+            continue
+        mean, half = mean_band([ema(c, options.ema) for c in curves], options.band)
+        style = arm_style(index)
+        axes.plot(steps, mean, color=style["color"], linestyle=style["linestyle"], linewidth=1.4,
+                  marker=style["marker"] if len(steps) < 20 else None, markersize=3,
+                  label=f"{arm.name} (n={len(curves)})")
+        axes.fill_between(steps, mean - half, mean + half, color=style["color"], alpha=0.12, linewidth=0)
+        seeds.append(len(curves))
+        drawn += 1
+    if not drawn:
+        axes.text(0.5, 0.5, f"no {key} lines in these jobs", ha="center", va="center", transform=axes.transAxes)
+    smoothing = f", EMA {options.ema:g}" if options.ema > 0 else ""
+    axes.set_title(f"{ylabel}{smoothing}\n{band_label(options.band, seeds)}", fontsize="medium")
+    axes.set_xlabel("step")
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+    axes.set_ylabel(ylabel)
+    axes.grid(alpha=0.3)
+    if drawn:
+        _legend_outside(figure, axes, drawn)
+    figure.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(figure)
+
+
+def plot_kl_estimate_vs_exact(arms: list[Any], path: Path, options: PlotOptions) -> None:
+    """One small panel per arm: ``kl/estimate`` (dashed) and ``kl/exact`` (solid), means over seeds."""
+    import matplotlib.pyplot as plt
+
+    columns = min(4, max(1, len(arms)))
+    rows = math.ceil(len(arms) / columns) or 1
+    figure, grid = plt.subplots(rows, columns, figsize=(3.2 * columns, 2.4 * rows), squeeze=False, sharex=True)
+    for index, arm in enumerate(arms):
+        axes = grid[index // columns][index % columns]
+        style = arm_style(index)
+        for key, linestyle, label in (("kl/exact", "-", "exact"), ("kl/estimate", "--", "estimate")):
+            steps, curves = seed_curves(arm, key)
+            if len(steps):
+                mean, _ = mean_band([ema(c, options.ema) for c in curves], options.band)
+                axes.plot(steps, mean, color=style["color"], linestyle=linestyle, linewidth=1.2, label=label)
+        axes.set_title(arm.name, fontsize="x-small")
+        axes.tick_params(labelsize="x-small")
+        axes.grid(alpha=0.3)
+    for index in range(len(arms), rows * columns):
+        grid[index // columns][index % columns].axis("off")
+    handles, labels = grid[0][0].get_legend_handles_labels()
+    figure.suptitle("KL per token: the penalised estimate (dashed) vs the exact KL (solid), mean over seeds",
+                    fontsize="small")
+    if handles:
+        figure.legend(handles, labels, loc="upper right", fontsize="x-small", frameon=False)
+    figure.supxlabel("step", fontsize="small")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(figure)
+
+
+def last_k_point(arm: Any, last_k: int | None) -> tuple[float, float, float, float, int]:
+    """Reward and exact KL averaged over each seed's last ``k`` training steps, then mean and sd over seeds."""
+    rewards, kls, used = [], [], 0
+    for job in arm.jobs:
+        lines = [line for line in job.train if "reward/mean" in line and "kl/exact" in line]
+        if not lines:
+            continue
+        k = last_k or max(1, round(0.2 * len(lines)))
+        used = k
+        rewards.append(float(np.mean([line["reward/mean"] for line in lines[-k:]])))
+        kls.append(float(np.mean([line["kl/exact"] for line in lines[-k:]])))
+    if not rewards:
+        return math.nan, math.nan, math.nan, math.nan, 0
+    return float(np.mean(kls)), float(np.mean(rewards)), _sd(kls), _sd(rewards), used
+
+
+def _sd(values: list[float]) -> float:
+    return float(np.std(values, ddof=1)) if len(values) > 1 else 0.0
+
+
+def pareto_front(points: list[tuple[float, float]]) -> list[int]:
+    """Indices of the points no other point dominates (less or equal KL and more or equal reward, one strictly),
+    ordered by KL."""
+    front = []
+    for i, (kl, reward) in enumerate(points):
+        if math.isnan(kl) or math.isnan(reward):
+            continue
+        dominated = any((k2 <= kl and r2 >= reward) and (k2 < kl or r2 > reward)
+                        for j, (k2, r2) in enumerate(points) if j != i and not math.isnan(k2) and not math.isnan(r2))
+        if not dominated:
+            front.append(i)
+    return sorted(front, key=lambda i: points[i][0])
+
+
+def plot_frontier(arms: list[Any], path: Path, options: PlotOptions) -> list[int]:
+    """Reward vs exact KL per arm (last-k means, ± sd over seeds), the Pareto front drawn; returns the front."""
+    import matplotlib.pyplot as plt
+
+    figure, axes = _figure(arms)
+    points, k_used = [], 0
+    for index, arm in enumerate(arms):
+        kl, reward, kl_sd, reward_sd, k_used = last_k_point(arm, options.last_k)
+        points.append((kl, reward))
+        if math.isnan(kl):
+            continue
+        style = arm_style(index)
+        axes.errorbar(kl, reward, xerr=kl_sd, yerr=reward_sd, fmt=style["marker"], color=style["color"],
+                      capsize=3, markersize=6, label=arm.name)
+    front = pareto_front(points)
+    if front:
+        axes.plot([points[i][0] for i in front], [points[i][1] for i in front], color="black", linewidth=1.0,
+                  linestyle="-", alpha=0.6, zorder=0, label="Pareto front (less KL, more reward)")
+    axes.set_xlabel("exact KL per token, KL(π‖π_ref)")
+    axes.set_ylabel("reward (mean)")
+    axes.set_title(f"reward vs KL: mean of the last {k_used} training steps per seed, then over seeds "
+                   "(bars: ± 1 sd over seeds)", fontsize="medium")
+    axes.grid(alpha=0.3)
+    _legend_outside(figure, axes, len(arms) + 1)
+    figure.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(figure)
+    return front
+
+
+PLOT_FILES = ("reward_vs_step.png", "kl_exact_vs_step.png", "reward_vs_kl.png", "eval_reward_vs_step.png",
+              "kl_estimate_vs_exact.png")
+
+
+def write_all(arms: list[Any], out: Path, options: PlotOptions | None = None) -> list[Path]:
+    """Every plot of :data:`PLOT_FILES` into ``out``; returns their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    options = options or PlotOptions()
+    paths = [Path(out) / name for name in PLOT_FILES]
+    plot_curves(arms, "reward/mean", "reward (mean over the step's samples)", paths[0], options)
+    plot_curves(arms, "kl/exact", "exact KL per token", paths[1], options)
+    plot_frontier(arms, paths[2], options)
+    plot_curves(arms, "eval/reward/mean", "evaluation reward (held-out prompts)", paths[3], options, split="eval")
+    plot_kl_estimate_vs_exact(arms, paths[4], options)
+    return paths

@@ -1,0 +1,63 @@
+"""CSV tracker (``logger=csv``): ``metrics.csv`` in the run folder, one row per logged step, a column per metric.
+
+A step that brings a new metric (evaluation keys) rewrites the file with the wider header; otherwise rows
+are appended. A resumed run drops the rows from the resume step on before appending, as ``metrics.jsonl`` does.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from rlhf_lab.registry import register
+from rlhf_lab.trackers.base import Tracker
+
+
+def _cell(value: Any) -> Any:
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+@register("logger", "csv")
+class CsvTracker(Tracker):
+    def __init__(self, logger_cfg: Any, config: dict[str, Any], run_dir: Path, resuming: bool = False) -> None:
+        super().__init__(logger_cfg, config, run_dir)
+        self.path = Path(run_dir) / "metrics.csv"
+        self.rows: list[dict[str, Any]] = []
+        self.columns: list[str] = ["step"]
+        self._trim_from: bool = resuming and self.path.is_file()
+        if self._trim_from:
+            with open(self.path, newline="", encoding="utf-8") as handle:
+                reader = csv.DictReader(handle)
+                self.columns = list(reader.fieldnames or ["step"])
+                self.rows = list(reader)
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        if self._trim_from:  # the first step after a resume: forget the rows it replaces
+            self._trim_from = False
+            self.rows = [row for row in self.rows if str(row.get("step", "")).lstrip("-").isdigit()
+                         and int(row["step"]) < step]
+            self._rewrite()
+        row = {"step": step, **{key: _cell(value) for key, value in metrics.items() if key != "step"}}
+        self.rows.append(row)
+        new = [key for key in row if key not in self.columns]
+        if new or not self.path.is_file():
+            self.columns += new
+            self._rewrite()
+            return
+        with open(self.path, "a", newline="", encoding="utf-8") as handle:
+            csv.DictWriter(handle, self.columns).writerow(row)
+
+    def _rewrite(self) -> None:
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        with open(tmp, "w", newline="", encoding="utf-8") as handle:
+            writer = csv.DictWriter(handle, self.columns)
+            writer.writeheader()
+            writer.writerows(self.rows)
+        os.replace(tmp, self.path)

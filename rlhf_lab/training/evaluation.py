@@ -1,0 +1,189 @@
+"""Evaluation on held-out prompts, one code path for training's periodic evaluation and ``rlhf-lab eval``.
+
+Settings (``eval.*``, each defaulting to training's): ``eval.prompts`` (``trainer.eval_prompts``),
+``eval.samples_per_prompt`` (1), ``eval.temperature`` / ``eval.top_p`` (``trainer.*``), ``eval.greedy`` (the most
+likely token at every position: sampling restricted to top-k = 1 at temperature 1). Metrics (``eval/``):
+``reward/mean|std`` under the run's reward, ``kl/estimate``, ``kl/exact`` (per token, from full logits) and
+``kl/exact_sequence`` (per response), ``response/length_mean``, ``distinct_2``; with ``eval.rewards=[length,...]``
+each extra reward's ``reward/<name>/mean`` (a second opinion that catches reward hacking); with
+``eval.win_rate=true`` the reference policy answers the same prompts and ``win_rate`` is the share of prompts
+where the policy's response scores higher under ``eval.win_rate_reward`` (default: the run's reward; ties
+count half).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from omegaconf import OmegaConf
+
+from rlhf_lab import distributed
+from rlhf_lab.ops import masked_sum
+from rlhf_lab.training.records import StepTimer, distinct_n
+
+EVAL_CHUNK = 16  # held-out prompts generated at once
+
+
+def rng_key(seed: int, split: int, step: int, position: int) -> int:
+    """The generator seed of one prompt group under ``trainer.seed_per_prompt`` (split 0 train, 1 eval)."""
+    return (((seed * 1_000_003 + split) * 1_000_033 + step) * 1_000_037 + position) % 2**62
+
+
+def shard(count: int, rank: int, world_size: int) -> list[int]:
+    """Rank ``rank``'s contiguous block of ``range(count)`` (the first ``count % world_size`` ranks take one more)."""
+    base, extra = divmod(count, world_size)
+    start = rank * base + min(rank, extra)
+    return list(range(start, start + base + (rank < extra)))
+
+
+@dataclass
+class EvalSettings:
+    prompts: int
+    samples_per_prompt: int
+    temperature: float
+    top_p: float
+    top_k: int
+    rewards: list[str]
+    win_rate: bool
+    win_rate_reward: str | None
+
+
+def settings(cfg: Any) -> EvalSettings:
+    """``eval.*`` with training's values where unset (a config without ``eval``: training's throughout)."""
+    node = cfg.get("eval") or {}
+    trainer = cfg.trainer
+
+    def pick(key: str, default: Any) -> Any:
+        value = node.get(key) if hasattr(node, "get") else None
+        return default if value is None else value
+
+    greedy = bool(pick("greedy", False))
+    return EvalSettings(
+        prompts=int(pick("prompts", trainer.eval_prompts)),
+        samples_per_prompt=int(pick("samples_per_prompt", 1)),
+        temperature=1.0 if greedy else float(pick("temperature", trainer.temperature)),
+        top_p=1.0 if greedy else float(pick("top_p", trainer.top_p)),
+        top_k=1 if greedy else int(trainer.get("top_k", 0)),
+        rewards=[str(name) for name in pick("rewards", [])],
+        win_rate=bool(pick("win_rate", False)),
+        win_rate_reward=pick("win_rate_reward", None),
+    )
+
+
+def sampling_config(cfg: Any, chosen: EvalSettings) -> Any | None:
+    """A copy of ``cfg`` whose ``trainer`` samples as ``chosen`` says, or None when that is training's sampling."""
+    trainer = cfg.trainer
+    if (chosen.temperature, chosen.top_p, chosen.top_k) == (trainer.temperature, trainer.top_p,
+                                                             trainer.get("top_k", 0)):
+        return None
+    copy = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    copy.trainer.temperature, copy.trainer.top_p, copy.trainer.top_k = chosen.temperature, chosen.top_p, chosen.top_k
+    return copy
+
+
+def reward_config(name: str, search_paths: tuple[str, ...] = ()) -> Any:
+    """The config of reward option ``name`` (``rlhf_lab/conf/reward/NAME.yaml``), for an eval-only reward."""
+    from rlhf_lab.config.compose import _hydra_compose
+    from rlhf_lab.config.sweep_jobs import searchpath_override
+
+    return _hydra_compose([f"reward={name}", *searchpath_override(search_paths)]).reward
+
+
+class Evaluation:
+    """What an evaluation needs besides the policy's experience maker: its own sampling, extra rewards, and the
+    reference's maker for the win rate. Built once per run (:meth:`from_parts`)."""
+
+    def __init__(self, chosen: EvalSettings, maker: Any, extra_rewards: dict[str, Any],
+                 reference_maker: Any = None, reference_context: Callable[[], Any] | None = None,
+                 win_reward: Any = None) -> None:
+        self.settings, self.maker, self.extra_rewards = chosen, maker, extra_rewards
+        self.reference_maker, self.reference_context, self.win_reward = reference_maker, reference_context, win_reward
+
+    @classmethod
+    def from_parts(cls, cfg: Any, experience: Any, make_maker: Callable[[Any, Any], Any], models: Any,
+                   build_reward: Callable[[Any], Any]) -> Evaluation:
+        """``experience``: training's maker; ``make_maker(cfg, policy)`` another one; ``build_reward(reward_cfg)``."""
+        chosen = settings(cfg)
+        eval_cfg = sampling_config(cfg, chosen)
+        maker = experience if eval_cfg is None else make_maker(eval_cfg, experience.policy)
+        extra = {name: build_reward(reward_config(name)) for name in chosen.rewards}
+        reference_maker = win_reward = None
+        if chosen.win_rate:
+            reference_maker = make_maker(eval_cfg if eval_cfg is not None else cfg, models.reference_model())
+            win_name = chosen.win_rate_reward
+            win_reward = experience.reward if not win_name else build_reward(reward_config(win_name))
+        return cls(chosen, maker, extra, reference_maker, models.reference_context, win_reward)
+
+    @torch.no_grad()
+    def run(self, prompts: list[str], step: int, seed: int, kl_coef: float) -> tuple[dict[str, Any], list[tuple]]:
+        """Metrics on ``prompts`` (sharded over ranks) and the (prompt, response, reward) examples, in order."""
+        group = self.settings.samples_per_prompt
+        positions = shard(len(prompts), distributed.rank(), distributed.world_size())
+        timer = StepTimer()
+        scores, estimates, exacts, lengths, texts, tokens, shown = [], [], [], [], [], [], []
+        extra: dict[str, list[torch.Tensor]] = {name: [] for name in self.extra_rewards}
+        wins: list[torch.Tensor] = []
+        for start in range(0, len(positions), EVAL_CHUNK):
+            chunk = positions[start : start + EVAL_CHUNK]
+            chunk_prompts = [prompts[i] for i in chunk]
+            names = [f"eval prompt {i}" for i in chunk]
+            keys = [rng_key(seed, 1, step, i) for i in chunk]
+            experience = self.maker.make(chunk_prompts, group, timer, names, kl_coef, rng_keys=keys)
+            rollout, mask = experience.rollout, experience.rollout.response_mask
+            scores.append(rollout.scores[experience.valid])  # dropped (non-finite) scores count in no eval mean
+            shown.append(rollout.scores)
+            estimates.append(masked_sum(rollout.kl_estimate, mask))
+            exacts.append(masked_sum(rollout.kl_exact, mask))
+            tokens.append(mask.sum())
+            lengths.append(mask.sum(-1))
+            texts += experience.responses
+            for name, reward in self.extra_rewards.items():
+                extra[name].append(reward(experience.prompts, experience.responses).scores)
+            if self.reference_maker is not None:
+                wins.append(self._wins(experience, chunk_prompts, names, keys, timer))
+        all_scores, all_shown, all_lengths = torch.cat(scores), torch.cat(shown), torch.cat(lengths)
+        estimates, exacts, tokens = torch.stack(estimates), torch.stack(exacts), torch.stack(tokens)
+        extra_scores = {name: torch.cat(values) for name, values in extra.items()}
+        all_wins = torch.cat(wins) if wins else None
+        if distributed.world_size() > 1:  # every rank's results, in rank order
+            all_scores, all_shown, all_lengths, estimates, exacts, tokens = (
+                torch.tensor(distributed.gather_objects(t.tolist()))
+                for t in (all_scores, all_shown, all_lengths, estimates, exacts, tokens)
+            )
+            extra_scores = {k: torch.tensor(distributed.gather_objects(v.tolist())) for k, v in extra_scores.items()}
+            if all_wins is not None:
+                all_wins = torch.tensor(distributed.gather_objects(all_wins.tolist()))
+            texts = distributed.gather_objects(texts)
+        total_tokens = tokens.sum()
+        examples = list(zip([p for p in prompts for _ in range(group)], texts, all_shown.tolist()))
+        if not len(all_scores):
+            all_scores = torch.full((1,), float("nan"))
+        metrics = {
+            "eval/reward/mean": all_scores.mean().item(),
+            "eval/reward/std": all_scores.std().item() if len(all_scores) > 1 else 0.0,
+            "eval/kl/estimate": (estimates.sum() / total_tokens).item(),
+            "eval/kl/exact": (exacts.sum() / total_tokens).item(),
+            "eval/response/length_mean": all_lengths.mean().item(),
+            "eval/distinct_2": distinct_n(texts, 2),
+        }
+        if group > 1 or self.extra_rewards or all_wins is not None:  # keys beyond training's default evaluation
+            metrics["eval/kl/exact_sequence"] = exacts.sum().item() / max(len(all_lengths), 1)
+        for name, values in extra_scores.items():
+            metrics[f"eval/reward/{name}/mean"] = values.float().mean().item()
+        if all_wins is not None:
+            metrics["eval/win_rate"] = all_wins.float().mean().item()
+        return metrics, examples
+
+    def _wins(self, experience: Any, prompts: list[str], names: list[str], keys: list[int], timer: StepTimer) -> Any:
+        """1 where the policy's sample beats the reference's sample for the same prompt and draw, ½ on a tie."""
+        group = self.settings.samples_per_prompt
+        context = self.reference_context() if self.reference_context is not None else nullcontext()
+        with context:
+            _, reference_responses, _ = self.reference_maker.sample_and_score(prompts, group, timer, names, keys)
+        policy_scores = self.win_reward(experience.prompts, experience.responses).scores
+        reference_scores = self.win_reward(experience.prompts, reference_responses).scores
+        return (policy_scores > reference_scores).float() + 0.5 * (policy_scores == reference_scores).float()

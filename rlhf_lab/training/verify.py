@@ -1,0 +1,86 @@
+"""Checksums of a checkpoint: a sha256 per file in the manifest, and one over ``trainer_state.json`` itself.
+
+A save records ``sha256`` (file -> digest), ``keys`` (the state's keys) and ``state_sha256`` (the digest of
+the state without it). :func:`damage` re-reads a folder and says in a few words what is wrong with it: a
+state file that is missing, torn or edited, a key that is gone, a file that is missing, of another size or
+with other bytes (a flipped bit in the weights or a rewritten safetensors header). Checkpoints written
+before checksums existed are checked by size, as they were.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+REQUIRED_KEYS = ("step", "files", "optimizer", "rng")  # every checkpoint's state has these
+CHUNK = 1 << 20
+
+
+def file_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def folder_digests(folder: Path, skip: str) -> dict[str, str]:
+    """sha256 of every file under ``folder`` (relative POSIX path -> hex digest), ``skip`` (a name) left out."""
+    return {
+        path.relative_to(folder).as_posix(): file_digest(path)
+        for path in sorted(Path(folder).rglob("*"))
+        if path.is_file() and path.name != skip
+    }
+
+
+def state_checksum(state: dict[str, Any]) -> str:
+    """sha256 of the state as JSON (sorted keys), without its own ``state_sha256``."""
+    body = {key: value for key, value in state.items() if key != "state_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode("utf-8")).hexdigest()
+
+
+def seal(state: dict[str, Any], folder: Path, skip: str) -> dict[str, Any]:
+    """``state`` with the digests of ``folder``'s files, its key list and its own checksum added."""
+    sealed = json.loads(json.dumps({**state, "sha256": folder_digests(folder, skip)}))  # as it will read back
+    sealed["keys"] = sorted([*sealed, "keys"])
+    sealed["state_sha256"] = state_checksum(sealed)
+    return sealed
+
+
+def damage(folder: Path, state_file: str) -> str | None:
+    """What is wrong with the checkpoint in ``folder`` (a short phrase), or None when every check passes."""
+    folder = Path(folder)
+    try:
+        state = json.loads((folder / state_file).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return f"{state_file} is missing"
+    except (OSError, UnicodeDecodeError) as error:
+        return f"{state_file} is unreadable ({type(error).__name__})"
+    except ValueError:
+        return f"{state_file} is not valid JSON (torn or edited)"
+    if not isinstance(state, dict):
+        return f"{state_file} is not a JSON object"
+    keys = state.get("keys") if isinstance(state.get("keys"), list) else []
+    missing = [key for key in (*REQUIRED_KEYS, *keys) if key not in state]
+    if missing:
+        return f"{state_file} has no {missing[0]!r} key"
+    if "state_sha256" in state and state["state_sha256"] != state_checksum(state):
+        return f"{state_file} does not match its checksum (edited or corrupted)"
+    sizes, digests = state["files"], state.get("sha256") or {}
+    if not isinstance(sizes, dict) or not isinstance(digests, dict):
+        return f"{state_file} has a malformed manifest"
+    for relative, size in sizes.items():
+        path = folder / relative
+        if path.exists() and not path.is_file():
+            return f"{relative} is unreadable (not a file)"
+        try:
+            actual = path.stat().st_size
+            if actual != size:
+                return f"{relative} has {actual} bytes, its manifest says {size}"
+            if relative in digests and file_digest(path) != digests[relative]:
+                return f"{relative} does not match its sha256 (corrupted)"
+        except OSError as error:
+            return f"{relative} is {'missing' if isinstance(error, FileNotFoundError) else 'unreadable'}"
+    return None
