@@ -20,8 +20,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from rlhf_lab import distributed
 from rlhf_lab.data import PromptSplits, prompt_indices
 from rlhf_lab.offline.batch import Collator
@@ -30,7 +28,7 @@ from rlhf_lab.offline.stage import to_device
 from rlhf_lab.registry import get
 from rlhf_lab.trackers.jsonl import read_jsonl
 from rlhf_lab.training.loop import Trainer, _progress
-from rlhf_lab.training.records import StepTimer
+from rlhf_lab.training.records import StepTimer, run_summary
 
 MODEL_FOLDER = "model"  # the stage's output inside the run folder
 
@@ -48,22 +46,8 @@ def load_stage_examples(cfg: Any, pairs: bool) -> ExampleSplits:
 def offline_summary(history: list[dict[str, Any]], steps: int, run_dir: Path, skipped: int,
                     first_eval: dict[str, Any] | None, final_eval: dict[str, Any]) -> dict[str, Any]:
     """``summary.json`` of an offline stage: loss over the first and last 20% of steps, timing, evaluations."""
-    summary: dict[str, Any] = {"steps": steps, "run_dir": str(run_dir), "model_dir": str(run_dir / MODEL_FOLDER)}
-    if history:
-        losses = [m["loss/total"] for m in history]
-        fifth = max(1, len(losses) // 5)
-        summary.update({
-            "loss/first_20pct_mean": float(np.mean(losses[:fifth])),
-            "loss/last_20pct_mean": float(np.mean(losses[-fifth:])),
-            "loss/final": losses[-1],
-            "time/step_s_median": float(np.median([m["time/step_s"] for m in history])),
-            "time/total_s": float(sum(m["time/step_s"] for m in history)),
-            "optim/skipped_updates": skipped,
-        })
-    if first_eval:
-        summary.update({f"before/{k}": v for k, v in first_eval.items()})
-    summary.update(final_eval)
-    return summary
+    summary = run_summary(history, steps, run_dir, skipped, first_eval, final_eval, curve=("loss/total", "loss"))
+    return {"model_dir": str(run_dir / MODEL_FOLDER), **summary}
 
 
 class OfflineTrainer(Trainer):

@@ -94,7 +94,10 @@ def gold_evaluate(overrides: list[str], arm_folder: Path | None, folder: Path) -
 
     cfg = compose([*overrides, f"trainer.output_dir={folder}"])
     (folder / ".hydra").mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(cfg, folder / ".hydra" / "config.yaml")
+    # The evaluated policy is recorded with the config, so `rlhf-lab report OUT/gold_eval` tells the arms apart.
+    recorded = OmegaConf.to_container(cfg, resolve=True)
+    recorded["policy"] = arm_folder.name if arm_folder is not None else "initial"
+    OmegaConf.save(OmegaConf.create(recorded), folder / ".hydra" / "config.yaml")
     trainer = Trainer(cfg, folder)
     try:
         if arm_folder is not None:

@@ -12,7 +12,10 @@ Per arm, as mean ± sample std over seeds (a single seed has no std):
 - final KL: ``kl/exact`` at the last training step;
 - KL est − exact: the mean over steps of ``kl/estimate − kl/exact`` (the estimator's bias, per token);
 - s/step: the median ``time/step_s``;
-- eval reward: the last ``eval/reward/mean`` (only when jobs evaluated);
+- eval reward and eval KL: the last ``eval/reward/mean`` and ``eval/kl/exact`` (only when jobs evaluated):
+  the one yardstick of every algorithm, so offline stages (``sft``, ``dpo``), which log evaluations but no
+  sampled training reward, sit in the same table; when any arm has no training reward, the frontier plot
+  uses the final evaluation of every arm;
 - on the exact task (``exact/*`` metrics): final gap J* − J, true KL, KL of π*, TV to π*, the estimate's bias;
   arms are then ranked by final gap, and gap and true KL are plotted against steps
   (:mod:`rlhf_lab.tools.report_exact`).
@@ -58,6 +61,7 @@ METRICS = (
     ("kl_estimate_minus_exact", "KL est − exact"),
     ("step_time_s", "s/step"),
     ("eval_reward", "eval reward"),
+    ("eval_kl_exact", "eval KL (exact)"),
     *((column, header) for column, header, _ in EXACT_METRICS),
 )
 PLOTS = PLOT_FILES  # rlhf_lab/tools/report_plots.py: styles and legends that hold at 36 arms
@@ -173,10 +177,10 @@ def find_jobs(root: Path) -> list[Job]:
         except (JobProblem, OSError) as problem:
             print(f"warning: skipping {folder}: {problem}", file=sys.stderr)
             continue
-        if job.train:
+        if job.train or job.eval:
             jobs.append(job)
         else:
-            print(f"skipping {folder}: no training steps in metrics.jsonl", file=sys.stderr)
+            print(f"skipping {folder}: no training steps or evaluations in metrics.jsonl", file=sys.stderr)
     return jobs
 
 
@@ -235,19 +239,22 @@ def group_arms(jobs: list[Job]) -> list[Arm]:
 
 def job_metrics(job: Job) -> dict[str, float]:
     """The table's per-job numbers (see the module docstring)."""
-    rewards = [line.get("reward/mean", math.nan) for line in job.train]
-    last = job.train[-1]
-    gaps = [line.get("kl/estimate", math.nan) - line.get("kl/exact", math.nan) for line in job.train]
-    metrics = {
-        "final_reward": rewards[-1],
-        "best_reward": max(rewards),
-        "final_kl_exact": last.get("kl/exact", math.nan),
-        "kl_estimate_minus_exact": float(np.mean(gaps)),
-        "step_time_s": float(np.median([line.get("time/step_s", math.nan) for line in job.train])),
-    }
+    metrics: dict[str, float] = {}
+    if job.train:
+        rewards = [line.get("reward/mean", math.nan) for line in job.train]
+        last = job.train[-1]
+        gaps = [line.get("kl/estimate", math.nan) - line.get("kl/exact", math.nan) for line in job.train]
+        metrics.update({
+            "final_reward": rewards[-1],
+            "best_reward": max(rewards),
+            "final_kl_exact": last.get("kl/exact", math.nan),
+            "kl_estimate_minus_exact": float(np.mean(gaps)),
+            "step_time_s": float(np.median([line.get("time/step_s", math.nan) for line in job.train])),
+        })
+        metrics.update(exact_job_metrics(job.train))
     if job.eval:
         metrics["eval_reward"] = job.eval[-1]["eval/reward/mean"]
-    metrics.update(exact_job_metrics(job.train))
+        metrics["eval_kl_exact"] = job.eval[-1].get("eval/kl/exact", math.nan)
     return metrics
 
 

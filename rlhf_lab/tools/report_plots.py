@@ -170,11 +170,14 @@ def plot_kl_estimate_vs_exact(arms: list[Any], path: Path, options: PlotOptions)
     plt.close(figure)
 
 
-def last_k_point(arm: Any, last_k: int | None) -> tuple[float, float, float, float, int]:
-    """Reward and exact KL averaged over each seed's last ``k`` training steps, then mean and sd over seeds."""
+def last_k_point(arm: Any, last_k: int | None, split: str = "train") -> tuple[float, float, float, float, int]:
+    """Reward and exact KL averaged over each seed's last ``k`` training steps (``split="eval"``: evaluations),
+    then mean and sd over seeds."""
     rewards, kls, used = [], [], 0
+    reward_key, kl_key = ("reward/mean", "kl/exact") if split == "train" else ("eval/reward/mean", "eval/kl/exact")
     for job in arm.jobs:
-        lines = [line for line in job.train if "reward/mean" in line and "kl/exact" in line]
+        lines = [{"reward/mean": line[reward_key], "kl/exact": line[kl_key]}
+                 for line in getattr(job, split) if reward_key in line and kl_key in line]
         if not lines:
             continue
         k = last_k or max(1, round(0.2 * len(lines)))
@@ -210,8 +213,11 @@ def plot_frontier(arms: list[Any], path: Path, options: PlotOptions) -> list[int
 
     figure, axes = _figure(arms)
     points, k_used = [], 0
+    # One yardstick: when some arm has no sampled training reward (sft, dpo), every arm's final evaluation.
+    split = "train" if all(any("reward/mean" in line for job in arm.jobs for line in job.train) for arm in arms) \
+        else "eval"
     for index, arm in enumerate(arms):
-        kl, reward, kl_sd, reward_sd, k_used = last_k_point(arm, options.last_k)
+        kl, reward, kl_sd, reward_sd, k_used = last_k_point(arm, options.last_k if split == "train" else 1, split)
         points.append((kl, reward))
         if math.isnan(kl):
             continue
@@ -224,8 +230,8 @@ def plot_frontier(arms: list[Any], path: Path, options: PlotOptions) -> list[int
                   linestyle="-", alpha=0.6, zorder=0, label="Pareto front (less KL, more reward)")
     axes.set_xlabel("exact KL per token, KL(π‖π_ref)")
     axes.set_ylabel("reward (mean)")
-    axes.set_title(f"reward vs KL: mean of the last {k_used} training steps per seed, then over seeds "
-                   "(bars: ± 1 sd over seeds)", fontsize="medium")
+    where = f"mean of the last {k_used} training steps" if split == "train" else "final evaluation (held-out prompts)"
+    axes.set_title(f"reward vs KL: {where} per seed, then over seeds (bars: ± 1 sd over seeds)", fontsize="medium")
     axes.grid(alpha=0.3)
     _legend_outside(figure, axes, len(arms) + 1)
     figure.savefig(path, dpi=120, bbox_inches="tight")

@@ -49,17 +49,23 @@ def distinct_n(texts: list[str], n: int = 2) -> float:
 
 
 def run_summary(history: list[dict[str, Any]], steps: int, run_dir: Path, skipped_updates: int,
-                first_eval: dict[str, Any] | None, final_eval: dict[str, Any]) -> dict[str, Any]:
-    """``summary.json``: reward over the first and last 20% of steps, final KL, timing, and the evaluations."""
+                first_eval: dict[str, Any] | None, final_eval: dict[str, Any],
+                curve: tuple[str, str] = ("reward/mean", "reward")) -> dict[str, Any]:
+    """``summary.json``: the step metric ``curve[0]`` over the first and last 20% of steps (as ``curve[1]/…``;
+    the offline stages summarise ``loss/total``), final exact KL when logged, timing, and the evaluations."""
+    key, name = curve
     summary: dict[str, Any] = {"steps": steps, "run_dir": str(run_dir)}
     if history:
-        rewards = [m["reward/mean"] for m in history]
-        fifth = max(1, len(rewards) // 5)
+        values = [m[key] for m in history]
+        fifth = max(1, len(values) // 5)
         summary.update({
-            "reward/first_20pct_mean": float(np.mean(rewards[:fifth])),
-            "reward/last_20pct_mean": float(np.mean(rewards[-fifth:])),
-            "reward/final": rewards[-1],
-            "kl/exact_final": history[-1]["kl/exact"],
+            f"{name}/first_20pct_mean": float(np.mean(values[:fifth])),
+            f"{name}/last_20pct_mean": float(np.mean(values[-fifth:])),
+            f"{name}/final": values[-1],
+        })
+        if "kl/exact" in history[-1]:
+            summary["kl/exact_final"] = history[-1]["kl/exact"]
+        summary.update({
             "time/step_s_median": float(np.median([m["time/step_s"] for m in history])),
             "time/total_s": float(sum(m["time/step_s"] for m in history)),
             "optim/skipped_updates": skipped_updates,

@@ -256,6 +256,14 @@ def test_pipeline_smoke_builds_pairs_trains_every_stage_and_evaluates_with_gold(
     assert recipe["gold"]["name"] == "length" and recipe["samples_per_prompt"] == 3
     for folder in ("reward_model/model", "grpo/checkpoints", "dpo/model", "gold_eval/dpo/metrics.jsonl", "pipeline.md"):
         assert (out / folder).exists(), folder
+    # One yardstick: the gold evaluations form one report, an arm per policy, RL and DPO side by side.
+    from rlhf_lab.tools.report import build_report
+
+    _, rows = build_report(out / "gold_eval")
+    gold = {row["arm"]: row["eval_reward_mean"] for row in rows}
+    assert set(gold) == {"policy=initial", "policy=grpo", "policy=dpo"}
+    by_arm = {row["arm"]: row for row in result["arms"]}
+    assert gold["policy=dpo"] == pytest.approx(by_arm["dpo"]["gold eval reward"])
 
 
 def test_embedded_preferences_are_built_once_and_keep_their_recipe(compose, tmp_path):

@@ -211,3 +211,33 @@ def test_report_on_the_real_smoke_sweep(tmp_path_factory, capsys) -> None:
         assert f"| {row['arm']} | 1 |" in printed
     assert_valid_pngs(sweep.folder)
     assert (sweep.folder / "report.md").read_text().count("| algorithm=") == 4
+
+
+def test_offline_stages_share_the_table_and_the_frontier_through_their_evaluations(tmp_path: Path) -> None:
+    # A GRPO job (training lines + evaluations) and a DPO job (evaluations and losses only), two seeds each.
+    for seed in (0, 1):
+        rl_lines = [train_line(s, 0.1 * s, 0.01, 0.02, 1.0) for s in range(3)]
+        rl_lines += [{"step": 0, "eval/reward/mean": 0.2, "eval/kl/exact": 0.0},
+                     {"step": 3, "eval/reward/mean": 0.5 + 0.1 * seed, "eval/kl/exact": 0.04}]
+        write_job(tmp_path / f"{seed}_grpo", config("grpo", seed, "none"), rl_lines)
+        dpo_lines = [{"step": s, "loss/total": 0.7 - 0.1 * s, "time/step_s": 2.0} for s in range(3)]
+        dpo_lines += [{"step": 0, "eval/reward/mean": 0.2, "eval/kl/exact": 0.0},
+                      {"step": 3, "eval/reward/mean": 0.3 + 0.1 * seed, "eval/kl/exact": 0.01}]
+        write_job(tmp_path / f"{2 + seed}_dpo", config("dpo", seed, "none"), dpo_lines)
+    table, rows = report.build_report(tmp_path)
+    by_arm = {row["arm"]: row for row in rows}
+    assert set(by_arm) == {"algorithm=grpo", "algorithm=dpo"}
+    assert by_arm["algorithm=dpo"]["eval_reward_mean"] == pytest.approx(0.35)
+    assert by_arm["algorithm=dpo"]["eval_kl_exact_mean"] == pytest.approx(0.01)
+    assert math.isnan(by_arm["algorithm=dpo"]["final_reward_mean"])  # no sampled training reward
+    assert by_arm["algorithm=grpo"]["eval_reward_mean"] == pytest.approx(0.55)
+    assert by_arm["algorithm=grpo"]["final_reward_mean"] == pytest.approx(0.2)
+    assert "eval KL (exact)" in table
+    # The frontier uses every arm's final evaluation: GRPO (KL .04, reward .55) and DPO (.01, .35) both on it.
+    from rlhf_lab.tools.report_plots import last_k_point
+
+    arms = report.group_arms(report.find_jobs(tmp_path))
+    points = {arm.name: last_k_point(arm, 1, "eval")[:2] for arm in arms}
+    assert points["algorithm=dpo"] == pytest.approx((0.01, 0.35))
+    assert points["algorithm=grpo"] == pytest.approx((0.04, 0.55))
+    assert (tmp_path / "reward_vs_kl.png").stat().st_size > 0
