@@ -22,7 +22,7 @@ from typing import Any
 import rlhf_lab.job_folders  # noqa: F401  (the job-folder label resolver, needed in every job process too)
 from rlhf_lab.errors import UserError
 
-SUBCOMMANDS = ("report", "bench", "export", "eval")
+SUBCOMMANDS = ("report", "bench", "export", "eval", "pipeline")
 
 
 def _is_user_flag(arg: str) -> bool:
@@ -247,3 +247,7 @@ def _run_subcommand(name: str, args: list[str]) -> None:
         from rlhf_lab.tools.evaluate import main as evaluate_main
 
         evaluate_main(args)
+    elif name == "pipeline":
+        from rlhf_lab.tools.pipeline import main as pipeline_main
+
+        pipeline_main(args)

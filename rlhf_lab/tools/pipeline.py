@@ -1,4 +1,4 @@
-"""The whole RLHF pipeline, offline on the embedded parts: ``python -m rlhf_lab.tools.pipeline OUT [...]``.
+"""The whole RLHF pipeline, offline on the embedded parts: ``rlhf-lab pipeline OUT [...]``.
 
 Stages, each an ordinary run (its own folder under OUT, with ``.hydra/config.yaml``, metrics, checkpoints and
 ``summary.json``):
@@ -123,7 +123,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     import rlhf_lab.components  # noqa: F401  (registers every part)
 
-    parser = argparse.ArgumentParser(prog="python -m rlhf_lab.tools.pipeline", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="rlhf-lab pipeline", description=__doc__.split("\n")[0])
     parser.add_argument("out", type=Path, help="folder for every stage's run")
     parser.add_argument("--arms", default="grpo,ppo", help="RL algorithms trained against the learned reward")
     parser.add_argument("--gold", default="{name: sentiment}", help="the gold reward config (YAML mapping)")

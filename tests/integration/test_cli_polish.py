@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from rlhf_lab import __version__
 from rlhf_lab.cli import SUBCOMMANDS, main
 
@@ -41,3 +43,11 @@ def test_shell_completion_installs_and_answers() -> None:
     assert installed.returncode == 0 and "hydra_bash_completion" in installed.stdout
     answer = rlhf_lab("-sc", "query=bash", env={"COMP_LINE": "rlhf-lab algorithm="})
     assert answer.returncode == 0 and "algorithm=grpo" in answer.stdout
+
+
+def test_the_pipeline_is_a_subcommand(capsys) -> None:
+    with pytest.raises(SystemExit) as raised:
+        main(["pipeline", "--help"])
+    assert raised.value.code == 0
+    usage = capsys.readouterr().out
+    assert usage.startswith("usage: rlhf-lab pipeline") and "--arms" in usage
