@@ -90,9 +90,14 @@ def test_entry_point_plugin_trains_with_its_reward_and_estimator_through_the_cli
 
 def test_plugins_key_and_python_api_train_with_the_plugin(tmp_path: Path, monkeypatch) -> None:
     import rlhf_lab
+    from rlhf_lab import registry
 
     site = write_plugin(tmp_path / "site", "key_plugin", entry_point=False)
     monkeypatch.syspath_prepend(str(site))
+    # The plug-in's registrations and module live only for this test (other files may share the process).
+    monkeypatch.setattr(registry, "_REGISTRY", {kind: dict(parts) for kind, parts in registry._REGISTRY.items()})
+    monkeypatch.setitem(sys.modules, "key_plugin", None)  # undone last: the module is unloaded again
+    monkeypatch.delitem(sys.modules, "key_plugin")
     overrides = [*TINY, "plugins=[key_plugin]", "reward=key_plugin_constant", "kl=key_plugin_quarter",
                  f"hydra.searchpath=[file://{site / 'key_plugin' / 'conf'}]"]
     cfg = rlhf_lab.compose(overrides)
