@@ -1,5 +1,8 @@
 """Numeric precision of a run, with Lightning's names (``trainer.precision``).
 
+- ``auto`` (the default): ``bf16-mixed`` where the device multiplies bfloat16 matrices natively (a CUDA GPU
+  with bfloat16 support; a CPU with AVX512-BF16 or AMX), else ``fp32``: bfloat16 without native support is
+  emulated and slower than float32 (:func:`fast_bf16`);
 - ``fp32``: float32 weights, float32 compute;
 - ``bf16-mixed``: float32 master weights and optimizer state; forward passes (generation, reference,
   training) under ``torch.autocast(dtype=bfloat16)``; gradients land in float32;
@@ -22,17 +25,34 @@ import torch
 
 from rlhf_lab.errors import ConfigError
 
-PRECISIONS = ("fp32", "bf16-mixed", "bf16-true", "fp16-mixed")
+PRECISIONS = ("auto", "fp32", "bf16-mixed", "bf16-true", "fp16-mixed")
 DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16-true"}  # trainer.dtype -> trainer.precision
 WEIGHT_DTYPES = {"fp32": "float32", "bf16-mixed": "float32", "bf16-true": "bfloat16", "fp16-mixed": "float32"}
 AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
 
 
-def resolve_precision(precision: str, dtype: str | None, warn: bool = True) -> str:
-    """The precision a run uses, from ``trainer.precision`` and the deprecated ``trainer.dtype``."""
+def fast_bf16(device: torch.device) -> bool:
+    """Whether ``device`` multiplies bfloat16 matrices in hardware (what ``trainer.precision=auto`` asks)."""
+    if device.type == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    if device.type != "cpu":
+        return False
+    probes = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    try:
+        return any(probe() for probe in probes if probe is not None)
+    except RuntimeError:  # a build without the CPU capability probes
+        return False
+
+
+def resolve_precision(precision: str, dtype: str | None, warn: bool = True,
+                      device: torch.device | None = None) -> str:
+    """The precision a run uses, from ``trainer.precision`` and the deprecated ``trainer.dtype``; ``auto``
+    resolves for ``device`` (the CPU when None)."""
     if precision not in PRECISIONS:
         raise ConfigError(f"trainer.precision={precision!r} is not valid; choose from: {', '.join(PRECISIONS)}")
     if dtype is None:
+        if precision == "auto":
+            return "bf16-mixed" if fast_bf16(device or torch.device("cpu")) else "fp32"
         return precision
     if dtype == "float16":
         raise ConfigError("trainer.dtype=float16 (pure float16 weights) is replaced by trainer.precision=fp16-mixed "
@@ -40,7 +60,7 @@ def resolve_precision(precision: str, dtype: str | None, warn: bool = True) -> s
     if dtype not in DTYPE_ALIASES:
         raise ConfigError(f"trainer.dtype={dtype!r} is not valid; choose from: float32, bfloat16, float16")
     mapped = DTYPE_ALIASES[dtype]
-    if precision != "fp32" and precision != mapped:
+    if precision not in ("auto", "fp32") and precision != mapped:
         raise ConfigError(f"trainer.dtype={dtype} (= trainer.precision={mapped}) contradicts "
                           f"trainer.precision={precision}; set trainer.precision only")
     if warn:
@@ -65,7 +85,7 @@ class Precision:
 
     @classmethod
     def from_config(cls, trainer: Any, device: torch.device, warn: bool = True) -> Precision:
-        name = resolve_precision(trainer.precision, trainer.dtype, warn=warn)
+        name = resolve_precision(trainer.precision, trainer.dtype, warn=warn, device=device)
         check_device(name, device)
         return cls(name, device.type)
 

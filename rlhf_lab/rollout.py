@@ -16,8 +16,9 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from transformers import DynamicCache
 
-from rlhf_lab.ops import entropy_from_logits, gather_logprobs
+from rlhf_lab.sampler import decode
 
 
 def format_prompts(prompts: list[str], tokenizer: Any, chat_template: bool, system_prompt: str | None) -> list[str]:
@@ -65,6 +66,7 @@ class Rollout:
     logprobs: Tensor  # [B, T] sampling-time policy log-probs (the "old" policy)
     entropy: Tensor  # [B, T] full-vocabulary entropy of the sampling policy
     policy_logits: Tensor | None = None  # [B, T, V] sampling-time policy logits (temperature-scaled)
+    hidden: Tensor | None = None  # [B, T, H] sampling-time last hidden states predicting each response token
     ref_logprobs: Tensor | None = None  # [B, T]
     ref_logits: Tensor | None = None  # [B, T, V]
     scores: Tensor | None = None  # [B] sequence rewards from the reward function
@@ -128,15 +130,18 @@ def generate(
     keep_logits: bool,
     share_prompts: bool = True,
     greedy: bool = False,
+    keep_hidden: bool = False,
 ) -> Rollout:
     """Sample ``group_size`` responses per prompt and collect the sampling policy's log-probs and entropy.
 
-    Log-probs come from the logits generation already computed (``output_logits``), so no second forward
-    pass of the policy is needed for the old log-probs. With ``share_prompts`` each prompt is prefilled
-    once, not once per sample: all but its last token run through the network for the unique prompts, the
-    key/value cache is repeated to the ``group_size`` rows of each, and ``generate`` continues from it
-    (it feeds only the uncached last token). The logits equal the unshared run's to float precision.
-    ``greedy`` decodes the most likely token at every position instead (ReMax's baseline response).
+    The decode loop (:func:`rlhf_lab.sampler.decode`, the same draws as ``model.generate``) computes the
+    log-probs and entropies from the logits it samples with, so no second forward pass of the policy is
+    needed for the old log-probs. With ``share_prompts`` each prompt is prefilled once, not once per sample:
+    all but its last token run through the network for the unique prompts, the key/value cache is repeated
+    to the ``group_size`` rows of each, and decoding continues from it. The logits equal the unshared run's
+    to float precision. ``greedy`` decodes the most likely token at every position instead (ReMax's
+    baseline response); ``keep_hidden`` keeps the last hidden state that predicted each response token
+    (``Rollout.hidden``, the shared PPO critic's input at sampling time).
     """
     device = next(model.parameters()).device
     encoded = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
@@ -150,35 +155,21 @@ def generate(
     prompt_mask = encoded["attention_mask"].repeat_interleave(group_size, 0).to(device)
     was_training = model.training
     model.eval()
-    cache = {}
+    cache, cached = DynamicCache(), 0
     if share_prompts and group_size > 1 and encoded["input_ids"].shape[1] > 1:
         unique_ids, unique_mask = encoded["input_ids"].to(device), encoded["attention_mask"].to(device)
         rows = torch.arange(unique_ids.shape[0], device=device).repeat_interleave(group_size)
         prefix = prefill_shared(model, unique_ids[:, :-1], unique_mask[:, :-1],
                                 position_ids_from_mask(unique_mask)[:, :-1], rows)
-        cache = {"past_key_values": prefix.past_key_values}
-    sampling = (dict(do_sample=False, temperature=None, top_p=None, top_k=None) if greedy
-                else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k))
-    output = model.generate(
-        **cache,
-        input_ids=prompt_ids,
-        attention_mask=prompt_mask,
-        **sampling,
-        max_new_tokens=max_new_tokens,
-        min_new_tokens=1,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        output_logits=True,
-        return_dict_in_generate=True,
-    )
+        cache, cached = prefix.past_key_values, unique_ids.shape[1] - 1
+    sampled = decode(model, prompt_ids, prompt_mask, cache, cached, max_new_tokens=max_new_tokens,
+                     temperature=temperature, top_p=top_p, top_k=top_k, eos_token_id=tokenizer.eos_token_id,
+                     pad_token_id=tokenizer.pad_token_id, greedy=greedy, keep_logits=keep_logits,
+                     keep_hidden=keep_hidden)
     model.train(was_training)
     prompt_width = prompt_ids.shape[1]
-    response_ids = output.sequences[:, prompt_width:]
+    response_ids = sampled.response_ids
     response_mask = response_mask_from_tokens(response_ids, tokenizer.eos_token_id)
-    # [B, T, V] raw logits per generated position; the policy distribution is softmax(logits / temperature).
-    logits = torch.stack(output.logits, dim=1).float() / temperature
-    logprobs = gather_logprobs(logits, response_ids) * response_mask
-    entropy = entropy_from_logits(logits) * response_mask
     # Tokens after the first EOS are padding: make them the pad token and mask them out of attention.
     response_ids = torch.where(response_mask.bool(), response_ids, tokenizer.pad_token_id)
     input_ids = torch.cat([prompt_ids, response_ids], dim=1)
@@ -189,9 +180,10 @@ def generate(
         response_mask=response_mask,
         prompt_width=prompt_width,
         group_size=group_size,
-        logprobs=logprobs,
-        entropy=entropy,
-        policy_logits=logits if keep_logits else None,
+        logprobs=sampled.logprobs * response_mask,
+        entropy=sampled.entropy * response_mask,
+        policy_logits=sampled.logits,
+        hidden=sampled.hidden,
     )
 
 
@@ -283,7 +275,7 @@ def concat_rollouts(parts: list[Rollout], pad_token_id: int) -> Rollout:
         return torch.nn.functional.pad(tensor, (left, right), value=value)
 
     pieces: dict[str, list[Tensor]] = {key: [] for key in ("input_ids", "attention_mask", "response_mask",
-                                                           "logprobs", "entropy", "policy_logits", "scores")}
+                                                           "logprobs", "entropy", "policy_logits", "hidden", "scores")}
     for part in parts:
         left, right = prompt_width - part.prompt_width, response_width - part.response_mask.shape[1]
         prompt_ids, response_ids = part.input_ids[:, : part.prompt_width], part.response_ids
@@ -293,13 +285,14 @@ def concat_rollouts(parts: list[Rollout], pad_token_id: int) -> Rollout:
         pieces["attention_mask"].append(torch.cat([pad(prompt_mask, left, 0), pad(response_attention, 0, right)], dim=1))
         for key in ("response_mask", "logprobs", "entropy"):
             pieces[key].append(pad(getattr(part, key), 0, right))
-        if part.policy_logits is not None:
-            pieces["policy_logits"].append(pad(part.policy_logits, 0, right))
+        for key in ("policy_logits", "hidden"):
+            if getattr(part, key) is not None:
+                pieces[key].append(pad(getattr(part, key), 0, right))
         if part.scores is not None:
             pieces["scores"].append(part.scores)
-    logits, scores = pieces.pop("policy_logits"), pieces.pop("scores")
-    logits = torch.cat(logits) if parts[0].policy_logits is not None else None
-    scores = torch.cat(scores) if parts[0].scores is not None else None
+    optional = {key: pieces.pop(key) for key in ("policy_logits", "hidden", "scores")}
+    optional = {key: torch.cat(values) if getattr(parts[0], key) is not None else None
+                for key, values in optional.items()}
     extras = {key: torch.cat([part.extras[key] for part in parts]) for key in parts[0].extras}
-    return Rollout(prompt_width=prompt_width, group_size=parts[0].group_size, policy_logits=logits, scores=scores,
-                   extras=extras, **{key: torch.cat(values) for key, values in pieces.items()})
+    return Rollout(prompt_width=prompt_width, group_size=parts[0].group_size, extras=extras, **optional,
+                   **{key: torch.cat(values) for key, values in pieces.items()})

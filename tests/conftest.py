@@ -47,6 +47,7 @@ def tiny_overrides(tmp_path: Path | None) -> list[str]:
     """
     overrides = [
         "model=tiny",
+        "trainer.precision=fp32",  # exact comparisons; the default (auto) picks bf16-mixed on bf16 hardware
         "trainer.steps=2",
         "trainer.prompts_per_step=2",
         "algorithm.group_size=2",

@@ -126,6 +126,7 @@ class Algorithm:
     a critic and GAE in ``ppo.py``)."""
 
     needs_hidden_states = False  # True when the loss needs the trunk's hidden states (a value head)
+    reads_sampling_hidden = False  # True when prepare reads the decode loop's hidden states (Rollout.hidden)
 
     def __init__(self, cfg: Any) -> None:
         self.cfg = cfg

@@ -118,6 +118,8 @@ class PPO(Algorithm):
         super().__init__(cfg)
         self.shared_critic = cfg.critic == "shared"
         self.needs_hidden_states = self.shared_critic  # the shared head reads the policy pass's hidden states
+        # Its sampling-time values come from the hidden states the decode loop kept: no extra forward pass.
+        self.reads_sampling_hidden = self.shared_critic
         self.critic: nn.Module | None = None
 
     def setup(self, policy: nn.Module) -> None:
@@ -149,6 +151,18 @@ class PPO(Algorithm):
             values = self.critic(batch.input_ids, batch.attention_mask, batch.prompt_width)
         return values * batch.response_mask
 
+    def sampling_values(self, rollout: Rollout, forward: Any = None) -> Tensor:
+        """The critic's values at sampling time, [B, T]. The shared head reads the hidden states the decode
+        loop kept (``Rollout.hidden``: the same weights' states, so the values a no-grad forward pass over the
+        rollout would give, to float precision); without them, that forward pass runs."""
+        if not self.shared_critic:
+            return self.values(rollout, None)
+        if rollout.hidden is not None:
+            return self.critic(rollout.hidden) * rollout.response_mask
+        if forward is None:
+            raise RuntimeError("critic=shared: prepare needs Rollout.hidden or the trainer's forward")
+        return self.values(rollout, forward(rollout))
+
     def parameter_groups(self, lr: float) -> list[dict[str, Any]]:
         """The critic's trainable tensors at ``critic_lr`` (default: the policy's ``lr``)."""
         return [{**group, "lr": self.cfg.critic_lr or lr} for group in super().parameter_groups(lr)]
@@ -160,10 +174,7 @@ class PPO(Algorithm):
         cfg, mask = self.cfg, rollout.response_mask
         scores = shape_scores(rollout.scores, cfg.reward_clip, cfg.normalize_scores)
         rollout.token_rewards = build_token_rewards(scores, rollout.kl_penalty, mask)
-        if self.shared_critic and forward is None:
-            raise RuntimeError("critic=shared: prepare needs the trainer's forward to read hidden states")
-        output = forward(rollout) if self.shared_critic else None
-        values = self.values(rollout, output).float()
+        values = self.sampling_values(rollout, forward).float()
         advantages, returns = gae_advantages(rollout.token_rewards, values, mask, cfg.gamma, cfg.lam)
         rollout.values, rollout.returns = values, returns
         rollout.advantages = distributed.masked_whiten(advantages, mask) if cfg.whiten_advantages else advantages

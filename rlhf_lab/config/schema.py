@@ -286,6 +286,10 @@ class WandbLoggerConfig(LoggerConfig):
 class TrainerConfig:
     steps: int = 30
     lr: float = 1e-5
+    # Wall-clock budget (s) of the training steps, over every resumed segment: the run stops after the step
+    # that reaches it, then ends as usual (rlhf_lab/training/budget.py). null: none. The LR schedule still
+    # runs over trainer.steps: with a large trainer.steps a decaying schedule is cut short, not compressed.
+    max_train_seconds: float | None = None
     prompts_per_step: int = 2
     max_new_tokens: int = 32
     temperature: float = 1.0
@@ -297,7 +301,9 @@ class TrainerConfig:
     keep_last_n: int = 2
     resume: str | None = None  # null | auto | path to a checkpoint folder
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    precision: str = "fp32"  # fp32 | bf16-mixed | bf16-true | fp16-mixed (Lightning's names; rlhf_lab/precision.py)
+    # auto | fp32 | bf16-mixed | bf16-true | fp16-mixed (Lightning's names; rlhf_lab/precision.py). auto:
+    # bf16-mixed where the device multiplies bfloat16 natively (CUDA with bf16, AVX512-BF16/AMX CPUs), else fp32
+    precision: str = "auto"
     dtype: str | None = None  # deprecated alias: float32 -> precision=fp32, bfloat16 -> precision=bf16-true
     strategy: str = "auto"  # auto | single | ddp | fsdp (rlhf_lab/distributed.py); auto: ddp under torchrun
     gradient_checkpointing: bool = False  # recompute activations in backward (transformers' own)

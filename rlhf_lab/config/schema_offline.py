@@ -26,6 +26,9 @@ class OfflineAlgorithmConfig(AlgorithmConfig):
 class SFTConfig(OfflineAlgorithmConfig):
     """Supervised fine-tuning on demonstrations: token-mean NLL of the response tokens (EOS included)."""
 
+    packing: bool = False  # pack each step's demonstrations into rows, no cross-contamination (offline/packing.py)
+    packing_length: int | None = None  # tokens per packed row; null: data.max_prompt_tokens + max_response_tokens
+
 
 @dataclass
 class DPOConfig(OfflineAlgorithmConfig):

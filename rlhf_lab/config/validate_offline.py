@@ -53,6 +53,8 @@ def check_offline(cfg: Any) -> None:
         at_least("algorithm.beta", algorithm.beta, 0.0, strict=True)
         if not 0.0 <= algorithm.label_smoothing < 0.5:
             raise ConfigError(f"algorithm.label_smoothing={algorithm.label_smoothing!r} is out of range; must be in [0, 0.5)")
+    if "packing_length" in algorithm:
+        at_least("algorithm.packing_length", algorithm.packing_length, 2)  # null: the longest unpacked row
     if "pooling" in algorithm:
         choice("algorithm.pooling", algorithm.pooling, POOLINGS)
         at_least("algorithm.center_rewards_coefficient", algorithm.center_rewards_coefficient, 0.0)

@@ -26,8 +26,8 @@ def planned_device(name: str) -> torch.device:
 
 def check_scale(cfg: Any) -> None:
     trainer, algorithm = cfg.trainer, cfg.algorithm
-    precision = resolve_precision(trainer.precision, trainer.dtype, warn=False)
-    check_device(precision, planned_device(trainer.device))
+    device = planned_device(trainer.device)
+    check_device(resolve_precision(trainer.precision, trainer.dtype, warn=False, device=device), device)
     at_least("trainer.logprob_chunk", trainer.logprob_chunk, 0)
     strategy = distributed.resolve_strategy(trainer.strategy)
     if strategy == "fsdp" and cfg.model.lora.enabled:

@@ -5,7 +5,8 @@ the prompt rendered exactly as generation renders it (the chat template with a g
 response tokens followed by the tokenizer's EOS, which ``response_mask`` covers: the model learns to stop
 (the EOS is the pad token in SmolLM2, so masks come from lengths, never from ``token == pad``). A response
 cut at ``data.max_response_tokens`` carries no EOS. Prompts longer than ``data.max_prompt_tokens`` keep
-their last tokens.
+their last tokens. With ``algorithm.packing`` demonstrations are packed into rows instead
+(:mod:`rlhf_lab.offline.packing`), tokenized and cut by the same rules.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 
 from rlhf_lab.offline.data import Example
+from rlhf_lab.offline.packing import PackedRows, pack_documents, resolve_length
 from rlhf_lab.rollout import Rollout
 
 
@@ -78,6 +80,20 @@ class Collator:
         """One row per demonstration (group size 1)."""
         return build_rows([self.prompt_ids(e) for e in examples], [self.response_ids(e.chosen) for e in examples],
                           self.tokenizer.pad_token_id, 1)
+
+    def packed_demonstrations(self, examples: list[Example], packing_length: int | None) -> PackedRows:
+        """The demonstrations packed into rows of ``packing_length`` tokens (null: the longest unpacked row).
+
+        A demonstration longer than a row is cut as unpacked ones are: its prompt keeps its last tokens (at
+        most a row's length − 1), its response what room is left (no EOS when cut).
+        """
+        length = resolve_length(packing_length, self.data_cfg)
+        documents = []
+        for example in examples:
+            prompt = self.prompt_ids(example)[-(length - 1) :]
+            room = min(self.data_cfg.max_response_tokens, length - len(prompt))
+            documents.append((prompt, response_tokens(self.tokenizer, example.chosen, room)))
+        return pack_documents(documents, length, self.tokenizer.pad_token_id)
 
     def pairs(self, examples: list[Example]) -> Rollout:
         """Two rows per pair, chosen then rejected (group size 2: rows 2i and 2i + 1 share a prompt)."""

@@ -21,14 +21,19 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_lab import distributed
+from rlhf_lab.algorithms.base import PolicyOutput
 from rlhf_lab.data import PromptSplits, prompt_indices
 from rlhf_lab.offline.batch import Collator
 from rlhf_lab.offline.data import ExampleSplits, load_examples
+from rlhf_lab.offline.packing import PackedRows, packed_logits
 from rlhf_lab.offline.stage import to_device
+from rlhf_lab.ops import gather_logprobs
 from rlhf_lab.registry import get
+from rlhf_lab.rollout import Rollout
 from rlhf_lab.trackers.jsonl import read_jsonl
 from rlhf_lab.training.loop import Trainer, _progress
 from rlhf_lab.training.records import StepTimer, run_summary
+from rlhf_lab.training.update import Updater
 
 MODEL_FOLDER = "model"  # the stage's output inside the run folder
 
@@ -50,9 +55,24 @@ def offline_summary(history: list[dict[str, Any]], steps: int, run_dir: Path, sk
     return {"model_dir": str(run_dir / MODEL_FOLDER), **summary}
 
 
+class OfflineUpdater(Updater):
+    """The updater of the offline stages: packed rows (``algorithm.packing``) take their block-diagonal forward
+    pass (:mod:`rlhf_lab.offline.packing`), other batches the usual one."""
+
+    def forward(self, batch: Rollout) -> PolicyOutput:
+        if not isinstance(batch, PackedRows):
+            return super().forward(batch)
+        with self.precision.autocast():
+            logits = packed_logits(self.policy, batch, self.cfg.trainer.temperature)
+        logprobs = gather_logprobs(logits, batch.response_ids) * batch.response_mask
+        return PolicyOutput(logprobs=logprobs, logits=logits, hidden=None)
+
+
 class OfflineTrainer(Trainer):
     """Runs an offline stage (the registered ``algorithm``) over batches of ``trainer.prompts_per_step``
     examples, drawn in an order that is a pure function of (seed, step), so a resumed run sees the same."""
+
+    updater_class = OfflineUpdater  # takes packed rows (algorithm=sft algorithm.packing=true) too
 
     def __init__(self, cfg: Any, run_dir: Path) -> None:
         super().__init__(cfg, run_dir)
@@ -88,6 +108,7 @@ class OfflineTrainer(Trainer):
             "optim/grad_norm": self.updater.last_grad_norm,
             "time/step_s": elapsed,
             "throughput/tokens_per_s": float(batch.attention_mask.sum()) / elapsed,
+            **self.algorithm.batch_metrics(batch),
         }
         metrics.update({f"time/{name}_s": seconds for name, seconds in timer.times.items()})
         if self.updater.consecutive_skips >= cfg.trainer.max_consecutive_skips:
@@ -123,14 +144,15 @@ class OfflineTrainer(Trainer):
         return [r for r in read_jsonl(path) if "loss/total" in r] if path.is_file() else []
 
     def train(self) -> dict[str, Any]:
-        """Steps, evaluation before and after, checkpoints, signals; as :meth:`Trainer.train`."""
+        """Steps, evaluation before and after, checkpoints, signals, the time budget; as :meth:`Trainer.train`."""
         cfg = self.cfg
         steps = cfg.trainer.steps
         previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
         for s in previous:
             signal.signal(s, self._handle_signal)
         history: list[dict[str, Any]] = []
-        progress = _progress(range(self.start_step, steps), cfg.trainer.progress_bar, self.start_step, steps)
+        last = self.start_step if self.clock.reached(self.device) else steps  # a resume past its budget: no step
+        progress = _progress(range(self.start_step, last), cfg.trainer.progress_bar, self.start_step, steps)
         evaluate = cfg.trainer.eval_prompts > 0
         try:
             if self.start_step == 0 and evaluate:
@@ -138,27 +160,36 @@ class OfflineTrainer(Trainer):
                 if self.first_eval:
                     self.records.log({"step": 0, **self.first_eval}, 0)
                 self._print_example("before training")
+            step = self.start_step - 1
             for step in progress:
-                metrics = self.train_step(step)
-                if cfg.trainer.eval_every > 0 and (step + 1) % cfg.trainer.eval_every == 0 and step + 1 < steps:
+                with self.clock.timing():
+                    metrics = self.train_step(step)
+                out_of_time = self.clock.reached(self.device)  # trainer.max_train_seconds: this step is the last
+                last_step = out_of_time or step + 1 == steps
+                if cfg.trainer.eval_every > 0 and (step + 1) % cfg.trainer.eval_every == 0 and not last_step:
                     metrics.update(self.evaluate(step))
                 self.records.log(metrics, step)
                 history.append(metrics)
                 if hasattr(progress, "set_postfix"):
                     progress.set_postfix(loss=f"{metrics['loss/total']:.4f}")
                 every = cfg.trainer.checkpoint_every
-                if self.stop_requested or step + 1 == steps or (every > 0 and (step + 1) % every == 0):
+                if self.stop_requested or last_step or (every > 0 and (step + 1) % every == 0):
                     self.save(step)
                 if self.stop_requested:
                     raise self._stopped(step)
-            final_eval = self.evaluate(steps) if evaluate else {}
+                if out_of_time:
+                    self.clock.announce(step)
+                    break
+            done = step + 1  # steps trained, over every segment
+            final_eval = self.evaluate(done) if evaluate else {}
             if final_eval:
-                self.records.log({"step": steps, **final_eval}, steps)
+                self.records.log({"step": done, **final_eval}, done)
                 self._print_example("after training")
             if distributed.is_main_process():
                 self.export()
-            summary = offline_summary(self.history() or history, steps, self.run_dir, self.updater.skipped_updates,
+            summary = offline_summary(self.history() or history, done, self.run_dir, self.updater.skipped_updates,
                                       self.first_eval, final_eval)
+            summary.update(self.clock.summary(done, steps))  # stopped_by: steps | max_train_seconds
             self.records.finish(summary)
             return summary
         finally:

@@ -25,6 +25,7 @@ from rlhf_lab.precision import Precision
 from rlhf_lab.registry import get
 from rlhf_lab.trackers.jsonl import repair_jsonl
 from rlhf_lab.training import checkpoint as ckpt
+from rlhf_lab.training.budget import TrainingClock
 from rlhf_lab.training.loop import resolve_device, seed_everything
 from rlhf_lab.training.records import Records, StepTimer
 from rlhf_lab.training.update import Updater
@@ -57,6 +58,7 @@ class RewardModelTrainer(OfflineTrainer):
         self.stop_requested: str | None = None
         self.stop_signal: int | None = None
         self._eval_examples: list[tuple[str, str, float]] = []
+        self.clock = TrainingClock(cfg.trainer.max_train_seconds)
         tracker = get("logger", cfg.logger.name)(cfg.logger, OmegaConf.to_container(cfg, resolve=True), self.run_dir)
         self._maybe_resume()
         self.records = Records(self.run_dir, tracker, cfg.logger.samples_every)
@@ -75,13 +77,14 @@ class RewardModelTrainer(OfflineTrainer):
                                      self.updater.scheduler, self.cfg.model.lora.enabled)
         self.updater.load_state_dict(state)
         self.first_eval = state.get("first_eval")
+        self.clock.load_state_dict(state)
         self.start_step = state["step"] + 1
         for name in ("metrics.jsonl", "samples.jsonl"):
             repair_jsonl(self.run_dir / name, before_step=self.start_step)
         print(f"resumed from {self.resume_from} at step {self.start_step}")
 
     def save(self, step: int) -> Path | None:
-        state = {**self.updater.state_dict(), "first_eval": self.first_eval}
+        state = {**self.updater.state_dict(), "first_eval": self.first_eval, **self.clock.state_dict()}
         return ckpt.save_checkpoint(self.checkpoint_root, step, self.model, self.tokenizer, {}, self.updater.optimizer,
                                     self.updater.scheduler, state, keep_last_n=self.cfg.trainer.keep_last_n)
 

@@ -2,7 +2,10 @@
 
 Loss: the token-mean negative log-likelihood of the response tokens, EOS included; prompt tokens carry no
 loss (only positions that predict response tokens are scored). Held out: ``eval/loss`` and
-``eval/perplexity`` = exp(loss). Examples are not packed: one demonstration per row.
+``eval/perplexity`` = exp(loss), over unpacked rows. Training rows hold one demonstration each, or with
+``algorithm.packing=true`` several, packed without cross-contamination (:mod:`rlhf_lab.offline.packing`):
+the same loss, less padding. ``sft/packing_efficiency`` logs the share of the batch's token slots that hold
+a token, packed or not.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import torch
 
 from rlhf_lab.algorithms.base import LossContext, LossResult, PolicyOutput
 from rlhf_lab.offline.data import Example
+from rlhf_lab.offline.packing import PackedRows
 from rlhf_lab.offline.stage import OfflineStage, chunks, to_device
 from rlhf_lab.ops import masked_sum
 from rlhf_lab.registry import register
@@ -28,6 +32,19 @@ def response_nll(logprobs: torch.Tensor, response_mask: torch.Tensor) -> torch.T
 @register("algorithm", "sft")
 class SFT(OfflineStage):
     pairs = False
+
+    def collate(self, collator: Any, examples: list[Example]) -> Rollout:
+        if self.cfg.packing:
+            return collator.packed_demonstrations(examples, self.cfg.packing_length)
+        return collator.demonstrations(examples)
+
+    def batch_metrics(self, batch: Rollout) -> dict[str, float]:
+        """The share of token slots holding a token (not padding), and response tokens per demonstration."""
+        documents = batch.documents if isinstance(batch, PackedRows) else batch.batch_size
+        return {
+            "sft/packing_efficiency": float(batch.attention_mask.float().mean()),
+            "response/length_mean": float(batch.response_mask.sum()) / max(documents, 1),
+        }
 
     def loss(self, batch: Rollout, output: PolicyOutput, context: LossContext) -> LossResult:
         """This micro-batch's share of the mini-batch's token-mean NLL."""

@@ -26,6 +26,7 @@ class OfflineStage:
     trainer = "rlhf_lab.offline.loop:OfflineTrainer"
     pairs = False  # True: preference pairs; False: demonstrations
     needs_hidden_states = False
+    reads_sampling_hidden = False  # as Algorithm's: no rollouts, so no sampling-time hidden states
 
     def __init__(self, cfg: Any) -> None:
         self.cfg = cfg
@@ -59,6 +60,10 @@ class OfflineStage:
 
     def prepare(self, batch: Rollout, trainer: Any) -> None:
         """Fill what the loss needs beside the policy's forward pass (a reference pass)."""
+
+    def batch_metrics(self, batch: Rollout) -> dict[str, float]:
+        """The stage's own metrics of a training batch's layout (logged with the step's)."""
+        return {}
 
     def held_out_metrics(self, trainer: Any, examples: list[Example]) -> dict[str, float]:
         """``eval/…`` metrics of the stage's loss on held-out examples."""

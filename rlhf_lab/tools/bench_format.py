@@ -43,10 +43,16 @@ def format_report(report: dict[str, Any]) -> str:
                               *(_number(phases[name]) for name in PHASES), _number(summary["other_s_mean"]),
                               _number(summary["tokens_per_s"], 1), _number(summary["peak_rss_mib"], 0),
                               _reward_cell(summary)])
+            floor = row["frameworks"].get("rlhf_lab", {}).get("summary", {})
+            if floor.get("generation_over_floor") is not None:
+                notes.append(f"{row['row']}: generation {_number(floor['generation_over_floor'])}x its floor "
+                             f"({_number(floor['generation_floor_s_mean'])} s, {floor['generation_floor_bound']}-bound "
+                             "on this machine's measured bandwidth and matrix FLOP rate)")
             ratio = row.get("ratio_rlhf_lab_over_trl")
             if ratio:
                 notes.append(f"{row['row']}: rlhf_lab / trl = {_number(ratio['step_s_median'])}x time per step "
-                             f"(medians), {_number(ratio['peak_rss_mib'])}x peak RSS")
+                             f"(medians), {_number(ratio['peak_rss_mib'])}x peak RSS, "
+                             f"{_number(ratio.get('generate_s_mean'))}x generation phase")
         out += ["Per-phase seconds are means over measured steps; 'other' = mean step - their sum.",
                 _table(headers, lines), *notes]
     if report["scaling"]:

@@ -9,9 +9,10 @@ template with ``model.system_prompt``, the prompts of each step (rlhf_lab's ``pr
 TRL's shuffling off), samples per step (``trainer.prompts_per_step`` × ``algorithm.group_size``),
 ``max_completion_length``, temperature/top-p/top-k, learning rate, schedule and AdamW settings, gradient
 clipping, clip epsilon, group-std scaling, token-mean loss (TRL's ``dapo``), k3 KL in the loss with
-``beta = kl.coef``, LoRA settings, dtype (no autocast), reward (rlhf_lab's reward wrapped as a TRL reward
-function). TRL defaults that differ from rlhf_lab's and are switched off here: gradient checkpointing,
-bf16 autocast, dataset shuffling; AdamW is the fused torch kernel on both sides. Left as TRL has it:
+``beta = kl.coef``, LoRA settings, precision (rlhf_lab's ``bf16-mixed``, also what ``auto`` resolves to on
+bfloat16 hardware, is TRL's ``bf16=True`` autocast; ``fp32`` and ``bf16-true`` run without autocast in the
+weights' dtype), reward (rlhf_lab's reward wrapped as a TRL reward function). TRL defaults that differ from
+rlhf_lab's and are switched off here: gradient checkpointing, dataset shuffling; AdamW is the fused torch kernel on both sides. Left as TRL has it:
 its fused LM head (log-probs computed in tiles without materialising [B, T, V] logits).
 
 Per-step phases, measured around TRL's own methods: ``generate`` (``_generate``: prompt tokenisation,
@@ -75,7 +76,8 @@ def unsupported_reason(cfg: Any) -> str | None:
     samples = trainer.prompts_per_step * algorithm.group_size
     checks = [
         (algorithm.name != "grpo", f"algorithm={algorithm.name} has no TRL counterpart here (only grpo is compared)"),
-        (algorithm.baseline != "group", f"algorithm.baseline={algorithm.baseline} (TRL GRPO uses the group mean)"),
+        (algorithm.advantage != "grpo",
+         f"algorithm.advantage={algorithm.advantage} (TRL GRPO uses the group-normalised advantage)"),
         (algorithm.whiten_advantages or algorithm.weight_by != "advantage" or algorithm.clamp_negative_weights,
          "advantage whitening/reweighting options have no TRL GRPO setting"),
         (algorithm.clip_eps is None, "algorithm.clip_eps=null (TRL GRPO always clips)"),
@@ -124,7 +126,7 @@ def grpo_config_kwargs(cfg: Any, total_steps: int, output_dir: str) -> dict[str,
         "scale_rewards": "group" if algorithm.scale_by_std else "none",
         "loss_type": "dapo" if algorithm.loss_aggregation == "token_mean" else "grpo",
         "model_init_kwargs": {"dtype": weights_dtype(trainer)},
-        "bf16": False,
+        "bf16": run_precision(trainer) == "bf16-mixed",
         "fp16": False,
         "activation_checkpointing": False,  # TRL's default is on (its alias gradient_checkpointing=True)
         "dataloader_pin_memory": False,
@@ -190,11 +192,19 @@ def reward_function(cfg: Any) -> Any:
     return score
 
 
-def weights_dtype(trainer: Any) -> str:
-    """The dtype name of the weights rlhf_lab trains in (``trainer.precision``, or its ``dtype`` alias)."""
-    from rlhf_lab.precision import WEIGHT_DTYPES, resolve_precision
+def run_precision(trainer: Any) -> str:
+    """The precision rlhf_lab's run resolves to (``trainer.precision``, ``auto`` for the planned device)."""
+    from rlhf_lab.config.validate_scale import planned_device
+    from rlhf_lab.precision import resolve_precision
 
-    return WEIGHT_DTYPES[resolve_precision(trainer.precision, trainer.dtype, warn=False)]
+    return resolve_precision(trainer.precision, trainer.dtype, warn=False, device=planned_device(trainer.device))
+
+
+def weights_dtype(trainer: Any) -> str:
+    """The dtype name of the weights rlhf_lab trains in."""
+    from rlhf_lab.precision import WEIGHT_DTYPES
+
+    return WEIGHT_DTYPES[run_precision(trainer)]
 
 
 def model_folder(cfg: Any, tokenizer: Any, work_dir: Path) -> str:

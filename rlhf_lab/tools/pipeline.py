@@ -19,6 +19,14 @@ Overrides: ``KEY=VALUE`` applies to every stage; ``STAGE:KEY=VALUE`` to one (``b
 ``gold``, or an RL arm's name), e.g. ``model=tiny rm:trainer.steps=40 grpo:trainer.steps=20``.
 ``--gold '{name: sentiment}'`` sets the gold reward (a reward config; VADER by default), ``--arms grpo,ppo``
 the RL arms.
+
+Equal wall-clock budgets: ``trainer.max_train_seconds=600 trainer.steps=100000`` gives every training stage
+(reward model, each RL arm, DPO) 600 s of training steps; each stops after the step that reaches it
+(``stopped_by`` in its ``summary.json``; the table's ``steps`` column shows how many each got), and the large
+``trainer.steps`` makes time, not steps, the limit. Evaluation and checkpoints do not count towards it. The
+LR schedule still runs over ``trainer.steps``, so keep ``trainer.lr_schedule=constant`` (the default) or a
+decay barely starts. Give a stage its own limit with its prefix, e.g. ``rm:trainer.steps=40
+rm:trainer.max_train_seconds=null``.
 """
 
 from __future__ import annotations
@@ -114,7 +122,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     def cell(value: Any) -> str:
         return f"{value:.4g}" if isinstance(value, float) else str(value)
 
-    columns = ["arm", "gold eval reward", "eval KL exact", "eval length", "proxy eval reward", "s/step"]
+    columns = ["arm", "gold eval reward", "eval KL exact", "eval length", "proxy eval reward", "steps", "s/step"]
     lines = ["| " + " | ".join(columns) + " |", "| --- |" + " ---: |" * (len(columns) - 1)]
     lines += ["| " + " | ".join(cell(row.get(c, "")) for c in columns) + " |" for row in rows]
     return "\n".join(lines)
@@ -160,7 +168,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                      "eval KL exact": metrics.get("eval/kl/exact"),
                      "eval length": metrics.get("eval/response/length_mean"),
                      "proxy eval reward": summary.get("eval/reward/mean", "") if arm in arms else "",
-                     "s/step": summary.get("time/step_s_median", "")})
+                     "steps": summary.get("steps", ""), "s/step": summary.get("time/step_s_median", "")})
     rm = summaries["reward_model"]
     result = {"arms": rows, "reward_model": {k: v for k, v in rm.items() if k.startswith(("eval/", "before/eval/"))},
               "preferences": json.loads((pairs / "recipe.json").read_text(encoding="utf-8"))["counts"]}

@@ -9,7 +9,8 @@ A checkpoint holds only safetensors and JSON, so loading one never unpickles any
   (hyper-parameters, step counts) are JSON inside ``trainer_state.json``;
 - ``rng.safetensors``: the torch (and CUDA) generator states; Python's and NumPy's are JSON;
 - ``config.json``: the resolved config of the run that wrote it (what a resume is compared against);
-- ``trainer_state.json``: step, KL controller, counters, and a manifest of every file above with its
+- ``trainer_state.json``: step, KL controller, counters, the seconds trained so far (``train_seconds``, the
+  clock of ``trainer.max_train_seconds``), and a manifest of every file above with its
   size and sha256 (:mod:`.verify`). It is written last, so a folder whose manifest is missing, unreadable or
   does not match the files is incomplete and never loaded; a resume verifies the digests too.
 

@@ -77,8 +77,10 @@ class ExperienceMaker:
     """
 
     def __init__(self, cfg: Any, tokenizer: Any, models: PolicyAndReference, policy: nn.Module, reward: Reward,
-                 kl_estimator: Any, kl_placement: Any, device: torch.device, precision: Precision | None = None) -> None:
+                 kl_estimator: Any, kl_placement: Any, device: torch.device, precision: Precision | None = None,
+                 keep_hidden: bool = False) -> None:
         self.cfg, self.tokenizer, self.models, self.policy = cfg, tokenizer, models, policy
+        self.keep_hidden = keep_hidden  # keep the decode loop's last hidden states (Rollout.hidden)
         self.reward, self.kl_estimator, self.kl_placement, self.device = reward, kl_estimator, kl_placement, device
         self.precision = precision or Precision("fp32", device.type)
         # The update needs the reference's full logits only for a logits-based estimator placed in the loss.
@@ -195,7 +197,7 @@ class ExperienceMaker:
         formatted = format_prompts(prompts, self.tokenizer, cfg.model.chat_template, cfg.model.system_prompt)
         settings = dict(group_size=group_size, max_new_tokens=cfg.trainer.max_new_tokens,
                         temperature=cfg.trainer.temperature, top_p=cfg.trainer.top_p, top_k=cfg.trainer.top_k,
-                        max_prompt_tokens=cfg.data.max_prompt_tokens, keep_logits=True)
+                        max_prompt_tokens=cfg.data.max_prompt_tokens, keep_logits=True, keep_hidden=self.keep_hidden)
         with self.precision.autocast():
             if not (cfg.trainer.seed_per_prompt and rng_keys is not None):
                 return generate(self.policy, self.tokenizer, formatted, **settings)

@@ -36,6 +36,7 @@ from rlhf_lab.trackers.jsonl import repair_jsonl
 from rlhf_lab.trackers.multi import build_tracker
 from rlhf_lab.training import checkpoint as ckpt
 from rlhf_lab.training import resume_contract
+from rlhf_lab.training.budget import TrainingClock
 from rlhf_lab.training.evaluation import Evaluation, rng_key, shard  # noqa: F401  (shard: imported from here)
 from rlhf_lab.training.experience import ExperienceMaker
 from rlhf_lab.training.records import Records, StepTimer, run_summary, sample_columns
@@ -60,6 +61,8 @@ def seed_everything(seed: int) -> None:
 
 class Trainer:
     """Builds a run's parts from its config and trains; ``experience``, ``updater`` and ``records`` are its units."""
+
+    updater_class: type[Updater] = Updater  # the offline stages' own takes packed rows too
 
     def __init__(self, cfg: Any, run_dir: Path) -> None:
         self.cfg = cfg
@@ -113,9 +116,9 @@ class Trainer:
         self.reward = build_reward(cfg.reward, device=str(self.device))
         self.experience = ExperienceMaker(cfg, self.tokenizer, self.models, distributed.unwrap(self.policy),
                                           self.reward, self.kl_estimator, self.kl_placement, self.device,
-                                          self.precision)
-        self.updater = Updater(cfg, self.policy, self.algorithm, self.kl_estimator, self.kl_placement, self.device,
-                               self.precision, self.strategy, sync_modules)
+                                          self.precision, keep_hidden=self.algorithm.reads_sampling_hidden)
+        self.updater = self.updater_class(cfg, self.policy, self.algorithm, self.kl_estimator, self.kl_placement,
+                                          self.device, self.precision, self.strategy, sync_modules)
         self.start_step = 0
         self.step = -1
         self.first_eval: dict[str, Any] | None = None
@@ -123,6 +126,7 @@ class Trainer:
         self.stop_signal: int | None = None
         self._eval_examples: list[tuple[str, str, float]] = []
         self.evaluation: Evaluation | None = None  # built at the first evaluation
+        self.clock = TrainingClock(cfg.trainer.max_train_seconds)  # checkpointed: a resume continues it
 
         resolved = OmegaConf.to_container(cfg, resolve=True)
         tracker = build_tracker(cfg.logger, resolved, self.run_dir, resuming=self.resume_from is not None)
@@ -146,6 +150,7 @@ class Trainer:
         if rank_rng and len(rank_rng) == distributed.world_size():  # every rank's own generator
             torch.set_rng_state(torch.tensor(rank_rng[distributed.rank()], dtype=torch.uint8))
         self.first_eval = state.get("first_eval")
+        self.clock.load_state_dict(state)
         self.start_step = state["step"] + 1
         for name in ("metrics.jsonl", "samples.jsonl"):
             if distributed.is_main_process():
@@ -187,7 +192,7 @@ class Trainer:
         if not distributed.is_main_process():
             return None  # one writer: rank 0
         trainer_state = {"kl_controller": self.kl_controller.state_dict(), **updater.state_dict(),
-                         "first_eval": self.first_eval}
+                         "first_eval": self.first_eval, **self.clock.state_dict()}
         if distributed.world_size() > 1:
             trainer_state["rank_rng"] = rank_rng
         return ckpt.save_checkpoint(self.checkpoint_root, step, policy, self.tokenizer, modules, updater.optimizer,
@@ -220,7 +225,7 @@ class Trainer:
             # no token in any mean.
             rollout.response_mask = mask * in_loss[:, None]
             rollout.advantages = rollout.advantages * rollout.response_mask
-        rollout.policy_logits = None  # no longer needed; frees [B, T, V]
+        rollout.policy_logits = rollout.hidden = None  # no longer needed; frees [B, T, V] and [B, T, H]
         if not self.experience.update_needs_ref_logits:
             rollout.ref_logits = None
         update_stats = self.updater.update(rollout, coef, step, timer)
@@ -343,7 +348,8 @@ class Trainer:
         for s in previous:
             signal.signal(s, self._handle_signal)
         history: list[dict[str, Any]] = []
-        progress = _progress(range(self.start_step, steps), cfg.trainer.progress_bar, self.start_step, steps)
+        last = self.start_step if self.clock.reached(self.device) else steps  # a resume past its budget: no step
+        progress = _progress(range(self.start_step, last), cfg.trainer.progress_bar, self.start_step, steps)
         try:
             if self.start_step == 0 and cfg.trainer.eval_prompts > 0:
                 self.first_eval = self.evaluate(0)  # saved with checkpoints: a resumed run's summary keeps it
@@ -352,26 +358,35 @@ class Trainer:
                 self._print_example("before training")
             step = self.start_step - 1
             for step in progress:
-                metrics = self.train_step(step)
+                with self.clock.timing():
+                    metrics = self.train_step(step)
+                out_of_time = self.clock.reached(self.device)  # trainer.max_train_seconds: this step is the last
                 # Hook: the exact task's metrics by enumeration (model=exact, rlhf_lab/exact/); {} otherwise.
                 metrics.update(exact_step_metrics(self, step))
-                if cfg.trainer.eval_every > 0 and (step + 1) % cfg.trainer.eval_every == 0 and step + 1 < steps:
+                last_step = out_of_time or step + 1 == steps
+                if cfg.trainer.eval_every > 0 and (step + 1) % cfg.trainer.eval_every == 0 and not last_step:
                     metrics.update(self.evaluate(step))
                 self.records.log(metrics, step)
                 history.append(metrics)
                 if hasattr(progress, "set_postfix"):
                     progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}", kl=f"{metrics['kl/exact']:.4f}")
                 every = cfg.trainer.checkpoint_every
-                if self.stop_requested or step + 1 == steps or (every > 0 and (step + 1) % every == 0):
+                if self.stop_requested or last_step or (every > 0 and (step + 1) % every == 0):
                     self.save(step)
                 if self.stop_requested:
                     raise self._stopped(step)
-            final_eval = self.evaluate(steps) if cfg.trainer.eval_prompts > 0 else {}
+                if out_of_time:
+                    self.clock.announce(step)
+                    break
+            done = step + 1  # steps trained, over every segment
+            final_eval = self.evaluate(done) if cfg.trainer.eval_prompts > 0 else {}
             if final_eval:
-                self.records.log({"step": steps, **final_eval}, steps)
+                self.records.log({"step": done, **final_eval}, done)
                 self._print_example("after training")
-            summary = run_summary(self.records.history() or history, steps, self.run_dir,
+            summary = run_summary(self.records.history() or history, done, self.run_dir,
                                   self.updater.skipped_updates, self.first_eval, final_eval)
+            summary.update(self.clock.summary(done, steps))  # stopped_by: steps | max_train_seconds
+            summary["precision"] = self.precision.name  # what trainer.precision (auto by default) resolved to
             self.records.finish(summary)
             return summary
         finally:

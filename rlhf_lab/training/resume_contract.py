@@ -5,8 +5,10 @@ config with it, key by key:
 
 - keys in :data:`MAY_CHANGE` are honoured: ``trainer.lr`` and ``kl.coef`` are applied to the restored
   optimizer, schedule and KL controller (:func:`apply_changes`); ``trainer.steps`` may move as long as it
-  stays above the checkpoint's step; the rest (evaluation, checkpoint and logging cadence, the device, the
-  strategy, memory savers, the logger) only change how the remaining steps are run or recorded;
+  stays above the checkpoint's step; ``trainer.max_train_seconds`` may move too (the clock of the steps
+  done is restored: :mod:`rlhf_lab.training.budget`); the rest (evaluation, checkpoint and logging cadence,
+  the device, the strategy, memory savers, the logger) only change how the remaining steps are run or
+  recorded;
 - any other change (algorithm, model, LoRA, seed, data, reward, batch shape, ...) is refused at start with
   one line naming each key, its old and new value, and how to start a fresh run instead.
 
@@ -36,6 +38,7 @@ from rlhf_lab.training.verify import damage
 # Keys a resumed run may change ("x.*": every key under x). Everything else must match the checkpoint.
 MAY_CHANGE = (
     "trainer.steps",  # as long as it stays above the checkpoint's step
+    "trainer.max_train_seconds",  # the budget of the whole run: raise it to continue a run it stopped
     "trainer.lr",  # applied to the optimizer's parameter groups and the schedule
     "kl.coef",  # applied to the KL controller
     "trainer.eval_every", "trainer.checkpoint_every", "trainer.keep_last_n", "trainer.samples_per_step_logged",

@@ -20,7 +20,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 GOLDEN_DIR = Path(__file__).resolve().parent
 BASE = [
-    "model=tiny", "trainer.steps=4", "trainer.prompts_per_step=2", "algorithm.group_size=2",
+    "model=tiny", "trainer.precision=fp32", "trainer.steps=4", "trainer.prompts_per_step=2", "algorithm.group_size=2",
     "trainer.max_new_tokens=4", "trainer.eval_prompts=2", "trainer.eval_every=2", "trainer.progress_bar=false",
     "trainer.num_threads=1", "trainer.lr=1e-3", "seed=3", "reward=length",
 ]

@@ -145,8 +145,14 @@ def test_trl_settings_match_the_config(compose) -> None:
     assert kwargs["beta"] == 0.04 and kwargs["loss_type"] == "dapo" and kwargs["scale_rewards"] == "group"
     assert kwargs["learning_rate"] == cfg.trainer.lr and kwargs["lr_scheduler_type"] == "constant"
     assert kwargs["temperature"] == cfg.trainer.temperature and kwargs["top_p"] == cfg.trainer.top_p
-    assert not kwargs["activation_checkpointing"] and not kwargs["bf16"] and kwargs["optim"] == "adamw_torch_fused"
+    assert not kwargs["activation_checkpointing"] and kwargs["optim"] == "adamw_torch_fused"
     assert kwargs["report_to"] == "none" and kwargs["save_strategy"] == "no" and kwargs["eval_strategy"] == "no"
+    # Precision: TRL's bf16 autocast exactly when rlhf_lab runs bf16-mixed (also what auto resolves to on bf16
+    # hardware); the weights in the dtype rlhf_lab keeps them in.
+    for precision, bf16, dtype in [("fp32", False, "float32"), ("bf16-mixed", True, "float32"),
+                                   ("bf16-true", False, "bfloat16")]:
+        kwargs = grpo_config_kwargs(compose([f"trainer.precision={precision}"]), total_steps=3, output_dir="/tmp/x")
+        assert kwargs["bf16"] is bf16 and kwargs["model_init_kwargs"] == {"dtype": dtype}
 
 
 @pytest.mark.skipif(not HAS_TRL, reason="TRL is not installed (optional extra: pip install -r requirements-trl.txt)")

@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file
 
 TINY = [
-    "model=tiny", "trainer.steps=3", "trainer.prompts_per_step=2", "algorithm.group_size=2",
+    "model=tiny", "trainer.precision=fp32", "trainer.steps=3", "trainer.prompts_per_step=2", "algorithm.group_size=2",
     "trainer.max_new_tokens=4", "trainer.eval_prompts=2", "trainer.progress_bar=false", "trainer.num_threads=1",
     "trainer.lr=1e-3", "trainer.seed_per_prompt=true", "reward=length",
 ]

@@ -192,6 +192,104 @@ def test_sft_lora_output_loads_merged_and_as_adapter(compose, tiny_overrides, de
     assert not torch.allclose(logits["merged"], logits["base"], atol=1e-4)
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])  # the 4-D mask as a boolean, and added to the scores
+@pytest.mark.parametrize("packing_length,rows", [("null", [3]), ("80", [2, 1])])  # 38 + 38 + 36 tokens
+def test_sft_packing_gives_the_unpacked_logprobs_loss_and_gradient(compose, tiny_overrides, demo_file, attention,
+                                                                   packing_length, rows):
+    """No cross-contamination: each demonstration's per-token log-probs, the loss and its gradient are the
+    same packed (several documents per row, padding after them) as unpacked (one per row), fp32."""
+    from rlhf_lab.algorithms.base import LossContext
+    from rlhf_lab.models import build_tiny_llama, load_tokenizer
+    from rlhf_lab.offline.batch import Collator
+    from rlhf_lab.offline.data import load_examples
+    from rlhf_lab.offline.loop import OfflineUpdater
+    from rlhf_lab.offline.packing import first_fit, resolve_length
+    from rlhf_lab.offline.sft import SFT
+    from rlhf_lab.ops import gather_logprobs
+    from rlhf_lab.registry import get
+
+    cfg = compose([*tiny_overrides(None), "algorithm=sft", "algorithm.packing=true",
+                   f"algorithm.packing_length={packing_length}", "data=demonstrations", f"data.path={demo_file}",
+                   "data.eval_fraction=0"])
+    tokenizer = load_tokenizer(cfg.model)
+    model = build_tiny_llama(tokenizer, cfg.model.tiny, seed=0)
+    model.set_attn_implementation(attention)
+    collator = Collator(tokenizer, cfg.model, cfg.data)
+    examples = load_examples(cfg.data, pairs=False).train
+    unpacked = collator.demonstrations(examples)
+    packed = collator.packed_demonstrations(examples, cfg.algorithm.packing_length)
+    layout = first_fit(unpacked.attention_mask.sum(-1).tolist(), resolve_length(cfg.algorithm.packing_length, cfg.data))
+    assert [len(row) for row in layout] == rows == packed.document_ids.amax(-1).tolist()
+
+    stage_, updater = SFT(cfg.algorithm), OfflineUpdater(cfg, model, SFT(cfg.algorithm), None,
+                                                         get("kl_placement", "reward"), torch.device("cpu"))
+    results = {}
+    for name, batch in (("unpacked", unpacked), ("packed", packed)):
+        model.zero_grad()
+        output = updater.forward(batch)
+        loss = stage_.loss(batch, output, LossContext(float(batch.response_mask.sum()), batch.batch_size)).loss
+        loss.backward()
+        results[name] = output.logprobs.detach(), loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    # Each demonstration's response log-probs: row i unpacked; packed, document k of its row in the layout.
+    logprobs = results["unpacked"][0]
+    expected = [logprobs[i][unpacked.response_mask[i].bool()] for i in range(len(examples))]
+    logprobs, got = results["packed"][0], {}
+    for row, indices in enumerate(layout):
+        for number, index in enumerate(indices, 1):
+            where = (packed.document_ids[row, 1:] == number) & packed.response_mask[row].bool()
+            got[index] = logprobs[row][where]
+    for index in range(len(examples)):
+        torch.testing.assert_close(got[index], expected[index], rtol=0, atol=1e-5)
+    assert float(results["packed"][1]) == pytest.approx(float(results["unpacked"][1]), abs=1e-5)
+    for packed_grad, unpacked_grad in zip(results["packed"][2], results["unpacked"][2], strict=True):
+        torch.testing.assert_close(packed_grad, unpacked_grad, rtol=0, atol=1e-5)
+
+    # The test can fail: documents that see each other (one causal mask over the whole row) change log-probs.
+    if max(rows) > 1:
+        with torch.no_grad():
+            logits = model(input_ids=packed.input_ids, attention_mask=packed.attention_mask,
+                           position_ids=packed.position_ids).logits[:, :-1]
+        contaminated = gather_logprobs(logits.float(), packed.response_ids) * packed.response_mask
+        assert (contaminated - logprobs).abs().max() > 1e-3
+
+
+def test_sft_packed_run_writes_the_contract_and_trains_as_unpacked(compose, tiny_overrides, demo_file, tmp_path):
+    common = ["algorithm=sft", "data=demonstrations", f"data.path={demo_file}", "trainer.checkpoint_every=1",
+              "trainer.lr=1e-2"]
+    summary = stage(compose, tiny_overrides, tmp_path / "packed", *common, "algorithm.packing=true")
+    packed = tmp_path / "packed"
+    for name in ("metrics.jsonl", "samples.jsonl", "summary.json", "checkpoints/step_1", "model/config.json"):
+        assert (packed / name).exists(), name
+    assert summary == json.loads((packed / "summary.json").read_text())
+    assert (summary["stopped_by"], summary["steps"]) == ("steps", 2)
+    trained = train_lines(packed)
+    assert [line["step"] for line in trained] == [0, 1]
+    assert all(line["sft/packing_efficiency"] == 1.0 for line in trained)  # 2 demonstrations, one row, no pad
+    for key in ("eval/reward/mean", "eval/kl/exact", "eval/loss", "eval/perplexity"):
+        assert key in summary, key
+    stage(compose, tiny_overrides, tmp_path / "unpacked", *common)
+    unpacked = train_lines(tmp_path / "unpacked")
+    for key in ("loss/total", "loss/sft", "response/length_mean"):
+        assert [line[key] for line in trained] == pytest.approx([line[key] for line in unpacked], abs=1e-5), key
+
+
+def test_sft_run_stops_at_its_time_budget_and_resumes_with_a_larger_one(compose, tiny_overrides, demo_file,
+                                                                         tmp_path):
+    """trainer.max_train_seconds=1e-9: every step exceeds it, so the run stops after step 0, whatever the speed."""
+    common = ["algorithm=sft", "data=demonstrations", f"data.path={demo_file}", "trainer.steps=3", "trainer.lr=1e-2"]
+    out = tmp_path / "sft"
+    summary = stage(compose, tiny_overrides, out, *common, "trainer.max_train_seconds=1e-9")
+    assert (summary["stopped_by"], summary["steps"]) == ("max_train_seconds", 1)
+    assert [line["step"] for line in train_lines(out)] == [0]
+    assert summary["eval/loss"] == [line for line in read_jsonl(out / "metrics.jsonl") if "eval/loss" in line][-1][
+        "eval/loss"]
+    assert (out / "model" / "config.json").is_file() and (out / "checkpoints" / "step_0").is_dir()
+    resumed = stage(compose, tiny_overrides, out, *common, "trainer.max_train_seconds=1e6", "trainer.resume=auto")
+    assert (resumed["stopped_by"], resumed["steps"]) == ("steps", 3)
+    assert [line["step"] for line in train_lines(out)] == [0, 1, 2]
+
+
 # ------------------------------------------------------------------------------------------- reward model
 def test_reward_model_separates_held_out_pairs_and_loads_as_reward(compose, tiny_overrides, pair_folder, tmp_path):
     from rlhf_lab.rewards.base import build_reward

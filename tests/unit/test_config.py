@@ -201,6 +201,29 @@ def test_nan_and_inf_are_rejected(overrides: list[str], expected: str) -> None:
     assert compose_error(overrides) == expected
 
 
+SFT_DEMOS = ["model=tiny", "algorithm=sft", "data=demonstrations", "data.path=demos.jsonl"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["trainer.max_train_seconds=0"], "trainer.max_train_seconds=0.0 is out of range; must be > 0.0"),
+        (["trainer.max_train_seconds=-5"], "trainer.max_train_seconds=-5.0 is out of range; must be > 0.0"),
+        (["trainer.max_train_seconds=inf"], "trainer.max_train_seconds=inf is not a finite number; must be > 0.0"),
+        ([*SFT_DEMOS, "algorithm.packing_length=1"], "algorithm.packing_length=1 is out of range; must be >= 2"),
+    ],
+)
+def test_a_time_budget_and_a_packing_length_must_be_positive(overrides: list[str], expected: str) -> None:
+    assert compose_error(overrides) == expected
+
+
+def test_a_time_budget_and_packing_default_to_off() -> None:
+    assert compose([]).trainer.max_train_seconds is None
+    assert compose(["trainer.max_train_seconds=600"]).trainer.max_train_seconds == 600.0
+    algorithm = compose(SFT_DEMOS).algorithm
+    assert (algorithm.packing, algorithm.packing_length) == (False, None)
+
+
 def test_experiment_selects_with_or_without_plus() -> None:
     plain, plus = compose(["experiment=smoke"]), compose(["+experiment=smoke"])
     assert OmegaConf.to_container(plain) == OmegaConf.to_container(plus)

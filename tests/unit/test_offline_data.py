@@ -136,3 +136,22 @@ def test_rows_mask_the_response_and_its_eos_only(tmp_path, tokenizer):
     assert pairs.input_ids[0, : pairs.prompt_width].tolist() == pairs.input_ids[1, : pairs.prompt_width].tolist()
     cut = Collator(tokenizer, model_cfg, demo_cfg(tmp_path, max_response_tokens=2)).demonstrations(examples[1:])
     assert int(cut.response_mask.sum()) == 2 and tokenizer.eos_token_id not in cut.response_ids[0].tolist()
+
+
+def test_packed_demonstrations_longer_than_a_row_are_cut_as_unpacked_ones(tmp_path, tokenizer):
+    from rlhf_lab.offline.data import Example
+
+    model_cfg = OmegaConf.create({"chat_template": False, "system_prompt": None})
+    collator = Collator(tokenizer, model_cfg, demo_cfg(tmp_path, max_prompt_tokens=64, max_response_tokens=64))
+    prompt, response = "one two three four five six", "seven eight nine ten"
+    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    response_ids = tokenizer(response, add_special_tokens=False)["input_ids"]
+    example = Example(prompt=[{"role": "user", "content": prompt}], chosen=response)
+    whole = collator.packed_demonstrations([example], None)  # a row of 64 + 64 tokens: nothing is cut
+    assert whole.input_ids[0].tolist() == [*prompt_ids, *response_ids, tokenizer.eos_token_id]
+    room = len(prompt_ids) + 2  # the prompt, then 2 response tokens (and no EOS: the response is cut)
+    cut = collator.packed_demonstrations([example], room)
+    assert cut.input_ids[0].tolist() == [*prompt_ids, *response_ids[:2]]
+    assert cut.response_mask[0].tolist()[-2:] == [1.0, 1.0] and int(cut.response_mask.sum()) == 2
+    short = collator.packed_demonstrations([example], 4)  # the prompt keeps its last 3 tokens, 1 response token
+    assert short.input_ids[0].tolist() == [*prompt_ids[-3:], response_ids[0]]

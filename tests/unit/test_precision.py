@@ -7,7 +7,7 @@ import torch
 from omegaconf import OmegaConf
 
 from rlhf_lab.errors import ConfigError
-from rlhf_lab.precision import Precision, check_device, resolve_precision
+from rlhf_lab.precision import Precision, check_device, fast_bf16, resolve_precision
 
 
 @pytest.mark.parametrize(("precision", "dtype", "expected"), [
@@ -18,6 +18,22 @@ def test_precision_and_its_alias(precision: str, dtype: str | None, expected: st
     assert resolve_precision(precision, dtype, warn=False) == expected
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_is_bf16_mixed_only_where_bf16_is_native(monkeypatch, native: bool) -> None:
+    """auto: bf16-mixed on a CPU with AVX512-BF16 or AMX, fp32 on one without (emulated bf16 is slower)."""
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: native)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert fast_bf16(torch.device("cpu")) is native
+    assert resolve_precision("auto", None, warn=False) == ("bf16-mixed" if native else "fp32")
+    assert resolve_precision("auto", "bfloat16", warn=False) == "bf16-true"  # the explicit alias wins
+    assert fast_bf16(torch.device("meta")) is False
+
+
+def test_auto_is_the_default_and_tiny_tests_pin_fp32(compose, tiny_overrides) -> None:
+    assert compose([]).trainer.precision == "auto"
+    assert compose(tiny_overrides(None)).trainer.precision == "fp32"
+
+
 def test_the_alias_prints_one_deprecation_line(capsys) -> None:
     assert resolve_precision("fp32", "bfloat16") == "bf16-true"
     assert capsys.readouterr().err == (
@@ -26,7 +42,7 @@ def test_the_alias_prints_one_deprecation_line(capsys) -> None:
 
 
 @pytest.mark.parametrize(("precision", "dtype", "message"), [
-    ("fp64", None, "trainer.precision='fp64' is not valid; choose from: fp32, bf16-mixed, bf16-true, fp16-mixed"),
+    ("fp64", None, "trainer.precision='fp64' is not valid; choose from: auto, fp32, bf16-mixed, bf16-true, fp16-mixed"),
     ("fp32", "int8", "trainer.dtype='int8' is not valid; choose from: float32, bfloat16, float16"),
     ("fp32", "float16", "trainer.dtype=float16 (pure float16 weights) is replaced by trainer.precision=fp16-mixed"),
     ("bf16-mixed", "bfloat16", "trainer.dtype=bfloat16 (= trainer.precision=bf16-true) contradicts "

@@ -1,0 +1,118 @@
+"""The decode loop: sample responses and collect the sampling policy's per-token quantities as it goes.
+
+It makes the same draws as ``model.generate(do_sample=True, ...)`` for a fixed seed: the same logits
+processors (transformers' own ``MinNewTokensLengthLogitsProcessor``, ``TemperatureLogitsWarper``,
+``TopKLogitsWarper``, ``TopPLogitsWarper``, in generate's order), ``torch.multinomial`` on the processed
+distribution once per step for every row, finished rows continued with the pad token, and the loop ends when
+every row has produced an EOS or ``max_new_tokens`` are done. What it saves over ``generate``: its
+per-step bookkeeping (model-kwarg updates, stopping-criteria objects, tuples of per-step outputs stacked at
+the end), and it computes each position's log-probability and entropy from that step's logits at once, so
+the [B, T, V] logits need not be kept unless asked. It can also keep the last hidden state that predicted
+each token (the shared PPO critic's input at sampling time), which saves a forward pass over the rollout.
+
+The policy distribution is ``softmax(raw logits / temperature)``, before top-k/top-p truncation (see
+:mod:`rlhf_lab.rollout`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from transformers import (
+    LogitsProcessorList,
+    MinNewTokensLengthLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from rlhf_lab.ops import entropy_from_logits, gather_logprobs
+
+
+@dataclass
+class Sampled:
+    """What the decode loop returns; T is the number of steps taken (≤ max_new_tokens)."""
+
+    response_ids: Tensor  # [B, T] sampled tokens, pad after a row's EOS
+    logprobs: Tensor  # [B, T] log softmax(logits / temperature) at the sampled token (unmasked)
+    entropy: Tensor  # [B, T] entropy of softmax(logits / temperature) (unmasked)
+    logits: Tensor | None  # [B, T, V] raw logits / temperature, float32 (``keep_logits``)
+    hidden: Tensor | None  # [B, T, H] last hidden state that predicted each token (``keep_hidden``)
+
+
+def logits_processors(prompt_width: int, eos_token_id: int | list[int] | None, greedy: bool, temperature: float,
+                      top_k: int, top_p: float, min_new_tokens: int = 1) -> LogitsProcessorList:
+    """The processors ``generate`` applies for these settings, in its order."""
+    processors = LogitsProcessorList()
+    if min_new_tokens > 0 and eos_token_id is not None:
+        processors.append(MinNewTokensLengthLogitsProcessor(prompt_width, min_new_tokens, eos_token_id))
+    if greedy:
+        return processors
+    if temperature != 1.0:
+        processors.append(TemperatureLogitsWarper(temperature))
+    if top_k:
+        processors.append(TopKLogitsWarper(top_k=top_k, min_tokens_to_keep=1))
+    if top_p < 1.0:
+        processors.append(TopPLogitsWarper(top_p=top_p, min_tokens_to_keep=1))
+    return processors
+
+
+@torch.no_grad()
+def decode(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, past_key_values: Any, cached: int,
+           max_new_tokens: int, temperature: float, top_p: float, top_k: int, eos_token_id: int | list[int] | None,
+           pad_token_id: int, greedy: bool = False, keep_logits: bool = False,
+           keep_hidden: bool = False) -> Sampled:
+    """Sample up to ``max_new_tokens`` tokens after left-padded prompts ``prompt_ids`` [B, P].
+
+    ``past_key_values`` holds the first ``cached`` prompt positions of every row (0 with an empty cache);
+    the rest of the prompt goes through the model in the first step.
+    """
+    batch, prompt_width = prompt_ids.shape
+    device = prompt_ids.device
+    processors = logits_processors(prompt_width, eos_token_id, greedy, temperature, top_k, top_p)
+    eos_ids = torch.as_tensor([] if eos_token_id is None else eos_token_id, device=device).reshape(-1)
+    attention_mask = torch.cat([prompt_mask, prompt_mask.new_ones(batch, max_new_tokens)], dim=1)
+    # Positions skip left padding: the next position of each row is its count of real tokens so far.
+    positions = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)
+    next_position = prompt_mask.long().sum(-1, keepdim=True)
+    sequences = prompt_ids
+    unfinished = torch.ones(batch, dtype=torch.bool, device=device)
+    tokens, logprobs, entropies, kept_logits, hidden_states = [], [], [], [], []
+    step_ids, step_positions = prompt_ids[:, cached:], positions[:, cached:]
+    for step in range(max_new_tokens):
+        width = prompt_width + step
+        output = model(input_ids=step_ids, attention_mask=attention_mask[:, :width], position_ids=step_positions,
+                       past_key_values=past_key_values, use_cache=True, logits_to_keep=1,
+                       output_hidden_states=keep_hidden)
+        past_key_values = output.past_key_values
+        raw = output.logits[:, -1].float()  # [B, V]
+        scaled = raw / temperature
+        scores = processors(sequences, raw.clone())
+        if greedy:
+            next_tokens = scores.argmax(-1)
+        else:
+            next_tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+        next_tokens = torch.where(unfinished, next_tokens, pad_token_id)
+        logprobs.append(gather_logprobs(scaled, next_tokens))
+        entropies.append(entropy_from_logits(scaled))
+        if keep_logits:
+            kept_logits.append(scaled)
+        if keep_hidden:
+            hidden_states.append(output.hidden_states[-1][:, -1])
+        tokens.append(next_tokens)
+        sequences = torch.cat([sequences, next_tokens[:, None]], dim=1)
+        unfinished = unfinished & ~torch.isin(next_tokens, eos_ids)
+        if not bool(unfinished.any()):
+            break
+        step_ids = next_tokens[:, None]
+        step_positions = next_position + step
+    return Sampled(
+        response_ids=torch.stack(tokens, dim=1),
+        logprobs=torch.stack(logprobs, dim=1),
+        entropy=torch.stack(entropies, dim=1),
+        logits=torch.stack(kept_logits, dim=1) if keep_logits else None,
+        hidden=torch.stack(hidden_states, dim=1) if keep_hidden else None,
+    )

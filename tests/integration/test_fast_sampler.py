@@ -1,0 +1,154 @@
+"""The decode loop is the same computation as ``model.generate`` plus a fresh forward pass.
+
+For a fixed seed it draws the same tokens as ``generate`` (sampling with temperature, top-k, top-p, greedy;
+left-padded prompts; rows that end early), its logits are generate's bit for bit, and its log-probs,
+entropies and kept hidden states equal a fresh forward pass over the sampled sequences, on ``model=tiny``
+and on the embedded SmolLM2-135M. PPO's sampling-time values read those hidden states and skip their
+forward pass.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from rlhf_lab import models
+from rlhf_lab.ops import entropy_from_logits, gather_logprobs
+from rlhf_lab.rollout import format_prompts, generate, position_ids_from_mask
+from rlhf_lab.sampler import decode
+from rlhf_lab.training.loop import Trainer
+
+PROMPTS = ["Hi", "Write two honest sentences about a slow but beautiful film about the sea and its sailors."]
+GROUP_SIZE = 3
+MAX_NEW_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def trainer(tmp_path_factory, compose, tiny_overrides) -> Trainer:
+    tmp = tmp_path_factory.mktemp("sampler")
+    cfg = compose([*tiny_overrides(tmp), "algorithm=ppo", "algorithm.mini_batch_size=4",
+                   f"trainer.max_new_tokens={MAX_NEW_TOKENS}"])
+    return Trainer(cfg, tmp / "run")
+
+
+def encoded_prompts(tokenizer, group_size: int = GROUP_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
+    formatted = format_prompts(PROMPTS, tokenizer, True, None)
+    encoded = tokenizer(formatted, return_tensors="pt", padding=True, add_special_tokens=False)
+    assert (encoded["attention_mask"] == 0).any()  # left padding present
+    return (encoded["input_ids"].repeat_interleave(group_size, 0),
+            encoded["attention_mask"].repeat_interleave(group_size, 0))
+
+
+def plain_generate(model, input_ids, attention_mask, eos, pad, greedy=False, **sampling):
+    settings = dict(do_sample=False) if greedy else dict(do_sample=True, **sampling)
+    return model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=MAX_NEW_TOKENS,
+                          min_new_tokens=1, pad_token_id=pad, eos_token_id=eos, output_logits=True,
+                          return_dict_in_generate=True, **settings)
+
+
+def end_tokens(model) -> list[int]:
+    """Every eighth token id ends a row: the near-uniform tiny model then ends most rows early, at random."""
+    return list(range(0, model.config.vocab_size, 8))
+
+
+@pytest.mark.parametrize(("temperature", "top_k", "top_p", "greedy"),
+                         [(1.0, 0, 1.0, False), (0.7, 20, 0.9, False), (1.3, 0, 0.8, False), (1.0, 0, 1.0, True)])
+def test_decode_draws_what_generate_draws(trainer: Trainer, temperature, top_k, top_p, greedy) -> None:
+    model, tokenizer = trainer.policy.eval(), trainer.tokenizer
+    input_ids, attention_mask = encoded_prompts(tokenizer)
+    sampling = {} if greedy else dict(temperature=temperature, top_k=top_k, top_p=top_p)
+    eos = end_tokens(model)
+    torch.manual_seed(7)
+    with torch.no_grad():
+        expected = plain_generate(model, input_ids, attention_mask, eos, tokenizer.pad_token_id, greedy, **sampling)
+    torch.manual_seed(7)
+    got = decode(model, input_ids, attention_mask, DynamicCache(), 0, MAX_NEW_TOKENS, temperature, top_p, top_k,
+                 eos, tokenizer.pad_token_id, greedy=greedy, keep_logits=True)
+    expected_ids = expected.sequences[:, input_ids.shape[1]:]
+    assert torch.equal(got.response_ids, expected_ids)
+    ended = torch.isin(expected_ids[:, :-1], torch.tensor(eos)).any(dim=1)
+    assert greedy or (ended.any() and not ended.all())  # rows end early, others go on: finished rows are padded
+    assert torch.equal(got.logits, torch.stack(expected.logits, dim=1).float() / temperature)
+
+
+def test_rollout_quantities_equal_a_fresh_forward_pass(trainer: Trainer) -> None:
+    """generate() (shared prompt prefill, decode loop): log-probs, entropy and hidden states against one plain
+    forward pass over the finished rows, to 1e-5 absolute plus 1e-5 relative (log-probs near −10.8 here: a
+    49,152-token vocabulary)."""
+    model, tokenizer = trainer.policy, trainer.tokenizer
+    formatted = format_prompts(PROMPTS, tokenizer, True, None)
+    torch.manual_seed(0)
+    rollout = generate(model, tokenizer, formatted, GROUP_SIZE, MAX_NEW_TOKENS, 0.8, 1.0, 0, 256,
+                       keep_logits=True, keep_hidden=True)
+    with torch.no_grad():
+        output = model(input_ids=rollout.input_ids, attention_mask=rollout.attention_mask,
+                       position_ids=position_ids_from_mask(rollout.attention_mask), output_hidden_states=True)
+    width = rollout.prompt_width
+    logits = output.logits[:, width - 1 : -1].float() / 0.8
+    hidden = output.hidden_states[-1][:, width - 1 : -1]
+    mask = rollout.response_mask.bool()
+    torch.testing.assert_close(rollout.logprobs[mask], gather_logprobs(logits, rollout.response_ids)[mask],
+                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rollout.entropy[mask], entropy_from_logits(logits)[mask],
+                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rollout.hidden[mask], hidden[mask], rtol=0, atol=1e-5)
+    assert rollout.hidden.shape == (*rollout.response_mask.shape, model.config.hidden_size)
+
+
+def test_without_keep_flags_nothing_large_is_kept(trainer: Trainer) -> None:
+    formatted = format_prompts(PROMPTS, trainer.tokenizer, True, None)
+    rollout = generate(trainer.policy, trainer.tokenizer, formatted, GROUP_SIZE, MAX_NEW_TOKENS, 1.0, 1.0, 0, 256,
+                       keep_logits=False)
+    assert rollout.policy_logits is None and rollout.hidden is None
+
+
+def test_ppo_sampling_values_read_the_kept_hidden_states_without_a_forward_pass(trainer: Trainer) -> None:
+    algorithm = trainer.algorithm
+    assert algorithm.reads_sampling_hidden and trainer.experience.keep_hidden
+    formatted = format_prompts(PROMPTS, trainer.tokenizer, True, None)
+    torch.manual_seed(0)
+    rollout = generate(trainer.policy, trainer.tokenizer, formatted, GROUP_SIZE, MAX_NEW_TOKENS, 1.0, 1.0, 0, 256,
+                       keep_logits=False, keep_hidden=True)
+    with torch.no_grad():  # a critic whose values are not all zero (it starts at zero)
+        for parameter in algorithm.critic.parameters():
+            parameter.copy_(torch.linspace(-1, 1, parameter.numel()).reshape(parameter.shape))
+    calls = []
+
+    def forward(batch):
+        calls.append(batch)
+        return trainer.updater.forward(batch)
+
+    with torch.no_grad():
+        from_hidden = algorithm.sampling_values(rollout, forward)
+        assert not calls
+        hidden, rollout.hidden = rollout.hidden, None
+        from_forward = algorithm.sampling_values(rollout, forward)
+    assert len(calls) == 1 and from_hidden.abs().max() > 1e-3
+    torch.testing.assert_close(from_hidden, from_forward, rtol=0, atol=1e-5)
+    rollout.hidden = hidden
+
+
+def test_the_embedded_model_draws_what_generate_draws_and_scores_as_a_forward_pass(compose) -> None:
+    """SmolLM2-135M (fp32): the same tokens as generate; log-probs of a fresh forward pass to 1e-5 absolute
+    plus 1e-5 relative (a log-prob of −10 carries float32 rounding of a 30-layer network)."""
+    model_cfg = compose(["model=smollm2_135m"]).model
+    tokenizer = models.load_tokenizer(model_cfg)
+    model = models.load_causal_lm(model_cfg, tokenizer, "float32", 0).eval()
+    input_ids, attention_mask = encoded_prompts(tokenizer, group_size=2)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        expected = plain_generate(model, input_ids, attention_mask, tokenizer.eos_token_id, tokenizer.pad_token_id,
+                                  temperature=0.7, top_k=50, top_p=0.95)
+    torch.manual_seed(3)
+    got = decode(model, input_ids, attention_mask, DynamicCache(), 0, MAX_NEW_TOKENS, 0.7, 0.95, 50,
+                 tokenizer.eos_token_id, tokenizer.pad_token_id)
+    assert torch.equal(got.response_ids, expected.sequences[:, input_ids.shape[1]:])
+    sequences = expected.sequences
+    full_mask = torch.cat([attention_mask, torch.ones_like(got.response_ids)], dim=1)
+    with torch.no_grad():
+        logits = model(input_ids=sequences, attention_mask=full_mask,
+                       position_ids=position_ids_from_mask(full_mask)).logits
+    width = input_ids.shape[1]
+    fresh = gather_logprobs(logits[:, width - 1 : -1].float() / 0.7, got.response_ids)
+    torch.testing.assert_close(got.logprobs, fresh, rtol=1e-5, atol=1e-5)
