@@ -142,12 +142,12 @@ def run_rlhf_lab(cfg: Any, steps: int, warmup: int, work_dir: Path) -> tuple[lis
     """Train ``warmup + steps`` steps with rlhf_lab's Trainer; (per-step records, facts about the run)."""
     import rlhf_lab.components  # noqa: F401  (registers the built-in parts)
     from rlhf_lab import distributed
-    from rlhf_lab.tools.bench_floor import ModelShape, floor_seconds, measure_floor
+    from rlhf_lab.tools.bench_floor import ModelShape, floor_seconds, measure_floor, record_generation_work
     from rlhf_lab.training.loop import Trainer
 
     trainer = Trainer(cfg, work_dir / "run")
     ready = time.perf_counter()
-    works = _record_generation_work(trainer)
+    works = record_generation_work(trainer)
     shape = ModelShape.of(distributed.unwrap(trainer.policy))
     floor = measure_floor(trainer.precision.name)
     weight_bytes = 2 if trainer.precision.name != "fp32" else 4  # autocast reads its cached half copies
@@ -171,26 +171,6 @@ def run_rlhf_lab(cfg: Any, steps: int, warmup: int, work_dir: Path) -> tuple[lis
         trainer.records.close()
     return records, {"trainer": "rlhf_lab.Trainer", "device": str(trainer.device), "ready_at": ready,
                      "floor": asdict(floor), "model_shape": asdict(shape)}
-
-
-def _record_generation_work(trainer: Any) -> list[Any]:
-    """Wrap the trainer's sampling call so each step's generation shape (rows, prompt tokens prefilled,
-    decode steps) is known to the floor calculation; the list is filled as the step runs."""
-    from rlhf_lab.tools.bench_floor import GenerationWork
-
-    works: list[GenerationWork] = []
-    maker = trainer.experience
-    sample = maker.generate
-
-    def generate(prompts: list[str], group_size: int, rng_keys: Any) -> Any:
-        rollout = sample(prompts, group_size, rng_keys)
-        distinct = len(prompts) if group_size > 1 else rollout.batch_size  # prompts prefilled once per group
-        works.append(GenerationWork(rows=rollout.batch_size, prefill_tokens=distinct * rollout.prompt_width,
-                                    prompt_width=rollout.prompt_width, decode_steps=rollout.response_mask.shape[1]))
-        return rollout
-
-    maker.generate = generate
-    return works
 
 
 def worker(job_path: str, result_path: str) -> None:
@@ -270,6 +250,8 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
     run_rewards = [statistics.fmean(run) for run in per_run if run]
     rss = [r["peak_rss_mib"] for r in done]
     setup = [r["setup_s"] for r in done if r.get("setup_s") is not None]
+    from rlhf_lab.tools.bench_floor import generation_floor_summary
+
     floors = [(s["phases"].get("generate", 0.0), s["generation_floor"]) for s in steps if s.get("generation_floor")]
     return {
         **generation_floor_summary(floors),
@@ -288,16 +270,6 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
         "reward_mean_sd_over_runs": statistics.stdev(run_rewards) if len(run_rewards) > 1 else None,
         "setup_s_median": statistics.median(setup) if setup else None,
     }
-
-
-def generation_floor_summary(floors: list[tuple[float, dict[str, Any]]]) -> dict[str, Any]:
-    """Mean generation phase against its floor over the measured steps (rlhf_lab runs; none for TRL)."""
-    if not floors:
-        return {}
-    generate_s = statistics.fmean(seconds for seconds, _ in floors)
-    floor_s = statistics.fmean(floor["floor_s"] for _, floor in floors)
-    return {"generation_floor_s_mean": floor_s, "generation_over_floor": generate_s / floor_s,
-            "generation_floor_bound": "memory" if floors[0][1]["memory_s"] >= floors[0][1]["compute_s"] else "compute"}
 
 
 def _finite(value: Any) -> bool:

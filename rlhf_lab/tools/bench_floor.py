@@ -14,6 +14,7 @@ large square matrix product in the dtype the forward passes compute in (float32,
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -110,3 +111,31 @@ def floor_seconds(work: GenerationWork, shape: ModelShape, floor: Floor, weight_
     compute_s = work.flops(shape) / floor.flop_rate
     return {"memory_s": memory_s, "compute_s": compute_s, "floor_s": max(memory_s, compute_s),
             **asdict(work)}
+
+
+def record_generation_work(trainer: Any) -> list[Any]:
+    """Wrap the trainer's sampling call so each step's generation shape (rows, prompt tokens prefilled,
+    decode steps) is known to the floor calculation; the list is filled as the step runs."""
+    works: list[GenerationWork] = []
+    maker = trainer.experience
+    sample = maker.generate
+
+    def generate(prompts: list[str], group_size: int, rng_keys: Any) -> Any:
+        rollout = sample(prompts, group_size, rng_keys)
+        distinct = len(prompts) if group_size > 1 else rollout.batch_size  # prompts prefilled once per group
+        works.append(GenerationWork(rows=rollout.batch_size, prefill_tokens=distinct * rollout.prompt_width,
+                                    prompt_width=rollout.prompt_width, decode_steps=rollout.response_mask.shape[1]))
+        return rollout
+
+    maker.generate = generate
+    return works
+
+
+def generation_floor_summary(floors: list[tuple[float, dict[str, Any]]]) -> dict[str, Any]:
+    """Mean generation phase against its floor over the measured steps (rlhf_lab runs; none for TRL)."""
+    if not floors:
+        return {}
+    generate_s = statistics.fmean(seconds for seconds, _ in floors)
+    floor_s = statistics.fmean(floor["floor_s"] for _, floor in floors)
+    return {"generation_floor_s_mean": floor_s, "generation_over_floor": generate_s / floor_s,
+            "generation_floor_bound": "memory" if floors[0][1]["memory_s"] >= floors[0][1]["compute_s"] else "compute"}

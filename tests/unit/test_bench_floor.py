@@ -6,8 +6,14 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from rlhf_lab.tools.bench import generation_floor_summary
-from rlhf_lab.tools.bench_floor import Floor, GenerationWork, ModelShape, floor_seconds, matmul_flop_rate
+from rlhf_lab.tools.bench_floor import (
+    Floor,
+    GenerationWork,
+    ModelShape,
+    floor_seconds,
+    generation_floor_summary,
+    matmul_flop_rate,
+)
 
 
 def test_model_shape_counts_every_weight_matrix_once_and_not_the_embedding_gather() -> None:
