@@ -15,7 +15,6 @@ LoRA merged into full weights, or the adapter with ``algorithm.export=adapter``)
 
 from __future__ import annotations
 
-import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,7 @@ from rlhf_lab.ops import gather_logprobs
 from rlhf_lab.registry import get
 from rlhf_lab.rollout import Rollout
 from rlhf_lab.trackers.jsonl import read_jsonl
-from rlhf_lab.training.loop import Trainer, _progress
+from rlhf_lab.training.loop import Trainer
 from rlhf_lab.training.records import StepTimer, run_summary
 from rlhf_lab.training.update import Updater
 
@@ -143,56 +142,16 @@ class OfflineTrainer(Trainer):
         path = self.run_dir / "metrics.jsonl"
         return [r for r in read_jsonl(path) if "loss/total" in r] if path.is_file() else []
 
-    def train(self) -> dict[str, Any]:
-        """Steps, evaluation before and after, checkpoints, signals, the time budget; as :meth:`Trainer.train`."""
-        cfg = self.cfg
-        steps = cfg.trainer.steps
-        previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-        for s in previous:
-            signal.signal(s, self._handle_signal)
-        history: list[dict[str, Any]] = []
-        last = self.start_step if self.clock.reached(self.device) else steps  # a resume past its budget: no step
-        progress = _progress(range(self.start_step, last), cfg.trainer.progress_bar, self.start_step, steps)
-        evaluate = cfg.trainer.eval_prompts > 0
-        try:
-            if self.start_step == 0 and evaluate:
-                self.first_eval = self.evaluate(0)
-                if self.first_eval:
-                    self.records.log({"step": 0, **self.first_eval}, 0)
-                self._print_example("before training")
-            step = self.start_step - 1
-            for step in progress:
-                with self.clock.timing():
-                    metrics = self.train_step(step)
-                out_of_time = self.clock.reached(self.device)  # trainer.max_train_seconds: this step is the last
-                last_step = out_of_time or step + 1 == steps
-                if cfg.trainer.eval_every > 0 and (step + 1) % cfg.trainer.eval_every == 0 and not last_step:
-                    metrics.update(self.evaluate(step))
-                self.records.log(metrics, step)
-                history.append(metrics)
-                if hasattr(progress, "set_postfix"):
-                    progress.set_postfix(loss=f"{metrics['loss/total']:.4f}")
-                every = cfg.trainer.checkpoint_every
-                if self.stop_requested or last_step or (every > 0 and (step + 1) % every == 0):
-                    self.save(step)
-                if self.stop_requested:
-                    raise self._stopped(step)
-                if out_of_time:
-                    self.clock.announce(step)
-                    break
-            done = step + 1  # steps trained, over every segment
-            final_eval = self.evaluate(done) if evaluate else {}
-            if final_eval:
-                self.records.log({"step": done, **final_eval}, done)
-                self._print_example("after training")
-            if distributed.is_main_process():
-                self.export()
-            summary = offline_summary(self.history() or history, done, self.run_dir, self.updater.skipped_updates,
-                                      self.first_eval, final_eval)
-            summary.update(self.clock.summary(done, steps))  # stopped_by: steps | max_train_seconds
-            self.records.finish(summary)
-            return summary
-        finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
-            self.records.close()
+    # ----------------------------------------------------------------- the loop's hooks
+    def step_extras(self, step: int) -> dict[str, Any]:
+        return {}
+
+    def progress_postfix(self, metrics: dict[str, Any]) -> dict[str, str]:
+        return {"loss": f"{metrics['loss/total']:.4f}"}
+
+    def summarize(self, history: list[dict[str, Any]], done: int, final_eval: dict[str, Any]) -> dict[str, Any]:
+        """Export the trained model (``RUN/model``), then the summary over the loss curve."""
+        if distributed.is_main_process():
+            self.export()
+        return offline_summary(self.history() or history, done, self.run_dir, self.updater.skipped_updates,
+                               self.first_eval, final_eval)

@@ -96,6 +96,8 @@ def unsupported_reason(cfg: Any) -> str | None:
 
 def grpo_config_kwargs(cfg: Any, total_steps: int, output_dir: str) -> dict[str, Any]:
     """GRPOConfig arguments equal to ``cfg``'s settings (see the module docstring for what is matched)."""
+    from rlhf_lab.config.validate_scale import planned_device
+
     algorithm, kl, trainer = cfg.algorithm, cfg.kl, cfg.trainer
     samples = trainer.prompts_per_step * algorithm.group_size
     micro = trainer.micro_batch_size or samples
@@ -130,7 +132,7 @@ def grpo_config_kwargs(cfg: Any, total_steps: int, output_dir: str) -> dict[str,
         "fp16": False,
         "activation_checkpointing": False,  # TRL's default is on (its alias gradient_checkpointing=True)
         "dataloader_pin_memory": False,
-        "use_cpu": trainer.device == "cpu",
+        "use_cpu": planned_device(trainer.device).type == "cpu",  # auto on a machine without CUDA too
         "shuffle_dataset": False,
         "seed": cfg.seed,
         "logging_steps": 1,

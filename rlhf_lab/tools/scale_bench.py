@@ -2,7 +2,7 @@
 
     python -m rlhf_lab.tools.scale_bench --processes --steps 4            # 1 vs 2 processes (tiny, SmolLM2)
     python -m rlhf_lab.tools.scale_bench --memory --steps 3               # SmolLM2 GRPO peak RSS per setting
-    python -m rlhf_lab.tools.scale_bench --learning --seeds 0,1,2         # the default run under bf16-mixed
+    python -m rlhf_lab.tools.scale_bench --learning --seeds 0,1,2         # the default run (make train), per seed
 
 Each job runs in a fresh process tree (``torchrun`` for 2 processes); its median seconds per step come from
 its ``metrics.jsonl`` (the first step, a warm-up, left out), its peak RSS from the operating system (the
@@ -18,6 +18,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +44,10 @@ def run_job(overrides: list[str], processes: int, work: Path) -> dict[str, Any]:
                     "-m", "rlhf_lab"]
     run_dir = work / f"run_{len(list(work.iterdir()))}"
     env = {**os.environ, "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"), "TOKENIZERS_PARALLELISM": "false"}
+    started = time.perf_counter()
     result = subprocess.run([sys.executable, "-c", WRAPPER, *launcher, *overrides, f"trainer.output_dir={run_dir}"],
                             capture_output=True, text=True, env=env)
+    wall_s = time.perf_counter() - started
     if result.returncode != 0:
         raise SystemExit(f"job failed ({' '.join(overrides)}): {result.stderr.strip().splitlines()[-1:]}")
     peak_kib = int(result.stderr.strip().splitlines()[-1])
@@ -52,7 +55,7 @@ def run_job(overrides: list[str], processes: int, work: Path) -> dict[str, Any]:
     steps = [line["time/step_s"] for line in lines if "time/step_s" in line]
     summary = json.loads((run_dir / "summary.json").read_text())
     return {"overrides": overrides, "processes": processes, "step_s_median": statistics.median(steps[1:] or steps),
-            "peak_rss_mib": peak_kib / 1024, "summary": summary}
+            "peak_rss_mib": peak_kib / 1024, "summary": summary, "wall_s": wall_s}
 
 
 def table(headers: list[str], rows: list[list[str]]) -> str:
@@ -84,21 +87,24 @@ def memory_section(steps: int, work: Path) -> tuple[str, list[dict[str, Any]]]:
 def learning_section(seeds: list[int], work: Path) -> tuple[str, list[dict[str, Any]]]:
     results, rows = [], []
     for seed in seeds:
-        result = run_job(["trainer.precision=bf16-mixed", "trainer.progress_bar=false", f"seed={seed}"], 1, work)
+        result = run_job(["trainer.progress_bar=false", f"seed={seed}"], 1, work)  # make train's settings
         results.append(result)
         summary = result["summary"]
         first, last = summary["reward/first_20pct_mean"], summary["reward/last_20pct_mean"]
         rows.append([str(seed), f"{first:.3f}", f"{last:.3f}", f"{last - first:+.3f}",
                      f"{summary.get('before/eval/reward/mean', float('nan')):.3f} -> "
-                     f"{summary.get('eval/reward/mean', float('nan')):.3f}", f"{result['step_s_median']:.1f}"])
-    return table(["seed", "reward first 20%", "last 20%", "gain", "eval before -> after", "s/step"], rows), results
+                     f"{summary.get('eval/reward/mean', float('nan')):.3f}", f"{result['step_s_median']:.1f}",
+                     f"{summary['time/total_s'] / 60:.1f}", f"{result['wall_s'] / 60:.1f}", summary.get("precision", "")])
+    headers = ["seed", "reward first 20%", "last 20%", "gain", "eval before -> after", "s/step", "training min",
+               "whole run min", "precision"]
+    return table(headers, rows), results
 
 
 def main(args: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m rlhf_lab.tools.scale_bench", description=__doc__.split("\n")[0])
     parser.add_argument("--processes", action="store_true", help="1 vs 2 processes on tiny and SmolLM2")
     parser.add_argument("--memory", action="store_true", help="SmolLM2 peak RSS per precision / memory saver")
-    parser.add_argument("--learning", action="store_true", help="the default run under bf16-mixed")
+    parser.add_argument("--learning", action="store_true", help="the default run (make train), per seed")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--json", type=Path, default=None)

@@ -341,7 +341,21 @@ class Trainer:
         exit_code = 128 + self.stop_signal if self.stop_signal is not None else 3
         return TrainingStopped(message, exit_code=exit_code, resume_overrides=resume)
 
+    # ----------------------------------------------------------------- the loop's hooks (OfflineTrainer overrides)
+    def step_extras(self, step: int) -> dict[str, Any]:
+        """The exact task's metrics by enumeration (model=exact, rlhf_lab/exact/); {} otherwise."""
+        return exact_step_metrics(self, step)
+
+    def progress_postfix(self, metrics: dict[str, Any]) -> dict[str, str]:
+        return {"reward": f"{metrics['reward/mean']:.3f}", "kl": f"{metrics['kl/exact']:.4f}"}
+
+    def summarize(self, history: list[dict[str, Any]], done: int, final_eval: dict[str, Any]) -> dict[str, Any]:
+        """``summary.json`` once the steps are done (before the clock's and the precision's entries)."""
+        return run_summary(self.records.history() or history, done, self.run_dir, self.updater.skipped_updates,
+                           self.first_eval, final_eval)
+
     def train(self) -> dict[str, Any]:
+        """Steps, evaluation before and after, checkpoints, signals, the time budget: every trainer's loop."""
         cfg = self.cfg
         steps = cfg.trainer.steps
         previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -361,15 +375,14 @@ class Trainer:
                 with self.clock.timing():
                     metrics = self.train_step(step)
                 out_of_time = self.clock.reached(self.device)  # trainer.max_train_seconds: this step is the last
-                # Hook: the exact task's metrics by enumeration (model=exact, rlhf_lab/exact/); {} otherwise.
-                metrics.update(exact_step_metrics(self, step))
+                metrics.update(self.step_extras(step))
                 last_step = out_of_time or step + 1 == steps
                 if cfg.trainer.eval_every > 0 and (step + 1) % cfg.trainer.eval_every == 0 and not last_step:
                     metrics.update(self.evaluate(step))
                 self.records.log(metrics, step)
                 history.append(metrics)
                 if hasattr(progress, "set_postfix"):
-                    progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}", kl=f"{metrics['kl/exact']:.4f}")
+                    progress.set_postfix(**self.progress_postfix(metrics))
                 every = cfg.trainer.checkpoint_every
                 if self.stop_requested or last_step or (every > 0 and (step + 1) % every == 0):
                     self.save(step)
@@ -383,8 +396,7 @@ class Trainer:
             if final_eval:
                 self.records.log({"step": done, **final_eval}, done)
                 self._print_example("after training")
-            summary = run_summary(self.records.history() or history, done, self.run_dir,
-                                  self.updater.skipped_updates, self.first_eval, final_eval)
+            summary = self.summarize(history, done, final_eval)
             summary.update(self.clock.summary(done, steps))  # stopped_by: steps | max_train_seconds
             summary["precision"] = self.precision.name  # what trainer.precision (auto by default) resolved to
             self.records.finish(summary)
