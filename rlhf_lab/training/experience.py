@@ -147,6 +147,9 @@ class ExperienceMaker:
         batch, round_ = first, 0
         while True:
             informative = informative_groups(batch.rollout.scores, batch.valid, group_size)
+            if round_ == 0 and bool(informative.all()):  # nothing dropped: the first batch as it is, not rebuilt
+                first.stats = stats
+                return first
             stats["groups_dropped"] += float((~informative).sum())
             for group, keep in enumerate(informative.tolist()):
                 (kept if keep else tied).append(_select_groups(batch, [group], group_size))

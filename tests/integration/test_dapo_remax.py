@@ -61,6 +61,21 @@ def test_tied_groups_are_dropped_and_the_batch_refilled(compose, tiny_overrides,
     assert experience.rollout.kl_exact.shape[0] == 4 and experience.rollout.ref_logprobs.shape[0] == 4
 
 
+def test_a_batch_without_ties_is_kept_as_sampled(compose, tiny_overrides, tmp_path: Path) -> None:
+    """No group tied: no refill round, and the batch is the first sampling's rollout itself (not rebuilt)."""
+    trainer = dapo_trainer(compose, tiny_overrides, tmp_path)
+    trainer.experience.reward = Scripted(tied=set())
+    sampled = []
+    shaped = trainer.experience._shaped
+    trainer.experience._shaped = lambda *args: sampled.append(shaped(*args)) or sampled[-1]
+    refill, calls = refills(["C"])
+    experience = trainer.experience.make(["A", "B"], 2, StepTimer(), ["a", "b"], 0.0, train=True, refill=refill)
+    assert calls == [] and len(sampled) == 1 and experience is sampled[0]
+    assert experience.prompts == ["A", "A", "B", "B"] and experience.rollout.scores.tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert experience.stats["rounds"] == 1 and experience.stats["groups_dropped"] == 0
+    assert experience.in_loss.tolist() == [True] * 4
+
+
 def test_the_round_limit_keeps_the_batch_shape_with_tied_groups_out_of_the_loss(
         compose, tiny_overrides, tmp_path: Path) -> None:
     trainer = dapo_trainer(compose, tiny_overrides, tmp_path, "algorithm.max_refill_rounds=2")
