@@ -81,3 +81,22 @@ def compose_fixture() -> Callable[[list[str]], DictConfig]:
 @pytest.fixture(name="tiny_overrides", scope="session")
 def tiny_overrides_fixture() -> Callable[[Path | None], list[str]]:
     return tiny_overrides
+
+
+@pytest.fixture(name="run_cli")
+def run_cli_fixture(capsys) -> Callable[[list[str]], tuple[int, str, str]]:
+    """``rlhf-lab ARGS`` in-process: (exit status, stdout, stderr)."""
+
+    def run_cli(args: list[str]) -> tuple[int, str, str]:
+        from rlhf_lab.cli import main
+
+        code = 0
+        try:
+            main(args)
+        except SystemExit as stop:
+            code = int(stop.code or 0)
+        captured = capsys.readouterr()
+        return code, captured.out, captured.err
+
+    return run_cli
+

@@ -32,19 +32,14 @@ SUMMARY_KEYS = ("reward/first_20pct_mean", "reward/last_20pct_mean", "eval/rewar
 
 def find_checkpoint(path: Path) -> Path:
     """The checkpoint folder ``path`` names (a run, its ``checkpoints/`` or a ``step_N``); one line if none."""
-    from rlhf_lab.training.checkpoint import MODEL_FOLDER, STEP_FOLDER, is_complete, latest_checkpoint
+    from rlhf_lab.training.checkpoint import MODEL_FOLDER, locate_checkpoint
 
     path = Path(path).expanduser()
     if not path.exists():
         raise ToolError(f"{str(path)!r} does not exist; give a run folder, its checkpoints/ or a checkpoints/step_N")
-    if STEP_FOLDER.match(path.name):
-        if not is_complete(path):
-            raise ToolError(f"{str(path)!r} is an incomplete checkpoint (a save was interrupted)")
-        return path
-    for root in (path, path / "checkpoints"):
-        found = latest_checkpoint(root)
-        if found is not None:
-            return found
+    found = locate_checkpoint(path, repr(str(path)))
+    if found is not None:
+        return found
     if (path / MODEL_FOLDER).is_dir() or (path / "config.json").is_file():
         raise ToolError(f"{str(path)!r} is not a checkpoint of a run (no trainer_state.json); a model folder is "
                         "already exportable as it is")

@@ -72,27 +72,14 @@ def run_stage(overrides: list[str], folder: Path) -> dict[str, Any]:
 
 def load_final_policy(trainer: Any, run_folder: Path) -> None:
     """Load a run's last checkpoint's policy weights (full weights or LoRA adapter) into ``trainer``'s policy."""
-    from safetensors.torch import load_file
-
     from rlhf_lab import distributed
     from rlhf_lab.errors import CheckpointError
-    from rlhf_lab.training.checkpoint import MODEL_FOLDER, latest_checkpoint
+    from rlhf_lab.training.checkpoint import latest_checkpoint, load_policy_weights
 
     folder = latest_checkpoint(run_folder / "checkpoints")
     if folder is None:
         raise CheckpointError(f"{run_folder} holds no complete checkpoint to evaluate")
-    policy = distributed.unwrap(trainer.policy)
-    weights: dict[str, Any] = {}
-    for shard in sorted((folder / MODEL_FOLDER).glob("*.safetensors")):
-        weights.update(load_file(str(shard)))
-    if trainer.models.uses_adapter:
-        from peft import set_peft_model_state_dict
-
-        set_peft_model_state_dict(policy, weights)
-        return
-    missing, unexpected = policy.load_state_dict(weights, strict=False)
-    if {k for k in missing if "lm_head" not in k} or unexpected:
-        raise CheckpointError(f"{folder} does not match the evaluated model")
+    load_policy_weights(folder, distributed.unwrap(trainer.policy), trainer.models.uses_adapter)
 
 
 def gold_evaluate(overrides: list[str], arm_folder: Path | None, folder: Path) -> dict[str, Any]:

@@ -329,6 +329,21 @@ def run_folder_of(resume: str | Path) -> Path | None:
     return None
 
 
+def locate_checkpoint(path: Path, label: str) -> Path | None:
+    """The complete checkpoint an existing ``path`` names: a ``checkpoints/step_N`` folder itself, else the
+    latest complete one under ``path`` or ``path/checkpoints`` (a run folder); None when it holds none.
+    An interrupted ``step_N`` is a one-line :class:`CheckpointError` naming ``label``."""
+    if STEP_FOLDER.match(path.name) or read_state(path) is not None:
+        if not is_complete(path):
+            raise CheckpointError(f"{label} is an incomplete checkpoint (a save was interrupted)")
+        return path
+    for root in (path, path / "checkpoints"):
+        found = latest_checkpoint(root)
+        if found is not None:
+            return found
+    return None
+
+
 def resolve_resume(resume: str | None, checkpoint_root: Path) -> Path | None:
     """The checkpoint folder ``trainer.resume`` names, or None for a fresh start.
 
@@ -343,14 +358,9 @@ def resolve_resume(resume: str | None, checkpoint_root: Path) -> Path | None:
     path = Path(resume).expanduser()
     if not path.exists():
         raise CheckpointError(f"trainer.resume={resume!r} does not exist; give a checkpoint or run folder, or auto")
-    if STEP_FOLDER.match(path.name) or read_state(path) is not None:
-        if not is_complete(path):
-            raise CheckpointError(f"trainer.resume={resume!r} is an incomplete checkpoint (a save was interrupted)")
-        return path
-    for root in (path, path / "checkpoints"):
-        found = latest_checkpoint(root)
-        if found is not None:
-            return found
+    found = locate_checkpoint(path, f"trainer.resume={resume!r}")
+    if found is not None:
+        return found
     raise CheckpointError(
         f"trainer.resume={resume!r} holds no complete checkpoint; give a checkpoints/step_N folder, "
         "a run folder, or auto"
@@ -358,6 +368,33 @@ def resolve_resume(resume: str | None, checkpoint_root: Path) -> Path | None:
 
 
 # ----------------------------------------------------------------------------- load
+def load_policy_weights(folder: Path, policy: nn.Module, uses_adapter: bool, sharded: bool = False) -> None:
+    """The policy's weights of checkpoint ``folder`` into ``policy``: its LoRA adapter, or its full weights
+    (an LM head tied to the embeddings may be absent); a mismatch is one-line :class:`CheckpointError`."""
+    model_dir = Path(folder) / MODEL_FOLDER
+    if uses_adapter:
+        from peft import set_peft_model_state_dict
+        from peft.utils import SAFETENSORS_WEIGHTS_NAME
+
+        set_peft_model_state_dict(policy, load_file(str(model_dir / SAFETENSORS_WEIGHTS_NAME)))
+        return
+    weights: dict[str, torch.Tensor] = {}
+    for shard in sorted(model_dir.glob("*.safetensors")):
+        weights.update(load_file(str(shard)))
+    if sharded:
+        from rlhf_lab.distributed import load_full_model_state
+
+        missing, unexpected = load_full_model_state(policy, weights)
+    else:
+        missing, unexpected = policy.load_state_dict(weights, strict=False)
+    tied = {k for k in missing if "lm_head" in k}
+    if set(missing) - tied or unexpected:
+        raise CheckpointError(
+            f"checkpoint {folder} does not match the model: missing {sorted(set(missing) - tied)[:3]}, "
+            f"unexpected {sorted(unexpected)[:3]}"
+        )
+
+
 def load_checkpoint(
     folder: Path,
     policy: nn.Module,
@@ -389,27 +426,7 @@ def load_checkpoint(
             f"checkpoint {folder} has no {', '.join(missing_modules)} (it was written by another algorithm)"
         )
     try:
-        if uses_adapter:
-            from peft import set_peft_model_state_dict
-            from peft.utils import SAFETENSORS_WEIGHTS_NAME
-
-            set_peft_model_state_dict(policy, load_file(str(model_dir / SAFETENSORS_WEIGHTS_NAME)))
-        else:
-            weights: dict[str, torch.Tensor] = {}
-            for shard in sorted(model_dir.glob("*.safetensors")):
-                weights.update(load_file(str(shard)))
-            if sharded:
-                from rlhf_lab.distributed import load_full_model_state
-
-                missing, unexpected = load_full_model_state(policy, weights)
-            else:
-                missing, unexpected = policy.load_state_dict(weights, strict=False)
-            tied = {k for k in missing if "lm_head" in k}
-            if set(missing) - tied or unexpected:
-                raise CheckpointError(
-                    f"checkpoint {folder} does not match the model: missing {sorted(set(missing) - tied)[:3]}, "
-                    f"unexpected {sorted(unexpected)[:3]}"
-                )
+        load_policy_weights(folder, policy, uses_adapter, sharded)
         for name, module in modules.items():
             module_state = load_file(str(folder / f"{name}.safetensors"))
             if sharded:

@@ -26,29 +26,17 @@ def run_dir(tmp_path_factory) -> Path:
     return folder
 
 
-def cli(args: list[str], capsys) -> tuple[int, str, str]:
-    from rlhf_lab.cli import main
-
-    code = 0
-    try:
-        main(args)
-    except SystemExit as stop:
-        code = int(stop.code or 0)
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
 def test_training_evaluation_uses_the_eval_settings(run_dir: Path) -> None:
     evals = [line for line in read_jsonl(run_dir / "metrics.jsonl") if "eval/reward/mean" in line]
     assert len(evals) == 2  # before and after training
     assert all("eval/reward/length/mean" in line and "eval/kl/exact_sequence" in line for line in evals)
 
 
-def test_eval_command_with_its_own_sampling_rewards_and_win_rate(run_dir: Path, tmp_path: Path, capsys) -> None:
+def test_eval_command_with_its_own_sampling_rewards_and_win_rate(run_dir: Path, tmp_path: Path, run_cli) -> None:
     out = tmp_path / "out"
-    code, printed, err = cli(["eval", str(run_dir), "eval.samples_per_prompt=2", "eval.greedy=true",
+    code, printed, err = run_cli(["eval", str(run_dir), "eval.samples_per_prompt=2", "eval.greedy=true",
                               "eval.rewards=[length]", "eval.win_rate=true", "eval.win_rate_reward=length",
-                              "logger=csv", "--out", str(out)], capsys)
+                              "logger=csv", "--out", str(out)])
     assert code == 0, err
     result = json.loads((out / "eval.json").read_text())
     metrics = result["metrics"]
@@ -63,11 +51,11 @@ def test_eval_command_with_its_own_sampling_rewards_and_win_rate(run_dir: Path, 
     assert "eval/win_rate" in printed
 
 
-def test_eval_mistakes_are_one_line(run_dir: Path, tmp_path: Path, capsys) -> None:
-    code, _, err = cli(["eval", str(tmp_path / "missing")], capsys)
+def test_eval_mistakes_are_one_line(run_dir: Path, tmp_path: Path, run_cli) -> None:
+    code, _, err = run_cli(["eval", str(tmp_path / "missing")])
     assert code == 2 and "does not exist; give a run folder" in err and err.count("\n") == 1
     (tmp_path / "no_checkpoint").mkdir()
-    code, _, err = cli(["eval", str(tmp_path / "no_checkpoint" / "checkpoints")], capsys)
+    code, _, err = run_cli(["eval", str(tmp_path / "no_checkpoint" / "checkpoints")])
     assert code == 2 and err.count("\n") == 1
-    code, _, err = cli(["eval", str(run_dir), "eval.rewards=[nope]"], capsys)
+    code, _, err = run_cli(["eval", str(run_dir), "eval.rewards=[nope]"])
     assert code == 2 and "eval.rewards: 'nope' is not a reward option; choose from:" in err

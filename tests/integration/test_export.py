@@ -24,26 +24,14 @@ def lora_run(tmp_path_factory) -> Path:
     return run_dir
 
 
-def run_cli(args: list[str], capsys) -> tuple[int, str, str]:
-    from rlhf_lab.cli import main
-
-    code = 0
-    try:
-        main(args)
-    except SystemExit as stop:
-        code = int(stop.code or 0)
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
-def test_lora_run_is_merged_with_the_same_outputs(lora_run: Path, tmp_path: Path, capsys) -> None:
+def test_lora_run_is_merged_with_the_same_outputs(lora_run: Path, tmp_path: Path, run_cli) -> None:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rlhf_lab.models import build_tiny_llama, load_tokenizer
 
     out = tmp_path / "merged"
-    code, printed, _ = run_cli(["export", str(lora_run), str(out)], capsys)
+    code, printed, _ = run_cli(["export", str(lora_run), str(out)])
     assert code == 0 and "exported" in printed
     assert (out / "model.safetensors").is_file() and not (out / "adapter_config.json").exists()
     merged = AutoModelForCausalLM.from_pretrained(out)
@@ -59,19 +47,19 @@ def test_lora_run_is_merged_with_the_same_outputs(lora_run: Path, tmp_path: Path
     assert "| `kl.name` | k3 |" in card and "| `model.lora.enabled` | True |" in card
 
 
-def test_lora_kept_as_adapter_names_the_given_base(lora_run: Path, tmp_path: Path, capsys) -> None:
+def test_lora_kept_as_adapter_names_the_given_base(lora_run: Path, tmp_path: Path, run_cli) -> None:
     out = tmp_path / "adapter"
-    code, _, err = run_cli(["export", str(lora_run), str(out), "--adapter"], capsys)
+    code, _, err = run_cli(["export", str(lora_run), str(out), "--adapter"])
     assert code == 2 and err.startswith("error: --adapter needs --base MODEL_ID_OR_PATH") and err.count("\n") == 1
     code, _, _ = run_cli(["export", str(lora_run / "checkpoints" / "step_0"), str(out), "--adapter",
-                          "--base", "HuggingFaceTB/SmolLM2-135M-Instruct"], capsys)
+                          "--base", "HuggingFaceTB/SmolLM2-135M-Instruct"])
     assert code == 0
     adapter_config = json.loads((out / "adapter_config.json").read_text())
     assert adapter_config["base_model_name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert "base_model: HuggingFaceTB/SmolLM2-135M-Instruct" in (out / "README.md").read_text()
 
 
-def test_full_fine_tuning_run_and_push_to_hub_with_the_upload_mocked(tmp_path: Path, monkeypatch, capsys) -> None:
+def test_full_fine_tuning_run_and_push_to_hub_with_the_upload_mocked(tmp_path: Path, monkeypatch, run_cli) -> None:
     import huggingface_hub
 
     run_dir = tmp_path / "run"
@@ -81,7 +69,7 @@ def test_full_fine_tuning_run_and_push_to_hub_with_the_upload_mocked(tmp_path: P
     monkeypatch.setattr(huggingface_hub.HfApi, "upload_folder",
                         lambda self, **kw: calls.append(("upload", kw)) or "https://hub/commit/1")
     out = tmp_path / "full"
-    code, printed, _ = run_cli(["export", str(run_dir), str(out), "--push-to-hub", "me/policy", "--private"], capsys)
+    code, printed, _ = run_cli(["export", str(run_dir), str(out), "--push-to-hub", "me/policy", "--private"])
     assert code == 0, printed
     assert calls[0] == ("create", {"private": True, "exist_ok": True})
     assert calls[1][1]["folder_path"] == str(out) and calls[1][1]["repo_id"] == "me/policy"
@@ -89,18 +77,18 @@ def test_full_fine_tuning_run_and_push_to_hub_with_the_upload_mocked(tmp_path: P
     assert "## Results (summary.json)" in (out / "README.md").read_text()
 
 
-def test_mistakes_are_one_line(lora_run: Path, tmp_path: Path, capsys) -> None:
-    code, _, err = run_cli(["export", str(tmp_path / "missing"), str(tmp_path / "o")], capsys)
+def test_mistakes_are_one_line(lora_run: Path, tmp_path: Path, run_cli) -> None:
+    code, _, err = run_cli(["export", str(tmp_path / "missing"), str(tmp_path / "o")])
     assert code == 2 and "does not exist; give a run folder" in err and err.count("\n") == 1
     (tmp_path / "empty_run").mkdir()
-    code, _, err = run_cli(["export", str(tmp_path / "empty_run"), str(tmp_path / "o")], capsys)
+    code, _, err = run_cli(["export", str(tmp_path / "empty_run"), str(tmp_path / "o")])
     assert code == 2 and "holds no checkpoint with a model" in err
     busy = tmp_path / "busy"
     busy.mkdir()
     (busy / "file").write_text("x")
-    code, _, err = run_cli(["export", str(lora_run), str(busy)], capsys)
+    code, _, err = run_cli(["export", str(lora_run), str(busy)])
     assert code == 2 and "exists and is not empty" in err and "--force" in err and err.count("\n") == 1
-    code, _, err = run_cli(["export", str(lora_run), str(busy), "--force"], capsys)
+    code, _, err = run_cli(["export", str(lora_run), str(busy), "--force"])
     assert code == 0 and (busy / "model.safetensors").is_file()
 
 
