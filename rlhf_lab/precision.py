@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 
 from rlhf_lab.errors import ConfigError
 
@@ -97,6 +98,27 @@ class Precision:
     def autocast(self) -> AbstractContextManager:
         dtype = AUTOCAST_DTYPES.get(self.name)
         return torch.autocast(self.device_type, dtype=dtype) if dtype is not None else nullcontext()
+
+    def store_frozen_weights(self, module: nn.Module) -> int:
+        """Under a mixed precision, keep the frozen ``nn.Linear`` weights of ``module`` in the autocast dtype.
+
+        Autocast caches its half-precision copy of a weight only for trainable leaves; a frozen one (the
+        reference copy, LoRA's base layers) is cast again at every call, at every decode step. Stored in
+        the autocast dtype, the matrix product sees the same numbers with no cast, in half the memory.
+        Weights tied to an embedding stay as they are (the lookup feeds the float32 residual stream).
+        Returns the number of layers stored; nothing changes outside ``*-mixed``.
+        """
+        dtype = AUTOCAST_DTYPES.get(self.name)
+        if dtype is None:
+            return 0
+        tied = {id(layer.weight) for layer in module.modules() if isinstance(layer, nn.Embedding)}
+        stored = 0
+        for layer in module.modules():
+            if (isinstance(layer, nn.Linear) and id(layer.weight) not in tied
+                    and not any(p.requires_grad for p in layer.parameters(recurse=False))):
+                layer.to(dtype)
+                stored += 1
+        return stored
 
     def grad_scaler(self) -> torch.amp.GradScaler | None:
         """A gradient scaler for float16 autocast (None otherwise)."""

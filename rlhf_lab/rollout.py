@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 from transformers import DynamicCache
 
+from rlhf_lab.generation_weights import generation_weights
 from rlhf_lab.sampler import decode
 
 
@@ -141,7 +142,8 @@ def generate(
     to the ``group_size`` rows of each, and decoding continues from it. The logits equal the unshared run's
     to float precision. ``greedy`` decodes the most likely token at every position instead (ReMax's
     baseline response); ``keep_hidden`` keeps the last hidden state that predicted each response token
-    (``Rollout.hidden``, the shared PPO critic's input at sampling time).
+    (``Rollout.hidden``, the shared PPO critic's input at sampling time). LoRA layers multiply by their
+    merged weights while it samples, frozen layers by their autocast cast (:mod:`rlhf_lab.generation_weights`).
     """
     device = next(model.parameters()).device
     encoded = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
@@ -155,17 +157,18 @@ def generate(
     prompt_mask = encoded["attention_mask"].repeat_interleave(group_size, 0).to(device)
     was_training = model.training
     model.eval()
-    cache, cached = DynamicCache(), 0
-    if share_prompts and group_size > 1 and encoded["input_ids"].shape[1] > 1:
-        unique_ids, unique_mask = encoded["input_ids"].to(device), encoded["attention_mask"].to(device)
-        rows = torch.arange(unique_ids.shape[0], device=device).repeat_interleave(group_size)
-        prefix = prefill_shared(model, unique_ids[:, :-1], unique_mask[:, :-1],
-                                position_ids_from_mask(unique_mask)[:, :-1], rows)
-        cache, cached = prefix.past_key_values, unique_ids.shape[1] - 1
-    sampled = decode(model, prompt_ids, prompt_mask, cache, cached, max_new_tokens=max_new_tokens,
-                     temperature=temperature, top_p=top_p, top_k=top_k, eos_token_id=tokenizer.eos_token_id,
-                     pad_token_id=tokenizer.pad_token_id, greedy=greedy, keep_logits=keep_logits,
-                     keep_hidden=keep_hidden)
+    with generation_weights(model):
+        cache, cached = DynamicCache(), 0
+        if share_prompts and group_size > 1 and encoded["input_ids"].shape[1] > 1:
+            unique_ids, unique_mask = encoded["input_ids"].to(device), encoded["attention_mask"].to(device)
+            rows = torch.arange(unique_ids.shape[0], device=device).repeat_interleave(group_size)
+            prefix = prefill_shared(model, unique_ids[:, :-1], unique_mask[:, :-1],
+                                    position_ids_from_mask(unique_mask)[:, :-1], rows)
+            cache, cached = prefix.past_key_values, unique_ids.shape[1] - 1
+        sampled = decode(model, prompt_ids, prompt_mask, cache, cached, max_new_tokens=max_new_tokens,
+                         temperature=temperature, top_p=top_p, top_k=top_k, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, greedy=greedy, keep_logits=keep_logits,
+                         keep_hidden=keep_hidden)
     model.train(was_training)
     prompt_width = prompt_ids.shape[1]
     response_ids = sampled.response_ids

@@ -92,6 +92,7 @@ class Trainer:
         policy = self.models.policy.to(self.device)
         if self.models.reference is not None:
             self.models.reference.to("cpu" if cfg.trainer.offload_reference else self.device)
+        self.precision.store_frozen_weights(self.models.reference_model())  # the reference copy, LoRA's base
 
         self.algorithm = get("algorithm", cfg.algorithm.name)(cfg.algorithm)
         self.algorithm.setup(policy)

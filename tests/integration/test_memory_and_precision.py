@@ -119,6 +119,33 @@ def test_bf16_mixed_trains_fp32_master_weights_with_bf16_compute(compose, tiny_o
     states = [s for s in trainer.updater.optimizer.state.values() if "exp_avg" in s]
     assert states and all(s["exp_avg"].dtype == torch.float32 for s in states)
     assert summary["reward/final"] == summary["reward/final"]  # finite, not NaN
+    # The frozen reference keeps its matrices in bf16 (what autocast multiplied by anyway); the tied LM head
+    # stays with its float32 embedding.
+    reference = trainer.models.reference
+    assert {m.weight.dtype for m in reference.modules()
+            if isinstance(m, torch.nn.Linear) and m is not reference.lm_head} == {torch.bfloat16}
+    assert reference.lm_head.weight.dtype == torch.float32
+
+
+def test_bf16_mixed_lora_trains_evaluates_and_resumes(compose, tiny_overrides, tmp_path):
+    """LoRA under bf16-mixed: the frozen base in bf16, the adapters (and their Adam state) in float32; the
+    evaluation (generation with merged adapters, the reference with the adapter off) and a resume run."""
+    lora = ["trainer.precision=bf16-mixed", "model.lora.enabled=true", "model.lora.r=4", "trainer.eval_prompts=2",
+            "trainer.checkpoint_every=1"]
+    trainer = make_trainer(compose, tiny_overrides, tmp_path / "run", *lora, "trainer.steps=2")
+    summary = trainer.train()
+    dtypes = {name: p.dtype for name, p in trainer.policy.named_parameters()}
+    assert {dtypes[n] for n in dtypes if "lora_" in n} == {torch.float32}
+    assert {dtypes[n] for n in dtypes if "base_layer" in n} == {torch.bfloat16}
+    assert all(all(v.dtype == torch.float32 for v in state.values() if v.dim())
+               for state in trainer.updater.optimizer.state.values())
+    assert summary["reward/final"] == summary["reward/final"]
+    resumed = make_trainer(compose, tiny_overrides, tmp_path / "run", *lora, "trainer.steps=3", "trainer.resume=auto")
+    assert resumed.start_step == 2
+    resumed.train()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows if "kl/exact" in row] == [0, 1, 2]  # training steps, once each
+    assert all(row[key] == row[key] for row in rows for key in ("kl/exact", "eval/kl/exact") if key in row)
 
 
 def test_bf16_true_stores_the_weights_in_bf16(compose, tiny_overrides, tmp_path):

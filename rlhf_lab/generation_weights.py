@@ -1,0 +1,90 @@
+"""The weights the decode loop multiplies by, prepared once per generation call.
+
+Two things make a decode step through a LoRA policy cost more than through the full model, both paid again
+at every one of the T steps:
+
+- peft's LoRA layer runs the base product, the two adapter products, the casts between the adapter's
+  float32 weights and the compute dtype, and an add; at 16 rows these small calls cost more than the base
+  product itself;
+- autocast keeps its half-precision copy of a weight only for trainable leaves: a frozen float32 weight (the
+  LM head tied to LoRA's frozen embedding, any frozen layer) is cast again at every call.
+
+While :func:`generation_weights` is active, each plain LoRA ``Linear`` multiplies by its merged weight
+``W + ΔW`` (ΔW = peft's ``get_delta_weight``: B·A times the scaling) and each other frozen ``Linear`` whose
+weight autocast would cast multiplies by that cast, both made once when the context opens, as new tensors
+in the dtype the product runs in. No weight of the model is written: the base weights are also the
+reference under LoRA, and peft's in-place merge and unmerge would move them by float rounding every step.
+
+The products are the layers' outputs up to float rounding (tests/unit/test_generation_weights.py: logits to
+1e-5 in float32; a frozen layer's cast is exactly autocast's). Layers peft computes differently (DoRA and
+other variants, ``fan_in_fan_out``, an adapter already merged or disabled) keep their own forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+
+def compute_dtype(weight: Tensor) -> torch.dtype:
+    """The dtype a product with ``weight`` runs in here: autocast's where it is on, else the weight's own."""
+    device_type = weight.device.type
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
+
+
+def _lora_merged(layer: nn.Module) -> Tensor | None:
+    """W + ΔW of the active adapters (float32) for a plain peft LoRA ``Linear``; None for any other layer."""
+    from peft.tuners.lora.layer import Linear as LoraLinear
+
+    if not isinstance(layer, LoraLinear) or layer.disable_adapters or layer.merged or layer.fan_in_fan_out:
+        return None
+    active = [name for name in layer.active_adapters if name in layer.lora_A]
+    if not active or any(name in layer.lora_variant for name in active):
+        return None
+    with torch.autocast(layer.get_base_layer().weight.device.type, enabled=False):  # ΔW at the adapter's precision
+        delta = sum(layer.get_delta_weight(name).float() for name in active)
+    return layer.get_base_layer().weight.float() + delta
+
+
+def _frozen_cast(layer: nn.Module) -> Tensor | None:
+    """A frozen plain ``Linear``'s weight where autocast would cast it at every call; None otherwise."""
+    if type(layer) is not nn.Linear or layer.weight.requires_grad:
+        return None
+    return layer.weight if compute_dtype(layer.weight) != layer.weight.dtype else None
+
+
+def _product(weight: Tensor, bias: Tensor | None) -> Callable[..., Tensor]:
+    def forward(x: Tensor, *args: object, **kwargs: object) -> Tensor:
+        return F.linear(x, weight, bias)
+
+    return forward
+
+
+@contextmanager
+def generation_weights(model: nn.Module) -> Iterator[int]:
+    """Inside, LoRA layers multiply by merged weights and frozen layers by their autocast cast (see the
+    module's text); yields how many layers changed. Open it after the last optimizer step: the weights are
+    taken when it opens and dropped when it closes, which restores every layer's forward."""
+    patched, merged_bases = [], set()
+    try:
+        with torch.no_grad():
+            for layer in model.modules():  # parents come before children: a merged layer's base is skipped
+                weight = _lora_merged(layer)
+                if weight is None and id(layer) not in merged_bases:
+                    weight = _frozen_cast(layer)
+                if weight is None:
+                    continue
+                base = layer.get_base_layer() if hasattr(layer, "get_base_layer") else layer
+                merged_bases.add(id(base))
+                dtype = compute_dtype(base.weight)
+                bias = None if base.bias is None else base.bias.to(dtype)
+                layer.forward = _product(weight.to(dtype), bias)  # an instance attribute shadows the class's
+                patched.append(layer)
+        yield len(patched)
+    finally:
+        for layer in patched:
+            del layer.forward

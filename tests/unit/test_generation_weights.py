@@ -1,0 +1,144 @@
+"""Generation weights (LoRA merged out of place, frozen layers cast once) and frozen weights stored in the
+autocast dtype: the same numbers as the layers they stand for, and nothing of the model written."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from torch import nn
+
+import rlhf_lab.rollout as rollout_module
+from rlhf_lab import models
+from rlhf_lab.generation_weights import generation_weights
+from rlhf_lab.precision import Precision
+from rlhf_lab.rollout import generate
+
+AUTOCAST = dict(device_type="cpu", dtype=torch.bfloat16)
+PROMPTS = ["Hi", "Say something kind about the sea."]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(compose, tiny_overrides):
+    return models.load_tokenizer(compose(tiny_overrides(None)).model)
+
+
+def tiny(compose, tiny_overrides, tokenizer, *overrides: str) -> nn.Module:
+    cfg = compose([*tiny_overrides(None), *overrides])
+    return models.build_tiny_llama(tokenizer, cfg.model.tiny, seed=0), cfg
+
+
+def lora_model(compose, tiny_overrides, tokenizer) -> nn.Module:
+    model, cfg = tiny(compose, tiny_overrides, tokenizer, "model.lora.enabled=true", "model.lora.r=4")
+    model = models.apply_lora(model, cfg.model.lora)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # peft starts B at zero (ΔW = 0): give the adapters something to merge
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.05)
+    return model.eval()
+
+
+def batch(tokenizer) -> dict[str, torch.Tensor]:
+    return tokenizer(PROMPTS, return_tensors="pt", padding=True, add_special_tokens=False)
+
+
+def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: tensor.clone() for name, tensor in model.state_dict().items()}
+
+
+def test_lora_merged_equals_the_adapted_layers_in_fp32_and_writes_nothing(compose, tiny_overrides, tokenizer):
+    model = lora_model(compose, tiny_overrides, tokenizer)
+    inputs = batch(tokenizer)
+    before = snapshot(model)
+    with torch.no_grad():
+        want = model(**inputs).logits
+        with generation_weights(model) as patched:
+            got = model(**inputs).logits
+    lora_layers = [m for m in model.modules() if hasattr(m, "lora_A")]
+    assert patched == len(lora_layers) > 0  # fp32: only the LoRA layers change (no autocast casts to save)
+    assert (got - want).abs().max() < 1e-5
+    with torch.no_grad(), model.disable_adapter():
+        base = model(**inputs).logits
+    assert (got - base).abs().max() > 1e-3  # the adapters change the output: the merge is not a no-op
+    after = snapshot(model)
+    assert all(torch.equal(before[k], after[k]) for k in before)  # no weight written
+    assert all("forward" not in layer.__dict__ for layer in model.modules())  # every forward restored
+
+
+def test_an_adapter_that_is_off_is_not_merged(compose, tiny_overrides, tokenizer):
+    model = lora_model(compose, tiny_overrides, tokenizer)
+    inputs = batch(tokenizer)
+    with torch.no_grad(), model.disable_adapter():
+        want = model(**inputs).logits
+        with generation_weights(model) as patched:
+            got = model(**inputs).logits
+    assert patched == 0
+    assert torch.equal(got, want)
+
+
+def test_frozen_layers_use_exactly_autocast_s_cast(compose, tiny_overrides, tokenizer):
+    """A frozen float32 layer under autocast: the product with the cast made once is autocast's, bit for bit."""
+    model, _ = tiny(compose, tiny_overrides, tokenizer)
+    model = model.eval().requires_grad_(False)
+    inputs = batch(tokenizer)
+    with torch.no_grad(), torch.autocast(**AUTOCAST):
+        want = model(**inputs).logits
+        with generation_weights(model) as patched:
+            got = model(**inputs).logits
+    assert patched == sum(isinstance(m, nn.Linear) for m in model.modules())
+    assert torch.equal(got, want)
+    with torch.no_grad(), generation_weights(model) as patched:  # float32 without autocast: nothing to cast
+        assert patched == 0
+
+
+def test_lora_generation_draws_the_same_tokens_as_the_unmerged_adapter(compose, tiny_overrides, tokenizer,
+                                                                      monkeypatch):
+    model = lora_model(compose, tiny_overrides, tokenizer)
+    settings = dict(group_size=3, max_new_tokens=6, temperature=1.0, top_p=1.0, top_k=0, max_prompt_tokens=64,
+                    keep_logits=True)
+
+    def sample():
+        torch.manual_seed(0)
+        return generate(model, tokenizer, PROMPTS, **settings)
+
+    merged = sample()
+    monkeypatch.setattr(rollout_module, "generation_weights", lambda model: contextlib.nullcontext(0))
+    plain = sample()
+    assert torch.equal(merged.input_ids, plain.input_ids)
+    assert (merged.logprobs - plain.logprobs).abs().max() < 1e-5
+    assert (merged.policy_logits - plain.policy_logits).abs().max() < 1e-5
+
+
+def test_store_frozen_weights_halves_the_reference_and_keeps_its_numbers(compose, tiny_overrides, tokenizer):
+    model, _ = tiny(compose, tiny_overrides, tokenizer)
+    reference = model.eval().requires_grad_(False)
+    inputs = batch(tokenizer)
+    with torch.no_grad(), torch.autocast(**AUTOCAST):
+        want = reference(**inputs).logits
+    assert Precision("fp32", "cpu").store_frozen_weights(reference) == 0
+    linear = [m for m in reference.modules() if isinstance(m, nn.Linear)]
+    stored = Precision("bf16-mixed", "cpu").store_frozen_weights(reference)
+    assert stored == len(linear) - 1  # every matrix but the LM head tied to the embedding
+    assert reference.lm_head.weight is reference.model.embed_tokens.weight
+    assert reference.lm_head.weight.dtype == torch.float32
+    assert {m.weight.dtype for m in linear if m is not reference.lm_head} == {torch.bfloat16}
+    with torch.no_grad(), torch.autocast(**AUTOCAST):
+        got = reference(**inputs).logits
+    assert torch.equal(got, want)  # autocast cast those weights to bf16 at every call anyway
+
+
+def test_store_frozen_weights_leaves_lora_s_trainable_adapters_in_float32(compose, tiny_overrides, tokenizer):
+    model = lora_model(compose, tiny_overrides, tokenizer)
+    inputs = batch(tokenizer)
+    with torch.no_grad(), torch.autocast(**AUTOCAST):
+        want = model(**inputs).logits
+    Precision("bf16-mixed", "cpu").store_frozen_weights(model)
+    dtypes = {name: p.dtype for name, p in model.named_parameters()}
+    assert all(dtype == torch.float32 for name, dtype in dtypes.items() if "lora_" in name)
+    assert all(dtype == torch.bfloat16 for name, dtype in dtypes.items() if "base_layer" in name)
+    assert dtypes["base_model.model.model.embed_tokens.weight"] == torch.float32
+    with torch.no_grad(), torch.autocast(**AUTOCAST):
+        got = model(**inputs).logits
+    assert torch.equal(got, want)
