@@ -15,8 +15,10 @@ weight autocast would cast multiplies by that cast, both made once when the cont
 in the dtype the product runs in. No weight of the model is written: the base weights are also the
 reference under LoRA, and peft's in-place merge and unmerge would move them by float rounding every step.
 
-The products are the layers' outputs up to float rounding (tests/unit/test_generation_weights.py: logits to
-1e-5 in float32; a frozen layer's cast is exactly autocast's). Layers peft computes differently (DoRA and
+Both are made where autocast runs the products (a mixed precision): in float32 nothing is cast and the
+adapters run as peft runs them, so sampling stays bit-identical to it. The merged products are the
+adapted layers' outputs up to float rounding (tests/unit/test_generation_weights.py: logits to 1e-5 when
+merged in float32; a frozen layer's cast is exactly autocast's). Layers peft computes differently (DoRA and
 other variants, ``fan_in_fan_out``, an adapter already merged or disabled) keep their own forward.
 """
 
@@ -65,15 +67,22 @@ def _product(weight: Tensor, bias: Tensor | None) -> Callable[..., Tensor]:
 
 
 @contextmanager
-def generation_weights(model: nn.Module) -> Iterator[int]:
+def generation_weights(model: nn.Module, merge_lora: bool | None = None) -> Iterator[int]:
     """Inside, LoRA layers multiply by merged weights and frozen layers by their autocast cast (see the
     module's text); yields how many layers changed. Open it after the last optimizer step: the weights are
-    taken when it opens and dropped when it closes, which restores every layer's forward."""
+    taken when it opens and dropped when it closes, which restores every layer's forward.
+
+    ``merge_lora`` None: merge where autocast is on (a mixed precision, whose products round to bfloat16
+    anyway); in float32 the adapters then run as peft runs them and sampling stays bit-identical to it.
+    """
     patched, merged_bases = [], set()
+    parameter = next(model.parameters(), None)
+    if merge_lora is None:
+        merge_lora = parameter is not None and torch.is_autocast_enabled(parameter.device.type)
     try:
         with torch.no_grad():
             for layer in model.modules():  # parents come before children: a merged layer's base is skipped
-                weight = _lora_merged(layer)
+                weight = _lora_merged(layer) if merge_lora else None
                 if weight is None and id(layer) not in merged_bases:
                     weight = _frozen_cast(layer)
                 if weight is None:

@@ -42,6 +42,16 @@ def masked_whiten(values: Tensor, mask: Tensor, shift_mean: bool = True, eps: fl
     return whitened * mask
 
 
+def scale_logits(logits: Tensor, temperature: float) -> Tensor:
+    """``logits`` in float32 divided by ``temperature``: the policy's distribution is their softmax.
+
+    At temperature 1 the division is skipped (x / 1 is x exactly): on [B, T, V] logits it would allocate
+    another full tensor in the forward pass and again in the backward pass, for the same numbers.
+    """
+    logits = logits.float()
+    return logits if temperature == 1.0 else logits / temperature
+
+
 def gather_logprobs(logits: Tensor, tokens: Tensor, chunk_size: int = 1024) -> Tensor:
     """log softmax(logits)[tokens] per position, computed in row chunks.
 

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from transformers import DynamicCache
 
 from rlhf_lab.generation_weights import generation_weights
+from rlhf_lab.ops import scale_logits
 from rlhf_lab.sampler import decode
 
 
@@ -237,7 +238,7 @@ def response_logits(model: nn.Module, input_ids: Tensor, attention_mask: Tensor,
         use_cache=True,
         output_hidden_states=output_hidden_states,
     )
-    logits = torch.cat([first_logits, continuation.logits], dim=1).float() / temperature
+    logits = scale_logits(torch.cat([first_logits, continuation.logits], dim=1), temperature)
     hidden = None
     if output_hidden_states:
         first_hidden = prefix.hidden_states[-1][:, -1:].index_select(0, row_to_prompt)
@@ -257,7 +258,7 @@ def _plain_response_logits(model: nn.Module, input_ids: Tensor, attention_mask: 
         output_hidden_states=output_hidden_states,
         use_cache=False,
     )
-    logits = output.logits[:, :-1].float() / temperature
+    logits = scale_logits(output.logits[:, :-1], temperature)
     hidden = output.hidden_states[-1][:, prompt_width - 1 : -1] if output_hidden_states else None
     return logits, hidden
 

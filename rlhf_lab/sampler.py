@@ -29,7 +29,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from rlhf_lab.ops import entropy_from_logits, gather_logprobs
+from rlhf_lab.ops import entropy_from_logits, gather_logprobs, scale_logits
 
 
 @dataclass
@@ -89,7 +89,7 @@ def decode(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, past_key_v
                        output_hidden_states=keep_hidden)
         past_key_values = output.past_key_values
         raw = output.logits[:, -1].float()  # [B, V]
-        scaled = raw / temperature
+        scaled = scale_logits(raw, temperature)
         scores = processors(sequences, raw.clone())
         if greedy:
             next_tokens = scores.argmax(-1)

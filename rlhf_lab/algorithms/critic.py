@@ -38,7 +38,8 @@ class ValueHead(nn.Module):
         nn.init.zeros_(self.linear.bias)
 
     def forward(self, hidden: Tensor) -> Tensor:
-        return self.linear(hidden.to(self.linear.weight.dtype)).squeeze(-1)
+        with torch.autocast(hidden.device.type, enabled=False):  # float32 under a mixed precision too
+            return self.linear(hidden.to(self.linear.weight.dtype)).squeeze(-1)
 
 
 def policy_trunk(policy: nn.Module) -> nn.Module:

@@ -32,8 +32,12 @@ def _probs_and_log_ratio(logits_rows: Tensor, ref_rows: Tensor) -> tuple[Tensor,
 
 
 def _row_dot(a: Tensor, b: Tensor) -> Tensor:
-    """Σ_v a[r, v]·b[r, v] per row, without a [rows, V] temporary: [rows, V] × 2 -> [rows]."""
-    return (a.unsqueeze(-2) @ b.unsqueeze(-1)).reshape(a.shape[0])
+    """Σ_v a[r, v]·b[r, v] per row, without a [rows, V] temporary: [rows, V] × 2 -> [rows].
+
+    In the inputs' precision even inside autocast (the reference pass runs under it), which would
+    otherwise take this product in bfloat16."""
+    with torch.autocast(a.device.type, enabled=False):
+        return (a.unsqueeze(-2) @ b.unsqueeze(-1)).reshape(a.shape[0])
 
 
 class _ExactKL(torch.autograd.Function):

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from rlhf_lab import distributed
+from rlhf_lab.ops import scale_logits
 from rlhf_lab.rollout import Rollout
 
 
@@ -119,4 +120,4 @@ def packed_logits(model: nn.Module, batch: PackedRows, temperature: float) -> Te
     if getattr(distributed.unwrap(model).config, "_attn_implementation", None) == "eager":  # adds the mask
         mask = torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, torch.finfo(torch.float32).min)
     output = model(input_ids=batch.input_ids, attention_mask=mask, position_ids=batch.position_ids, use_cache=False)
-    return output.logits[:, :-1].float() / temperature
+    return scale_logits(output.logits[:, :-1], temperature)

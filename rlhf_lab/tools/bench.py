@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import rlhf_lab
 from rlhf_lab.errors import ToolError
 from rlhf_lab.tools.bench_format import PHASES, format_report
 
@@ -223,9 +224,12 @@ def run_job(job: Job, work_dir: Path) -> dict[str, Any]:
     job_file, result_file, log_file = (work_dir / f"{stem}.{ext}" for ext in ("job.json", "result.json", "log"))
     job_file.write_text(json.dumps(asdict(job)))
     command = [sys.executable, "-m", "rlhf_lab.tools.bench", "--worker", str(job_file), str(result_file)]
+    env = dict(os.environ)
+    if job.framework == "trl" and rlhf_lab.THP_DEFAULTED:  # TRL as its users run it: not with rlhf_lab's default
+        env.pop(rlhf_lab.THP_ENV, None)
     start = time.perf_counter()
     with open(log_file, "w") as log:
-        returncode = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, check=False).returncode
+        returncode = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, check=False, env=env).returncode
     wall_s = time.perf_counter() - start
     if returncode != 0 or not result_file.is_file():
         lines = [line for line in log_file.read_text(errors="replace").splitlines() if line.strip()]
@@ -291,8 +295,9 @@ def _environment() -> dict[str, Any]:
             packages[name] = version(name)
         except PackageNotFoundError:
             packages[name] = None
+    thp = os.environ.get(rlhf_lab.THP_ENV)  # PyTorch's huge-page switch: rlhf_lab's default, TRL's own
     return {"python": platform.python_version(), "platform": platform.platform(), "cpu_count": os.cpu_count(),
-            "packages": packages}
+            "packages": packages, "thp_mem_alloc": {"rlhf_lab": thp, "trl": None if rlhf_lab.THP_DEFAULTED else thp}}
 
 
 def _check_config(overrides: list[str]) -> Any:

@@ -218,7 +218,7 @@ class Trainer:
                                           train=True, refill=self._refill(step))
         rollout, valid, in_loss = experience.rollout, experience.valid, experience.in_loss
         mask = rollout.response_mask
-        with timer.phase("advantages"):
+        with timer.phase("advantages"), self.precision.autocast():  # a separate critic's trunk runs here
             prepare_stats = self.algorithm.prepare(rollout, self.updater.forward)
         if not bool(in_loss.all()):
             # Dropped samples (non-finite score; truncated or tied-filler ones under the sampling rules) took

@@ -131,7 +131,8 @@ class Updater:
         """The algorithm's loss of a micro-batch plus the loss-placed KL term; ``loss/total`` in the stats."""
         output = self.forward(batch)
         mask = batch.response_mask
-        result = self.algorithm.loss(batch, output, context)
+        with self.precision.autocast():  # the algorithm's own networks (a separate critic's trunk)
+            result = self.algorithm.loss(batch, output, context)
         loss, stats = result.loss, result.stats
         if self.kl_placement.needs_grad:
             kl_cfg = self.cfg.kl  # options of the loss-placed term: clamps, importance weight (rlhf_lab/kl/)
@@ -169,6 +170,7 @@ class Updater:
             self.scaler.update()
         else:
             self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)  # spent: their memory serves the next generation instead
         self.consecutive_skips = 0
         return True
 

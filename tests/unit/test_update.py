@@ -89,6 +89,7 @@ def test_an_update_moves_the_weight_by_adams_first_step() -> None:
     assert metrics["optim/skipped"] == 0.0
     assert metrics["loss/policy"] == pytest.approx(-1.0)
     assert "optim/vetoed" not in metrics
+    assert policy.weight.grad is None  # applied gradients are freed at once, not kept until the next update
 
 
 def test_a_veto_drops_the_minibatch_without_counting_a_skip() -> None:
