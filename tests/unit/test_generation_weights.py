@@ -12,8 +12,8 @@ from torch import nn
 import rlhf_lab.rollout as rollout_module
 from rlhf_lab import models
 from rlhf_lab.generation_weights import generation_weights
-from rlhf_lab.precision import Precision
 from rlhf_lab.ops import gather_logprobs
+from rlhf_lab.precision import Precision
 from rlhf_lab.rollout import generate, response_logits
 
 AUTOCAST = dict(device_type="cpu", dtype=torch.bfloat16)
