@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 
 def masked_sum(values: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
@@ -52,21 +53,58 @@ def scale_logits(logits: Tensor, temperature: float) -> Tensor:
     return logits if temperature == 1.0 else logits / temperature
 
 
+class _GatherLogprobs(torch.autograd.Function):
+    """log softmax(z)[token] per row, in row chunks, with a hand-written backward that works in place.
+
+    Autograd through ``token logit − logsumexp`` allocates five [rows, V] tensors in the backward pass
+    (z − lse, its exp, its product with the upstream gradient, the scattered one-hot gradient, their sum);
+    here ∂/∂z_v = g·1[v = token] − g·exp(z_v − lse) is written into one tensor with the same elementwise
+    operations in the same order, so the gradient equals autograd's bit for bit (tests/unit/test_ops.py).
+    """
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, tokens: Tensor, chunk_size: int) -> Tensor:  # type: ignore[override]
+        flat_logits = logits.reshape(-1, logits.shape[-1])
+        flat_tokens = tokens.reshape(-1)
+        pieces, sums = [], []
+        for start in range(0, flat_logits.shape[0], chunk_size):
+            rows = flat_logits[start : start + chunk_size].float()
+            picked = rows.gather(-1, flat_tokens[start : start + chunk_size, None]).squeeze(-1)
+            sums.append(torch.logsumexp(rows, dim=-1))
+            pieces.append(picked - sums[-1])
+        ctx.save_for_backward(logits, tokens, torch.cat(sums))
+        ctx.chunk_size = chunk_size
+        return torch.cat(pieces).reshape(tokens.shape)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
+        logits, tokens, log_sums = ctx.saved_tensors
+        flat_logits = logits.reshape(-1, logits.shape[-1])
+        flat_tokens = tokens.reshape(-1, 1)
+        upstream = grad_out.reshape(-1, 1).to(log_sums.dtype)
+        grad = torch.empty(flat_logits.shape, dtype=logits.dtype, device=logits.device)
+        for start in range(0, flat_logits.shape[0], ctx.chunk_size):
+            stop = start + ctx.chunk_size
+            rows = flat_logits[start:stop].float()
+            block = grad[start:stop] if grad.dtype == rows.dtype else torch.empty_like(rows)
+            torch.sub(rows, log_sums[start:stop, None], out=block)
+            block.exp_().mul_(-upstream[start:stop])  # the logsumexp term: −g·exp(z − lse)
+            block.scatter_add_(1, flat_tokens[start:stop], upstream[start:stop])  # the picked logit: +g
+            if block.data_ptr() != grad[start:stop].data_ptr():
+                grad[start:stop] = block
+        return grad.reshape(logits.shape), None, None
+
+
 def gather_logprobs(logits: Tensor, tokens: Tensor, chunk_size: int = 1024) -> Tensor:
     """log softmax(logits)[tokens] per position, computed in row chunks.
 
     ``logits`` [B, T, V], ``tokens`` [B, T] -> [B, T]. Chunking keeps only one [chunk, V] float32
-    log-softmax alive at a time instead of the whole [B, T, V] tensor; the result equals
+    temporary alive at a time instead of the whole [B, T, V] log-softmax, in the forward and (written in
+    place, :class:`_GatherLogprobs`) the backward pass; the result equals
     ``logits.log_softmax(-1).gather(-1, tokens[..., None])`` to float precision.
     """
-    flat_logits = logits.reshape(-1, logits.shape[-1])
-    flat_tokens = tokens.reshape(-1)
-    pieces = []
-    for start in range(0, flat_logits.shape[0], chunk_size):
-        rows = flat_logits[start : start + chunk_size].float()
-        picked = rows.gather(-1, flat_tokens[start : start + chunk_size, None]).squeeze(-1)
-        pieces.append(picked - torch.logsumexp(rows, dim=-1))
-    return torch.cat(pieces).reshape(tokens.shape)
+    return _GatherLogprobs.apply(logits, tokens, chunk_size)
 
 
 def entropy_from_logits(logits: Tensor, chunk_size: int = 1024) -> Tensor:
