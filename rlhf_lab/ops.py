@@ -11,6 +11,13 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 
+# Rows per chunk of a [rows, V] float32 temporary: 64 × 49,152 × 4 B = 12.6 MB, under glibc's 32 MB mmap
+# threshold, so chunk temporaries are reused from the heap instead of being mapped and page-faulted afresh
+# (exact KL of [16, 32, 49152] logits: 152 ms in 1024-row chunks, 40 ms in 64-row ones; results per row
+# do not depend on the chunking).
+ROW_CHUNK = 64
+
+
 def masked_sum(values: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     """Σ values·mask over ``dim`` (all dims if None)."""
     product = values * mask
@@ -96,7 +103,7 @@ class _GatherLogprobs(torch.autograd.Function):
         return grad.reshape(logits.shape), None, None
 
 
-def gather_logprobs(logits: Tensor, tokens: Tensor, chunk_size: int = 1024) -> Tensor:
+def gather_logprobs(logits: Tensor, tokens: Tensor, chunk_size: int = ROW_CHUNK) -> Tensor:
     """log softmax(logits)[tokens] per position, computed in row chunks.
 
     ``logits`` [B, T, V], ``tokens`` [B, T] -> [B, T]. Chunking keeps only one [chunk, V] float32
@@ -107,7 +114,7 @@ def gather_logprobs(logits: Tensor, tokens: Tensor, chunk_size: int = 1024) -> T
     return _GatherLogprobs.apply(logits, tokens, chunk_size)
 
 
-def entropy_from_logits(logits: Tensor, chunk_size: int = 1024) -> Tensor:
+def entropy_from_logits(logits: Tensor, chunk_size: int = ROW_CHUNK) -> Tensor:
     """Full-vocabulary entropy −Σ_v p(v) log p(v) per position: [B, T, V] -> [B, T]."""
     flat_logits = logits.reshape(-1, logits.shape[-1])
     pieces = []

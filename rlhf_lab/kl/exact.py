@@ -9,6 +9,8 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from rlhf_lab.ops import ROW_CHUNK
+
 
 def _row_blocks(*tensors: Tensor) -> list[tuple[Tensor, ...]]:
     """Matching 2-D [rows, V] views of [B, T, V] tensors, without copying.
@@ -92,7 +94,7 @@ class _ExactKL(torch.autograd.Function):
         return grad_logits, grad_ref, None
 
 
-def exact_kl(logits: Tensor, ref_logits: Tensor, chunk_size: int = 1024) -> Tensor:
+def exact_kl(logits: Tensor, ref_logits: Tensor, chunk_size: int = ROW_CHUNK) -> Tensor:
     """Exact per-position KL(π‖π_ref) = Σ_v π(v)(log π(v) − log π_ref(v)): [B, T, V] × 2 -> [B, T].
 
     π = softmax(logits), π_ref = softmax(ref_logits), computed in float32 (or float64 if given) over at
