@@ -62,14 +62,37 @@ def test_decode_draws_what_generate_draws(trainer: Trainer, temperature, top_k, 
     torch.manual_seed(7)
     with torch.no_grad():
         expected = plain_generate(model, input_ids, attention_mask, eos, tokenizer.pad_token_id, greedy, **sampling)
+    after_generate = torch.get_rng_state()
     torch.manual_seed(7)
     got = decode(model, input_ids, attention_mask, DynamicCache(), 0, MAX_NEW_TOKENS, temperature, top_p, top_k,
                  eos, tokenizer.pad_token_id, greedy=greedy, keep_logits=True)
     expected_ids = expected.sequences[:, input_ids.shape[1]:]
     assert torch.equal(got.response_ids, expected_ids)
+    assert torch.equal(torch.get_rng_state(), after_generate)  # the same draws, in the same order, no more
     ended = torch.isin(expected_ids[:, :-1], torch.tensor(eos)).any(dim=1)
     assert greedy or (ended.any() and not ended.all())  # rows end early, others go on: finished rows are padded
     assert torch.equal(got.logits, torch.stack(expected.logits, dim=1).float() / temperature)
+
+
+def test_decode_that_ends_early_leaves_the_generator_where_generate_leaves_it(trainer: Trainer) -> None:
+    """Every row ends before the token limit: the loop stops where generate stops, having drawn exactly what
+    generate drew (the generator's state afterwards is the same)."""
+    model, tokenizer = trainer.policy.eval(), trainer.tokenizer
+    input_ids, attention_mask = encoded_prompts(tokenizer)
+    eos, limit = end_tokens(model), 40
+    torch.manual_seed(0)
+    with torch.no_grad():
+        expected = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=limit,
+                                  min_new_tokens=1, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                                  pad_token_id=tokenizer.pad_token_id,
+                                  eos_token_id=eos)
+    after_generate = torch.get_rng_state()
+    torch.manual_seed(0)
+    got = decode(model, input_ids, attention_mask, DynamicCache(), 0, limit, 1.0, 1.0, 0, eos,
+                 tokenizer.pad_token_id)
+    assert got.response_ids.shape[1] < limit  # the loop stopped early
+    assert torch.equal(got.response_ids, expected[:, input_ids.shape[1]:])
+    assert torch.equal(torch.get_rng_state(), after_generate)
 
 
 def test_rollout_quantities_equal_a_fresh_forward_pass(trainer: Trainer) -> None:
