@@ -90,14 +90,15 @@ class _GatherLogprobs(torch.autograd.Function):
         flat_tokens = tokens.reshape(-1, 1)
         upstream = grad_out.reshape(-1, 1).to(log_sums.dtype)
         grad = torch.empty(flat_logits.shape, dtype=logits.dtype, device=logits.device)
+        in_place = grad.dtype == log_sums.dtype  # else each chunk is made in float32, then written in grad's dtype
         for start in range(0, flat_logits.shape[0], ctx.chunk_size):
             stop = start + ctx.chunk_size
             rows = flat_logits[start:stop].float()
-            block = grad[start:stop] if grad.dtype == rows.dtype else torch.empty_like(rows)
+            block = grad[start:stop] if in_place else torch.empty_like(rows)
             torch.sub(rows, log_sums[start:stop, None], out=block)
             block.exp_().mul_(-upstream[start:stop])  # the logsumexp term: −g·exp(z − lse)
             block.scatter_add_(1, flat_tokens[start:stop], upstream[start:stop])  # the picked logit: +g
-            if block.data_ptr() != grad[start:stop].data_ptr():
+            if not in_place:
                 grad[start:stop] = block
         return grad.reshape(logits.shape), None, None
 
