@@ -31,6 +31,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+_ACTIVE: set[int] = set()  # ids of the models inside generation_weights now
+
 
 def compute_dtype(weight: Tensor) -> torch.dtype:
     """The dtype a product with ``weight`` runs in here: autocast's where it is on, else the weight's own."""
@@ -74,11 +76,17 @@ def generation_weights(model: nn.Module, merge_lora: bool | None = None) -> Iter
 
     ``merge_lora`` None: merge where autocast is on (a mixed precision, whose products round to bfloat16
     anyway); in float32 the adapters then run as peft runs them and sampling stays bit-identical to it.
+    Opened again inside itself for the same model (a generation call per prompt group), it keeps the
+    weights the outer one made and yields 0.
     """
+    if id(model) in _ACTIVE:
+        yield 0
+        return
     patched, merged_bases = [], set()
     parameter = next(model.parameters(), None)
     if merge_lora is None:
         merge_lora = parameter is not None and torch.is_autocast_enabled(parameter.device.type)
+    _ACTIVE.add(id(model))
     try:
         with torch.no_grad():
             for layer in model.modules():  # parents come before children: a merged layer's base is skipped
@@ -95,5 +103,6 @@ def generation_weights(model: nn.Module, merge_lora: bool | None = None) -> Iter
                 patched.append(layer)
         yield len(patched)
     finally:
+        _ACTIVE.discard(id(model))
         for layer in patched:
             del layer.forward

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from rlhf_lab.errors import RewardError
+from rlhf_lab.generation_weights import generation_weights
 from rlhf_lab.kl import estimate as estimate_kl
 from rlhf_lab.kl import exact_kl
 from rlhf_lab.models import PolicyAndReference
@@ -205,10 +206,11 @@ class ExperienceMaker:
             if not (cfg.trainer.seed_per_prompt and rng_keys is not None):
                 return generate(self.policy, self.tokenizer, formatted, **settings)
             parts = []
-            for prompt, key in zip(formatted, rng_keys):
-                with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-                    torch.manual_seed(key)
-                    parts.append(generate(self.policy, self.tokenizer, [prompt], **settings))
+            with generation_weights(self.policy):  # merged once for every prompt group's call
+                for prompt, key in zip(formatted, rng_keys):
+                    with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+                        torch.manual_seed(key)
+                        parts.append(generate(self.policy, self.tokenizer, [prompt], **settings))
         return concat_rollouts(parts, self.tokenizer.pad_token_id)
 
     def sample_and_score(self, prompts: list[str], group_size: int, timer: StepTimer, names: list[str],

@@ -25,7 +25,7 @@ def tokenizer(compose, tiny_overrides):
     return models.load_tokenizer(compose(tiny_overrides(None)).model)
 
 
-def tiny(compose, tiny_overrides, tokenizer, *overrides: str) -> nn.Module:
+def tiny(compose, tiny_overrides, tokenizer, *overrides: str) -> tuple[nn.Module, object]:
     cfg = compose([*tiny_overrides(None), *overrides])
     return models.build_tiny_llama(tokenizer, cfg.model.tiny, seed=0), cfg
 
@@ -45,6 +45,12 @@ def batch(tokenizer) -> dict[str, torch.Tensor]:
     return tokenizer(PROMPTS, return_tensors="pt", padding=True, add_special_tokens=False)
 
 
+def logits_of(model: nn.Module, inputs: dict[str, torch.Tensor], autocast: bool = False) -> torch.Tensor:
+    """The model's logits without gradient, under bf16 autocast if asked."""
+    with torch.no_grad(), torch.autocast(**AUTOCAST, enabled=autocast):
+        return model(**inputs).logits
+
+
 def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: tensor.clone() for name, tensor in model.state_dict().items()}
 
@@ -53,31 +59,45 @@ def test_lora_merged_equals_the_adapted_layers_in_fp32_and_writes_nothing(compos
     model = lora_model(compose, tiny_overrides, tokenizer)
     inputs = batch(tokenizer)
     before = snapshot(model)
-    with torch.no_grad():
-        want = model(**inputs).logits
-        with generation_weights(model) as patched:  # float32: by default peft's own forward, bit for bit
-            assert patched == 0
-            assert torch.equal(model(**inputs).logits, want)
-        with generation_weights(model, merge_lora=True) as patched:
-            got = model(**inputs).logits
+    want = logits_of(model, inputs)
+    with generation_weights(model) as patched:  # float32: by default peft's own forward, bit for bit
+        assert patched == 0
+        assert torch.equal(logits_of(model, inputs), want)
+    with generation_weights(model, merge_lora=True) as patched:
+        got = logits_of(model, inputs)
     lora_layers = [m for m in model.modules() if hasattr(m, "lora_A")]
     assert patched == len(lora_layers) > 0  # only the LoRA layers change (no autocast casts to save)
     assert (got - want).abs().max() < 1e-5
-    with torch.no_grad(), model.disable_adapter():
-        base = model(**inputs).logits
+    with model.disable_adapter():
+        base = logits_of(model, inputs)
     assert (got - base).abs().max() > 1e-3  # the adapters change the output: the merge is not a no-op
     after = snapshot(model)
     assert all(torch.equal(before[k], after[k]) for k in before)  # no weight written
     assert all("forward" not in layer.__dict__ for layer in model.modules())  # every forward restored
 
 
+def test_opened_inside_itself_it_keeps_the_outer_weights(compose, tiny_overrides, tokenizer):
+    """One merge for several generation calls (one per prompt group under trainer.seed_per_prompt)."""
+    model = lora_model(compose, tiny_overrides, tokenizer)
+    layers = [m for m in model.modules() if hasattr(m, "lora_A")]
+    with generation_weights(model, merge_lora=True) as outer:
+        products = [layer.__dict__["forward"] for layer in layers]
+        with generation_weights(model, merge_lora=True) as inner:
+            assert inner == 0
+        assert [layer.__dict__.get("forward") for layer in layers] == products  # still the outer's
+    assert outer == len(layers) > 0
+    assert all("forward" not in layer.__dict__ for layer in layers)
+    with generation_weights(model, merge_lora=True) as again:  # closed: a later call merges anew
+        assert again == outer
+
+
 def test_an_adapter_that_is_off_is_not_merged(compose, tiny_overrides, tokenizer):
     model = lora_model(compose, tiny_overrides, tokenizer)
     inputs = batch(tokenizer)
-    with torch.no_grad(), model.disable_adapter():
-        want = model(**inputs).logits
+    with model.disable_adapter():
+        want = logits_of(model, inputs)
         with generation_weights(model, merge_lora=True) as patched:
-            got = model(**inputs).logits
+            got = logits_of(model, inputs)
     assert patched == 0
     assert torch.equal(got, want)
 
@@ -87,13 +107,12 @@ def test_frozen_layers_use_exactly_autocast_s_cast(compose, tiny_overrides, toke
     model, _ = tiny(compose, tiny_overrides, tokenizer)
     model = model.eval().requires_grad_(False)
     inputs = batch(tokenizer)
-    with torch.no_grad(), torch.autocast(**AUTOCAST):
-        want = model(**inputs).logits
-        with generation_weights(model) as patched:
-            got = model(**inputs).logits
+    want = logits_of(model, inputs, autocast=True)
+    with torch.autocast(**AUTOCAST), generation_weights(model) as patched:
+        got = logits_of(model, inputs, autocast=True)
     assert patched == sum(isinstance(m, nn.Linear) for m in model.modules())
     assert torch.equal(got, want)
-    with torch.no_grad(), generation_weights(model) as patched:  # float32 without autocast: nothing to cast
+    with generation_weights(model) as patched:  # float32 without autocast: nothing to cast
         assert patched == 0
 
 
@@ -127,8 +146,7 @@ def test_store_frozen_weights_halves_the_reference_and_keeps_its_numbers(compose
     model, _ = tiny(compose, tiny_overrides, tokenizer)
     reference = model.eval().requires_grad_(False)
     inputs = batch(tokenizer)
-    with torch.no_grad(), torch.autocast(**AUTOCAST):
-        want = reference(**inputs).logits
+    want = logits_of(reference, inputs, autocast=True)
     assert Precision("fp32", "cpu").store_frozen_weights(reference) == 0
     linear = [m for m in reference.modules() if isinstance(m, nn.Linear)]
     stored = Precision("bf16-mixed", "cpu").store_frozen_weights(reference)
@@ -136,21 +154,16 @@ def test_store_frozen_weights_halves_the_reference_and_keeps_its_numbers(compose
     assert reference.lm_head.weight is reference.model.embed_tokens.weight
     assert reference.lm_head.weight.dtype == torch.float32
     assert {m.weight.dtype for m in linear if m is not reference.lm_head} == {torch.bfloat16}
-    with torch.no_grad(), torch.autocast(**AUTOCAST):
-        got = reference(**inputs).logits
-    assert torch.equal(got, want)  # autocast cast those weights to bf16 at every call anyway
+    assert torch.equal(logits_of(reference, inputs, autocast=True), want)  # autocast cast them to bf16 anyway
 
 
 def test_store_frozen_weights_leaves_lora_s_trainable_adapters_in_float32(compose, tiny_overrides, tokenizer):
     model = lora_model(compose, tiny_overrides, tokenizer)
     inputs = batch(tokenizer)
-    with torch.no_grad(), torch.autocast(**AUTOCAST):
-        want = model(**inputs).logits
+    want = logits_of(model, inputs, autocast=True)
     Precision("bf16-mixed", "cpu").store_frozen_weights(model)
     dtypes = {name: p.dtype for name, p in model.named_parameters()}
-    assert all(dtype == torch.float32 for name, dtype in dtypes.items() if "lora_" in name)
-    assert all(dtype == torch.bfloat16 for name, dtype in dtypes.items() if "base_layer" in name)
+    assert {dtype for name, dtype in dtypes.items() if "lora_" in name} == {torch.float32}
+    assert {dtype for name, dtype in dtypes.items() if "base_layer" in name} == {torch.bfloat16}
     assert dtypes["base_model.model.model.embed_tokens.weight"] == torch.float32
-    with torch.no_grad(), torch.autocast(**AUTOCAST):
-        got = model(**inputs).logits
-    assert torch.equal(got, want)
+    assert torch.equal(logits_of(model, inputs, autocast=True), want)
