@@ -26,7 +26,7 @@ from rlhf_lab.registry import get
 from rlhf_lab.trackers.jsonl import repair_jsonl
 from rlhf_lab.training import checkpoint as ckpt
 from rlhf_lab.training.budget import TrainingClock
-from rlhf_lab.training.loop import resolve_device, seed_everything
+from rlhf_lab.training.loop import configure_process, resolve_device, seed_everything
 from rlhf_lab.training.records import Records, StepTimer
 from rlhf_lab.training.update import Updater
 
@@ -37,8 +37,7 @@ class RewardModelTrainer(OfflineTrainer):
         self.device = resolve_device(cfg.trainer.device)
         self.precision = Precision.from_config(cfg.trainer, self.device, warn=True)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        if cfg.trainer.num_threads > 0:
-            torch.set_num_threads(cfg.trainer.num_threads)
+        configure_process(cfg.trainer)
         seed_everything(cfg.seed)
         self.checkpoint_root = self.run_dir / "checkpoints"
         self.resume_from = ckpt.prepare_run_folder(cfg.trainer.resume, self.run_dir)

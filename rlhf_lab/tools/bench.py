@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import rlhf_lab
+from rlhf_lab import allocator
 from rlhf_lab.errors import ToolError
 from rlhf_lab.tools.bench_format import PHASES, format_report
 
@@ -296,8 +297,10 @@ def _environment() -> dict[str, Any]:
         except PackageNotFoundError:
             packages[name] = None
     thp = os.environ.get(rlhf_lab.THP_ENV)  # PyTorch's huge-page switch: rlhf_lab's default, TRL's own
+    kept = sys.platform.startswith("linux") and not allocator.user_set()  # set by rlhf_lab's Trainer only
     return {"python": platform.python_version(), "platform": platform.platform(), "cpu_count": os.cpu_count(),
-            "packages": packages, "thp_mem_alloc": {"rlhf_lab": thp, "trl": None if rlhf_lab.THP_DEFAULTED else thp}}
+            "packages": packages, "thp_mem_alloc": {"rlhf_lab": thp, "trl": None if rlhf_lab.THP_DEFAULTED else thp},
+            "freed_heap_kept": {"rlhf_lab": kept, "trl": False}}
 
 
 def _check_config(overrides: list[str]) -> Any:

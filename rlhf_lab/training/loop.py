@@ -21,7 +21,7 @@ import torch
 from omegaconf import OmegaConf
 
 import rlhf_lab.components  # noqa: F401  (registers the built-in parts)
-from rlhf_lab import distributed
+from rlhf_lab import allocator, distributed
 from rlhf_lab.console import progress_label, say
 from rlhf_lab.data import PromptSplits, check_prompt_lengths, load_prompts, prompt_indices, prompt_token_limit
 from rlhf_lab.errors import TrainingStopped
@@ -53,6 +53,13 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def configure_process(trainer_cfg: Any) -> None:
+    """Process-wide settings of a training run: its thread count, and freed memory kept for the next step."""
+    if trainer_cfg.num_threads > 0:
+        torch.set_num_threads(trainer_cfg.num_threads)
+    allocator.keep_freed_heap()
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
@@ -72,8 +79,7 @@ class Trainer:
         distributed.setup(self.strategy, self.device)
         self.precision = Precision.from_config(cfg.trainer, self.device, warn=distributed.is_main_process())
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        if cfg.trainer.num_threads > 0:
-            torch.set_num_threads(cfg.trainer.num_threads)
+        configure_process(cfg.trainer)
         seed_everything(cfg.seed)  # the same on every rank: the same initial model
         self.checkpoint_root = self.run_dir / "checkpoints"
         # Checked before anything loads: what to resume from, and that a fresh start mixes with no earlier run.

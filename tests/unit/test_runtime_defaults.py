@@ -3,7 +3,9 @@ huge-page allocator switch that rlhf_lab sets by default (and the bench leaves o
 
 from __future__ import annotations
 
+import json
 import os
+import platform
 import subprocess
 import sys
 
@@ -11,6 +13,7 @@ import pytest
 import torch
 
 import rlhf_lab
+import rlhf_lab.allocator
 from rlhf_lab.ops import scale_logits
 from rlhf_lab.tools import bench
 
@@ -53,3 +56,76 @@ def test_the_bench_runs_trl_without_rlhf_lab_s_default(monkeypatch, tmp_path, de
                                                                       "grpo_full_trl_1.job.json"))
     assert ours[rlhf_lab.THP_ENV] == "1"
     assert theirs.get(rlhf_lab.THP_ENV) == (None if defaulted else "1")  # a setting the user made is kept
+
+
+GLIBC = sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
+HEAP_PROBE = """
+import ctypes, json
+from rlhf_lab import allocator
+libc = ctypes.CDLL(None)
+if not hasattr(libc, "mallinfo2"):
+    raise SystemExit(3)
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc.mallinfo2.restype = MallInfo2
+libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
+took = allocator.keep_freed_heap()
+mapped_before = libc.mallinfo2().hblkhd
+block = libc.malloc(24 << 20)
+mapped = libc.mallinfo2().hblkhd - mapped_before
+libc.free(block)
+print(json.dumps({"took": took, "mapped": mapped, "heap_after_free": libc.mallinfo2().arena}))
+"""
+
+
+def _probe_heap(env_extra: dict[str, str]) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in rlhf_lab.allocator.USER_SWITCHES}
+    env.pop("GLIBC_TUNABLES", None)
+    result = subprocess.run([sys.executable, "-c", HEAP_PROBE], env={**env, **env_extra}, capture_output=True,
+                            text=True, check=False)
+    if result.returncode == 3:
+        pytest.skip("this C library has no mallinfo2")
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+@pytest.mark.skipif(not GLIBC, reason="glibc's allocator only")
+def test_a_training_process_keeps_freed_memory_in_the_heap() -> None:
+    probe = _probe_heap({})
+    assert probe["took"] is True
+    assert probe["mapped"] == 0  # 24 MiB came from the heap, not from a fresh mmap
+    assert probe["heap_after_free"] >= 24 << 20  # and the heap was not trimmed after it was freed
+
+
+@pytest.mark.skipif(not GLIBC, reason="glibc's allocator only")
+def test_glibc_s_own_switches_in_the_environment_stand() -> None:
+    probe = _probe_heap({"MALLOC_TRIM_THRESHOLD_": "131072"})
+    assert probe["took"] is False
+    assert probe["mapped"] >= 24 << 20  # glibc's defaults: a request this large is mapped
+
+
+def test_the_trainer_sets_the_process_up(monkeypatch) -> None:
+    from omegaconf import OmegaConf
+
+    from rlhf_lab.training import loop
+
+    calls = []
+    monkeypatch.setattr(loop.allocator, "keep_freed_heap", lambda: calls.append("heap") or True)
+    monkeypatch.setattr(loop.torch, "set_num_threads", lambda n: calls.append(n))
+    loop.configure_process(OmegaConf.create({"num_threads": 0}))
+    loop.configure_process(OmegaConf.create({"num_threads": 3}))
+    assert calls == ["heap", 3, "heap"]
+
+
+def test_the_bench_records_each_framework_s_allocator_settings(monkeypatch) -> None:
+    for name in rlhf_lab.allocator.USER_SWITCHES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    monkeypatch.setattr(rlhf_lab, "THP_DEFAULTED", True)
+    monkeypatch.setenv(rlhf_lab.THP_ENV, "1")
+    environment = bench._environment()
+    assert environment["thp_mem_alloc"] == {"rlhf_lab": "1", "trl": None}
+    assert environment["freed_heap_kept"] == {"rlhf_lab": sys.platform.startswith("linux"), "trl": False}
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=131072")
+    assert bench._environment()["freed_heap_kept"] == {"rlhf_lab": False, "trl": False}
