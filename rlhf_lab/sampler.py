@@ -2,12 +2,13 @@
 
 It makes the same draws as ``model.generate(do_sample=True, ...)`` for a fixed seed: the same logits
 processors (transformers' own ``MinNewTokensLengthLogitsProcessor``, ``TemperatureLogitsWarper``,
-``TopKLogitsWarper``, ``TopPLogitsWarper``, in generate's order), ``torch.multinomial``'s draw on the processed
-distribution once per step for every row, finished rows continued with the pad token, and the loop ends when
-every row has produced an EOS or ``max_new_tokens`` are done. What it saves over ``generate``: its
+``TopKLogitsWarper``, ``TopPLogitsWarper``, in generate's order), ``torch.multinomial``'s draw on the
+processed distribution once per step for every row, finished rows continued with the pad token, and the loop
+ends when every row has produced an EOS or ``max_new_tokens`` are done. What it saves over ``generate``: its
 per-step bookkeeping (model-kwarg updates, stopping-criteria objects, tuples of per-step outputs stacked at
-the end), most of the time of multinomial's random numbers (:func:`exponential_draws`), and it computes each position's log-probability and entropy from that step's logits at once, so
-the [B, T, V] logits need not be kept unless asked. It can also keep the last hidden state that predicted
+the end), most of the time of multinomial's random numbers (:func:`exponential_draws`, the same numbers),
+and it computes each position's log-probability and entropy from that step's logits at once, so the
+[B, T, V] logits need not be kept unless asked. It can also keep the last hidden state that predicted
 each token (the shared PPO critic's input at sampling time), which saves a forward pass over the rollout.
 
 The policy distribution is ``softmax(raw logits / temperature)``, before top-k/top-p truncation (see
