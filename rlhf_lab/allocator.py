@@ -35,9 +35,14 @@ def user_set() -> bool:
     return any(name in os.environ for name in USER_SWITCHES) or "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", "")
 
 
+def applies() -> bool:
+    """True where :func:`keep_freed_heap` sets anything: on Linux, unless the environment sets glibc's switches."""
+    return sys.platform.startswith("linux") and not user_set()
+
+
 def keep_freed_heap() -> bool:
     """Fix glibc's mmap threshold at 32 MiB and turn off heap trimming; True when both took effect."""
-    if not sys.platform.startswith("linux") or user_set():
+    if not applies():
         return False
     try:
         mallopt = ctypes.CDLL(None).mallopt  # the C library this process already runs on

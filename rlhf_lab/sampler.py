@@ -74,14 +74,13 @@ def exponential_draws(shape: tuple[int, ...]) -> Tensor:
     the same way), computes −log1p(−u) in float64 with the C library's ``log1p``, one element at a time under
     the generator's lock, and rounds to float32. Here ``log1p`` is PyTorch's vectorised one, within an ulp of
     the C library's, so the two round to the same float32 unless the value lies within a few ulps of a
-    rounding boundary (about one draw in 10⁸); those, and exact zeros (whose sign the product by −1 sets),
-    are recomputed with ``math.log1p``, the C library's.
+    rounding boundary (about one draw in 10⁸); those are recomputed with ``math.log1p``, the C library's. A
+    zero draw (u = 0) is +0 either way: the vectorised ``log1p`` keeps the sign of −0 (tested).
     """
     uniform = torch.empty(shape, dtype=torch.float64).uniform_()
     exact = torch.log1p(uniform.neg()).neg_()
     draws = exact.float()
     unsure = (exact * (1 - _UNSURE)).float() != (exact * (1 + _UNSURE)).float()
-    unsure |= exact == 0
     if bool(unsure.any()):
         index = unsure.nonzero(as_tuple=True)
         draws[index] = torch.tensor([-1.0 * math.log1p(-u) for u in uniform[index].tolist()], dtype=draws.dtype)

@@ -297,7 +297,7 @@ def _environment() -> dict[str, Any]:
         except PackageNotFoundError:
             packages[name] = None
     thp = os.environ.get(rlhf_lab.THP_ENV)  # PyTorch's huge-page switch: rlhf_lab's default, TRL's own
-    kept = sys.platform.startswith("linux") and not allocator.user_set()  # set by rlhf_lab's Trainer only
+    kept = allocator.applies()  # set by rlhf_lab's trainers only
     return {"python": platform.python_version(), "platform": platform.platform(), "cpu_count": os.cpu_count(),
             "packages": packages, "thp_mem_alloc": {"rlhf_lab": thp, "trl": None if rlhf_lab.THP_DEFAULTED else thp},
             "freed_heap_kept": {"rlhf_lab": kept, "trl": False}}

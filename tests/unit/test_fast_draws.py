@@ -58,8 +58,8 @@ def test_a_zero_draw_is_positive_zero_as_exponential_makes_it(monkeypatch) -> No
         return tensor
 
     monkeypatch.setattr(sampler.torch, "empty", zero_uniform)
-    draws = exponential_draws((3,))
-    assert torch.equal(draws.view(torch.int32), torch.zeros(3, dtype=torch.int32))
+    draws = exponential_draws((4, 1001))  # vectorised blocks and a scalar tail
+    assert torch.equal(draws.view(torch.int32), torch.zeros(4, 1001, dtype=torch.int32))
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
