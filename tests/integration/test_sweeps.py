@@ -116,16 +116,34 @@ def _items(items: Any) -> dict[str, Any]:
     return {".".join(item.nested_key) or item.key: json.loads(item.value_json) for item in items}
 
 
-def read_offline_run(wandb_folder: Path) -> dict[str, Any]:
-    """Decode the one offline run under ``<run_dir>/wandb``: run attributes, config, history, summary."""
+def _finished_records(path: Path, wait_s: float = 60.0) -> list[Any]:
+    """The records of a finished run's transaction log, once its ``exit`` record is on disk.
+
+    W&B's service writes the log in its own process and closes it shortly after ``run.finish()`` has
+    returned, so a run finished in this process may still show only the log's header; wait for the exit
+    record (it comes last) rather than read a log that is still being written.
+    """
     from wandb.proto import wandb_internal_pb2
 
+    deadline = time.monotonic() + wait_s
+    while True:
+        records = []
+        for raw in _records(path):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(raw)
+            records.append(record)
+        if any(record.WhichOneof("record_type") == "exit" for record in records):
+            return records
+        assert time.monotonic() < deadline, f"{path} has no exit record after {wait_s:.0f} s"
+        time.sleep(0.05)
+
+
+def read_offline_run(wandb_folder: Path) -> dict[str, Any]:
+    """Decode the one offline run under ``<run_dir>/wandb``: run attributes, config, history, summary."""
     runs = sorted(Path(wandb_folder).glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1, f"expected one offline run in {wandb_folder}, found {runs}"
     out: dict[str, Any] = {"folder": runs[0].parent, "history": [], "summary": {}, "metrics": []}
-    for raw in _records(runs[0]):
-        record = wandb_internal_pb2.Record()
-        record.ParseFromString(raw)
+    for record in _finished_records(runs[0]):
         kind = record.WhichOneof("record_type")
         if kind == "run":
             run = record.run
