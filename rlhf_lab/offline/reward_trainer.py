@@ -25,6 +25,7 @@ from rlhf_lab.precision import Precision
 from rlhf_lab.registry import get
 from rlhf_lab.trackers.jsonl import repair_jsonl
 from rlhf_lab.training import checkpoint as ckpt
+from rlhf_lab.training import resume_contract
 from rlhf_lab.training.budget import TrainingClock
 from rlhf_lab.training.loop import configure_process, resolve_device, seed_everything
 from rlhf_lab.training.records import Records, StepTimer
@@ -32,7 +33,7 @@ from rlhf_lab.training.update import Updater
 
 
 class RewardModelTrainer(OfflineTrainer):
-    def __init__(self, cfg: Any, run_dir: Path) -> None:  # noqa: super().__init__ builds a policy: not here
+    def __init__(self, cfg: Any, run_dir: Path) -> None:  # super().__init__ would build a policy: not here
         self.cfg, self.run_dir = cfg, Path(run_dir)
         self.device = resolve_device(cfg.trainer.device)
         self.precision = Precision.from_config(cfg.trainer, self.device, warn=True)
@@ -41,6 +42,7 @@ class RewardModelTrainer(OfflineTrainer):
         seed_everything(cfg.seed)
         self.checkpoint_root = self.run_dir / "checkpoints"
         self.resume_from = ckpt.prepare_run_folder(cfg.trainer.resume, self.run_dir)
+        self.precision = resume_contract.continued_precision(cfg, self.resume_from, self.precision)
         self.prompts = self.load_prompts()
         self.tokenizer = load_tokenizer(cfg.model)
         self.tokenizer.padding_side = "right"
@@ -83,7 +85,8 @@ class RewardModelTrainer(OfflineTrainer):
         print(f"resumed from {self.resume_from} at step {self.start_step}")
 
     def save(self, step: int) -> Path | None:
-        state = {**self.updater.state_dict(), "first_eval": self.first_eval, **self.clock.state_dict()}
+        state = {**self.updater.state_dict(), "first_eval": self.first_eval, **self.clock.state_dict(),
+                 "precision": self.precision.name}
         return ckpt.save_checkpoint(self.checkpoint_root, step, self.model, self.tokenizer, {}, self.updater.optimizer,
                                     self.updater.scheduler, state, keep_last_n=self.cfg.trainer.keep_last_n)
 

@@ -88,6 +88,8 @@ class Trainer:
         # Its digests verified (else an earlier checkpoint), its config compared: what may change, and how.
         self.resume_from, self.resume_changes = resume_contract.prepare(cfg, self.resume_from,
                                                                         warn=distributed.is_main_process())
+        self.precision = resume_contract.continued_precision(cfg, self.resume_from, self.precision,
+                                                             announce=distributed.is_main_process())
 
         self.prompts = self.load_prompts()
         self.tokenizer = load_tokenizer(cfg.model)
@@ -199,7 +201,7 @@ class Trainer:
         if not distributed.is_main_process():
             return None  # one writer: rank 0
         trainer_state = {"kl_controller": self.kl_controller.state_dict(), **updater.state_dict(),
-                         "first_eval": self.first_eval, **self.clock.state_dict()}
+                         "first_eval": self.first_eval, **self.clock.state_dict(), "precision": self.precision.name}
         if distributed.world_size() > 1:
             trainer_state["rank_rng"] = rank_rng
         return ckpt.save_checkpoint(self.checkpoint_root, step, policy, self.tokenizer, modules, updater.optimizer,

@@ -12,6 +12,10 @@ config with it, key by key:
 - any other change (algorithm, model, LoRA, seed, data, reward, batch shape, ...) is refused at start with
   one line naming each key, its old and new value, and how to start a fresh run instead.
 
+``trainer.precision=auto`` resolves per machine (bf16-mixed where bfloat16 is native, else fp32); the
+checkpoint records what it resolved to, and a resume continues in that precision wherever it runs
+(:func:`continued_precision`): ``auto`` and the recorded precision count as the same setting.
+
 Under Hydra each segment's resolved config is kept in ``.hydra/segments/from_step_N/`` (N: the segment's
 first step), and a refused resume puts back the ``.hydra/`` files Hydra had already rewritten, so the folder
 records what ran.
@@ -27,10 +31,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import torch
 from omegaconf import OmegaConf
 
+from rlhf_lab.console import say
 from rlhf_lab.errors import CheckpointError, ConfigError
 from rlhf_lab.overrides import flatten
+from rlhf_lab.precision import Precision, check_device
 from rlhf_lab.training import checkpoint as ckpt
 from rlhf_lab.training import run_lock
 from rlhf_lab.training.verify import damage
@@ -104,6 +111,8 @@ def check_changes(cfg: Any, folder: Path) -> dict[str, tuple[Any, Any]]:
         return {}
     old, new = flatten(stored), flatten(plain_config(cfg))
     changed = {key: (old[key], new[key]) for key in new if key in old and old[key] != new[key]}
+    if "trainer.precision" in changed and set(changed["trainer.precision"]) == {"auto", state.get("precision")}:
+        del changed["trainer.precision"]  # auto continues in the precision the checkpoint's run resolved it to
     refused = {key: values for key, values in changed.items() if not may_change(key)}
     if refused:
         chosen = {key[: -len(".name")] for key in refused if key.endswith(".name") and key.count(".") == 1}
@@ -117,6 +126,27 @@ def check_changes(cfg: Any, folder: Path) -> dict[str, tuple[Any, Any]]:
             "the new values: another trainer.output_dir, without trainer.resume"
         )
     return changed
+
+
+def continued_precision(cfg: Any, folder: Path | None, precision: Precision, announce: bool = True) -> Precision:
+    """The precision a run resumed from checkpoint ``folder`` continues in.
+
+    ``precision`` is what ``cfg`` resolves to on this machine. Under ``trainer.precision=auto`` the run keeps
+    the precision its checkpoint recorded (bf16-mixed resumed on a machine without native bfloat16 stays
+    bf16-mixed, emulated and slower, rather than switching its numerics midway), with one line saying so.
+    A checkpoint that recorded none (written before precisions were recorded) resolves ``auto`` afresh.
+    """
+    if folder is None or cfg.trainer.precision != "auto" or cfg.trainer.get("dtype") is not None:
+        return precision
+    recorded = (ckpt.read_state(folder) or {}).get("precision")
+    if recorded is None or recorded == precision.name:
+        return precision
+    device = torch.device(precision.device_type)
+    check_device(recorded, device)
+    if announce:
+        say(f"trainer.precision=auto: continuing in {recorded}, what it resolved to for the run up to {folder.name} "
+            f"(auto picks {precision.name} on this machine; a run keeps its precision across resumes)")
+    return Precision(recorded, precision.device_type)
 
 
 def apply_changes(changed: dict[str, tuple[Any, Any]], cfg: Any, updater: Any, kl_controller: Any,

@@ -319,6 +319,8 @@ def test_reward_model_lora_resumes_exactly(compose, tiny_overrides, pair_folder,
     stage(compose, tiny_overrides, tmp_path / "resumed", *common, "trainer.resume=auto")
     full, resumed = train_lines(tmp_path / "full"), train_lines(tmp_path / "resumed")
     assert [line["loss/total"] for line in full] == [line["loss/total"] for line in resumed]
+    state = json.loads((tmp_path / "resumed" / "checkpoints" / "step_1" / "trainer_state.json").read_text())
+    assert state["precision"] == "fp32"  # what a resume under trainer.precision=auto continues in
     config = json.loads((tmp_path / "full" / "model" / "config.json").read_text())
     assert config["pooling"] == "mean" and not (tmp_path / "full" / "model" / "adapter_config.json").exists()
 

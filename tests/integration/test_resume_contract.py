@@ -140,3 +140,53 @@ def test_a_refused_resume_puts_hydras_record_back(tmp_path: Path, monkeypatch) -
         raise ResumeRefused("refused")
     for name in resume_contract.HYDRA_FILES:
         assert (hydra / name).read_text() == f"second segment {name}\n"
+
+
+def test_auto_precision_continues_in_what_the_checkpoints_run_resolved(compose, tiny_overrides, tmp_path,
+                                                                      monkeypatch, capsys) -> None:
+    """A run started under ``auto`` where bfloat16 is native (bf16-mixed) and resumed where it is not (auto
+    would pick fp32) stays in bf16-mixed; ``auto`` and the recorded precision are the same setting, any other
+    precision is refused."""
+    auto = [*tiny_overrides(None), *BASE, "trainer.precision=auto"]
+    run_dir = tmp_path / "run"
+    monkeypatch.setattr("rlhf_lab.precision.fast_bf16", lambda device: True)
+    Trainer(compose(auto), run_dir).train()
+    step_1 = run_dir / "checkpoints" / "step_1"
+    assert json.loads((step_1 / "trainer_state.json").read_text())["precision"] == "bf16-mixed"
+
+    monkeypatch.setattr("rlhf_lab.precision.fast_bf16", lambda device: False)
+    capsys.readouterr()
+    trainer = Trainer(compose([*auto, "trainer.resume=auto", "trainer.steps=3"]), run_dir)
+    assert trainer.precision.name == "bf16-mixed"
+    assert trainer.updater.precision is trainer.precision and trainer.experience.precision is trainer.precision
+    assert ("trainer.precision=auto: continuing in bf16-mixed, what it resolved to for the run up to step_1 (auto "
+            "picks fp32 on this machine; a run keeps its precision across resumes)") in capsys.readouterr().out
+    trainer.train()
+    assert json.loads((run_dir / "summary.json").read_text())["precision"] == "bf16-mixed"
+
+    explicit = [*tiny_overrides(None), *BASE, "trainer.steps=3"]
+    assert check_changes(compose([*explicit, "trainer.precision=bf16-mixed"]), step_1) == {"trainer.steps": (2, 3)}
+    with pytest.raises(ResumeRefused, match=r"cannot change trainer.precision: auto -> fp32 .* resume with "
+                                            r"trainer.precision=auto,"):
+        check_changes(compose([*explicit, "trainer.precision=fp32"]), step_1)
+
+
+def test_auto_precision_without_a_record_or_when_set_explicitly_is_left_alone(tmp_path, monkeypatch) -> None:
+    from omegaconf import OmegaConf
+
+    from rlhf_lab.precision import Precision
+
+    folder = tmp_path / "step_4"
+    folder.mkdir()
+    here = Precision("fp32", "cpu")
+
+    def continued(precision: str, state: dict) -> str:
+        (folder / "trainer_state.json").write_text(json.dumps({"step": 4, **state}))
+        cfg = OmegaConf.create({"trainer": {"precision": precision, "dtype": None}})
+        return resume_contract.continued_precision(cfg, folder, here, announce=False).name
+
+    assert continued("auto", {"precision": "bf16-mixed"}) == "bf16-mixed"
+    assert continued("auto", {}) == "fp32"  # a checkpoint from before precisions were recorded: auto afresh
+    assert continued("fp32", {"precision": "bf16-mixed"}) == "fp32"  # explicit: check_changes' business
+    assert resume_contract.continued_precision(OmegaConf.create({"trainer": {"precision": "auto", "dtype": None}}),
+                                               None, here) is here  # a fresh run
