@@ -90,6 +90,8 @@ def smoke_sweep(base: Path, launcher: str = "basic") -> Sweep:
 def _records(path: Path):
     """Raw records of a W&B transaction log (LevelDB log format: 32 KiB blocks, 7-byte record headers)."""
     data = path.read_bytes()
+    if len(data) < 7:  # not even the header yet: the service has just opened the file
+        return
     ident, magic, _version = struct.unpack("<4sHB", data[:7])
     assert (ident, magic) == (b":W&B", 0xBEE1), f"{path} is not a W&B transaction log"
     block, position, pending = 32768, 7, b""
@@ -99,6 +101,8 @@ def _records(path: Path):
             continue
         _checksum, length, kind = struct.unpack("<IHB", data[position : position + 7])
         chunk = data[position + 7 : position + 7 + length]
+        if len(chunk) < length:  # a record still being written: the log ends before it
+            break
         position += 7 + length
         if kind == 0 and length == 0:
             break
