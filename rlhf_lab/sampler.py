@@ -83,7 +83,7 @@ def exponential_draws(shape: tuple[int, ...]) -> Tensor:
     unsure = (exact * (1 - _UNSURE)).float() != (exact * (1 + _UNSURE)).float()
     if bool(unsure.any()):
         index = unsure.nonzero(as_tuple=True)
-        draws[index] = torch.tensor([-1.0 * math.log1p(-u) for u in uniform[index].tolist()], dtype=draws.dtype)
+        draws[index] = torch.tensor([-math.log1p(-u) for u in uniform[index].tolist()], dtype=draws.dtype)
     return draws
 
 
