@@ -13,7 +13,9 @@ import importlib.util
 import os
 import shutil
 import tempfile
-from contextlib import AbstractContextManager, nullcontext
+import warnings
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -160,7 +162,17 @@ def check_target_modules(model: nn.Module, targets: list[str]) -> None:
                           f"valid names: {', '.join(valid)} (or all-linear)")
 
 
-def apply_lora(model: nn.Module, lora_cfg: Any) -> nn.Module:
+@contextmanager
+def peft_wrapping() -> Iterator[None]:
+    """Around peft wrapping a model (``get_peft_model``, ``PeftModel.from_pretrained``): peft reads transformers'
+    deprecated ``is_gradient_checkpointing`` there, and the FutureWarning it raises names nothing a user of
+    this project can change. Only that warning, and only inside the block, is silenced."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield
+
+
+def apply_lora(model: nn.Module, lora_cfg: Any, task_type: str = "CAUSAL_LM") -> nn.Module:
     """Wrap ``model`` with a peft LoRA adapter; only the adapter's weights train."""
     from peft import LoraConfig, get_peft_model
 
@@ -170,9 +182,10 @@ def apply_lora(model: nn.Module, lora_cfg: Any) -> nn.Module:
         lora_alpha=lora_cfg.alpha,
         lora_dropout=lora_cfg.dropout,
         target_modules=list(lora_cfg.target_modules),
-        task_type="CAUSAL_LM",
+        task_type=task_type,
     )
-    return get_peft_model(model, config)
+    with peft_wrapping():
+        return get_peft_model(model, config)
 
 
 @dataclass

@@ -43,7 +43,7 @@ def build_reward_model(model_cfg: Any, tokenizer: Any, dtype: torch.dtype, seed:
     """A one-output sequence classifier on ``model_cfg``'s causal LM (the head newly initialised)."""
     from transformers import AutoModelForSequenceClassification, LlamaForSequenceClassification
 
-    from rlhf_lab.models import build_tiny_llama, smollm2_model_path
+    from rlhf_lab.models import apply_lora, build_tiny_llama, smollm2_model_path
 
     if model_cfg.name == "tiny" and not model_cfg.name_or_path:
         config = build_tiny_llama(tokenizer, model_cfg.tiny, seed=seed).config
@@ -59,11 +59,7 @@ def build_reward_model(model_cfg: Any, tokenizer: Any, dtype: torch.dtype, seed:
     model.config.pad_token_id = tokenizer.pad_token_id
     model = model.to(dtype)
     if model_cfg.lora.enabled:
-        from peft import LoraConfig, get_peft_model
-
-        lora = model_cfg.lora
-        model = get_peft_model(model, LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                                                 target_modules=list(lora.target_modules), task_type="SEQ_CLS"))
+        model = apply_lora(model, model_cfg.lora, task_type="SEQ_CLS")
     return model
 
 

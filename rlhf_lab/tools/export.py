@@ -97,7 +97,7 @@ def _merge(config: dict[str, Any], model_dir: Path) -> Any:
     from omegaconf import OmegaConf
     from peft import PeftModel
 
-    from rlhf_lab.models import load_causal_lm, load_tokenizer
+    from rlhf_lab.models import load_causal_lm, load_tokenizer, peft_wrapping
 
     if not config.get("model"):
         raise ToolError(f"cannot merge the adapter in {model_dir}: the run's config (to rebuild its base model) is "
@@ -105,7 +105,9 @@ def _merge(config: dict[str, Any], model_dir: Path) -> Any:
     model_cfg = OmegaConf.create(config["model"])
     tokenizer = load_tokenizer(model_cfg)
     base = load_causal_lm(model_cfg, tokenizer, "float32", int(config.get("seed", 0)))
-    return PeftModel.from_pretrained(base, str(model_dir)).merge_and_unload()
+    with peft_wrapping():
+        adapted = PeftModel.from_pretrained(base, str(model_dir))
+    return adapted.merge_and_unload()
 
 
 def export(source: Path, out: Path, adapter: bool = False, base: str | None = None, force: bool = False) -> Path:
