@@ -173,7 +173,8 @@ def peft_wrapping() -> Iterator[None]:
 
 
 def apply_lora(model: nn.Module, lora_cfg: Any, task_type: str = "CAUSAL_LM") -> nn.Module:
-    """Wrap ``model`` with a peft LoRA adapter; only the adapter's weights train."""
+    """Wrap ``model`` with a peft LoRA adapter; only the adapter's weights train (and, with ``task_type``
+    ``SEQ_CLS``, the new classification head: peft keeps it trainable)."""
     from peft import LoraConfig, get_peft_model
 
     check_target_modules(model, list(lora_cfg.target_modules))
