@@ -219,18 +219,26 @@ def _clean(value: Any) -> Any:
 # ------------------------------------------------------------------------------------------ parent process
 
 
+def child_environment(framework: str) -> dict[str, str]:
+    """The environment of a child run. TRL runs as its users run it: without rlhf_lab's huge-page default,
+    i.e. with PyTorch's own (off), written out as ``0`` because the child imports rlhf_lab, which would switch
+    an unset one on. A setting the user made applies to both sides."""
+    env = dict(os.environ)
+    if framework == "trl" and rlhf_lab.THP_DEFAULTED:
+        env[rlhf_lab.THP_ENV] = "0"
+    return env
+
+
 def run_job(job: Job, work_dir: Path) -> dict[str, Any]:
     """Run ``job`` in a child process; its result, or {"error": one line} if the child failed."""
     stem = f"{job.row}_{job.framework}_{len(list(work_dir.glob('*.job.json')))}"
     job_file, result_file, log_file = (work_dir / f"{stem}.{ext}" for ext in ("job.json", "result.json", "log"))
     job_file.write_text(json.dumps(asdict(job)))
     command = [sys.executable, "-m", "rlhf_lab.tools.bench", "--worker", str(job_file), str(result_file)]
-    env = dict(os.environ)
-    if job.framework == "trl" and rlhf_lab.THP_DEFAULTED:  # TRL as its users run it: not with rlhf_lab's default
-        env.pop(rlhf_lab.THP_ENV, None)
     start = time.perf_counter()
     with open(log_file, "w") as log:
-        returncode = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, check=False, env=env).returncode
+        returncode = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, check=False,
+                                    env=child_environment(job.framework)).returncode
     wall_s = time.perf_counter() - start
     if returncode != 0 or not result_file.is_file():
         lines = [line for line in log_file.read_text(errors="replace").splitlines() if line.strip()]
@@ -297,9 +305,10 @@ def _environment() -> dict[str, Any]:
         except PackageNotFoundError:
             packages[name] = None
     thp = os.environ.get(rlhf_lab.THP_ENV)  # PyTorch's huge-page switch: rlhf_lab's default, TRL's own
+    trl_thp = child_environment("trl").get(rlhf_lab.THP_ENV)
     kept = allocator.applies()  # set by rlhf_lab's trainers only
     return {"python": platform.python_version(), "platform": platform.platform(), "cpu_count": os.cpu_count(),
-            "packages": packages, "thp_mem_alloc": {"rlhf_lab": thp, "trl": None if rlhf_lab.THP_DEFAULTED else thp},
+            "packages": packages, "thp_mem_alloc": {"rlhf_lab": thp, "trl": trl_thp},
             "freed_heap_kept": {"rlhf_lab": kept, "trl": False}}
 
 

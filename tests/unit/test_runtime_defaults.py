@@ -55,7 +55,18 @@ def test_the_bench_runs_trl_without_rlhf_lab_s_default(monkeypatch, tmp_path, de
     ours, theirs = (environments[str(tmp_path / name)] for name in ("grpo_full_rlhf_lab_0.job.json",
                                                                       "grpo_full_trl_1.job.json"))
     assert ours[rlhf_lab.THP_ENV] == "1"
-    assert theirs.get(rlhf_lab.THP_ENV) == (None if defaulted else "1")  # a setting the user made is kept
+    assert theirs[rlhf_lab.THP_ENV] == ("0" if defaulted else "1")  # a setting the user made is kept
+    assert theirs == bench.child_environment("trl") and ours == bench.child_environment("rlhf_lab")
+
+
+def test_the_trl_child_keeps_huge_pages_off_although_it_imports_rlhf_lab(monkeypatch) -> None:
+    monkeypatch.setattr(rlhf_lab, "THP_DEFAULTED", True)
+    monkeypatch.setenv(rlhf_lab.THP_ENV, "1")  # what importing rlhf_lab set in this process
+    code = "import os, rlhf_lab.tools.bench; print(os.environ['THP_MEM_ALLOC_ENABLE'])"
+    for framework, expected in (("trl", "0"), ("rlhf_lab", "1")):
+        env = bench.child_environment(framework)
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        assert out.stdout.split() == [expected]
 
 
 GLIBC = sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
@@ -125,7 +136,7 @@ def test_the_bench_records_each_framework_s_allocator_settings(monkeypatch) -> N
     monkeypatch.setattr(rlhf_lab, "THP_DEFAULTED", True)
     monkeypatch.setenv(rlhf_lab.THP_ENV, "1")
     environment = bench._environment()
-    assert environment["thp_mem_alloc"] == {"rlhf_lab": "1", "trl": None}
+    assert environment["thp_mem_alloc"] == {"rlhf_lab": "1", "trl": "0"}
     assert environment["freed_heap_kept"] == {"rlhf_lab": sys.platform.startswith("linux"), "trl": False}
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=131072")
     assert bench._environment()["freed_heap_kept"] == {"rlhf_lab": False, "trl": False}
