@@ -220,9 +220,8 @@ def _clean(value: Any) -> Any:
 
 
 def child_environment(framework: str) -> dict[str, str]:
-    """The environment of a child run. TRL runs as its users run it: without rlhf_lab's huge-page default,
-    i.e. with PyTorch's own (off), written out as ``0`` because the child imports rlhf_lab, which would switch
-    an unset one on. A setting the user made applies to both sides."""
+    """A child's environment: TRL runs with PyTorch's huge-page default (off), written out because the child
+    imports rlhf_lab, which switches an unset one on; a setting the user made applies to both sides."""
     env = dict(os.environ)
     if framework == "trl" and rlhf_lab.THP_DEFAULTED:
         env[rlhf_lab.THP_ENV] = "0"
