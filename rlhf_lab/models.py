@@ -189,6 +189,17 @@ def apply_lora(model: nn.Module, lora_cfg: Any, task_type: str = "CAUSAL_LM") ->
         return get_peft_model(model, config)
 
 
+def enable_activation_checkpointing(model: nn.Module) -> None:
+    """transformers' per-layer activation checkpointing (non-reentrant) by its current name; on a transformers
+    that predates the name, by the older one (``gradient_checkpointing_enable``, a deprecated alias since)."""
+    kwargs = {"use_reentrant": False}
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 @dataclass
 class PolicyAndReference:
     """The trained policy and a way to run the frozen reference.

@@ -26,7 +26,7 @@ from rlhf_lab.console import progress_label, say
 from rlhf_lab.data import PromptSplits, check_prompt_lengths, load_prompts, prompt_indices, prompt_token_limit
 from rlhf_lab.errors import TrainingStopped
 from rlhf_lab.exact.metrics import exact_step_metrics
-from rlhf_lab.models import build_policy, load_tokenizer
+from rlhf_lab.models import build_policy, enable_activation_checkpointing, load_tokenizer
 from rlhf_lab.ops import masked_sum
 from rlhf_lab.precision import Precision
 from rlhf_lab.registry import get
@@ -96,7 +96,7 @@ class Trainer:
         self.models = build_policy(cfg.model, self.tokenizer, self.precision.weights_dtype, cfg.seed)
         self._check_prompt_lengths()
         if cfg.trainer.gradient_checkpointing:
-            self.models.policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_activation_checkpointing(self.models.policy)
         policy = self.models.policy.to(self.device)
         if self.models.reference is not None:
             self.models.reference.to("cpu" if cfg.trainer.offload_reference else self.device)
