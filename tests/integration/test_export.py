@@ -28,7 +28,7 @@ def test_lora_run_is_merged_with_the_same_outputs(lora_run: Path, tmp_path: Path
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rlhf_lab.models import build_tiny_llama, load_tokenizer
+    from rlhf_lab.models import build_tiny_llama, load_tokenizer, peft_wrapping
 
     out = tmp_path / "merged"
     code, printed, _ = run_cli(["export", str(lora_run), str(out)])
@@ -38,7 +38,8 @@ def test_lora_run_is_merged_with_the_same_outputs(lora_run: Path, tmp_path: Path
     assert not any("lora" in name for name in merged.state_dict())
     config = rlhf_lab.compose(TINY)
     base = build_tiny_llama(load_tokenizer(config.model), config.model.tiny, seed=0)
-    reference = PeftModel.from_pretrained(base, str(lora_run / "checkpoints" / "step_0" / "model"))
+    with peft_wrapping():
+        reference = PeftModel.from_pretrained(base, str(lora_run / "checkpoints" / "step_0" / "model"))
     ids = torch.tensor([[1, 5, 9, 12, 3]])
     with torch.no_grad():
         torch.testing.assert_close(merged(ids).logits, reference(ids).logits, atol=1e-5, rtol=1e-4)
