@@ -83,6 +83,14 @@ def tiny_overrides_fixture() -> Callable[[Path | None], list[str]]:
     return tiny_overrides
 
 
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    """The tokenizer of ``model=tiny`` (the embedded one), loaded once per test process."""
+    from rlhf_lab.models import load_tokenizer
+
+    return load_tokenizer(compose(tiny_overrides(None)).model)
+
+
 @pytest.fixture(name="run_cli")
 def run_cli_fixture(capsys) -> Callable[[list[str]], tuple[int, str, str]]:
     """``rlhf-lab ARGS`` in-process: (exit status, stdout, stderr)."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 
-import pytest
 import torch
 from torch import nn
 
@@ -20,18 +19,13 @@ AUTOCAST = dict(device_type="cpu", dtype=torch.bfloat16)
 PROMPTS = ["Hi", "Say something kind about the sea."]
 
 
-@pytest.fixture(scope="module")
-def tokenizer(compose, tiny_overrides):
-    return models.load_tokenizer(compose(tiny_overrides(None)).model)
-
-
-def tiny(compose, tiny_overrides, tokenizer, *overrides: str) -> tuple[nn.Module, object]:
+def tiny(compose, tiny_overrides, tiny_tokenizer, *overrides: str) -> tuple[nn.Module, object]:
     cfg = compose([*tiny_overrides(None), *overrides])
-    return models.build_tiny_llama(tokenizer, cfg.model.tiny, seed=0), cfg
+    return models.build_tiny_llama(tiny_tokenizer, cfg.model.tiny, seed=0), cfg
 
 
-def lora_model(compose, tiny_overrides, tokenizer) -> nn.Module:
-    model, cfg = tiny(compose, tiny_overrides, tokenizer, "model.lora.enabled=true", "model.lora.r=4")
+def lora_model(compose, tiny_overrides, tiny_tokenizer) -> nn.Module:
+    model, cfg = tiny(compose, tiny_overrides, tiny_tokenizer, "model.lora.enabled=true", "model.lora.r=4")
     model = models.apply_lora(model, cfg.model.lora)
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():  # peft starts B at zero (ΔW = 0): give the adapters something to merge
@@ -41,8 +35,8 @@ def lora_model(compose, tiny_overrides, tokenizer) -> nn.Module:
     return model.eval()
 
 
-def batch(tokenizer) -> dict[str, torch.Tensor]:
-    return tokenizer(PROMPTS, return_tensors="pt", padding=True, add_special_tokens=False)
+def batch(tiny_tokenizer) -> dict[str, torch.Tensor]:
+    return tiny_tokenizer(PROMPTS, return_tensors="pt", padding=True, add_special_tokens=False)
 
 
 def logits_of(model: nn.Module, inputs: dict[str, torch.Tensor], autocast: bool = False) -> torch.Tensor:
@@ -55,9 +49,9 @@ def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: tensor.clone() for name, tensor in model.state_dict().items()}
 
 
-def test_lora_merged_equals_the_adapted_layers_in_fp32_and_writes_nothing(compose, tiny_overrides, tokenizer):
-    model = lora_model(compose, tiny_overrides, tokenizer)
-    inputs = batch(tokenizer)
+def test_lora_merged_equals_the_adapted_layers_in_fp32_and_writes_nothing(compose, tiny_overrides, tiny_tokenizer):
+    model = lora_model(compose, tiny_overrides, tiny_tokenizer)
+    inputs = batch(tiny_tokenizer)
     before = snapshot(model)
     want = logits_of(model, inputs)
     with generation_weights(model) as patched:  # float32: by default peft's own forward, bit for bit
@@ -76,9 +70,9 @@ def test_lora_merged_equals_the_adapted_layers_in_fp32_and_writes_nothing(compos
     assert all("forward" not in layer.__dict__ for layer in model.modules())  # every forward restored
 
 
-def test_opened_inside_itself_it_keeps_the_outer_weights(compose, tiny_overrides, tokenizer):
+def test_opened_inside_itself_it_keeps_the_outer_weights(compose, tiny_overrides, tiny_tokenizer):
     """One merge for several generation calls (one per prompt group under trainer.seed_per_prompt)."""
-    model = lora_model(compose, tiny_overrides, tokenizer)
+    model = lora_model(compose, tiny_overrides, tiny_tokenizer)
     layers = [m for m in model.modules() if hasattr(m, "lora_A")]
     with generation_weights(model, merge_lora=True) as outer:
         products = [layer.__dict__["forward"] for layer in layers]
@@ -91,9 +85,9 @@ def test_opened_inside_itself_it_keeps_the_outer_weights(compose, tiny_overrides
         assert again == outer
 
 
-def test_an_adapter_that_is_off_is_not_merged(compose, tiny_overrides, tokenizer):
-    model = lora_model(compose, tiny_overrides, tokenizer)
-    inputs = batch(tokenizer)
+def test_an_adapter_that_is_off_is_not_merged(compose, tiny_overrides, tiny_tokenizer):
+    model = lora_model(compose, tiny_overrides, tiny_tokenizer)
+    inputs = batch(tiny_tokenizer)
     with model.disable_adapter():
         want = logits_of(model, inputs)
         with generation_weights(model, merge_lora=True) as patched:
@@ -102,11 +96,11 @@ def test_an_adapter_that_is_off_is_not_merged(compose, tiny_overrides, tokenizer
     assert torch.equal(got, want)
 
 
-def test_frozen_layers_use_exactly_autocast_s_cast(compose, tiny_overrides, tokenizer):
+def test_frozen_layers_use_exactly_autocast_s_cast(compose, tiny_overrides, tiny_tokenizer):
     """A frozen float32 layer under autocast: the product with the cast made once is autocast's, bit for bit."""
-    model, _ = tiny(compose, tiny_overrides, tokenizer)
+    model, _ = tiny(compose, tiny_overrides, tiny_tokenizer)
     model = model.eval().requires_grad_(False)
-    inputs = batch(tokenizer)
+    inputs = batch(tiny_tokenizer)
     want = logits_of(model, inputs, autocast=True)
     with torch.autocast(**AUTOCAST), generation_weights(model) as patched:
         got = logits_of(model, inputs, autocast=True)
@@ -117,16 +111,16 @@ def test_frozen_layers_use_exactly_autocast_s_cast(compose, tiny_overrides, toke
 
 
 def test_lora_generation_in_fp32_is_peft_s_and_under_autocast_agrees_with_a_fresh_pass(
-        compose, tiny_overrides, tokenizer, monkeypatch):
+        compose, tiny_overrides, tiny_tokenizer, monkeypatch):
     """float32: the same tokens and bit-equal logits as sampling through peft's layers; bf16 autocast: the
     merged adapters' log-probs are a fresh (unmerged) forward pass's to bfloat16 rounding."""
-    model = lora_model(compose, tiny_overrides, tokenizer)
+    model = lora_model(compose, tiny_overrides, tiny_tokenizer)
     settings = dict(group_size=3, max_new_tokens=6, temperature=1.0, top_p=1.0, top_k=0, max_prompt_tokens=64,
                     keep_logits=True)
 
     def sample():
         torch.manual_seed(0)
-        return generate(model, tokenizer, PROMPTS, **settings)
+        return generate(model, tiny_tokenizer, PROMPTS, **settings)
 
     default = sample()
     with monkeypatch.context() as patch:
@@ -142,10 +136,10 @@ def test_lora_generation_in_fp32_is_peft_s_and_under_autocast_agrees_with_a_fres
     assert (merged.logprobs - fresh_logprobs).abs().max() < 0.05  # bf16 products: ~3 significant digits
 
 
-def test_store_frozen_weights_halves_the_reference_and_keeps_its_numbers(compose, tiny_overrides, tokenizer):
-    model, _ = tiny(compose, tiny_overrides, tokenizer)
+def test_store_frozen_weights_halves_the_reference_and_keeps_its_numbers(compose, tiny_overrides, tiny_tokenizer):
+    model, _ = tiny(compose, tiny_overrides, tiny_tokenizer)
     reference = model.eval().requires_grad_(False)
-    inputs = batch(tokenizer)
+    inputs = batch(tiny_tokenizer)
     want = logits_of(reference, inputs, autocast=True)
     assert Precision("fp32", "cpu").store_frozen_weights(reference) == 0
     linear = [m for m in reference.modules() if isinstance(m, nn.Linear)]
@@ -157,9 +151,9 @@ def test_store_frozen_weights_halves_the_reference_and_keeps_its_numbers(compose
     assert torch.equal(logits_of(reference, inputs, autocast=True), want)  # autocast cast them to bf16 anyway
 
 
-def test_store_frozen_weights_leaves_lora_s_trainable_adapters_in_float32(compose, tiny_overrides, tokenizer):
-    model = lora_model(compose, tiny_overrides, tokenizer)
-    inputs = batch(tokenizer)
+def test_store_frozen_weights_leaves_lora_s_trainable_adapters_in_float32(compose, tiny_overrides, tiny_tokenizer):
+    model = lora_model(compose, tiny_overrides, tiny_tokenizer)
+    inputs = batch(tiny_tokenizer)
     want = logits_of(model, inputs, autocast=True)
     Precision("bf16-mixed", "cpu").store_frozen_weights(model)
     dtypes = {name: p.dtype for name, p in model.named_parameters()}
