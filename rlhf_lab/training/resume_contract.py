@@ -52,7 +52,7 @@ MAY_CHANGE = (
     "trainer.progress_bar", "trainer.exact_every", "trainer.max_consecutive_skips",
     "trainer.resume", "trainer.output_dir",
     "trainer.device", "trainer.strategy", "trainer.num_threads", "trainer.micro_batch_size",
-    "trainer.gradient_checkpointing", "trainer.offload_reference", "trainer.logprob_chunk",
+    "trainer.gradient_checkpointing", "trainer.recompute", "trainer.offload_reference", "trainer.logprob_chunk",
     "logger.*", "eval.*", "experiment_name", "optimized_metric", "kl_budget", "kl_budget_penalty",
 )
 GROUP_KEYS = ("algorithm", "kl", "reward", "model", "data", "logger")  # `<group>.name` is set as `<group>=X`

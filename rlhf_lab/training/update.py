@@ -27,6 +27,7 @@ from rlhf_lab.algorithms.base import Algorithm, LossContext, LossResult, PolicyO
 from rlhf_lab.kl import estimate, importance_weights
 from rlhf_lab.ops import gather_logprobs
 from rlhf_lab.precision import Precision
+from rlhf_lab.recompute import recompute_modules, recomputing
 from rlhf_lab.rollout import Rollout, response_logits
 from rlhf_lab.training.records import StepTimer
 
@@ -99,6 +100,7 @@ class Updater:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(trainer.lr_schedule, trainer.warmup_steps, trainer.steps)
         )
+        self.recompute = recompute_modules(policy, trainer)  # parts of each layer the backward runs again
         self.consecutive_skips = 0
         self.skipped_updates = 0
         self.last_grad_norm = float("nan")
@@ -129,7 +131,8 @@ class Updater:
 
     def micro_loss(self, batch: Rollout, context: LossContext, coef: float) -> LossResult:
         """The algorithm's loss of a micro-batch plus the loss-placed KL term; ``loss/total`` in the stats."""
-        output = self.forward(batch)
+        with recomputing(self.recompute):
+            output = self.forward(batch)
         mask = batch.response_mask
         with self.precision.autocast():  # the algorithm's own networks (a separate critic's trunk)
             result = self.algorithm.loss(batch, output, context)

@@ -17,7 +17,7 @@ from rlhf_lab.training.update import Updater, lr_lambda, parameter_groups
 
 TRAINER = {"lr": 0.1, "adam_beta1": 0.9, "adam_beta2": 0.999, "weight_decay": 0.0, "lr_schedule": "constant",
            "warmup_steps": 0, "steps": 10, "max_grad_norm": None, "micro_batch_size": 0, "max_new_tokens": 3,
-           "temperature": 1.0}
+           "temperature": 1.0, "recompute": None, "gradient_checkpointing": False}
 
 
 def config(**algorithm):
