@@ -61,6 +61,23 @@ def test_gradient_checkpointing_keeps_less_for_backward_and_the_same_gradient(co
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+def test_the_default_recomputation_keeps_less_for_backward_and_the_same_gradient_bit_for_bit(
+        compose, tiny_overrides, tmp_path, precision):
+    plain = make_trainer(compose, tiny_overrides, tmp_path / "plain", "trainer.recompute=[]",
+                         f"trainer.precision={precision}")
+    default = make_trainer(compose, tiny_overrides, tmp_path / "default", f"trainer.precision={precision}")
+    assert plain.updater.recompute == [] and len(default.updater.recompute) == 3 * 4  # norms and MLP, 4 layers
+    rollout = scored_rollout(plain)
+    plain_bytes, plain_grads = saved_bytes_and_grads(plain, copy.deepcopy(rollout))
+    default_bytes, default_grads = saved_bytes_and_grads(default, copy.deepcopy(rollout))
+    # (which tensors it drops: tests/unit/test_recompute.py; here the [B, T, V] logits dominate both counts)
+    assert default_bytes < plain_bytes, (default_bytes, plain_bytes)
+    assert len(plain_grads) == len(default_grads) > 0
+    for want, got in zip(plain_grads, default_grads, strict=True):
+        assert torch.equal(got, want)
+
+
 def test_chunked_reference_bounds_the_logits_and_gives_the_same_terms(compose, tiny_overrides, tmp_path,
                                                                         monkeypatch):
     trainer = make_trainer(compose, tiny_overrides, tmp_path / "run", "kl=mse", "kl.placement=reward")
