@@ -45,6 +45,13 @@ def _candidates(block: nn.Module) -> list[str]:
     return [name for name, child in block.named_children() if not _takes_cache(child)]
 
 
+def check_config(trainer_cfg: Any) -> None:
+    """The check needing no model (run before any loads): parts named beside whole-layer checkpointing."""
+    if trainer_cfg.recompute and trainer_cfg.gradient_checkpointing:
+        raise ConfigError(f"trainer.recompute={list(trainer_cfg.recompute)}: trainer.gradient_checkpointing already "
+                          "recomputes whole layers; set trainer.recompute=[] or trainer.gradient_checkpointing=false")
+
+
 def recompute_modules(model: nn.Module, trainer_cfg: Any) -> list[nn.Module]:
     """The submodules ``trainer.recompute`` names, in every decoder layer of ``model``; one-line errors for a
     name a layer lacks or a part that cannot be recomputed."""
@@ -54,10 +61,8 @@ def recompute_modules(model: nn.Module, trainer_cfg: Any) -> list[nn.Module]:
         if trainer_cfg.gradient_checkpointing or not blocks:
             return []
         names = [name for name in AUTO if all(name in _candidates(block) for block in blocks)]
-    names = list(names)
-    if names and trainer_cfg.gradient_checkpointing:
-        raise ConfigError(f"trainer.recompute={names}: trainer.gradient_checkpointing already recomputes whole "
-                          "layers; set trainer.recompute=[] or trainer.gradient_checkpointing=false")
+    check_config(trainer_cfg)
+    names = list(dict.fromkeys(names))  # a name given twice is one part
     if names and not blocks:
         raise ConfigError(f"trainer.recompute={names}: the model has no decoder layers (a ModuleList named "
                           "'layers') to recompute parts of; set trainer.recompute=[]")

@@ -15,6 +15,7 @@ from rlhf_lab import distributed
 from rlhf_lab.config.validate_values import at_least
 from rlhf_lab.errors import ConfigError
 from rlhf_lab.precision import check_device, resolve_precision
+from rlhf_lab.recompute import check_config as check_recompute
 
 
 def planned_device(name: str) -> torch.device:
@@ -29,6 +30,7 @@ def check_scale(cfg: Any) -> None:
     device = planned_device(trainer.device)
     check_device(resolve_precision(trainer.precision, trainer.dtype, warn=False, device=device), device)
     at_least("trainer.logprob_chunk", trainer.logprob_chunk, 0)
+    check_recompute(trainer)
     strategy = distributed.resolve_strategy(trainer.strategy)
     if strategy == "fsdp" and cfg.model.lora.enabled:
         raise ConfigError("trainer.strategy=fsdp with model.lora.enabled=true is not supported yet; "

@@ -109,6 +109,7 @@ def test_which_parts_a_config_picks(compose, tiny_overrides, tiny_tokenizer):
     assert picked() == [getattr(layer, name) for layer in layers for name in AUTO]
     assert picked("trainer.recompute=[]") == []
     assert picked("trainer.recompute=[mlp]") == [layer.mlp for layer in layers]
+    assert picked("trainer.recompute=[mlp,mlp]") == [layer.mlp for layer in layers]
     assert picked("trainer.gradient_checkpointing=true") == []  # whole layers are recomputed there
 
 
@@ -119,14 +120,24 @@ def test_which_parts_a_config_picks(compose, tiny_overrides, tiny_tokenizer):
     (["trainer.recompute=[self_attn]"],
      "trainer.recompute: 'self_attn' takes the key/value cache; valid names: mlp, input_layernorm, "
      "post_attention_layernorm (or [] for none)"),
-    (["trainer.recompute=[mlp]", "trainer.gradient_checkpointing=true"],
-     "trainer.recompute=['mlp']: trainer.gradient_checkpointing already recomputes whole layers; set "
-     "trainer.recompute=[] or trainer.gradient_checkpointing=false"),
 ])
 def test_bad_choices_are_one_line_errors(compose, tiny_overrides, tiny_tokenizer, overrides, message):
     cfg = tiny_cfg(compose, tiny_overrides, *overrides)
     with pytest.raises(ConfigError) as error:
         recompute_modules(tiny_policy(cfg, tiny_tokenizer), cfg.trainer)
+    assert str(error.value) == message
+
+
+def test_parts_beside_whole_layer_checkpointing_stop_the_config_before_a_model_loads(compose, tiny_overrides):
+    message = ("trainer.recompute=['mlp']: trainer.gradient_checkpointing already recomputes whole layers; set "
+               "trainer.recompute=[] or trainer.gradient_checkpointing=false")
+    with pytest.raises(ConfigError) as error:
+        tiny_cfg(compose, tiny_overrides, "trainer.recompute=[mlp]", "trainer.gradient_checkpointing=true")
+    assert str(error.value) == message
+    cfg = tiny_cfg(compose, tiny_overrides, "trainer.gradient_checkpointing=true")  # the default: nothing named
+    cfg.trainer.recompute = ["mlp"]  # set past the validation (the Python API): the model build says the same
+    with pytest.raises(ConfigError) as error:
+        recompute_modules(torch.nn.Sequential(), cfg.trainer)
     assert str(error.value) == message
 
 
