@@ -220,11 +220,11 @@ def _clean(value: Any) -> Any:
 
 
 def child_environment(framework: str) -> dict[str, str]:
-    """A child's environment: TRL runs with PyTorch's huge-page default (off), written out because the child
-    imports rlhf_lab, which switches an unset one on; a setting the user made applies to both sides."""
+    """A child's environment: TRL gets the libraries' own values of rlhf_lab's process defaults, written out (the
+    child imports rlhf_lab, which sets unset ones); a setting the user made applies to both sides."""
     env = dict(os.environ)
-    if framework == "trl" and rlhf_lab.THP_DEFAULTED:
-        env[rlhf_lab.THP_ENV] = "0"
+    if framework == "trl":
+        env.update({name: rlhf_lab.LIBRARY_DEFAULTS[name] for name, ours in rlhf_lab.DEFAULTED.items() if ours})
     return env
 
 
@@ -303,11 +303,12 @@ def _environment() -> dict[str, Any]:
             packages[name] = version(name)
         except PackageNotFoundError:
             packages[name] = None
-    thp = os.environ.get(rlhf_lab.THP_ENV)  # PyTorch's huge-page switch: rlhf_lab's default, TRL's own
-    trl_thp = child_environment("trl").get(rlhf_lab.THP_ENV)
+    theirs = child_environment("trl")  # rlhf_lab's process defaults on its side, the libraries' on TRL's
+    settings = {name: {"rlhf_lab": os.environ.get(name), "trl": theirs.get(name)} for name in rlhf_lab.DEFAULTED}
     kept = allocator.applies()  # set by rlhf_lab's trainers only
     return {"python": platform.python_version(), "platform": platform.platform(), "cpu_count": os.cpu_count(),
-            "packages": packages, "thp_mem_alloc": {"rlhf_lab": thp, "trl": trl_thp},
+            "packages": packages, "thp_mem_alloc": settings["THP_MEM_ALLOC_ENABLE"],
+            "onednn_lru_cache": settings["LRU_CACHE_CAPACITY"],
             "freed_heap_kept": {"rlhf_lab": kept, "trl": False}}
 
 
