@@ -308,7 +308,8 @@ class TrainerConfig:
     strategy: str = "auto"  # auto | single | ddp | fsdp (rlhf_lab/distributed.py); auto: ddp under torchrun
     gradient_checkpointing: bool = False  # recompute activations in backward (transformers' own)
     # Submodules of every decoder layer recomputed in the backward pass instead of keeping their activations
-    # (exact: rlhf_lab/recompute.py). null: both norms and the MLP where the layers have them; []: none
+    # (exact: rlhf_lab/recompute.py). null: both norms and the MLP where the layers have them (none under
+    # LoRA); []: none
     recompute: list[str] | None = None
     offload_reference: bool = False  # keep the frozen reference on the CPU between its passes
     logprob_chunk: int = 0  # rows per chunk of the reference scoring pass; 0: the whole batch at once

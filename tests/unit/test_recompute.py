@@ -50,10 +50,13 @@ def training_pass(model, modules, precision: str, saved: list[torch.Tensor] | No
     return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
+LORA = ["model.lora.enabled=true", "model.lora.r=4", "model.lora.dropout=0.3"]
+
+
 @pytest.mark.parametrize(("precision", "overrides"), [
     ("fp32", []),
     ("bf16-mixed", []),
-    ("fp32", ["model.lora.enabled=true", "model.lora.r=4", "model.lora.dropout=0.3"]),
+    ("fp32", [*LORA, "trainer.recompute=[input_layernorm,post_attention_layernorm,mlp]"]),  # named: off by default
 ])
 def test_gradients_equal_the_plain_pass_bit_for_bit(compose, tiny_overrides, tiny_tokenizer, precision, overrides):
     cfg = tiny_cfg(compose, tiny_overrides, *overrides)
@@ -111,6 +114,10 @@ def test_which_parts_a_config_picks(compose, tiny_overrides, tiny_tokenizer):
     assert picked("trainer.recompute=[mlp]") == [layer.mlp for layer in layers]
     assert picked("trainer.recompute=[mlp,mlp]") == [layer.mlp for layer in layers]
     assert picked("trainer.gradient_checkpointing=true") == []  # whole layers are recomputed there
+    lora = tiny_policy(tiny_cfg(compose, tiny_overrides, *LORA), tiny_tokenizer)
+    assert recompute_modules(lora, tiny_cfg(compose, tiny_overrides, *LORA).trainer) == []  # the default under LoRA
+    named = recompute_modules(lora, tiny_cfg(compose, tiny_overrides, *LORA, "trainer.recompute=[mlp]").trainer)
+    assert named == [layer.mlp for layer in lora.base_model.model.model.layers]
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
