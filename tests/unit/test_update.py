@@ -13,7 +13,7 @@ from rlhf_lab.algorithms.critic import ValueHead
 from rlhf_lab.registry import get
 from rlhf_lab.rollout import Rollout
 from rlhf_lab.training.records import StepTimer
-from rlhf_lab.training.update import Updater, lr_lambda, parameter_groups
+from rlhf_lab.training.update import Updater, allocate_state, lr_lambda, parameter_groups
 
 TRAINER = {"lr": 0.1, "adam_beta1": 0.9, "adam_beta2": 0.999, "weight_decay": 0.0, "lr_schedule": "constant",
            "warmup_steps": 0, "steps": 10, "max_grad_norm": None, "micro_batch_size": 0, "max_new_tokens": 3,
@@ -130,3 +130,33 @@ def test_epochs_and_minibatches_count_updates() -> None:
     updater.cfg.algorithm.epochs = 3
     updater.cfg.algorithm.mini_batch_size = 2
     assert updater.update(toy_rollout(), 0.0, 0, StepTimer())["optim/updates"] == 6
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_adams_state_made_before_the_first_step_updates_as_the_lazily_made_one(fused: bool) -> None:
+    torch.manual_seed(0)
+    lazy_model = nn.Linear(4, 3)
+    early_model = nn.Linear(4, 3)
+    early_model.load_state_dict(lazy_model.state_dict())
+    lazy = torch.optim.AdamW(lazy_model.parameters(), lr=0.1, weight_decay=0.01, fused=fused)
+    early = torch.optim.AdamW(early_model.parameters(), lr=0.1, weight_decay=0.01, fused=fused)
+    allocate_state(early)
+    for p in early_model.parameters():
+        state = early.state[p]
+        assert float(state["step"]) == 0.0 and not state["exp_avg"].any() and not state["exp_avg_sq"].any()
+    inputs = torch.randn(5, 4, generator=torch.Generator().manual_seed(1))
+    for _ in range(3):
+        for model, optimizer in ((lazy_model, lazy), (early_model, early)):
+            model(inputs).square().sum().backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    for p, q in zip(lazy_model.parameters(), early_model.parameters(), strict=True):
+        assert torch.equal(p, q)
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(lazy.state[p][key], early.state[q][key])
+            assert lazy.state[p][key].dtype == early.state[q][key].dtype
+
+
+def test_the_updater_makes_adams_state_up_front() -> None:
+    updater, policy = toy_updater(Toy())
+    assert float(updater.optimizer.state[policy.weight]["step"]) == 0.0
