@@ -71,9 +71,9 @@ def recompute_modules(model: nn.Module, trainer_cfg: Any) -> list[nn.Module]:
                           "'layers') to recompute parts of; set trainer.recompute=[]")
     modules = []
     for block in blocks:
-        valid = _candidates(block)
+        valid, children = _candidates(block), dict(block.named_children())
         for name in names:
-            child = dict(block.named_children()).get(name)
+            child = children.get(name)
             if child is None or name not in valid:
                 why = "takes the key/value cache" if child is not None else "is not a submodule of every decoder layer"
                 raise ConfigError(f"trainer.recompute: {name!r} {why}; valid names: {', '.join(valid)} "

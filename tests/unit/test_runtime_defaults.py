@@ -18,6 +18,17 @@ import rlhf_lab.allocator
 from rlhf_lab.ops import scale_logits
 from rlhf_lab.tools import bench
 
+GLIBC = sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
+MALLINFO = """
+import ctypes, json
+libc = ctypes.CDLL(None)
+if not hasattr(libc, "mallinfo2"):
+    raise SystemExit(3)
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc.mallinfo2.restype = MallInfo2
+"""
 
 def test_scale_logits_skips_the_division_at_temperature_one() -> None:
     logits = torch.randn(2, 3, 5, generator=torch.Generator().manual_seed(0))
@@ -30,7 +41,8 @@ def test_scale_logits_skips_the_division_at_temperature_one() -> None:
 
 
 THP, LRU = "THP_MEM_ALLOC_ENABLE", "LRU_CACHE_CAPACITY"
-PROBE = "import json, os, rlhf_lab; print(json.dumps([{n: os.environ[n] for n in rlhf_lab.PROCESS_DEFAULTS}, rlhf_lab.DEFAULTED]))"
+PROBE = ("import json, os, rlhf_lab; "
+         "print(json.dumps([{n: os.environ[n] for n in rlhf_lab.PROCESS_DEFAULTS}, rlhf_lab.DEFAULTED]))")
 
 
 def _imported(env: dict[str, str]) -> list:
@@ -48,13 +60,8 @@ def test_the_one_entry_cache_keeps_less_of_each_new_shape() -> None:
     """Products of ever new shapes (as every step's new prompt and response lengths make) leave their set-ups and
     buffers in PyTorch's per-shape oneDNN cache; at rlhf_lab's one entry the heap keeps about half as much (the
     rest is oneDNN's own cache of compiled kernels, which the decode loop needs)."""
-    code = """
-import ctypes, torch
-libc = ctypes.CDLL(None)
-class MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
-libc.mallinfo2.restype = MallInfo2
+    code = MALLINFO + """
+import torch
 torch.set_num_threads(1)
 weight = torch.randn(576, 1536, requires_grad=True)
 def run(rows):
@@ -72,9 +79,7 @@ print(libc.mallinfo2().uordblks - before)
     env = {k: v for k, v in os.environ.items() if k != LRU}
 
     def growth(capacity: str) -> int:
-        result = subprocess.run([sys.executable, "-c", code], env={**env, LRU: capacity}, capture_output=True,
-                                text=True, check=True)
-        return int(result.stdout)
+        return int(_probe(code, {**env, LRU: capacity}))
 
     kept_one, kept_default = growth("1"), growth("1024")
     assert kept_one < 0.75 * kept_default, (kept_one, kept_default)  # measured here: 12.6 vs 23.4 MiB for 40 shapes
@@ -106,24 +111,15 @@ def test_the_trl_child_keeps_the_library_defaults_although_it_imports_rlhf_lab(m
     monkeypatch.setattr(rlhf_lab, "DEFAULTED", {THP: True, LRU: True})
     monkeypatch.setenv(THP, "1")  # what importing rlhf_lab set in this process
     monkeypatch.setenv(LRU, "1")
-    code = "import os, rlhf_lab.tools.bench; print(os.environ['THP_MEM_ALLOC_ENABLE'], os.environ['LRU_CACHE_CAPACITY'])"
+    code = f"import os, rlhf_lab.tools.bench; print(os.environ['{THP}'], os.environ['{LRU}'])"
     for framework, expected in (("trl", ["0", "1024"]), ("rlhf_lab", ["1", "1"])):
         env = bench.child_environment(framework)
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
         assert out.stdout.split() == expected
 
 
-GLIBC = sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
-HEAP_PROBE = """
-import ctypes, json
+HEAP_PROBE = MALLINFO + """
 from rlhf_lab import allocator
-libc = ctypes.CDLL(None)
-if not hasattr(libc, "mallinfo2"):
-    raise SystemExit(3)
-class MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
-libc.mallinfo2.restype = MallInfo2
 libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
 took = allocator.keep_freed_heap()
 mapped_before = libc.mallinfo2().hblkhd
@@ -134,15 +130,19 @@ print(json.dumps({"took": took, "mapped": mapped, "heap_after_free": libc.mallin
 """
 
 
-def _probe_heap(env_extra: dict[str, str]) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in rlhf_lab.allocator.USER_SWITCHES}
-    env.pop("GLIBC_TUNABLES", None)
-    result = subprocess.run([sys.executable, "-c", HEAP_PROBE], env={**env, **env_extra}, capture_output=True,
-                            text=True, check=False)
+def _probe(code: str, env: dict[str, str]) -> str:
+    """stdout of ``code`` (which starts with MALLINFO) run in a fresh process; skipped without ``mallinfo2``."""
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False)
     if result.returncode == 3:
         pytest.skip("this C library has no mallinfo2")
     assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout)
+    return result.stdout
+
+
+def _probe_heap(env_extra: dict[str, str]) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in rlhf_lab.allocator.USER_SWITCHES}
+    env.pop("GLIBC_TUNABLES", None)
+    return json.loads(_probe(HEAP_PROBE, {**env, **env_extra}))
 
 
 @pytest.mark.skipif(not GLIBC, reason="glibc's allocator only")
