@@ -6,9 +6,9 @@ processors (transformers' own ``MinNewTokensLengthLogitsProcessor``, ``Temperatu
 processed distribution once per step for every row, finished rows continued with the pad token, and the loop
 ends when every row has produced an EOS or ``max_new_tokens`` are done. What it saves over ``generate``: its
 per-step bookkeeping (model-kwarg updates, stopping-criteria objects, tuples of per-step outputs stacked at
-the end), most of the time of multinomial's random numbers (:func:`exponential_draws`, the same numbers),
-and it computes each position's log-probability and entropy from that step's logits at once, so the
-[B, T, V] logits need not be kept unless asked. It can also keep the last hidden state that predicted
+the end), most of the time of multinomial's draw (:func:`sample_tokens`: the same random numbers, turned
+into exponential ones only for the tokens that can win), and it computes each position's log-probability
+and entropy from that step's logits at once, so the [B, T, V] logits need not be kept unless asked. It can also keep the last hidden state that predicted
 each token (the shared PPO critic's input at sampling time), which saves a forward pass over the rollout.
 
 The policy distribution is ``softmax(raw logits / temperature)``, before top-k/top-p truncation (see
@@ -66,18 +66,16 @@ def logits_processors(prompt_width: int, eos_token_id: int | list[int] | None, g
 _UNSURE = 2.0**-48
 
 
-def exponential_draws(shape: tuple[int, ...]) -> Tensor:
-    """Exp(1) draws in float32: the numbers ``torch.empty(shape).exponential_()`` makes from the same state
-    of the default generator, which it advances alike, in less than half the time on CPU.
+def draws_from_uniform(uniform: Tensor) -> Tensor:
+    """Exp(1) draws in float32 from float64 uniforms ``u``: the numbers ``exponential_`` makes, vectorised.
 
-    PyTorch's CPU kernel takes a 53-bit uniform u per element (``uniform_`` in float64 consumes the generator
-    the same way), computes −log1p(−u) in float64 with the C library's ``log1p``, one element at a time under
-    the generator's lock, and rounds to float32. Here ``log1p`` is PyTorch's vectorised one, within an ulp of
-    the C library's, so the two round to the same float32 unless the value lies within a few ulps of a
-    rounding boundary (about one draw in 10⁸); those are recomputed with ``math.log1p``, the C library's. A
-    zero draw (u = 0) is +0 either way: the vectorised ``log1p`` keeps the sign of −0 (tested).
+    PyTorch's CPU ``exponential_`` takes a 53-bit uniform u per element (``uniform_`` in float64 consumes the
+    generator the same way), computes −log1p(−u) in float64 with the C library's ``log1p``, one element at a
+    time under the generator's lock, and rounds to float32. PyTorch's ``log1p`` is within an ulp of the C
+    library's, so the two round to the same float32 unless the value lies within a few ulps of a rounding
+    boundary (about one draw in 10⁸); those are recomputed with ``math.log1p``, the C library's. A zero draw (u = 0) is +0 either way: the vectorised ``log1p`` keeps the
+    sign of −0 (tested).
     """
-    uniform = torch.empty(shape, dtype=torch.float64).uniform_()
     exact = torch.log1p(uniform.neg()).neg_()
     draws = exact.float()
     unsure = (exact * (1 - _UNSURE)).float() != (exact * (1 + _UNSURE)).float()
@@ -87,16 +85,39 @@ def exponential_draws(shape: tuple[int, ...]) -> Tensor:
     return draws
 
 
+# A token's ratio float32(p / float32(−log1p(−u))) never exceeds its bound float32(p / float32(u)): −log1p(−u)
+# ≥ u, the C library's log1p (faithfully rounded) keeps that in float64, and rounding to float32 is monotone.
+# Tokens whose bound falls below the best exact ratio found therefore cannot win; the margin is kept against a
+# log1p an ulp off.
+_BOUND_MARGIN = 2.0**-20
+
+
 def sample_tokens(probs: Tensor) -> Tensor:
     """``torch.multinomial(probs, 1).squeeze(1)`` for [B, V] ``probs``: the same token per row from the same
-    random numbers. For one sample multinomial takes argmax(p / q) with q ~ Exp(1) drawn by ``exponential_``;
-    on CPU in float32 the draws come from :func:`exponential_draws` (identical, faster). Invalid rows (inf,
-    nan, a negative entry, a zero sum) go to multinomial itself, which refuses them before drawing.
+    random numbers. For one sample multinomial takes the first argmax of p / q in float32, with q ~ Exp(1)
+    drawn by ``exponential_`` (float32(−log1p(−u)) for a float64 uniform u per entry, see
+    :func:`draws_from_uniform`). On CPU in float32 the uniforms are drawn alike, but q is computed only where
+    the token can win: since q ≥ u, p / u bounds the ratio from above, so the exact ratio of each row's best
+    p / u sets a threshold, and only the entries whose bound reaches it (about one a row) get their exact q.
+    A NaN bound (p = 0 at a zero draw, which multinomial's argmax would pick) sends the whole batch down the
+    full path. Invalid rows (inf, nan, a negative entry, a zero sum) go to multinomial itself, which refuses them
+    before drawing.
     """
     fast = probs.device.type == "cpu" and probs.dtype == torch.float32 and probs.dim() == 2
     if not fast or not bool((probs.max() < math.inf) & (probs.min() >= 0) & (probs.sum(-1) > 0).all()):
         return torch.multinomial(probs, num_samples=1).squeeze(1)
-    return (probs / exponential_draws(tuple(probs.shape))).argmax(-1)
+    uniform = torch.empty(probs.shape, dtype=torch.float64).uniform_()
+    bound = probs / uniform.float()  # u ≥ 2⁻⁵³ (or 0) is a normal float32, the quotient is ≤ 2⁵³
+    best = bound.argmax(-1, keepdim=True)  # a NaN, where there is one, is the argmax
+    if bool(bound.gather(-1, best).isnan().any()):
+        return (probs / draws_from_uniform(uniform)).argmax(-1)
+    best_ratio = probs.gather(-1, best) / draws_from_uniform(uniform.gather(-1, best))  # exact, float32
+    rows, cols = (bound >= best_ratio * (1 - _BOUND_MARGIN)).nonzero(as_tuple=True)
+    ratio = probs[rows, cols] / draws_from_uniform(uniform[rows, cols])
+    row_max = ratio.new_full((len(probs),), -math.inf).scatter_reduce(0, rows, ratio, "amax")
+    at_max = ratio == row_max[rows]
+    first = cols.new_full((len(probs),), probs.shape[1])
+    return first.scatter_reduce(0, rows[at_max], cols[at_max], "amin")
 
 
 @torch.no_grad()
