@@ -8,8 +8,9 @@ ends when every row has produced an EOS or ``max_new_tokens`` are done. What it 
 per-step bookkeeping (model-kwarg updates, stopping-criteria objects, tuples of per-step outputs stacked at
 the end), most of the time of multinomial's draw (:func:`sample_tokens`: the same random numbers, turned
 into exponential ones only for the tokens that can win), and it computes each position's log-probability
-and entropy from that step's logits at once, so the [B, T, V] logits need not be kept unless asked. It can also keep the last hidden state that predicted
-each token (the shared PPO critic's input at sampling time), which saves a forward pass over the rollout.
+and entropy from that step's logits at once, so the [B, T, V] logits need not be kept unless asked. It can
+also keep the last hidden state that predicted each token (the shared PPO critic's input at sampling time),
+which saves a forward pass over the rollout.
 
 The policy distribution is ``softmax(raw logits / temperature)``, before top-k/top-p truncation (see
 :mod:`rlhf_lab.rollout`).
@@ -73,8 +74,8 @@ def draws_from_uniform(uniform: Tensor) -> Tensor:
     generator the same way), computes −log1p(−u) in float64 with the C library's ``log1p``, one element at a
     time under the generator's lock, and rounds to float32. PyTorch's ``log1p`` is within an ulp of the C
     library's, so the two round to the same float32 unless the value lies within a few ulps of a rounding
-    boundary (about one draw in 10⁸); those are recomputed with ``math.log1p``, the C library's. A zero draw (u = 0) is +0 either way: the vectorised ``log1p`` keeps the
-    sign of −0 (tested).
+    boundary (about one draw in 10⁸); those are recomputed with ``math.log1p``, the C library's. A zero draw
+    (u = 0) is +0 either way: the vectorised ``log1p`` keeps the sign of −0 (tested).
     """
     exact = torch.log1p(uniform.neg()).neg_()
     draws = exact.float()
@@ -100,8 +101,8 @@ def sample_tokens(probs: Tensor) -> Tensor:
     the token can win: since q ≥ u, p / u bounds the ratio from above, so the exact ratio of each row's best
     p / u sets a threshold, and only the entries whose bound reaches it (about one a row) get their exact q.
     A NaN bound (p = 0 at a zero draw, which multinomial's argmax would pick) sends the whole batch down the
-    full path. Invalid rows (inf, nan, a negative entry, a zero sum) go to multinomial itself, which refuses them
-    before drawing.
+    full path. Invalid rows (inf, nan, a negative entry, a zero sum) go to multinomial itself, which refuses
+    them before drawing.
     """
     fast = probs.device.type == "cpu" and probs.dtype == torch.float32 and probs.dim() == 2
     if not fast or not bool((probs.max() < math.inf) & (probs.min() >= 0) & (probs.sum(-1) > 0).all()):
