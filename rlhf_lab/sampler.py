@@ -115,10 +115,7 @@ def sample_tokens(probs: Tensor) -> Tensor:
     best_ratio = probs.gather(-1, best) / draws_from_uniform(uniform.gather(-1, best))  # exact, float32
     rows, cols = (bound >= best_ratio * (1 - _BOUND_MARGIN)).nonzero(as_tuple=True)
     ratio = probs[rows, cols] / draws_from_uniform(uniform[rows, cols])
-    row_max = ratio.new_full((len(probs),), -math.inf).scatter_reduce(0, rows, ratio, "amax")
-    at_max = ratio == row_max[rows]
-    first = cols.new_full((len(probs),), probs.shape[1])
-    return first.scatter_reduce(0, rows[at_max], cols[at_max], "amin")
+    return bound.fill_(-math.inf).index_put_((rows, cols), ratio).argmax(-1)  # argmax's own first-of-ties
 
 
 @torch.no_grad()

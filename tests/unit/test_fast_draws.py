@@ -135,7 +135,8 @@ def test_equal_ratios_give_the_first_token_as_argmax_does(monkeypatch) -> None:
 
 
 def test_many_near_ties_are_all_weighed_exactly(monkeypatch) -> None:
-    # Entries whose bounds lie within the margin of the best: each candidate's exact ratio decides.
+    # Near-equal p and u: every bound reaches the best exact ratio (q / u = 1.19 at u = 0.3), so all 200 entries
+    # of a row are candidates and their exact ratios, 2⁻²¹ apart, decide.
     generator = torch.Generator().manual_seed(3)
     base = torch.full((4, 200), 1 / 200)
     probs = base * (1 + torch.randn(4, 200, generator=generator) * 2.0**-21)
