@@ -270,7 +270,9 @@ def test_micro_batches_give_the_same_update(compose, tiny_overrides, tmp_path: P
 
     assert len(whole_grads) == len(micro_grads) == 1
     for whole_grad, micro_grad in zip(whole_grads[0], micro_grads[0]):
-        torch.testing.assert_close(micro_grad, whole_grad, rtol=1e-4, atol=1e-8)
+        # float32 sums in another order: entries that cancel to near zero keep an error on the scale of the
+        # tensor's largest terms (up to 1.3e-5 of its largest entry on some CPUs' kernels)
+        torch.testing.assert_close(micro_grad, whole_grad, rtol=1e-4, atol=1e-4 * whole_grad.abs().max().item())
     largest_update = 0.0
     for p0, p_whole, p_micro in zip(start, whole.updater.parameters, micro.updater.parameters):
         torch.testing.assert_close(p_micro.detach() - p0, p_whole.detach() - p0, rtol=0, atol=1e-5)
