@@ -20,6 +20,14 @@ adapters run as peft runs them, so sampling stays bit-identical to it. The merge
 adapted layers' outputs up to float rounding (tests/unit/test_generation_weights.py: logits to 1e-5 when
 merged in float32; a frozen layer's cast is exactly autocast's). Layers peft computes differently (DoRA and
 other variants, ``fan_in_fan_out``, an adapter already merged or disabled) keep their own forward.
+
+Given the decode's row count (``rows``), each of those bfloat16 weights, and the cast of every other plain
+``Linear`` where autocast runs the products in bfloat16, is also laid out once per generation call for
+oneDNN's kernel (``mkldnn._reorder_linear_weight``): a plain bfloat16 product re-lays the weight out at every
+call. Packing is used only where the packed kernel gives ``F.linear``'s result bit for bit, checked once per
+(shape, rows, threads) in the process on random inputs (:func:`packed_product`); elsewhere the layer keeps
+its product. Float32 products (MKL's packed sgemm) are not packed: re-packing float32 weights after every
+optimizer step costs about what it saves (experiments/BENCHMARK.md, round 7).
 """
 
 from __future__ import annotations
@@ -68,11 +76,45 @@ def _product(weight: Tensor, bias: Tensor | None) -> Callable[..., Tensor]:
     return forward
 
 
+_PACKED_EXACT: dict[tuple, bool] = {}  # (shape, bias, rows, threads) -> the packed kernel gives F.linear's numbers
+
+
+def packed_product(weight: Tensor, bias: Tensor | None, rows: int) -> Callable[..., Tensor] | None:
+    """A layer forward multiplying by a bfloat16 ``weight`` in oneDNN's layout packed for ``rows``-row
+    products, or None where the kernel is missing or would not give ``F.linear``'s numbers bit for bit
+    (checked once per key on random inputs of ``rows`` and of ``5 * rows + 3`` rows, a prefill's count;
+    the global random generator is not touched). Inputs are cast to bfloat16 as autocast casts them."""
+    if weight.device.type != "cpu" or weight.dim() != 2 or weight.dtype != torch.bfloat16:
+        return None
+    key = (tuple(weight.shape), bias is not None, rows, torch.get_num_threads())
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+        if key not in _PACKED_EXACT:
+            generator = torch.Generator().manual_seed(0)
+            probes = [torch.randn(n, weight.shape[1], generator=generator).to(weight.dtype) for n in (rows, 5 * rows + 3)]
+            with torch.autocast("cpu", enabled=False):
+                _PACKED_EXACT[key] = all(torch.equal(_packed(x, packed, bias), F.linear(x, weight, bias)) for x in probes)
+    except (RuntimeError, AttributeError, NotImplementedError):  # a build or CPU without oneDNN's bf16 kernels
+        _PACKED_EXACT[key] = False
+    if not _PACKED_EXACT[key]:
+        return None
+
+    def forward(x: Tensor, *args: object, **kwargs: object) -> Tensor:
+        return _packed(x, packed, bias)
+
+    return forward
+
+
+def _packed(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), packed, bias, "none", [None], "")
+
+
 @contextmanager
-def generation_weights(model: nn.Module, merge_lora: bool | None = None) -> Iterator[int]:
-    """Inside, LoRA layers multiply by merged weights and frozen layers by their autocast cast (see the
-    module's text); yields how many layers changed. Open it after the last optimizer step: the weights are
-    taken when it opens and dropped when it closes, which restores every layer's forward.
+def generation_weights(model: nn.Module, merge_lora: bool | None = None, rows: int | None = None) -> Iterator[int]:
+    """Inside, LoRA layers multiply by merged weights and frozen layers by their autocast cast, and with
+    ``rows`` (the decode's batch rows) every such weight and every other plain ``Linear`` by its packed
+    layout (see the module's text); yields how many layers changed. Open it after the last optimizer step:
+    the weights are taken when it opens and dropped when it closes, which restores every layer's forward.
 
     ``merge_lora`` None: merge where autocast is on (a mixed precision, whose products round to bfloat16
     anyway); in float32 the adapters then run as peft runs them and sampling stays bit-identical to it.
@@ -82,24 +124,33 @@ def generation_weights(model: nn.Module, merge_lora: bool | None = None) -> Iter
     if id(model) in _ACTIVE:
         yield 0
         return
-    patched, merged_bases = [], set()
+    patched, replaced = [], set()  # replaced: ids of the modules a new forward runs instead of
     parameter = next(model.parameters(), None)
     if merge_lora is None:
         merge_lora = parameter is not None and torch.is_autocast_enabled(parameter.device.type)
     _ACTIVE.add(id(model))
     try:
         with torch.no_grad():
-            for layer in model.modules():  # parents come before children: a merged layer's base is skipped
+            for layer in model.modules():  # parents come before children: a merged layer's parts are skipped
+                if id(layer) in replaced:
+                    continue
                 weight = _lora_merged(layer) if merge_lora else None
-                if weight is None and id(layer) not in merged_bases:
+                if weight is None:
                     weight = _frozen_cast(layer)
+                plain = weight is None and rows is not None and type(layer) is nn.Linear
+                if plain:
+                    weight = layer.weight  # packed below, if the kernel gives F.linear's numbers
                 if weight is None:
                     continue
                 base = layer.get_base_layer() if hasattr(layer, "get_base_layer") else layer
-                merged_bases.add(id(base))
                 dtype = compute_dtype(base.weight)
                 bias = None if base.bias is None else base.bias.to(dtype)
-                layer.forward = _product(weight.to(dtype), bias)  # an instance attribute shadows the class's
+                weight = weight.to(dtype)
+                forward = packed_product(weight, bias, rows) if rows else None
+                if forward is None and plain:
+                    continue  # not packed: its own forward (autocast's cached cast, if any) is the same product
+                replaced.update(id(module) for module in layer.modules())
+                layer.forward = forward or _product(weight, bias)  # an instance attribute shadows the class's
                 patched.append(layer)
         yield len(patched)
     finally:

@@ -158,7 +158,7 @@ def generate(
     prompt_mask = encoded["attention_mask"].repeat_interleave(group_size, 0).to(device)
     was_training = model.training
     model.eval()
-    with generation_weights(model):
+    with generation_weights(model, rows=prompt_ids.shape[0]):
         cache, cached = DynamicCache(), 0
         if share_prompts and group_size > 1 and encoded["input_ids"].shape[1] > 1:
             unique_ids, unique_mask = encoded["input_ids"].to(device), encoded["attention_mask"].to(device)

@@ -206,7 +206,7 @@ class ExperienceMaker:
             if not (cfg.trainer.seed_per_prompt and rng_keys is not None):
                 return generate(self.policy, self.tokenizer, formatted, **settings)
             parts = []
-            with generation_weights(self.policy):  # merged once for every prompt group's call
+            with generation_weights(self.policy, rows=group_size):  # made once for every prompt group's call
                 for prompt, key in zip(formatted, rng_keys):
                     with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
                         torch.manual_seed(key)

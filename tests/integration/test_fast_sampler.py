@@ -14,6 +14,7 @@ import torch
 from transformers import DynamicCache
 
 from rlhf_lab import models
+from rlhf_lab.generation_weights import generation_weights
 from rlhf_lab.ops import entropy_from_logits, gather_logprobs
 from rlhf_lab.rollout import format_prompts, generate, position_ids_from_mask
 from rlhf_lab.sampler import decode
@@ -175,3 +176,30 @@ def test_the_embedded_model_draws_what_generate_draws_and_scores_as_a_forward_pa
     width = input_ids.shape[1]
     fresh = gather_logprobs(logits[:, width - 1 : -1].float() / 0.7, got.response_ids)
     torch.testing.assert_close(got.logprobs, fresh, rtol=1e-5, atol=1e-5)
+
+
+def test_the_embedded_model_under_bf16_autocast_draws_what_generate_draws(compose) -> None:
+    """Mixed precision, full fine-tuning: ``generate`` (every product through its weight cast once and, where
+    oneDNN has bfloat16 kernels, packed once) against ``model.generate`` under the same autocast (autocast's
+    cached casts): the same tokens, the logits bit for bit."""
+    model_cfg = compose(["model=smollm2_135m"]).model
+    tokenizer = models.load_tokenizer(model_cfg)
+    model = models.load_causal_lm(model_cfg, tokenizer, "float32", 0).eval()
+    input_ids, attention_mask = encoded_prompts(tokenizer, group_size=2)
+    formatted = format_prompts(PROMPTS, tokenizer, True, None)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+    with autocast, generation_weights(model, rows=input_ids.shape[0]) as patched:
+        packs = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        assert patched == (sum(isinstance(m, torch.nn.Linear) for m in model.modules()) if packs else 0)
+    torch.manual_seed(5)
+    with torch.no_grad(), autocast:
+        expected = plain_generate(model, input_ids, attention_mask, tokenizer.eos_token_id, tokenizer.pad_token_id,
+                                  temperature=1.0, top_k=0, top_p=1.0)
+    torch.manual_seed(5)
+    with autocast:
+        got = generate(model, tokenizer, formatted, 2, MAX_NEW_TOKENS, 1.0, 1.0, 0, 256, keep_logits=True,
+                       share_prompts=False)
+    width = input_ids.shape[1]
+    assert torch.equal(got.response_ids, expected.sequences[:, width:])
+    steps = got.response_ids.shape[1]
+    assert torch.equal(got.policy_logits, torch.stack(expected.logits, dim=1)[:, :steps].float())

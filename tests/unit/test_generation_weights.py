@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import contextlib
 
+import pytest
 import torch
 from torch import nn
 
+import rlhf_lab.generation_weights as gw
 import rlhf_lab.rollout as rollout_module
 from rlhf_lab import models
 from rlhf_lab.generation_weights import generation_weights
@@ -124,7 +126,7 @@ def test_lora_generation_in_fp32_is_peft_s_and_under_autocast_agrees_with_a_fres
 
     default = sample()
     with monkeypatch.context() as patch:
-        patch.setattr(rollout_module, "generation_weights", lambda model: contextlib.nullcontext(0))
+        patch.setattr(rollout_module, "generation_weights", lambda model, **kwargs: contextlib.nullcontext(0))
         plain = sample()
     assert torch.equal(default.input_ids, plain.input_ids)
     assert torch.equal(default.policy_logits, plain.policy_logits)
@@ -161,3 +163,78 @@ def test_store_frozen_weights_leaves_lora_s_trainable_adapters_in_float32(compos
     assert {dtype for name, dtype in dtypes.items() if "base_layer" in name} == {torch.bfloat16}
     assert dtypes["base_model.model.model.embed_tokens.weight"] == torch.float32
     assert torch.equal(logits_of(model, inputs, autocast=True), want)
+
+
+def packs_here() -> bool:
+    """Whether this CPU has oneDNN's bfloat16 kernels (the packed products' precondition)."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def sample_bf16(model: nn.Module, tiny_tokenizer, seed: int = 0) -> rollout_module.Rollout:
+    settings = dict(group_size=3, max_new_tokens=6, temperature=1.0, top_p=1.0, top_k=0, max_prompt_tokens=64,
+                    keep_logits=True)
+    torch.manual_seed(seed)
+    with torch.autocast(**AUTOCAST):
+        return generate(model, tiny_tokenizer, PROMPTS, **settings)
+
+
+def without_packing(monkeypatch) -> None:
+    """From here on, generation weights as they are without the decode's row count (no packed products)."""
+    monkeypatch.setattr(rollout_module, "generation_weights", lambda model, **kwargs: generation_weights(model))
+
+
+@pytest.mark.skipif(not packs_here(), reason="no oneDNN bfloat16 kernels on this CPU")
+def test_packed_products_sample_what_the_plain_products_sample_bit_for_bit(compose, tiny_overrides, tiny_tokenizer,
+                                                                           monkeypatch):
+    """Full fine-tuning under bf16 autocast: every Linear (the tied LM head too) multiplies by its packed cast,
+    and the tokens, logits and log-probs are those of autocast's own products."""
+    model, _ = tiny(compose, tiny_overrides, tiny_tokenizer)
+    before = snapshot(model)
+    with torch.autocast(**AUTOCAST), generation_weights(model, rows=6) as patched:
+        assert patched == sum(isinstance(m, nn.Linear) for m in model.modules()) > 0
+    packed = sample_bf16(model, tiny_tokenizer)
+    without_packing(monkeypatch)
+    plain = sample_bf16(model, tiny_tokenizer)
+    assert torch.equal(packed.input_ids, plain.input_ids)
+    assert torch.equal(packed.policy_logits, plain.policy_logits)
+    assert torch.equal(packed.logprobs, plain.logprobs)
+    assert all(torch.equal(before[k], v) for k, v in snapshot(model).items())  # no weight written
+    assert all("forward" not in layer.__dict__ for layer in model.modules())  # every forward restored
+
+
+@pytest.mark.skipif(not packs_here(), reason="no oneDNN bfloat16 kernels on this CPU")
+def test_packed_lora_and_frozen_layers_sample_what_the_merged_products_sample(compose, tiny_overrides, tiny_tokenizer,
+                                                                              monkeypatch):
+    model = lora_model(compose, tiny_overrides, tiny_tokenizer)
+    with torch.autocast(**AUTOCAST), generation_weights(model, rows=6) as patched:
+        inside_lora = {id(part) for m in model.modules() if hasattr(m, "lora_A") for part in m.modules()}
+        assert patched == sum(hasattr(m, "lora_A") or type(m) is nn.Linear and id(m) not in inside_lora
+                              for m in model.modules()) > 1  # merged LoRA layers, and the frozen tied LM head
+    packed = sample_bf16(model, tiny_tokenizer, seed=3)
+    without_packing(monkeypatch)
+    plain = sample_bf16(model, tiny_tokenizer, seed=3)
+    assert torch.equal(packed.input_ids, plain.input_ids)
+    assert torch.equal(packed.policy_logits, plain.policy_logits)
+
+
+def test_a_packed_kernel_that_rounds_otherwise_is_not_used(compose, tiny_overrides, tiny_tokenizer, monkeypatch):
+    """The once-per-shape check: a packed product one ulp off F.linear's anywhere leaves every layer on F.linear
+    (here no layer changes: the trainable float32 layers keep autocast's cached casts)."""
+    model, _ = tiny(compose, tiny_overrides, tiny_tokenizer)
+    plain = sample_bf16(model, tiny_tokenizer)  # before the patch: the cache of checked shapes fills here
+    monkeypatch.setattr(gw, "_PACKED_EXACT", {})
+    exact = gw._packed
+    monkeypatch.setattr(gw, "_packed", lambda *args: (exact(*args).float() * (1 + 2**-6)).to(torch.bfloat16))
+    with torch.autocast(**AUTOCAST), generation_weights(model, rows=6) as patched:
+        assert patched == 0
+    assert set(gw._PACKED_EXACT.values()) == {False}
+    again = sample_bf16(model, tiny_tokenizer)
+    assert torch.equal(again.input_ids, plain.input_ids)
+    assert torch.equal(again.policy_logits, plain.policy_logits)
+
+
+def test_nothing_is_packed_in_float32(compose, tiny_overrides, tiny_tokenizer):
+    model, _ = tiny(compose, tiny_overrides, tiny_tokenizer)
+    with generation_weights(model, rows=6) as patched:
+        assert patched == 0
+    assert gw.packed_product(torch.ones(4, 4), None, 2) is None
