@@ -16,11 +16,10 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from transformers import DynamicCache
 
 from rlhf_lab.generation_weights import generation_weights
 from rlhf_lab.ops import scale_logits
-from rlhf_lab.sampler import decode
+from rlhf_lab.sampler import decode, decode_cache
 
 
 def format_prompts(prompts: list[str], tokenizer: Any, chat_template: bool, system_prompt: str | None) -> list[str]:
@@ -159,12 +158,12 @@ def generate(
     was_training = model.training
     model.eval()
     with generation_weights(model, rows=prompt_ids.shape[0]):
-        cache, cached = DynamicCache(), 0
+        cache, cached = decode_cache(max_new_tokens), 0
         if share_prompts and group_size > 1 and encoded["input_ids"].shape[1] > 1:
             unique_ids, unique_mask = encoded["input_ids"].to(device), encoded["attention_mask"].to(device)
             rows = torch.arange(unique_ids.shape[0], device=device).repeat_interleave(group_size)
             prefix = prefill_shared(model, unique_ids[:, :-1], unique_mask[:, :-1],
-                                    position_ids_from_mask(unique_mask)[:, :-1], rows)
+                                    position_ids_from_mask(unique_mask)[:, :-1], rows, past_key_values=cache)
             cache, cached = prefix.past_key_values, unique_ids.shape[1] - 1
         sampled = decode(model, prompt_ids, prompt_mask, cache, cached, max_new_tokens=max_new_tokens,
                          temperature=temperature, top_p=top_p, top_k=top_k, eos_token_id=tokenizer.eos_token_id,

@@ -10,7 +10,8 @@ the end), most of the time of multinomial's draw (:func:`sample_tokens`: the sam
 into exponential ones only for the tokens that can win), and it computes each position's log-probability
 and entropy from that step's logits at once, so the [B, T, V] logits need not be kept unless asked. It can
 also keep the last hidden state that predicted each token (the shared PPO critic's input at sampling time),
-which saves a forward pass over the rollout.
+which saves a forward pass over the rollout. Its key/value cache (:func:`decode_cache`) holds the dynamic
+cache's numbers without copying them at every step.
 
 The policy distribution is ``softmax(raw logits / temperature)``, before top-k/top-p truncation (see
 :mod:`rlhf_lab.rollout`).
@@ -20,17 +21,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from transformers import (
+    DynamicCache,
     LogitsProcessorList,
     MinNewTokensLengthLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
+from transformers.cache_utils import DynamicLayer
 
 from rlhf_lab.ops import entropy_from_logits, gather_logprobs, scale_logits
 
@@ -116,6 +120,63 @@ def sample_tokens(probs: Tensor) -> Tensor:
     rows, cols = (bound >= best_ratio * (1 - _BOUND_MARGIN)).nonzero(as_tuple=True)
     ratio = probs[rows, cols] / draws_from_uniform(uniform[rows, cols])
     return bound.fill_(-math.inf).index_put_((rows, cols), ratio).argmax(-1)  # argmax's own first-of-ties
+
+
+class DecodeLayer(DynamicLayer):
+    """transformers' ``DynamicLayer`` with the same keys and values, kept where the decode reads them cheaply.
+
+    - The keys and values are written into buffers with room for ``reserve`` more positions, and returned as
+      views of them: no step copies the whole cache again (``DynamicLayer`` concatenates at every step).
+    - Under autocast the keys arrive in float32 (rotary's float32 cos/sin promote them) beside values in the
+      autocast dtype, and attention casts the whole key cache down again at every step; here each key is
+      stored in the values' dtype once, the cast attention would make. Attention then gets the same numbers.
+    """
+
+    def __init__(self, reserve: int) -> None:
+        super().__init__()
+        self.reserve = reserve
+        self.buffers: tuple[Tensor, Tensor] | None = None
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
+        device_type = key_states.device.type
+        if (key_states.dtype != value_states.dtype and torch.is_autocast_enabled(device_type)
+                and value_states.dtype == torch.get_autocast_dtype(device_type)):
+            key_states = key_states.to(value_states.dtype)
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        length = self.get_seq_length()
+        end = length + key_states.shape[-2]
+        if not self._writes_in_place(key_states, value_states, end):
+            shape = (*key_states.shape[:2], end + self.reserve)
+            keys = key_states.new_empty(*shape, key_states.shape[-1])
+            values = value_states.new_empty(*shape, value_states.shape[-1])
+            if length:
+                keys[..., :length, :] = self.keys
+                values[..., :length, :] = self.values
+            self.buffers = (keys, values)
+        keys, values = self.buffers
+        keys[..., length:end, :] = key_states
+        values[..., length:end, :] = value_states
+        self.keys, self.values = keys[..., :end, :], values[..., :end, :]
+        return self.keys, self.values
+
+    def _writes_in_place(self, key_states: Tensor, value_states: Tensor, end: int) -> bool:
+        """Whether the cached keys and values are the leading part of buffers that hold ``end`` positions (not
+        after ``batch_select_indices`` and the like, which put new tensors in their place)."""
+        if self.buffers is None:
+            return False
+        keys, values = self.buffers
+        return (self.keys.data_ptr() == keys.data_ptr() and self.values.data_ptr() == values.data_ptr()
+                and keys.shape[:2] == key_states.shape[:2] and keys.shape[-2] >= end
+                and keys.dtype == key_states.dtype and values.dtype == value_states.dtype)
+
+
+def decode_cache(reserve: int) -> DynamicCache:
+    """An empty key/value cache of :class:`DecodeLayer` layers, each keeping room for ``reserve`` positions
+    past the ones it holds when it (re)allocates (the decode's ``max_new_tokens``)."""
+    cache = DynamicCache()
+    cache.layer_class_to_replicate = partial(DecodeLayer, reserve)
+    return cache
 
 
 @torch.no_grad()
