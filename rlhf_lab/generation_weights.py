@@ -87,6 +87,8 @@ def packed_product(weight: Tensor, bias: Tensor | None, rows: int) -> Callable[.
     if weight.device.type != "cpu" or weight.dim() != 2 or weight.dtype != torch.bfloat16:
         return None
     key = (tuple(weight.shape), bias is not None, rows, torch.get_num_threads())
+    if _PACKED_EXACT.get(key) is False:
+        return None
     try:
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
         if key not in _PACKED_EXACT:
