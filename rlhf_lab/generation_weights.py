@@ -79,16 +79,18 @@ def _product(weight: Tensor, bias: Tensor | None) -> Callable[..., Tensor]:
 _PACKED_EXACT: dict[tuple, bool] = {}  # (shape, bias, rows, threads) -> the packed kernel gives F.linear's numbers
 
 
-def packed_product(weight: Tensor, bias: Tensor | None, rows: int) -> Callable[..., Tensor] | None:
-    """A layer forward multiplying by a bfloat16 ``weight`` in oneDNN's layout packed for ``rows``-row
-    products, or None where the kernel is missing or would not give ``F.linear``'s numbers bit for bit
-    (checked once per key on random inputs of ``rows`` and of ``5 * rows + 3`` rows, a prefill's count;
-    the global random generator is not touched). Inputs are cast to bfloat16 as autocast casts them."""
-    if weight.device.type != "cpu" or weight.dim() != 2 or weight.dtype != torch.bfloat16:
+def packed_product(weight: Tensor, bias: Tensor | None, rows: int, dtype: torch.dtype) -> Callable[..., Tensor] | None:
+    """A layer forward multiplying by ``weight`` cast to ``dtype`` (bfloat16) in oneDNN's layout packed for
+    ``rows``-row products, or None, before any cast, where the products run in another dtype or device, or
+    where the kernel is missing or would not give ``F.linear``'s numbers bit for bit (checked once per key on
+    random inputs of ``rows`` and of ``5 * rows + 3`` rows, a prefill's count; the global random generator is
+    not touched). Inputs are cast to bfloat16 as autocast casts them."""
+    if weight.device.type != "cpu" or weight.dim() != 2 or dtype != torch.bfloat16:
         return None
     key = (tuple(weight.shape), bias is not None, rows, torch.get_num_threads())
     if _PACKED_EXACT.get(key) is False:
         return None
+    weight = weight.to(dtype)
     try:
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
         if key not in _PACKED_EXACT:
@@ -147,12 +149,13 @@ def generation_weights(model: nn.Module, merge_lora: bool | None = None, rows: i
                 base = layer.get_base_layer() if hasattr(layer, "get_base_layer") else layer
                 dtype = compute_dtype(base.weight)
                 bias = None if base.bias is None else base.bias.to(dtype)
-                weight = weight.to(dtype)
-                forward = packed_product(weight, bias, rows) if rows else None
-                if forward is None and plain:
-                    continue  # not packed: its own forward (autocast's cached cast, if any) is the same product
+                forward = packed_product(weight, bias, rows, dtype) if rows else None
+                if forward is None:
+                    if plain:
+                        continue  # not packed: its own forward (autocast's cached cast, if any) is the same product
+                    forward = _product(weight.to(dtype), bias)
                 replaced.update(id(module) for module in layer.modules())
-                layer.forward = forward or _product(weight, bias)  # an instance attribute shadows the class's
+                layer.forward = forward  # an instance attribute shadows the class's
                 patched.append(layer)
         yield len(patched)
     finally:

@@ -19,6 +19,8 @@ from rlhf_lab.rollout import generate, response_logits
 
 AUTOCAST = dict(device_type="cpu", dtype=torch.bfloat16)
 PROMPTS = ["Hi", "Say something kind about the sea."]
+SAMPLING = dict(group_size=3, max_new_tokens=6, temperature=1.0, top_p=1.0, top_k=0, max_prompt_tokens=64,
+                keep_logits=True)
 
 
 def tiny(compose, tiny_overrides, tiny_tokenizer, *overrides: str) -> tuple[nn.Module, object]:
@@ -117,12 +119,9 @@ def test_lora_generation_in_fp32_is_peft_s_and_under_autocast_agrees_with_a_fres
     """float32: the same tokens and bit-equal logits as sampling through peft's layers; bf16 autocast: the
     merged adapters' log-probs are a fresh (unmerged) forward pass's to bfloat16 rounding."""
     model = lora_model(compose, tiny_overrides, tiny_tokenizer)
-    settings = dict(group_size=3, max_new_tokens=6, temperature=1.0, top_p=1.0, top_k=0, max_prompt_tokens=64,
-                    keep_logits=True)
-
     def sample():
         torch.manual_seed(0)
-        return generate(model, tiny_tokenizer, PROMPTS, **settings)
+        return generate(model, tiny_tokenizer, PROMPTS, **SAMPLING)
 
     default = sample()
     with monkeypatch.context() as patch:
@@ -171,11 +170,9 @@ def packs_here() -> bool:
 
 
 def sample_bf16(model: nn.Module, tiny_tokenizer, seed: int = 0) -> rollout_module.Rollout:
-    settings = dict(group_size=3, max_new_tokens=6, temperature=1.0, top_p=1.0, top_k=0, max_prompt_tokens=64,
-                    keep_logits=True)
     torch.manual_seed(seed)
     with torch.autocast(**AUTOCAST):
-        return generate(model, tiny_tokenizer, PROMPTS, **settings)
+        return generate(model, tiny_tokenizer, PROMPTS, **SAMPLING)
 
 
 def without_packing(monkeypatch) -> None:
@@ -217,6 +214,7 @@ def test_packed_lora_and_frozen_layers_sample_what_the_merged_products_sample(co
     assert torch.equal(packed.policy_logits, plain.policy_logits)
 
 
+@pytest.mark.skipif(not packs_here(), reason="no oneDNN bfloat16 kernels on this CPU")
 def test_a_packed_kernel_that_rounds_otherwise_is_not_used(compose, tiny_overrides, tiny_tokenizer, monkeypatch):
     """The once-per-shape check: a packed product one ulp off F.linear's anywhere leaves every layer on F.linear
     (here no layer changes: the trainable float32 layers keep autocast's cached casts)."""
@@ -237,4 +235,5 @@ def test_nothing_is_packed_in_float32(compose, tiny_overrides, tiny_tokenizer):
     model, _ = tiny(compose, tiny_overrides, tiny_tokenizer)
     with generation_weights(model, rows=6) as patched:
         assert patched == 0
-    assert gw.packed_product(torch.ones(4, 4), None, 2) is None
+    assert gw.packed_product(torch.ones(4, 4), None, 2, torch.float32) is None
+    assert gw.packed_product(torch.ones(4, 4, device="meta"), None, 2, torch.bfloat16) is None  # not a CPU
