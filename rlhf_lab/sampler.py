@@ -46,7 +46,8 @@ class Sampled:
     response_ids: Tensor  # [B, T] sampled tokens, pad after a row's EOS
     logprobs: Tensor  # [B, T] log softmax(logits / temperature) at the sampled token (unmasked)
     entropy: Tensor  # [B, T] entropy of softmax(logits / temperature) (unmasked)
-    logits: Tensor | None  # [B, T, V] raw logits / temperature, float32 (``keep_logits``)
+    logits: Tensor | None  # [B, T, V] raw logits / temperature, float32 (``keep_logits``; a view of a
+    # [B, max_new_tokens, V] buffer when every row ended early)
     hidden: Tensor | None  # [B, T, H] last hidden state that predicted each token (``keep_hidden``)
 
 
@@ -199,7 +200,8 @@ def decode(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, past_key_v
     next_position = prompt_mask.long().sum(-1, keepdim=True)
     sequences = prompt_ids
     unfinished = torch.ones(batch, dtype=torch.bool, device=device)
-    tokens, logprobs, entropies, kept_logits, hidden_states = [], [], [], [], []
+    tokens, logprobs, entropies, hidden_states = [], [], [], []
+    kept_logits = None  # [B, max_new_tokens, V], written step by step (see below)
     step_ids, step_positions = prompt_ids[:, cached:], positions[:, cached:]
     for step in range(max_new_tokens):
         width = prompt_width + step
@@ -214,8 +216,10 @@ def decode(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, past_key_v
         next_tokens = torch.where(unfinished, next_tokens, pad_token_id)
         logprobs.append(gather_logprobs(scaled, next_tokens))
         entropies.append(entropy_from_logits(scaled))
-        if keep_logits:
-            kept_logits.append(scaled)
+        if keep_logits:  # into one buffer: a list of [B, V] tensors stacked at the end is a second full copy
+            if kept_logits is None:
+                kept_logits = scaled.new_empty(batch, max_new_tokens, scaled.shape[-1])
+            kept_logits[:, step] = scaled
         if keep_hidden:
             hidden_states.append(output.hidden_states[-1][:, -1])
         tokens.append(next_tokens)
@@ -229,6 +233,6 @@ def decode(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, past_key_v
         response_ids=torch.stack(tokens, dim=1),
         logprobs=torch.stack(logprobs, dim=1),
         entropy=torch.stack(entropies, dim=1),
-        logits=torch.stack(kept_logits, dim=1) if keep_logits else None,
+        logits=kept_logits[:, : len(tokens)] if keep_logits else None,
         hidden=torch.stack(hidden_states, dim=1) if keep_hidden else None,
     )

@@ -77,7 +77,7 @@ def test_decode_draws_what_generate_draws(trainer: Trainer, temperature, top_k, 
 
 def test_decode_that_ends_early_leaves_the_generator_where_generate_leaves_it(trainer: Trainer) -> None:
     """Every row ends before the token limit: the loop stops where generate stops, having drawn exactly what
-    generate drew (the generator's state afterwards is the same)."""
+    generate drew (the generator's state afterwards is the same), and the kept logits are the steps taken."""
     model, tokenizer = trainer.policy.eval(), trainer.tokenizer
     input_ids, attention_mask = encoded_prompts(tokenizer)
     eos, limit = end_tokens(model), 40
@@ -85,14 +85,15 @@ def test_decode_that_ends_early_leaves_the_generator_where_generate_leaves_it(tr
     with torch.no_grad():
         expected = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=limit,
                                   min_new_tokens=1, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                                  pad_token_id=tokenizer.pad_token_id,
-                                  eos_token_id=eos)
+                                  pad_token_id=tokenizer.pad_token_id, eos_token_id=eos,
+                                  output_logits=True, return_dict_in_generate=True)
     after_generate = torch.get_rng_state()
     torch.manual_seed(0)
     got = decode(model, input_ids, attention_mask, DynamicCache(), 0, limit, 1.0, 1.0, 0, eos,
-                 tokenizer.pad_token_id)
+                 tokenizer.pad_token_id, keep_logits=True)
     assert got.response_ids.shape[1] < limit  # the loop stopped early
-    assert torch.equal(got.response_ids, expected[:, input_ids.shape[1]:])
+    assert torch.equal(got.response_ids, expected.sequences[:, input_ids.shape[1]:])
+    assert torch.equal(got.logits, torch.stack(expected.logits, dim=1).float())
     assert torch.equal(torch.get_rng_state(), after_generate)
 
 
