@@ -26,8 +26,12 @@ Given the decode's row count (``rows``), each of those bfloat16 weights, and the
 oneDNN's kernel (``mkldnn._reorder_linear_weight``): a plain bfloat16 product re-lays the weight out at every
 call. Packing is used only where the packed kernel gives ``F.linear``'s result bit for bit, checked once per
 (shape, rows, threads) in the process on random inputs (:func:`packed_product`); elsewhere the layer keeps
-its product. Float32 products (MKL's packed sgemm) are not packed: re-packing float32 weights after every
-optimizer step costs about what it saves (experiments/BENCHMARK.md, round 7).
+its product. Sibling layers a decoder block calls on one input (``q_proj``/``k_proj``/``v_proj``,
+``gate_proj``/``up_proj``: ``SHARED_INPUT``) multiply as one packed product of their stacked weights, each
+returning its columns, where that too gives each layer's numbers bit for bit: fewer, wider products (the
+[192, 576] key and value products are the least efficient of the decode). Float32 products (MKL's packed
+sgemm) are not packed: re-packing float32 weights after every optimizer step costs about what it saves
+(experiments/BENCHMARK.md, round 7).
 """
 
 from __future__ import annotations
@@ -76,37 +80,83 @@ def _product(weight: Tensor, bias: Tensor | None) -> Callable[..., Tensor]:
     return forward
 
 
-_PACKED_EXACT: dict[tuple, bool] = {}  # (shape, bias, rows, threads) -> the packed kernel gives F.linear's numbers
+_PACKED_EXACT: dict[tuple, bool] = {}  # (shapes, bias, rows, threads) -> the packed kernel gives F.linear's numbers
+
+# Sibling layers a decoder block calls on one input tensor (Llama-family names); with every member packable,
+# they multiply as one packed product of their weights stacked, each reading its columns (_SharedInput).
+SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 def packed_product(weight: Tensor, bias: Tensor | None, rows: int, dtype: torch.dtype) -> Callable[..., Tensor] | None:
     """A layer forward multiplying by ``weight`` cast to ``dtype`` (bfloat16) in oneDNN's layout packed for
-    ``rows``-row products, or None, before any cast, where the products run in another dtype or device, or
-    where the kernel is missing or would not give ``F.linear``'s numbers bit for bit (checked once per key on
-    random inputs of ``rows`` and of ``5 * rows + 3`` rows, a prefill's count; the global random generator is
-    not touched). Inputs are cast to bfloat16 as autocast casts them."""
-    if weight.device.type != "cpu" or weight.dim() != 2 or dtype != torch.bfloat16:
+    ``rows``-row products, or None (see :func:`packed_products`)."""
+    forwards = packed_products([weight], [bias], rows, dtype)
+    return None if forwards is None else forwards[0]
+
+
+def packed_products(weights: list[Tensor], biases: list[Tensor | None], rows: int,
+                    dtype: torch.dtype) -> list[Callable[..., Tensor]] | None:
+    """Forwards for layers multiplying by ``weights`` (one input size, all with a bias or none), cast to
+    ``dtype`` (bfloat16) and stacked into one weight laid out in oneDNN's layout packed for ``rows``-row
+    products; or None, before any cast, where the products run in another dtype or device, or where the
+    kernel is missing or would not give each layer's ``F.linear`` numbers bit for bit (checked once per key
+    on random inputs of ``rows`` and of ``5 * rows + 3`` rows, a prefill's count; the global random generator
+    is not touched). Inputs are cast to bfloat16 as autocast casts them. With several weights, the layers
+    must be called on one input tensor in turn (:class:`_SharedInput`)."""
+    if dtype != torch.bfloat16 or any(w.device.type != "cpu" or w.dim() != 2 for w in weights):
         return None
-    key = (tuple(weight.shape), bias is not None, rows, torch.get_num_threads())
+    if len({w.shape[1] for w in weights}) != 1 or len({b is None for b in biases}) != 1:
+        return None
+    key = (tuple(tuple(w.shape) for w in weights), biases[0] is not None, rows, torch.get_num_threads())
     if _PACKED_EXACT.get(key) is False:
         return None
-    weight = weight.to(dtype)
+    weight = torch.cat([w.to(dtype) for w in weights]) if len(weights) > 1 else weights[0].to(dtype)
+    bias = None if biases[0] is None else torch.cat(biases) if len(biases) > 1 else biases[0]
+    widths = [w.shape[0] for w in weights]
     try:
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
         if key not in _PACKED_EXACT:
             generator = torch.Generator().manual_seed(0)
-            probes = [torch.randn(n, weight.shape[1], generator=generator).to(weight.dtype) for n in (rows, 5 * rows + 3)]
+            probes = [torch.randn(n, weight.shape[1], generator=generator).to(dtype) for n in (rows, 5 * rows + 3)]
             with torch.autocast("cpu", enabled=False):
-                _PACKED_EXACT[key] = all(torch.equal(_packed(x, packed, bias), F.linear(x, weight, bias)) for x in probes)
+                _PACKED_EXACT[key] = all(
+                    torch.equal(_packed(x, packed, bias),
+                                torch.cat([F.linear(x, w, b) for w, b in zip(weight.split(widths), biases)], -1))
+                    for x in probes)
     except (RuntimeError, AttributeError, NotImplementedError):  # a build or CPU without oneDNN's bf16 kernels
         _PACKED_EXACT[key] = False
     if not _PACKED_EXACT[key]:
         return None
+    if len(weights) == 1:
+        def forward(x: Tensor, *args: object, **kwargs: object) -> Tensor:
+            return _packed(x, packed, bias)
 
-    def forward(x: Tensor, *args: object, **kwargs: object) -> Tensor:
-        return _packed(x, packed, bias)
+        return [forward]
+    shared = _SharedInput(packed, bias)
+    ends = torch.tensor(widths).cumsum(0).tolist()
+    return [shared.columns(end - width, end) for width, end in zip(widths, ends)]
 
-    return forward
+
+class _SharedInput:
+    """One packed product for sibling layers called on one input tensor in turn: the first call computes it and
+    each layer returns its columns. A call on another tensor, or on the same one changed in place since (its
+    version counter; inference tensors have none), computes it again: the outputs are always the products."""
+
+    def __init__(self, packed: Tensor, bias: Tensor | None) -> None:
+        self.packed, self.bias = packed, bias
+        self.input: Tensor | None = None
+        self.version: int | None = None
+        self.output: Tensor | None = None
+
+    def columns(self, start: int, stop: int) -> Callable[..., Tensor]:
+        def forward(x: Tensor, *args: object, **kwargs: object) -> Tensor:
+            version = None if x.is_inference() else x._version
+            if x is not self.input or version != self.version:
+                self.output = _packed(x, self.packed, self.bias)
+                self.input, self.version = x, version
+            return self.output[..., start:stop]
+
+        return forward
 
 
 def _packed(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
@@ -135,7 +185,8 @@ def generation_weights(model: nn.Module, merge_lora: bool | None = None, rows: i
     _ACTIVE.add(id(model))
     try:
         with torch.no_grad():
-            for layer in model.modules():  # parents come before children: a merged layer's parts are skipped
+            plans = {}  # name -> (layer, weight, bias, compute dtype, plain)
+            for name, layer in model.named_modules():  # parents first: a merged layer's parts are skipped
                 if id(layer) in replaced:
                     continue
                 weight = _lora_merged(layer) if merge_lora else None
@@ -148,13 +199,22 @@ def generation_weights(model: nn.Module, merge_lora: bool | None = None, rows: i
                     continue
                 base = layer.get_base_layer() if hasattr(layer, "get_base_layer") else layer
                 dtype = compute_dtype(base.weight)
-                bias = None if base.bias is None else base.bias.to(dtype)
-                forward = packed_product(weight, bias, rows, dtype) if rows else None
+                plans[name] = (layer, weight, None if base.bias is None else base.bias.to(dtype), dtype, plain)
+                if not plain:  # a plain Linear has no parts; the others always get a new forward
+                    replaced.update(id(module) for module in layer.modules())
+            forwards = {}
+            for group in _sibling_groups(plans) if rows else []:
+                members = [plans[name] for name in group]
+                dtypes = {dtype for *_, dtype, _ in members}
+                made = packed_products([m[1] for m in members], [m[2] for m in members], rows, dtypes.pop()) \
+                    if len(dtypes) == 1 else None
+                forwards.update(zip(group, made or []))
+            for name, (layer, weight, bias, dtype, plain) in plans.items():
+                forward = forwards.get(name) or (packed_product(weight, bias, rows, dtype) if rows else None)
                 if forward is None:
                     if plain:
                         continue  # not packed: its own forward (autocast's cached cast, if any) is the same product
                     forward = _product(weight.to(dtype), bias)
-                replaced.update(id(module) for module in layer.modules())
                 layer.forward = forward  # an instance attribute shadows the class's
                 patched.append(layer)
         yield len(patched)
@@ -162,3 +222,15 @@ def generation_weights(model: nn.Module, merge_lora: bool | None = None, rows: i
         _ACTIVE.discard(id(model))
         for layer in patched:
             del layer.forward
+
+
+def _sibling_groups(plans: dict[str, tuple]) -> list[list[str]]:
+    """The names of each set of sibling layers in ``plans`` that one block calls on one input (SHARED_INPUT)."""
+    groups = []
+    for name in plans:
+        parent, _, child = name.rpartition(".")
+        for names in SHARED_INPUT:
+            group = [f"{parent}.{member}" if parent else member for member in names]
+            if child == names[0] and all(member in plans for member in group):
+                groups.append(group)
+    return groups

@@ -237,3 +237,51 @@ def test_nothing_is_packed_in_float32(compose, tiny_overrides, tiny_tokenizer):
         assert patched == 0
     assert gw.packed_product(torch.ones(4, 4), None, 2, torch.float32) is None
     assert gw.packed_product(torch.ones(4, 4, device="meta"), None, 2, torch.bfloat16) is None  # not a CPU
+
+
+@pytest.mark.skipif(not packs_here(), reason="no oneDNN bfloat16 kernels on this CPU")
+def counted_products(monkeypatch) -> list[int]:
+    """From here on, every packed product appends to the list returned."""
+    calls = []
+    exact = gw._packed
+    monkeypatch.setattr(gw, "_packed", lambda *args: calls.append(1) or exact(*args))
+    return calls
+
+
+@pytest.mark.skipif(not packs_here(), reason="no oneDNN bfloat16 kernels on this CPU")
+def test_siblings_on_one_input_multiply_once_and_each_gets_its_own_product(monkeypatch):
+    """q/k/v-style siblings: one packed product per input tensor, each layer's columns equal to its own
+    F.linear; another tensor, or the same tensor changed in place, is multiplied again."""
+    generator = torch.Generator().manual_seed(0)
+    weights = [torch.randn(n, 8, generator=generator) for n in (6, 2, 2)]
+    biases = [torch.randn(n, generator=generator).to(torch.bfloat16) for n in (6, 2, 2)]
+    forwards = gw.packed_products(weights, biases, 4, torch.bfloat16)
+    assert forwards is not None and len(forwards) == 3
+
+    def expected(x, index):
+        return torch.nn.functional.linear(x.to(torch.bfloat16), weights[index].to(torch.bfloat16), biases[index])
+
+    calls = counted_products(monkeypatch)
+    x, y = torch.randn(4, 8, generator=generator), torch.randn(4, 8, generator=generator)
+    assert all(torch.equal(forward(x), expected(x, i)) for i, forward in enumerate(forwards))
+    assert len(calls) == 1
+    assert torch.equal(forwards[1](y), expected(y, 1)) and len(calls) == 2  # another input
+    y.mul_(2)
+    assert torch.equal(forwards[2](y), expected(y, 2)) and len(calls) == 3  # changed in place
+    assert gw.packed_products([weights[0], weights[1][:, :4]], biases[:2], 4, torch.bfloat16) is None  # two inputs
+    assert gw.packed_products(weights[:2], [biases[0], None], 4, torch.bfloat16) is None  # one bias missing
+
+
+@pytest.mark.skipif(not packs_here(), reason="no oneDNN bfloat16 kernels on this CPU")
+def test_a_decoder_block_multiplies_q_k_v_and_gate_up_as_one_product_each(compose, tiny_overrides, tiny_tokenizer,
+                                                                          monkeypatch):
+    model, _ = tiny(compose, tiny_overrides, tiny_tokenizer)
+    inputs = batch(tiny_tokenizer)
+    want = logits_of(model, inputs, autocast=True)
+    calls = counted_products(monkeypatch)
+    with torch.autocast(**AUTOCAST), generation_weights(model, rows=2):
+        calls.clear()  # the checks of new shapes call it too
+        got = logits_of(model, inputs, autocast=True)
+    layers = model.config.num_hidden_layers
+    assert len(calls) == 4 * layers + 1  # qkv, o, gate+up, down per block; the LM head
+    assert torch.equal(got, want)
