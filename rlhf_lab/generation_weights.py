@@ -205,10 +205,10 @@ def generation_weights(model: nn.Module, merge_lora: bool | None = None, rows: i
             forwards = {}
             for group in _sibling_groups(plans) if rows else []:
                 members = [plans[name] for name in group]
-                dtypes = {dtype for *_, dtype, _ in members}
-                made = packed_products([m[1] for m in members], [m[2] for m in members], rows, dtypes.pop()) \
-                    if len(dtypes) == 1 else None
-                forwards.update(zip(group, made or []))
+                dtypes = {dtype for _, _, _, dtype, _ in members}
+                if len(dtypes) == 1:  # refused: each member is packed (or not) on its own below
+                    made = packed_products([m[1] for m in members], [m[2] for m in members], rows, dtypes.pop())
+                    forwards.update(zip(group, made or []))
             for name, (layer, weight, bias, dtype, plain) in plans.items():
                 forward = forwards.get(name) or (packed_product(weight, bias, rows, dtype) if rows else None)
                 if forward is None:

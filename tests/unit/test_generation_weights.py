@@ -273,15 +273,21 @@ def test_siblings_on_one_input_multiply_once_and_each_gets_its_own_product(monke
 
 
 @pytest.mark.skipif(not packs_here(), reason="no oneDNN bfloat16 kernels on this CPU")
-def test_a_decoder_block_multiplies_q_k_v_and_gate_up_as_one_product_each(compose, tiny_overrides, tiny_tokenizer,
-                                                                          monkeypatch):
+@pytest.mark.parametrize(("siblings", "per_block"), [
+    (gw.SHARED_INPUT, 4),  # q/k/v as one product, o, gate/up as one, down
+    ((("gate_proj", "down_proj"),), 7),  # two input sizes: refused, each layer packed on its own
+])
+def test_siblings_multiply_as_one_product_where_they_can(compose, tiny_overrides, tiny_tokenizer, monkeypatch,
+                                                         siblings, per_block):
     model, _ = tiny(compose, tiny_overrides, tiny_tokenizer)
     inputs = batch(tiny_tokenizer)
     want = logits_of(model, inputs, autocast=True)
+    monkeypatch.setattr(gw, "SHARED_INPUT", siblings)
     calls = counted_products(monkeypatch)
-    with torch.autocast(**AUTOCAST), generation_weights(model, rows=2):
+    with torch.autocast(**AUTOCAST), generation_weights(model, rows=2) as patched:
         calls.clear()  # the checks of new shapes call it too
         got = logits_of(model, inputs, autocast=True)
     layers = model.config.num_hidden_layers
-    assert len(calls) == 4 * layers + 1  # qkv, o, gate+up, down per block; the LM head
+    assert patched == 7 * layers + 1  # every Linear, the LM head too
+    assert len(calls) == per_block * layers + 1
     assert torch.equal(got, want)
