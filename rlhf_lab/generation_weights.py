@@ -98,12 +98,13 @@ def packed_products(weights: list[Tensor], biases: list[Tensor | None], rows: in
                     dtype: torch.dtype) -> list[Callable[..., Tensor]] | None:
     """Forwards for layers multiplying by ``weights`` (one input size, all with a bias or none), cast to
     ``dtype`` (bfloat16) and stacked into one weight laid out in oneDNN's layout packed for ``rows``-row
-    products; or None, before any cast, where the products run in another dtype or device, or where the
-    kernel is missing or would not give each layer's ``F.linear`` numbers bit for bit (checked once per key
-    on random inputs of ``rows`` and of ``5 * rows + 3`` rows, a prefill's count; the global random generator
-    is not touched). Inputs are cast to bfloat16 as autocast casts them. With several weights, the layers
+    products; or None, before any cast, where the products run in another dtype or device, or on a tensor
+    subclass (FSDP's sharded weights: stacking them would gather them), or where the kernel is missing or
+    would not give each layer's ``F.linear`` numbers bit for bit (checked once per key on random inputs of
+    ``rows`` and of ``5 * rows + 3`` rows, a prefill's count; the global random generator is not touched). Inputs are cast to bfloat16 as autocast casts them. With several weights, the layers
     must be called on one input tensor in turn (:class:`_SharedInput`)."""
-    if dtype != torch.bfloat16 or any(w.device.type != "cpu" or w.dim() != 2 for w in weights):
+    if dtype != torch.bfloat16 or any(w.device.type != "cpu" or w.dim() != 2 or type(w.data) is not torch.Tensor
+                                      for w in weights):  # a tensor subclass: FSDP's DTensor shards, say
         return None
     if len({w.shape[1] for w in weights}) != 1 or len({b is None for b in biases}) != 1:
         return None

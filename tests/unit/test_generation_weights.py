@@ -239,6 +239,17 @@ def test_nothing_is_packed_in_float32(compose, tiny_overrides, tiny_tokenizer):
     assert gw.packed_product(torch.ones(4, 4, device="meta"), None, 2, torch.bfloat16) is None  # not a CPU
 
 
+class Shard(torch.Tensor):
+    """A tensor subclass standing for FSDP's sharded weights."""
+
+
+def test_tensor_subclasses_are_not_packed():
+    weight = torch.ones(4, 4)
+    assert gw.packed_product(nn.Parameter(weight.as_subclass(Shard)), None, 2, torch.bfloat16) is None
+    if packs_here():
+        assert gw.packed_product(nn.Parameter(weight), None, 2, torch.bfloat16) is not None
+
+
 @pytest.mark.skipif(not packs_here(), reason="no oneDNN bfloat16 kernels on this CPU")
 def counted_products(monkeypatch) -> list[int]:
     """From here on, every packed product appends to the list returned."""
