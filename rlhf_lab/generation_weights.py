@@ -38,6 +38,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from itertools import accumulate
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -111,9 +113,14 @@ def packed_products(weights: list[Tensor], biases: list[Tensor | None], rows: in
     key = (tuple(tuple(w.shape) for w in weights), biases[0] is not None, rows, torch.get_num_threads())
     if _PACKED_EXACT.get(key) is False:
         return None
-    weight = torch.cat([w.to(dtype) for w in weights]) if len(weights) > 1 else weights[0].to(dtype)
-    bias = None if biases[0] is None else torch.cat(biases) if len(biases) > 1 else biases[0]
     widths = [w.shape[0] for w in weights]
+    if len(weights) == 1:
+        weight, bias = weights[0].to(dtype), biases[0]
+    else:  # each weight cast straight into its rows of the stack: no cast copies concatenated again
+        weight = weights[0].new_empty(sum(widths), weights[0].shape[1], dtype=dtype)
+        for part, w in zip(weight.split(widths), weights):
+            part.copy_(w)
+        bias = None if biases[0] is None else torch.cat(biases)
     try:
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
         if key not in _PACKED_EXACT:
@@ -134,8 +141,7 @@ def packed_products(weights: list[Tensor], biases: list[Tensor | None], rows: in
 
         return [forward]
     shared = _SharedInput(packed, bias)
-    ends = torch.tensor(widths).cumsum(0).tolist()
-    return [shared.columns(end - width, end) for width, end in zip(widths, ends)]
+    return [shared.columns(end - width, end) for width, end in zip(widths, accumulate(widths))]
 
 
 class _SharedInput:
@@ -164,6 +170,17 @@ def _packed(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
     return torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), packed, bias, "none", [None], "")
 
 
+class _Plan(NamedTuple):
+    """A layer :func:`generation_weights` gives a new forward: the weight (and bias) it multiplies by, in the
+    compute dtype; ``plain``: a plain ``Linear`` that keeps its own forward unless packed."""
+
+    layer: nn.Module
+    weight: Tensor
+    bias: Tensor | None
+    dtype: torch.dtype
+    plain: bool
+
+
 @contextmanager
 def generation_weights(model: nn.Module, merge_lora: bool | None = None, rows: int | None = None) -> Iterator[int]:
     """Inside, LoRA layers multiply by merged weights and frozen layers by their autocast cast, and with
@@ -186,7 +203,7 @@ def generation_weights(model: nn.Module, merge_lora: bool | None = None, rows: i
     _ACTIVE.add(id(model))
     try:
         with torch.no_grad():
-            plans = {}  # name -> (layer, weight, bias, compute dtype, plain)
+            plans: dict[str, _Plan] = {}
             for name, layer in model.named_modules():  # parents first: a merged layer's parts are skipped
                 if id(layer) in replaced:
                     continue
@@ -200,15 +217,15 @@ def generation_weights(model: nn.Module, merge_lora: bool | None = None, rows: i
                     continue
                 base = layer.get_base_layer() if hasattr(layer, "get_base_layer") else layer
                 dtype = compute_dtype(base.weight)
-                plans[name] = (layer, weight, None if base.bias is None else base.bias.to(dtype), dtype, plain)
+                plans[name] = _Plan(layer, weight, None if base.bias is None else base.bias.to(dtype), dtype, plain)
                 if not plain:  # a plain Linear has no parts; the others always get a new forward
                     replaced.update(id(module) for module in layer.modules())
             forwards = {}
             for group in _sibling_groups(plans) if rows else []:
                 members = [plans[name] for name in group]
-                dtypes = {dtype for _, _, _, dtype, _ in members}
+                dtypes = {member.dtype for member in members}
                 if len(dtypes) == 1:  # refused: each member is packed (or not) on its own below
-                    made = packed_products([m[1] for m in members], [m[2] for m in members], rows, dtypes.pop())
+                    made = packed_products([m.weight for m in members], [m.bias for m in members], rows, dtypes.pop())
                     forwards.update(zip(group, made or []))
             for name, (layer, weight, bias, dtype, plain) in plans.items():
                 forward = forwards.get(name) or (packed_product(weight, bias, rows, dtype) if rows else None)
@@ -225,7 +242,7 @@ def generation_weights(model: nn.Module, merge_lora: bool | None = None, rows: i
             del layer.forward
 
 
-def _sibling_groups(plans: dict[str, tuple]) -> list[list[str]]:
+def _sibling_groups(plans: dict[str, _Plan]) -> list[list[str]]:
     """The names of each set of sibling layers in ``plans`` that one block calls on one input (SHARED_INPUT)."""
     groups = []
     for name in plans:
