@@ -95,6 +95,11 @@ class Precision:
         """The dtype name the model's parameters are stored in."""
         return WEIGHT_DTYPES[self.name]
 
+    @property
+    def autocasts(self) -> bool:
+        """Whether forward passes run under autocast (the ``*-mixed`` precisions)."""
+        return self.name in AUTOCAST_DTYPES
+
     def autocast(self) -> AbstractContextManager:
         dtype = AUTOCAST_DTYPES.get(self.name)
         return torch.autocast(self.device_type, dtype=dtype) if dtype is not None else nullcontext()

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from rlhf_lab import distributed
 from rlhf_lab.algorithms.base import Algorithm, LossContext, LossResult, PolicyOutput, aggregate
+from rlhf_lab.embedding_grad import embedding_by_rows, rows_gradient
 from rlhf_lab.kl import estimate, importance_weights
 from rlhf_lab.ops import gather_logprobs
 from rlhf_lab.precision import Precision
@@ -114,6 +115,10 @@ class Updater:
             self.optimizer, lr_lambda(trainer.lr_schedule, trainer.warmup_steps, trainer.steps)
         )
         self.recompute = recompute_modules(policy, trainer)  # parts of each layer the backward runs again
+        # The input embedding's gradient added by rows after each backward (not under DDP/FSDP, whose reducers
+        # read gradients during it).
+        self.embedding = embedding_by_rows(policy, autocast=self.precision.autocasts) \
+            if strategy == "single" and self.world_size == 1 else None
         if strategy != "fsdp":  # FSDP2's sharded parameters get theirs at the first step
             allocate_state(self.optimizer)
         self.consecutive_skips = 0
@@ -210,7 +215,8 @@ class Updater:
             for micro_start in starts:
                 rows_index = torch.arange(micro_start, min(micro_start + micro, minibatch.batch_size))
                 # DDP all-reduces the gradients once, in the mini-batch's last backward.
-                with distributed.no_sync(self.sync_modules, skip=micro_start != starts[-1]):
+                with distributed.no_sync(self.sync_modules, skip=micro_start != starts[-1]), \
+                        rows_gradient(self.embedding):
                     result = self.micro_loss(minibatch.select(rows_index), context, coef)
                     loss_finite = loss_finite and bool(torch.isfinite(result.loss.detach()))
                     self.backward(result.loss)
