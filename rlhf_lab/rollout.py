@@ -206,8 +206,11 @@ def prefill_shared(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, 
 
 def response_logits(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, prompt_width: int,
                     temperature: float, output_hidden_states: bool = False,
-                    share_prompts: bool = True) -> tuple[Tensor, Tensor | None]:
+                    share_prompts: bool = True, float32: bool = True) -> tuple[Tensor, Tensor | None]:
     """Temperature-scaled logits predicting each response token: [B, T, V] (and last hidden states [B, T, H]).
+
+    In float32, or with ``float32=False`` at temperature 1 in the LM head's own dtype (bfloat16 under autocast:
+    the same numbers, without the [B, T, V] float32 copy, for a caller that upcasts them in chunks itself).
 
     Only the positions that predict response tokens go through the LM head (``logits_to_keep``). With
     ``share_prompts``, rows that share a prompt (the G samples of a group) run that prompt through the
@@ -218,7 +221,7 @@ def response_logits(model: nn.Module, input_ids: Tensor, attention_mask: Tensor,
     unique_prompts, row_to_prompt = torch.unique(prompt_ids, dim=0, return_inverse=True)
     if not share_prompts or unique_prompts.shape[0] == input_ids.shape[0] or input_ids.shape[1] == prompt_width:
         return _plain_response_logits(model, input_ids, attention_mask, prompt_width, temperature,
-                                      output_hidden_states)
+                                      output_hidden_states, float32)
     # One representative row per unique prompt.
     first_row = torch.full((unique_prompts.shape[0],), input_ids.shape[0], dtype=torch.long, device=input_ids.device)
     first_row.scatter_reduce_(0, row_to_prompt, torch.arange(input_ids.shape[0], device=input_ids.device), "amin")
@@ -237,7 +240,9 @@ def response_logits(model: nn.Module, input_ids: Tensor, attention_mask: Tensor,
         use_cache=True,
         output_hidden_states=output_hidden_states,
     )
-    logits = scale_logits(torch.cat([first_logits, continuation.logits], dim=1), temperature)
+    logits = torch.cat([first_logits, continuation.logits], dim=1)
+    if float32 or temperature != 1.0:
+        logits = scale_logits(logits, temperature)
     hidden = None
     if output_hidden_states:
         first_hidden = prefix.hidden_states[-1][:, -1:].index_select(0, row_to_prompt)
@@ -246,7 +251,8 @@ def response_logits(model: nn.Module, input_ids: Tensor, attention_mask: Tensor,
 
 
 def _plain_response_logits(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, prompt_width: int,
-                           temperature: float, output_hidden_states: bool = False) -> tuple[Tensor, Tensor | None]:
+                           temperature: float, output_hidden_states: bool = False,
+                           float32: bool = True) -> tuple[Tensor, Tensor | None]:
     """One forward pass over every row's prompt and response (the reference computation)."""
     response_width = input_ids.shape[1] - prompt_width
     output = model(
@@ -257,7 +263,9 @@ def _plain_response_logits(model: nn.Module, input_ids: Tensor, attention_mask: 
         output_hidden_states=output_hidden_states,
         use_cache=False,
     )
-    logits = scale_logits(output.logits[:, :-1], temperature)
+    logits = output.logits[:, :-1]
+    if float32 or temperature != 1.0:
+        logits = scale_logits(logits, temperature)
     hidden = output.hidden_states[-1][:, prompt_width - 1 : -1] if output_hidden_states else None
     return logits, hidden
 

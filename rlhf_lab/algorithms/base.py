@@ -40,7 +40,9 @@ class PolicyOutput:
     """The training forward pass over a micro-batch."""
 
     logprobs: Tensor  # [B, T] with gradient
-    logits: Tensor  # [B, T, V] temperature-scaled, with gradient
+    logits: Tensor  # [B, T, V] temperature-scaled, with gradient; in float32 where the loss reads them
+    # (Algorithm.reads_policy_logits, a logits-reading KL estimator in the loss, temperature ≠ 1), else in the LM
+    # head's dtype (the same numbers): then only the log-prob gather reads them, upcasting chunk by chunk
     hidden: Tensor | None  # [B, T, H] last hidden states predicting each response token (if requested)
 
 
@@ -127,6 +129,12 @@ class Algorithm:
 
     needs_hidden_states = False  # True when the loss needs the trunk's hidden states (a value head)
     reads_sampling_hidden = False  # True when prepare reads the decode loop's hidden states (Rollout.hidden)
+
+    @property
+    def reads_policy_logits(self) -> bool:
+        """True when the loss reads the training pass's full logits (``PolicyOutput.logits``): the entropy
+        bonus here; a subclass whose loss reads them otherwise says so, and gets them in float32."""
+        return self.cfg.get("entropy_coef", 0.0) > 0
 
     def __init__(self, cfg: Any) -> None:
         self.cfg = cfg

@@ -115,6 +115,10 @@ class Updater:
             self.optimizer, lr_lambda(trainer.lr_schedule, trainer.warmup_steps, trainer.steps)
         )
         self.recompute = recompute_modules(policy, trainer)  # parts of each layer the backward runs again
+        # Only the log-prob gather reads the training pass's logits: it gets the LM head's bf16 ones under autocast
+        # and upcasts row chunks itself (the same log-probs and gradients, bit for bit, without a float32 copy).
+        self.logits_float32 = (trainer.temperature != 1.0 or getattr(algorithm, "reads_policy_logits", True)
+                               or (kl_placement.needs_grad and getattr(kl_estimator, "needs_logits", False)))
         # The input embedding's gradient added by rows after each backward (not under DDP/FSDP, whose reducers
         # read gradients during it).
         self.embedding = embedding_by_rows(policy, autocast=self.precision.autocasts) \
@@ -144,7 +148,7 @@ class Updater:
             logits, hidden = response_logits(
                 self.policy, batch.input_ids, batch.attention_mask, batch.prompt_width,
                 self.cfg.trainer.temperature, output_hidden_states=self.algorithm.needs_hidden_states,
-                share_prompts=not self.cfg.trainer.gradient_checkpointing,
+                share_prompts=not self.cfg.trainer.gradient_checkpointing, float32=self.logits_float32,
             )
         logprobs = gather_logprobs(logits, batch.response_ids) * batch.response_mask
         return PolicyOutput(logprobs=logprobs, logits=logits, hidden=hidden)
