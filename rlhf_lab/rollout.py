@@ -69,7 +69,8 @@ class Rollout:
     policy_logits: Tensor | None = None  # [B, T, V] sampling-time policy logits (temperature-scaled)
     hidden: Tensor | None = None  # [B, T, H] sampling-time last hidden states predicting each response token
     ref_logprobs: Tensor | None = None  # [B, T]
-    ref_logits: Tensor | None = None  # [B, T, V]
+    ref_logits: Tensor | None = None  # [B, T, V] temperature-scaled; in the LM head's dtype at temperature 1 unless the
+    # KL estimator reads them (ExperienceMaker.ref_logits_float32), else float32
     scores: Tensor | None = None  # [B] sequence rewards from the reward function
     kl_estimate: Tensor | None = None  # [B, T] the configured KL estimator's per-token value, masked
     kl_exact: Tensor | None = None  # [B, T] exact per-token KL from full logits (diagnostic), masked
