@@ -66,11 +66,12 @@ class Rollout:
     group_size: int
     logprobs: Tensor  # [B, T] sampling-time policy log-probs (the "old" policy)
     entropy: Tensor  # [B, T] full-vocabulary entropy of the sampling policy
-    policy_logits: Tensor | None = None  # [B, T, V] sampling-time policy logits (temperature-scaled)
+    policy_logits: Tensor | None = None  # [B, T, V] sampling-time policy logits (temperature-scaled), in the
+    # LM head's dtype or float32 as ref_logits
     hidden: Tensor | None = None  # [B, T, H] sampling-time last hidden states predicting each response token
     ref_logprobs: Tensor | None = None  # [B, T]
-    ref_logits: Tensor | None = None  # [B, T, V] temperature-scaled; in the LM head's dtype at temperature 1 unless the
-    # KL estimator reads them (ExperienceMaker.ref_logits_float32), else float32
+    ref_logits: Tensor | None = None  # [B, T, V] temperature-scaled; in the LM head's dtype at temperature 1
+    # unless the KL estimator reads them (ExperienceMaker.logits_float32), else float32
     scores: Tensor | None = None  # [B] sequence rewards from the reward function
     kl_estimate: Tensor | None = None  # [B, T] the configured KL estimator's per-token value, masked
     kl_exact: Tensor | None = None  # [B, T] exact per-token KL from full logits (diagnostic), masked
@@ -133,6 +134,7 @@ def generate(
     share_prompts: bool = True,
     greedy: bool = False,
     keep_hidden: bool = False,
+    logits_float32: bool = True,
 ) -> Rollout:
     """Sample ``group_size`` responses per prompt and collect the sampling policy's log-probs and entropy.
 
@@ -143,7 +145,9 @@ def generate(
     to the ``group_size`` rows of each, and decoding continues from it. The logits equal the unshared run's
     to float precision. ``greedy`` decodes the most likely token at every position instead (ReMax's
     baseline response); ``keep_hidden`` keeps the last hidden state that predicted each response token
-    (``Rollout.hidden``, the shared PPO critic's input at sampling time). LoRA layers multiply by their
+    (``Rollout.hidden``, the shared PPO critic's input at sampling time); ``logits_float32=False`` keeps the
+    LM head's own logits at temperature 1 (``Rollout.policy_logits``, see :class:`rlhf_lab.sampler.Sampled`).
+    LoRA layers multiply by their
     merged weights while it samples, frozen layers by their autocast cast (:mod:`rlhf_lab.generation_weights`).
     """
     device = next(model.parameters()).device
@@ -169,7 +173,7 @@ def generate(
         sampled = decode(model, prompt_ids, prompt_mask, cache, cached, max_new_tokens=max_new_tokens,
                          temperature=temperature, top_p=top_p, top_k=top_k, eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id, greedy=greedy, keep_logits=keep_logits,
-                         keep_hidden=keep_hidden)
+                         keep_hidden=keep_hidden, logits_float32=logits_float32)
     model.train(was_training)
     prompt_width = prompt_ids.shape[1]
     response_ids = sampled.response_ids

@@ -47,7 +47,8 @@ class Sampled:
     logprobs: Tensor  # [B, T] log softmax(logits / temperature) at the sampled token (unmasked)
     entropy: Tensor  # [B, T] entropy of softmax(logits / temperature) (unmasked)
     logits: Tensor | None  # [B, T, V] raw logits / temperature, float32 (``keep_logits``; a view of a
-    # [B, max_new_tokens, V] buffer when every row ended early)
+    # [B, max_new_tokens, V] buffer when every row ended early); with ``logits_float32=False`` at temperature 1
+    # the LM head's own logits (bf16 under autocast: the numbers whose float32 copy the sampler reads)
     hidden: Tensor | None  # [B, T, H] last hidden state that predicted each token (``keep_hidden``)
 
 
@@ -184,7 +185,7 @@ def decode_cache(reserve: int) -> DynamicCache:
 def decode(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, past_key_values: Any, cached: int,
            max_new_tokens: int, temperature: float, top_p: float, top_k: int, eos_token_id: int | list[int] | None,
            pad_token_id: int, greedy: bool = False, keep_logits: bool = False,
-           keep_hidden: bool = False) -> Sampled:
+           keep_hidden: bool = False, logits_float32: bool = True) -> Sampled:
     """Sample up to ``max_new_tokens`` tokens after left-padded prompts ``prompt_ids`` [B, P].
 
     ``past_key_values`` holds the first ``cached`` prompt positions of every row (0 with an empty cache);
@@ -217,9 +218,10 @@ def decode(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, past_key_v
         logprobs.append(gather_logprobs(scaled, next_tokens))
         entropies.append(entropy_from_logits(scaled))
         if keep_logits:  # into one buffer: a list of [B, V] tensors stacked at the end is a second full copy
+            kept = scaled if logits_float32 or temperature != 1.0 else output.logits[:, -1]
             if kept_logits is None:
-                kept_logits = scaled.new_empty(batch, max_new_tokens, scaled.shape[-1])
-            kept_logits[:, step] = scaled
+                kept_logits = kept.new_empty(batch, max_new_tokens, kept.shape[-1])
+            kept_logits[:, step] = kept
         if keep_hidden:
             hidden_states.append(output.hidden_states[-1][:, -1])
         tokens.append(next_tokens)

@@ -86,9 +86,10 @@ class ExperienceMaker:
         self.precision = precision or Precision("fp32", device.type)
         # The update needs the reference's full logits only for a logits-based estimator placed in the loss.
         self.update_needs_ref_logits = kl_placement.needs_grad and getattr(kl_estimator, "needs_logits", False)
-        # Unless the estimator reads them, the reference's logits feed only the log-prob gather and the exact KL,
-        # which upcast row chunks themselves: at temperature 1 they stay in the LM head's dtype (the same numbers).
-        self.ref_logits_float32 = cfg.trainer.temperature != 1.0 or getattr(kl_estimator, "needs_logits", False)
+        # Unless the estimator reads them, the sampling policy's and the reference's full logits feed only the
+        # exact KL and the log-prob gather, which upcast row chunks themselves: at temperature 1 they stay in the
+        # LM head's dtype (the same numbers, half the memory, no [B, T, V] float32 copy).
+        self.logits_float32 = cfg.trainer.temperature != 1.0 or getattr(kl_estimator, "needs_logits", False)
         self.rules = SamplingRules.from_config(cfg.algorithm)
         # ReMax's advantage subtracts the greedy response's score: one extra greedy generation per prompt.
         advantage = cfg.algorithm.get("advantage")
@@ -204,7 +205,8 @@ class ExperienceMaker:
         formatted = format_prompts(prompts, self.tokenizer, cfg.model.chat_template, cfg.model.system_prompt)
         settings = dict(group_size=group_size, max_new_tokens=cfg.trainer.max_new_tokens,
                         temperature=cfg.trainer.temperature, top_p=cfg.trainer.top_p, top_k=cfg.trainer.top_k,
-                        max_prompt_tokens=cfg.data.max_prompt_tokens, keep_logits=True, keep_hidden=self.keep_hidden)
+                        max_prompt_tokens=cfg.data.max_prompt_tokens, keep_logits=True, keep_hidden=self.keep_hidden,
+                        logits_float32=self.logits_float32)
         with self.precision.autocast():
             if not (cfg.trainer.seed_per_prompt and rng_keys is not None):
                 return generate(self.policy, self.tokenizer, formatted, **settings)
@@ -249,7 +251,7 @@ class ExperienceMaker:
             if not chunk or chunk >= rollout.batch_size:
                 ref_logits, _ = response_logits(model, rollout.input_ids, rollout.attention_mask,
                                                 rollout.prompt_width, self.cfg.trainer.temperature,
-                                                float32=self.ref_logits_float32)
+                                                float32=self.logits_float32)
                 rollout.ref_logprobs = gather_logprobs(ref_logits, rollout.response_ids) * rollout.response_mask
                 rollout.ref_logits = ref_logits
                 rollout.kl_estimate, rollout.kl_exact = self.kl_terms(rollout)
@@ -264,7 +266,7 @@ class ExperienceMaker:
         for start in range(0, rollout.batch_size, chunk):
             part = rollout.select(torch.arange(start, min(start + chunk, rollout.batch_size)))
             part.ref_logits, _ = response_logits(model, part.input_ids, part.attention_mask, part.prompt_width,
-                                                 self.cfg.trainer.temperature, float32=self.ref_logits_float32)
+                                                 self.cfg.trainer.temperature, float32=self.logits_float32)
             part.ref_logprobs = gather_logprobs(part.ref_logits, part.response_ids) * part.response_mask
             part.kl_estimate, part.kl_exact = self.kl_terms(part)
             for key in ("ref_logprobs", "kl_estimate", "kl_exact"):

@@ -72,22 +72,26 @@ def test_a_clamp_bounds_the_reward_placed_penalty(compose, tiny_overrides, tmp_p
 
 
 @pytest.mark.parametrize("chunk", [0, 3])
-def test_the_reference_s_bf16_logits_give_the_float32_ones_kl_terms(compose, tiny_overrides, tmp_path: Path,
-                                                                    chunk: int) -> None:
+def test_bf16_policy_and_reference_logits_give_the_float32_ones_kl_terms(compose, tiny_overrides, tmp_path: Path,
+                                                                         chunk: int) -> None:
     cfg = compose([*tiny_overrides(tmp_path), "trainer.precision=bf16-mixed", "kl=k3", "trainer.eval_prompts=0",
                    f"trainer.logprob_chunk={chunk}"])
     trainer = Trainer(cfg, tmp_path / "run")
     maker = trainer.experience
-    assert maker.ref_logits_float32 is False  # temperature 1, k3 reads no logits
+    assert maker.logits_float32 is False  # temperature 1, k3 reads no logits
     with torch.no_grad():  # move the policy off the reference so the KL terms are not all zero
         for parameter in trainer.policy.parameters():
             parameter.add_(0.05 * torch.randn_like(parameter))
-    rollout = maker.make(trainer.prompts.train[:2], 3, StepTimer(), ["a", "b"], kl_coef=0.1).rollout
-    narrow = {key: getattr(rollout, key) for key in ("ref_logprobs", "kl_estimate", "kl_exact")}
+    rollouts = {}
+    for float32 in (False, True):
+        maker.logits_float32 = float32
+        torch.manual_seed(3)
+        rollouts[float32] = maker.make(trainer.prompts.train[:2], 3, StepTimer(), ["a", "b"], kl_coef=0.1).rollout
+    narrow, wide = rollouts[False], rollouts[True]
+    assert narrow.policy_logits.dtype == torch.bfloat16 and wide.policy_logits.dtype == torch.float32
+    assert torch.equal(narrow.policy_logits.float(), wide.policy_logits)
     if not chunk:  # kept whole (in chunks only when the update reads them)
-        assert rollout.ref_logits.dtype == torch.bfloat16
-    maker.ref_logits_float32 = True
-    maker.reference(rollout, StepTimer())
-    assert float(narrow["kl_exact"].abs().sum()) > 0
-    for key, value in narrow.items():
-        assert torch.equal(value, getattr(rollout, key)), key
+        assert narrow.ref_logits.dtype == torch.bfloat16 and torch.equal(narrow.ref_logits.float(), wide.ref_logits)
+    assert float(narrow.kl_exact.abs().sum()) > 0
+    for key in ("response_ids", "logprobs", "entropy", "ref_logprobs", "kl_estimate", "kl_exact"):
+        assert torch.equal(getattr(narrow, key), getattr(wide, key)), key
