@@ -63,9 +63,13 @@ def _lora_merged(layer: nn.Module) -> Tensor | None:
     active = [name for name in layer.active_adapters if name in layer.lora_A]
     if not active or any(name in layer.lora_variant for name in active):
         return None
-    with torch.autocast(layer.get_base_layer().weight.device.type, enabled=False):  # ΔW at the adapter's precision
-        delta = sum(layer.get_delta_weight(name).float() for name in active)
-    return layer.get_base_layer().weight.float() + delta
+    base = layer.get_base_layer().weight
+    with torch.autocast(base.device.type, enabled=False):  # ΔW at the adapter's precision
+        deltas = [layer.get_delta_weight(name).float() for name in active]  # each a new tensor (B·A·s)
+    merged = deltas[0]
+    for delta in deltas[1:]:
+        merged.add_(delta)
+    return merged.add_(base)  # W + ΔW in float32, written into ΔW's memory (no float32 copy of W, no new sum)
 
 
 def _frozen_cast(layer: nn.Module) -> Tensor | None:
@@ -208,6 +212,8 @@ def generation_weights(model: nn.Module, merge_lora: bool | None = None, rows: i
                 if id(layer) in replaced:
                     continue
                 weight = _lora_merged(layer) if merge_lora else None
+                if weight is not None:  # cast now, the cast the product makes: the float32 merge dies here
+                    weight = weight.to(compute_dtype(layer.get_base_layer().weight))
                 if weight is None:
                     weight = _frozen_cast(layer)
                 plain = weight is None and rows is not None and type(layer) is nn.Linear
