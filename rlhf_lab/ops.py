@@ -49,12 +49,16 @@ def masked_whiten(values: Tensor, mask: Tensor, shift_mean: bool = True, eps: fl
     return whitened * mask
 
 
-def scale_logits(logits: Tensor, temperature: float) -> Tensor:
+def scale_logits(logits: Tensor, temperature: float, float32: bool = True) -> Tensor:
     """``logits`` in float32 divided by ``temperature``: the policy's distribution is their softmax.
 
     At temperature 1 the division is skipped (x / 1 is x exactly): on [B, T, V] logits it would allocate
-    another full tensor in the forward pass and again in the backward pass, for the same numbers.
+    another full tensor in the forward pass and again in the backward pass, for the same numbers. With
+    ``float32=False`` they are also left in their own dtype there (bf16 under autocast: the same numbers,
+    without a float32 copy, for readers that upcast row chunks themselves).
     """
+    if not float32 and temperature == 1.0:
+        return logits
     logits = logits.float()
     return logits if temperature == 1.0 else logits / temperature
 

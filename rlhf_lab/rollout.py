@@ -245,9 +245,7 @@ def response_logits(model: nn.Module, input_ids: Tensor, attention_mask: Tensor,
         use_cache=True,
         output_hidden_states=output_hidden_states,
     )
-    logits = torch.cat([first_logits, continuation.logits], dim=1)
-    if float32 or temperature != 1.0:
-        logits = scale_logits(logits, temperature)
+    logits = scale_logits(torch.cat([first_logits, continuation.logits], dim=1), temperature, float32)
     hidden = None
     if output_hidden_states:
         first_hidden = prefix.hidden_states[-1][:, -1:].index_select(0, row_to_prompt)
@@ -268,9 +266,7 @@ def _plain_response_logits(model: nn.Module, input_ids: Tensor, attention_mask: 
         output_hidden_states=output_hidden_states,
         use_cache=False,
     )
-    logits = output.logits[:, :-1]
-    if float32 or temperature != 1.0:
-        logits = scale_logits(logits, temperature)
+    logits = scale_logits(output.logits[:, :-1], temperature, float32)
     hidden = output.hidden_states[-1][:, prompt_width - 1 : -1] if output_hidden_states else None
     return logits, hidden
 
