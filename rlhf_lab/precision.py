@@ -1,8 +1,9 @@
 """Numeric precision of a run, with Lightning's names (``trainer.precision``).
 
-- ``auto`` (the default): ``bf16-mixed`` where the device multiplies bfloat16 matrices natively (a CUDA GPU
-  with bfloat16 support; a CPU with AVX512-BF16 or AMX), else ``fp32``: bfloat16 without native support is
-  emulated and slower than float32 (:func:`fast_bf16`);
+- ``auto`` (the default): ``bf16-mixed`` where the device multiplies bfloat16 matrices fast (a CUDA GPU with
+  bfloat16 support; a CPU with AVX512-BF16 or AMX whose bfloat16 products, measured once per process, are at
+  least as fast as its float32 ones), else ``fp32`` (:func:`fast_bf16`): bfloat16 without native support is
+  emulated, and some CPUs with the instructions still multiply bfloat16 slower than float32;
 - ``fp32``: float32 weights, float32 compute;
 - ``bf16-mixed``: float32 master weights and optimizer state; forward passes (generation, reference,
   training) under ``torch.autocast(dtype=bfloat16)``; gradients land in float32;
@@ -17,8 +18,11 @@ deprecation line; ``float16`` (pure fp16 weights) has no safe equivalent and is 
 from __future__ import annotations
 
 import sys
+import time
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from functools import cache
 from typing import Any
 
 import torch
@@ -33,27 +37,61 @@ AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
 
 
 def fast_bf16(device: torch.device) -> bool:
-    """Whether ``device`` multiplies bfloat16 matrices in hardware (what ``trainer.precision=auto`` asks)."""
+    """Whether ``device`` multiplies bfloat16 matrices fast (what ``trainer.precision=auto`` asks): a CUDA GPU
+    with bfloat16 support; a CPU with AVX512-BF16 or AMX where :func:`bf16_products_pay`."""
     if device.type == "cuda":
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     if device.type != "cpu":
         return False
     probes = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
     try:
-        return any(probe() for probe in probes if probe is not None)
+        native = any(probe() for probe in probes if probe is not None)
     except RuntimeError:  # a build without the CPU capability probes
         return False
+    return native and bf16_products_pay(torch.get_num_threads())
+
+
+PROBE_SHAPE = (512, 1024, 1024)  # rows x inputs x outputs: a training pass's product of a small model's layer
+
+
+@cache
+def bf16_products_pay(threads: int) -> bool:
+    """Whether this CPU multiplies bfloat16 matrices at least as fast as float32 ones with ``threads`` threads:
+    one product of :data:`PROBE_SHAPE` in each dtype, the best of five after a warm-up (~0.2 s, once per process
+    and thread count). Having AVX512-BF16 is not enough: on an Intel Xeon with it and no AMX, bfloat16 products
+    run at ~0.55x float32's, and the default run takes 9.5 s a step under bf16-mixed against 7.3 in float32
+    (experiments/BENCHMARK.md, round 10); on an AMD EPYC with it, at ~4x. Runs on several ranks agree through
+    :func:`resolve_precision`'s ``agree``."""
+    rows, inputs, outputs = PROBE_SHAPE
+    generator = torch.Generator().manual_seed(0)  # the global generator is not touched
+    best = {}
+    with torch.autocast("cpu", enabled=False), torch.no_grad():
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(rows, inputs, generator=generator).to(dtype)
+            weight = torch.randn(outputs, inputs, generator=generator).to(dtype)
+            times = []
+            for _ in range(6):
+                start = time.perf_counter()
+                torch.nn.functional.linear(x, weight)
+                times.append(time.perf_counter() - start)
+            best[dtype] = min(times[1:])
+    return best[torch.bfloat16] <= best[torch.float32]
 
 
 def resolve_precision(precision: str, dtype: str | None, warn: bool = True,
-                      device: torch.device | None = None) -> str:
+                      device: torch.device | None = None, agree: Callable[[bool], bool] | None = None) -> str:
     """The precision a run uses, from ``trainer.precision`` and the deprecated ``trainer.dtype``; ``auto``
-    resolves for ``device`` (the CPU when None)."""
+    resolves for ``device`` (the CPU when None). On a CPU, where ``auto``'s answer is measured, ``agree`` (called
+    on every rank alike: true where every rank's is) makes the ranks of one run pick the same."""
     if precision not in PRECISIONS:
         raise ConfigError(f"trainer.precision={precision!r} is not valid; choose from: {', '.join(PRECISIONS)}")
     if dtype is None:
         if precision == "auto":
-            return "bf16-mixed" if fast_bf16(device or torch.device("cpu")) else "fp32"
+            device = device or torch.device("cpu")
+            fast = fast_bf16(device)
+            if agree is not None and device.type == "cpu":
+                fast = agree(fast)
+            return "bf16-mixed" if fast else "fp32"
         return precision
     if dtype == "float16":
         raise ConfigError("trainer.dtype=float16 (pure float16 weights) is replaced by trainer.precision=fp16-mixed "
@@ -85,8 +123,9 @@ class Precision:
     device_type: str
 
     @classmethod
-    def from_config(cls, trainer: Any, device: torch.device, warn: bool = True) -> Precision:
-        name = resolve_precision(trainer.precision, trainer.dtype, warn=warn, device=device)
+    def from_config(cls, trainer: Any, device: torch.device, warn: bool = True,
+                    agree: Callable[[bool], bool] | None = None) -> Precision:
+        name = resolve_precision(trainer.precision, trainer.dtype, warn=warn, device=device, agree=agree)
         check_device(name, device)
         return cls(name, device.type)
 

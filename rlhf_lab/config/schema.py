@@ -302,7 +302,8 @@ class TrainerConfig:
     resume: str | None = None  # null | auto | path to a checkpoint folder
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     # auto | fp32 | bf16-mixed | bf16-true | fp16-mixed (Lightning's names; rlhf_lab/precision.py). auto:
-    # bf16-mixed where the device multiplies bfloat16 natively (CUDA with bf16, AVX512-BF16/AMX CPUs), else fp32
+    # bf16-mixed where the device multiplies bfloat16 fast (CUDA with bf16; AVX512-BF16/AMX CPUs whose bf16
+    # products measure at least as fast as fp32's), else fp32
     precision: str = "auto"
     dtype: str | None = None  # deprecated alias: float32 -> precision=fp32, bfloat16 -> precision=bf16-true
     strategy: str = "auto"  # auto | single | ddp | fsdp (rlhf_lab/distributed.py); auto: ddp under torchrun

@@ -322,9 +322,20 @@ def _check_config(overrides: list[str]) -> Any:
         raise BenchError(str(error)) from None
 
 
+def resolved_precision(cfg: Any) -> list[str]:
+    """``trainer.precision=auto`` resolved here, once, as an override for every child (``auto`` measures the CPU's
+    products: each child measuring for itself could pick otherwise); [] for any other setting."""
+    if cfg.trainer.precision != "auto" or cfg.trainer.get("dtype") is not None:
+        return []
+    from rlhf_lab.tools.bench_trl import run_precision
+
+    return [f"trainer.precision={run_precision(cfg.trainer)}"]
+
+
 def plan(options: argparse.Namespace) -> tuple[list[tuple[str, list[str], str | None]], list[Job]]:
     """(rows as (name, overrides, reason TRL is not run or None), scaling jobs), all checked before any run."""
     base = merge_overrides(DEFAULT_OVERRIDES, options.overrides)
+    base = merge_overrides(base, resolved_precision(_check_config(base)))
     run_rows = not options.scaling or options.compare or options.lora or options.ppo
     names = ["grpo_full", *["grpo_lora"] * options.lora, *["ppo_full"] * options.ppo] if run_rows else []
     rows = []

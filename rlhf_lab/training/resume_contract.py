@@ -12,8 +12,8 @@ config with it, key by key:
 - any other change (algorithm, model, LoRA, seed, data, reward, batch shape, ...) is refused at start with
   one line naming each key, its old and new value, and how to start a fresh run instead.
 
-``trainer.precision=auto`` resolves per machine (bf16-mixed where bfloat16 is native, else fp32); the
-checkpoint records what it resolved to, and a resume continues in that precision wherever it runs
+``trainer.precision=auto`` resolves per machine (bf16-mixed where bfloat16 products are native and fast, else
+fp32); the checkpoint records what it resolved to, and a resume continues in that precision wherever it runs
 (:func:`continued_precision`): ``auto`` and the recorded precision count as the same setting.
 
 Under Hydra each segment's resolved config is kept in ``.hydra/segments/from_step_N/`` (N: the segment's

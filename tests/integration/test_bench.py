@@ -120,6 +120,28 @@ def test_seeds_cycle_over_rounds_and_rewards_pool_per_run(monkeypatch: pytest.Mo
     assert "5.500 ± 1.732 (3 runs)" in bench.format_report(report)
 
 
+@pytest.mark.parametrize(("extra", "fast", "expected"), [
+    ([], True, "trainer.precision=bf16-mixed"), ([], False, "trainer.precision=fp32"),
+    (["trainer.precision=fp32"], True, "trainer.precision=fp32"),
+    (["trainer.precision=bf16-true"], False, "trainer.precision=bf16-true")])
+def test_auto_precision_is_resolved_once_for_every_child(monkeypatch: pytest.MonkeyPatch, extra: list[str],
+                                                         fast: bool, expected: str) -> None:
+    """``auto`` measures the CPU's products: the parent resolves it once and every child (both frameworks, every
+    round) gets the answer written out; an explicit precision is passed on as it is."""
+    jobs = []
+
+    def fake_run(job: bench.Job, work_dir: Path, label: str) -> dict:
+        jobs.append(job)
+        return {"records": [{"step_s": 1.0, "phases": dict.fromkeys(bench.PHASES, 0.1), "tokens": 10,
+                             "reward_mean": 0.0}], "peak_rss_mib": 100.0, "setup_s": 1.0}
+
+    monkeypatch.setattr(bench, "_run_and_report", fake_run)
+    monkeypatch.setattr("rlhf_lab.precision.fast_bf16", lambda device: fast)
+    bench.run_benchmark(bench.parse_args(["--rounds", "2", "--", *TINY, *extra]))
+    assert len(jobs) == 2
+    assert all([o for o in job.overrides if o.startswith("trainer.precision=")] == [expected] for job in jobs)
+
+
 def test_format_report_shows_ratio_skips_and_scaling() -> None:
     summary = {"step_s_median": 2.0, "phases_s_mean": dict.fromkeys(bench.PHASES, 0.1), "other_s_mean": 0.4,
                "tokens_per_s": 100.0, "peak_rss_mib": 1000.0, "reward_mean": 0.1}

@@ -6,6 +6,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from rlhf_lab import precision as precision_module
 from rlhf_lab.errors import ConfigError
 from rlhf_lab.precision import Precision, check_device, fast_bf16, resolve_precision
 
@@ -18,15 +19,79 @@ def test_precision_and_its_alias(precision: str, dtype: str | None, expected: st
     assert resolve_precision(precision, dtype, warn=False) == expected
 
 
-@pytest.mark.parametrize("native", [True, False])
-def test_auto_is_bf16_mixed_only_where_bf16_is_native(monkeypatch, native: bool) -> None:
-    """auto: bf16-mixed on a CPU with AVX512-BF16 or AMX, fp32 on one without (emulated bf16 is slower)."""
+@pytest.mark.parametrize(("native", "pays", "expected"), [
+    (True, True, "bf16-mixed"), (True, False, "fp32"), (False, True, "fp32"), (False, False, "fp32")])
+def test_auto_is_bf16_mixed_only_where_bf16_products_are_native_and_fast(monkeypatch, native: bool, pays: bool,
+                                                                        expected: str) -> None:
+    """auto: bf16-mixed on a CPU with AVX512-BF16 or AMX whose bf16 products are at least as fast as its float32
+    ones; fp32 on one without (emulated bf16) or where they are slower (measured)."""
+    measured = []
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: native)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
-    assert fast_bf16(torch.device("cpu")) is native
-    assert resolve_precision("auto", None, warn=False) == ("bf16-mixed" if native else "fp32")
+    monkeypatch.setattr(precision_module, "bf16_products_pay", lambda threads: measured.append(threads) or pays)
+    assert fast_bf16(torch.device("cpu")) is (expected == "bf16-mixed")
+    assert measured == ([torch.get_num_threads()] if native else [])  # no measuring without the instructions
+    assert resolve_precision("auto", None, warn=False) == expected
     assert resolve_precision("auto", "bfloat16", warn=False) == "bf16-true"  # the explicit alias wins
     assert fast_bf16(torch.device("meta")) is False
+
+
+class _Clock:
+    """A fake ``perf_counter`` that a fake product advances by its dtype's cost."""
+
+    def __init__(self, cost: dict[torch.dtype, float]) -> None:
+        self.now, self.cost, self.calls = 0.0, cost, []
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        self.calls.append((x.dtype, weight.dtype, tuple(x.shape), tuple(weight.shape)))
+        self.now += self.cost[x.dtype]
+        return x[:, :1]
+
+
+@pytest.mark.parametrize(("fp32_s", "bf16_s", "pays"), [(2.0, 1.0, True), (1.0, 1.0, True), (1.0, 1.8, False)])
+def test_the_bf16_probe_compares_the_best_product_times(monkeypatch, fp32_s: float, bf16_s: float,
+                                                        pays: bool) -> None:
+    clock = _Clock({torch.float32: fp32_s, torch.bfloat16: bf16_s})
+    monkeypatch.setattr(precision_module.time, "perf_counter", clock.perf_counter)
+    monkeypatch.setattr(torch.nn.functional, "linear", clock.linear)
+    state = torch.get_rng_state()
+    assert precision_module.bf16_products_pay.__wrapped__(2) is pays
+    assert torch.equal(torch.get_rng_state(), state)  # the global generator is not touched
+    rows, inputs, outputs = precision_module.PROBE_SHAPE
+    assert clock.calls == [(dtype, dtype, (rows, inputs), (outputs, inputs))
+                           for dtype in (torch.float32, torch.bfloat16) for _ in range(6)]
+
+
+def test_the_bf16_probe_runs_once_per_thread_count() -> None:
+    precision_module.bf16_products_pay.cache_clear()
+    first = precision_module.bf16_products_pay(1)
+    assert isinstance(first, bool)
+    assert precision_module.bf16_products_pay(1) is first
+    assert precision_module.bf16_products_pay.cache_info().hits == 1
+
+
+@pytest.mark.parametrize(("device", "asked"), [("cpu", [True]), ("meta", [])])
+def test_auto_s_measured_answer_is_agreed_across_ranks(monkeypatch, device: str, asked: list[bool]) -> None:
+    """On a CPU the ranks agree (bf16 only where every rank measured it fast); elsewhere nothing is asked."""
+    monkeypatch.setattr(precision_module, "fast_bf16", lambda device: device.type == "cpu")
+    calls = []
+    assert resolve_precision("auto", None, warn=False, device=torch.device(device),
+                             agree=lambda flag: calls.append(flag) or False) == "fp32"
+    assert calls == asked
+    assert resolve_precision("fp32", None, warn=False, agree=lambda flag: calls.append(flag)) == "fp32"
+    assert calls == asked  # an explicit precision asks no rank
+
+
+def test_the_trainer_makes_its_ranks_agree_on_auto(compose, tiny_overrides, tmp_path, monkeypatch) -> None:
+    from rlhf_lab.training import loop
+
+    monkeypatch.setattr(precision_module, "fast_bf16", lambda device: True)
+    monkeypatch.setattr(loop.distributed, "all_reduce_flags", lambda flag: False)  # another rank measured slower
+    trainer = loop.Trainer(compose([*tiny_overrides(None), "trainer.precision=auto"]), tmp_path / "run")
+    assert trainer.precision.name == "fp32"
 
 
 def test_auto_is_the_default_and_tiny_tests_pin_fp32(compose, tiny_overrides) -> None:
