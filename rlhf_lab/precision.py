@@ -59,7 +59,7 @@ def bf16_products_pay(threads: int) -> bool:
     """Whether this CPU multiplies bfloat16 matrices at least as fast as float32 ones with ``threads`` threads:
     one product of :data:`PROBE_SHAPE` in each dtype, the best of five after a warm-up (~0.2 s, once per process
     and thread count). Having AVX512-BF16 is not enough: on an Intel Xeon with it and no AMX, bfloat16 products
-    run at ~0.55x float32's, and the default run takes 9.5 s a step under bf16-mixed against 7.3 in float32
+    run at ~0.55x float32's, and the bench's step takes 9.5 s under bf16-mixed against 7.3 in float32
     (experiments/BENCHMARK.md, round 10); on an AMD EPYC with it, at ~4x. Runs on several ranks agree through
     :func:`resolve_precision`'s ``agree``."""
     rows, inputs, outputs = PROBE_SHAPE

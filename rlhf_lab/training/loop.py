@@ -77,10 +77,10 @@ class Trainer:
         self.strategy = distributed.resolve_strategy(cfg.trainer.strategy)
         self.device = resolve_device(cfg.trainer.device)
         distributed.setup(self.strategy, self.device)
+        configure_process(cfg.trainer)  # threads first: auto measures the CPU's products with the run's threads
         self.precision = Precision.from_config(cfg.trainer, self.device, warn=distributed.is_main_process(),
                                                agree=distributed.all_reduce_flags)  # auto: one answer for all ranks
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        configure_process(cfg.trainer)
         seed_everything(cfg.seed)  # the same on every rank: the same initial model
         self.checkpoint_root = self.run_dir / "checkpoints"
         # Checked before anything loads: what to resume from, and that a fresh start mixes with no earlier run.
