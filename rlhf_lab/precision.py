@@ -1,7 +1,7 @@
 """Numeric precision of a run, with Lightning's names (``trainer.precision``).
 
 - ``auto`` (the default): ``bf16-mixed`` where the device multiplies bfloat16 matrices fast (a CUDA GPU with
-  bfloat16 support; a CPU with AVX512-BF16 or AMX whose bfloat16 products, measured once per process, are at
+  bfloat16 support; a CPU with AVX512-BF16 or AMX whose bfloat16 products, measured once per machine, are at
   least as fast as its float32 ones), else ``fp32`` (:func:`fast_bf16`): bfloat16 without native support is
   emulated, and some CPUs with the instructions still multiply bfloat16 slower than float32;
 - ``fp32``: float32 weights, float32 compute;
@@ -17,6 +17,8 @@ deprecation line; ``float16`` (pure fp16 weights) has no safe equivalent and is 
 
 from __future__ import annotations
 
+import json
+import platform
 import sys
 import time
 from collections.abc import Callable
@@ -52,18 +54,66 @@ def fast_bf16(device: torch.device) -> bool:
 
 
 PROBE_SHAPE = (512, 1024, 1024)  # rows x inputs x outputs: a training pass's product of a small model's layer
+PRODUCTS_FILE = "cpu_products.json"  # the answers, in rlhf_lab's cache folder
 
 
 @cache
 def bf16_products_pay(threads: int) -> bool:
-    """Whether this CPU multiplies bfloat16 matrices at least as fast as float32 ones with ``threads`` threads:
-    one product of :data:`PROBE_SHAPE` in each dtype, the best of five after a warm-up (~0.2 s, once per process
-    and thread count). Having AVX512-BF16 is not enough: on an Intel Xeon with it and no AMX, bfloat16 products
-    run at ~0.55x float32's, and the bench's step takes 9.5 s under bf16-mixed against 7.3 in float32
-    (experiments/BENCHMARK.md, round 10); on an AMD EPYC with it, at ~4x. Runs on several ranks agree through
-    :func:`resolve_precision`'s ``agree``."""
+    """Whether this CPU multiplies bfloat16 matrices at least as fast as float32 ones with ``threads`` threads.
+
+    Having AVX512-BF16 is not enough: on an Intel Xeon with it and no AMX, bfloat16 products run at ~0.55x
+    float32's, and the bench's step takes 9.5 s under bf16-mixed against 7.3 in float32 (experiments/BENCHMARK.md,
+    round 10); on an AMD EPYC with it, at ~4x. Measured once per machine (:func:`measure_bf16_products`) and kept
+    in ``<rlhf_lab cache>/cpu_products.json`` under the CPU's name and vector unit, torch's version and ``threads``,
+    so every later run there (each job of a sweep, each rank) reads the same answer; where the file cannot be
+    written the answer is measured once per process. Delete the file to measure again."""
+    from rlhf_lab.models import cache_dir  # transformers, loaded only where auto is measured
+
+    path, key = cache_dir() / PRODUCTS_FILE, _cpu_key(threads)
+    known = _read_answers(path)
+    if isinstance(known.get(key), bool):
+        return known[key]
+    answer = measure_bf16_products()
+    try:
+        from rlhf_lab.trackers.jsonl import write_json_atomic
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(path, {**_read_answers(path), key: answer})
+    except OSError:
+        return answer
+    written = _read_answers(path).get(key)  # two processes measuring at once: the one written last is the answer
+    return written if isinstance(written, bool) else answer
+
+
+
+def _read_answers(path: Any) -> dict[str, Any]:
+    try:
+        answers = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return answers if isinstance(answers, dict) else {}
+
+
+def _cpu_key(threads: int) -> str:
+    """The answers file's key: the CPU's name and the vector unit torch uses, torch's version, the thread count."""
+    return (f"{_cpu_name()} | {torch.backends.cpu.get_cpu_capability()} | torch {torch.__version__} | "
+            f"{threads} threads")
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            names = [line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")]
+    except OSError:
+        names = []
+    return names[0] if names else platform.processor() or platform.machine()
+
+
+def measure_bf16_products() -> bool:
+    """One product of :data:`PROBE_SHAPE` in each dtype, the best of five after a warm-up (~0.2 s): whether the
+    bfloat16 one is at least as fast. The global random generator is not touched."""
     rows, inputs, outputs = PROBE_SHAPE
-    generator = torch.Generator().manual_seed(0)  # the global generator is not touched
+    generator = torch.Generator().manual_seed(0)
     best = {}
     with torch.autocast("cpu", enabled=False), torch.no_grad():
         for dtype in (torch.float32, torch.bfloat16):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -58,19 +60,49 @@ def test_the_bf16_probe_compares_the_best_product_times(monkeypatch, fp32_s: flo
     monkeypatch.setattr(precision_module.time, "perf_counter", clock.perf_counter)
     monkeypatch.setattr(torch.nn.functional, "linear", clock.linear)
     state = torch.get_rng_state()
-    assert precision_module.bf16_products_pay.__wrapped__(2) is pays
+    assert precision_module.measure_bf16_products() is pays
     assert torch.equal(torch.get_rng_state(), state)  # the global generator is not touched
     rows, inputs, outputs = precision_module.PROBE_SHAPE
     assert clock.calls == [(dtype, dtype, (rows, inputs), (outputs, inputs))
                            for dtype in (torch.float32, torch.bfloat16) for _ in range(6)]
 
 
-def test_the_bf16_probe_runs_once_per_thread_count() -> None:
+@pytest.fixture
+def probe_cache(monkeypatch, tmp_path):
+    """The answers file in a fresh cache folder, the in-process memo cleared, and a counted fake measurement."""
+    monkeypatch.setenv("RLHF_LAB_CACHE", str(tmp_path / "cache"))
+    measured = []
+    monkeypatch.setattr(precision_module, "measure_bf16_products", lambda: measured.append(1) or len(measured) == 1)
     precision_module.bf16_products_pay.cache_clear()
-    first = precision_module.bf16_products_pay(1)
-    assert isinstance(first, bool)
-    assert precision_module.bf16_products_pay(1) is first
-    assert precision_module.bf16_products_pay.cache_info().hits == 1
+    yield tmp_path / "cache" / precision_module.PRODUCTS_FILE, measured
+    precision_module.bf16_products_pay.cache_clear()
+
+
+def test_the_bf16_answer_is_measured_once_per_machine_and_read_back(probe_cache) -> None:
+    """The first process measures and writes the answer; later ones (the memo cleared) read it, so every job of
+    a sweep on this machine gets the same precision; another thread count is another entry."""
+    path, measured = probe_cache
+    assert precision_module.bf16_products_pay(2) is True and measured == [1]
+    key = precision_module._cpu_key(2)
+    assert key.endswith(f" | torch {torch.__version__} | 2 threads") and precision_module._cpu_name() in key
+    assert json.loads(path.read_text()) == {key: True}
+    precision_module.bf16_products_pay.cache_clear()  # a new process
+    assert precision_module.bf16_products_pay(2) is True and measured == [1]  # read, not measured
+    assert precision_module.bf16_products_pay(1) is False and measured == [1, 1]  # the fake's second answer
+    assert json.loads(path.read_text()) == {key: True, key.replace("2 threads", "1 threads"): False}
+
+
+def test_a_broken_or_unwritable_answers_file_means_measuring(probe_cache) -> None:
+    path, measured = probe_cache
+    path.parent.mkdir(parents=True)
+    path.write_text("{not json")
+    assert precision_module.bf16_products_pay(2) is True and measured == [1]
+    assert len(json.loads(path.read_text())) == 1  # rewritten whole
+    precision_module.bf16_products_pay.cache_clear()
+    path.unlink()
+    path.mkdir()  # a folder where the file should be: nothing can be written
+    assert precision_module.bf16_products_pay(2) is False and measured == [1, 1]
+    assert precision_module.bf16_products_pay(2) is False and measured == [1, 1]  # once per process
 
 
 @pytest.mark.parametrize(("device", "asked"), [("cpu", [True]), ("meta", [])])
