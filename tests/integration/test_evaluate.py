@@ -42,7 +42,9 @@ def test_eval_command_with_its_own_sampling_rewards_and_win_rate(run_dir: Path, 
     metrics = result["metrics"]
     assert result["step"] == 0 and result["settings"]["greedy"] is True
     assert 0.0 <= metrics["eval/win_rate"] <= 1.0
-    assert metrics["eval/kl/exact"] >= 0.0 and "eval/reward/length/mean" in metrics
+    # One update away from the reference the exact KL is ~1e-7, which float32's sums over the vocabulary round
+    # to either side of zero (precision=auto: fp32 on a CPU whose bf16 products are slow; bf16 reads ~1e-3).
+    assert metrics["eval/kl/exact"] >= -1e-6 and "eval/reward/length/mean" in metrics
     samples = read_jsonl(out / "eval_samples.jsonl")
     assert len(samples) == 4  # 2 prompts x 2 samples
     assert samples[0]["response"] == samples[1]["response"]  # greedy: the same response for both samples
