@@ -28,7 +28,8 @@ def planned_device(name: str) -> torch.device:
 def check_scale(cfg: Any) -> None:
     trainer, algorithm = cfg.trainer, cfg.algorithm
     device = planned_device(trainer.device)
-    check_device(resolve_precision(trainer.precision, trainer.dtype, warn=False, device=device), device)
+    if trainer.precision != "auto" or trainer.dtype is not None:  # auto never needs CUDA; resolved (measured) later
+        check_device(resolve_precision(trainer.precision, trainer.dtype, warn=False, device=device), device)
     at_least("trainer.logprob_chunk", trainer.logprob_chunk, 0)
     check_recompute(trainer)
     strategy = distributed.resolve_strategy(trainer.strategy)

@@ -179,3 +179,19 @@ def test_mixed_keeps_fp32_weights_and_computes_in_bf16() -> None:
     assert true.weights_dtype == "bfloat16"
     with true.autocast():
         assert layer(torch.ones(1, 4)).dtype == torch.float32  # no autocast: the weights' own dtype
+
+
+def test_validating_a_config_measures_nothing(compose, monkeypatch) -> None:
+    """Config validation leaves ``auto`` unresolved: a bad config fails at start with nothing measured or
+    written to the cache folder; the run resolves it when it starts."""
+    from rlhf_lab.config.validate import validate
+
+    def measured(threads: int) -> bool:
+        raise AssertionError("auto was measured during validation")
+
+    monkeypatch.setattr(precision_module, "fast_bf16", lambda device: measured(1))
+    validate(compose([]))
+    with pytest.raises(AssertionError, match="measured during validation"):
+        Precision.from_config(compose([]).trainer, torch.device("cpu"))
+    with pytest.raises(ConfigError, match="trainer.precision='fp64' is not valid"):
+        validate(compose(["trainer.precision=fp64"]))
