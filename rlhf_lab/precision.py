@@ -30,7 +30,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from rlhf_lab.cache import cache_dir
 from rlhf_lab.errors import ConfigError
+from rlhf_lab.trackers.jsonl import write_json_atomic
 
 PRECISIONS = ("auto", "fp32", "bf16-mixed", "bf16-true", "fp16-mixed")
 DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16-true"}  # trainer.dtype -> trainer.precision
@@ -67,16 +69,12 @@ def bf16_products_pay(threads: int) -> bool:
     in ``<rlhf_lab cache>/cpu_products.json`` under the CPU's name and vector unit, torch's version and ``threads``,
     so every later run there (each job of a sweep, each rank) reads the same answer; where the file cannot be
     written the answer is measured once per process. Delete the file to measure again."""
-    from rlhf_lab.models import cache_dir  # transformers, loaded only where auto is measured
-
     path, key = cache_dir() / PRODUCTS_FILE, _cpu_key(threads)
     known = _read_answers(path)
     if isinstance(known.get(key), bool):
         return known[key]
     answer = measure_bf16_products()
     try:
-        from rlhf_lab.trackers.jsonl import write_json_atomic
-
         path.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(path, {**_read_answers(path), key: answer})
     except OSError:

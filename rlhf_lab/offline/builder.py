@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
+from rlhf_lab.cache import cache_dir
 from rlhf_lab.errors import DataError
 
 RECIPE = "recipe.json"
@@ -39,8 +40,6 @@ def recipe_of(cfg: Any) -> dict[str, Any]:
 def preference_folder(cfg: Any) -> Path:
     if cfg.data.path:
         return Path(cfg.data.path).expanduser()
-    from rlhf_lab.models import cache_dir
-
     digest = hashlib.sha256(json.dumps(recipe_of(cfg), sort_keys=True).encode()).hexdigest()[:16]
     return cache_dir() / "preferences" / digest
 
