@@ -121,7 +121,7 @@ class Updater:
                                or (kl_placement.needs_grad and getattr(kl_estimator, "needs_logits", False)))
         # The input embedding's gradient added by rows after each backward (not under DDP/FSDP, whose reducers
         # read gradients during it).
-        self.embedding = embedding_by_rows(policy, autocast=self.precision.autocasts) \
+        self.embedding_rows = embedding_by_rows(policy, autocast=self.precision.autocasts) \
             if strategy == "single" and self.world_size == 1 else None
         if strategy != "fsdp":  # FSDP2's sharded parameters get theirs at the first step
             allocate_state(self.optimizer)
@@ -220,7 +220,7 @@ class Updater:
                 rows_index = torch.arange(micro_start, min(micro_start + micro, minibatch.batch_size))
                 # DDP all-reduces the gradients once, in the mini-batch's last backward.
                 with distributed.no_sync(self.sync_modules, skip=micro_start != starts[-1]), \
-                        rows_gradient(self.embedding):
+                        rows_gradient(self.embedding_rows):
                     result = self.micro_loss(minibatch.select(rows_index), context, coef)
                     loss_finite = loss_finite and bool(torch.isfinite(result.loss.detach()))
                     self.backward(result.loss)

@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaForCausalLM
 
 from rlhf_lab import models
-from rlhf_lab.embedding_grad import embedding_by_rows, rows_gradient
+from rlhf_lab.embedding_grad import RowsPlan, embedding_by_rows, rows_gradient
 from rlhf_lab.ops import gather_logprobs
 from rlhf_lab.precision import Precision
 from rlhf_lab.rollout import response_logits
@@ -41,12 +41,12 @@ def micro_batch(vocab: int, pad: int, seed: int) -> tuple[torch.Tensor, torch.Te
     return torch.cat([prompts.repeat_interleave(3, dim=0), responses], dim=1), mask
 
 
-def training_pass(model: nn.Module, embedding: nn.Embedding | None, precision: str, micro_batches: int = 2):
+def training_pass(model: nn.Module, plan: RowsPlan | None, precision: str, micro_batches: int = 2):
     """Gradients by name after accumulating ``micro_batches`` losses over the response log-probs."""
     model.zero_grad(set_to_none=True)
     for seed in range(micro_batches):
         input_ids, mask = micro_batch(model.config.vocab_size, model.config.pad_token_id, seed)
-        with rows_gradient(embedding):
+        with rows_gradient(plan):
             with Precision(precision, "cpu").autocast():
                 logits, _ = response_logits(model, input_ids, mask, PROMPT, 1.0)
             loss = (gather_logprobs(logits, input_ids[:, PROMPT:]) * torch.linspace(1, 2, RESPONSE)).sum()
@@ -54,18 +54,23 @@ def training_pass(model: nn.Module, embedding: nn.Embedding | None, precision: s
     return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize(("tied", "precision"), [(True, "bf16-mixed"), (False, "fp32"), (False, "bf16-mixed")])
+@pytest.mark.parametrize(("tied", "precision"),
+                         [(True, "bf16-mixed"), (True, "fp32"), (False, "fp32"), (False, "bf16-mixed")])
 def test_gradients_equal_the_plain_pass_bit_for_bit(compose, tiny_overrides, tiny_tokenizer, tied, precision):
     model = tiny_model(compose, tiny_overrides, tiny_tokenizer, tied)
-    embedding = embedding_by_rows(model, autocast=precision == "bf16-mixed")
-    assert embedding is model.get_input_embeddings()
-    assert embedding.padding_idx == model.config.pad_token_id  # the pad token's lookups get no gradient
+    plan = embedding_by_rows(model, autocast=precision == "bf16-mixed")
+    assert plan.embedding is model.get_input_embeddings()
+    # The tied head is tapped only without autocast (its products' gradients then join the rows' ordered sum).
+    assert plan.head is (model.get_output_embeddings() if tied and precision == "fp32" else None)
+    assert plan.embedding.padding_idx == model.config.pad_token_id  # the pad token's lookups get no gradient
     plain = training_pass(model, None, precision)
-    by_rows = training_pass(model, embedding, precision)
+    by_rows = training_pass(model, plan, precision)
     assert plain.keys() == by_rows.keys() and len(plain) == len(list(model.parameters()))
     for name, grad in plain.items():
         assert torch.equal(grad, by_rows[name]), name
-    assert "forward" not in embedding.__dict__  # the class's lookup again after the pass
+    assert by_rows["model.embed_tokens.weight"].stride() == model.get_input_embeddings().weight.stride()
+    # The class's lookup and product again after the pass.
+    assert "forward" not in plan.embedding.__dict__ and "forward" not in model.get_output_embeddings().__dict__
 
 
 class _LargestGradient(TorchDispatchMode):
@@ -82,12 +87,13 @@ class _LargestGradient(TorchDispatchMode):
         return out
 
 
-def test_no_lookup_makes_a_vocabulary_sized_gradient(compose, tiny_overrides, tiny_tokenizer):
+@pytest.mark.parametrize("precision", ["bf16-mixed", "fp32"])
+def test_no_lookup_makes_a_vocabulary_sized_gradient(compose, tiny_overrides, tiny_tokenizer, precision):
     model = tiny_model(compose, tiny_overrides, tiny_tokenizer)
     seen = {}
-    for name, embedding in (("plain", None), ("rows", embedding_by_rows(model, autocast=True))):
+    for name, plan in (("plain", None), ("rows", embedding_by_rows(model, autocast=precision == "bf16-mixed"))):
         with _LargestGradient() as mode:
-            training_pass(model, embedding, "bf16-mixed", micro_batches=1)
+            training_pass(model, plan, precision, micro_batches=1)
         seen[name] = mode.rows
     assert seen["plain"] == model.config.vocab_size
     assert 0 < seen["rows"] < 40  # the distinct tokens of the batch, not the vocabulary
@@ -95,8 +101,13 @@ def test_no_lookup_makes_a_vocabulary_sized_gradient(compose, tiny_overrides, ti
 
 def test_where_it_stays_off(compose, tiny_overrides, tiny_tokenizer):
     tied = tiny_model(compose, tiny_overrides, tiny_tokenizer)
-    # Without autocast the LM head's gradients reach a tied weight one by one, between the lookups' gradients.
+    head = tied.get_output_embeddings()
+    # Without autocast the tied head's products are tapped: only a plain Linear without hooks.
+    assert embedding_by_rows(tied, autocast=False).head is head
+    handle = head.register_forward_hook(lambda module, args, output: output)
     assert embedding_by_rows(tied, autocast=False) is None
+    assert embedding_by_rows(tied, autocast=True).head is None  # under autocast the head is not tapped
+    handle.remove()
     weight = tied.get_input_embeddings().weight
     handle = weight.register_hook(lambda grad: grad)  # something reads the gradient during the backward pass
     assert embedding_by_rows(tied, autocast=True) is None
@@ -111,8 +122,8 @@ def test_where_it_stays_off(compose, tiny_overrides, tiny_tokenizer):
 
 def test_a_no_op_without_gradients(compose, tiny_overrides, tiny_tokenizer):
     model = tiny_model(compose, tiny_overrides, tiny_tokenizer)
-    embedding = embedding_by_rows(model, autocast=True)
-    with torch.no_grad(), rows_gradient(embedding):
-        assert "forward" not in embedding.__dict__
+    plan = embedding_by_rows(model, autocast=False)
+    with torch.no_grad(), rows_gradient(plan):
+        assert "forward" not in plan.embedding.__dict__ and "forward" not in plan.head.__dict__
         model(input_ids=torch.tensor([[5, 6, 7]]))
-    assert embedding.weight.grad is None
+    assert plan.embedding.weight.grad is None
