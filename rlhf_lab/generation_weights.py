@@ -16,7 +16,10 @@ in the dtype the product runs in. No weight of the model is written: the base we
 reference under LoRA, and peft's in-place merge and unmerge would move them by float rounding every step.
 
 Both are made where autocast runs the products (a mixed precision): in float32 nothing is cast and the
-adapters run as peft runs them, so sampling stays bit-identical to it. The merged products are the
+adapters run unmerged, as peft runs them, so sampling stays bit-identical to it; each plain LoRA ``Linear``
+then runs peft's operations in peft's order (the base product, then ``B(A(x)) * scaling`` added per active
+adapter) without peft's per-call bookkeeping, 33 × 210 calls a generation of the bench's LoRA row
+(experiments/BENCHMARK.md, round 11). The merged products are the
 adapted layers' outputs up to float rounding (tests/unit/test_generation_weights.py: logits to 1e-5 when
 merged in float32; a frozen layer's cast is exactly autocast's). Layers peft computes differently (DoRA and
 other variants, ``fan_in_fan_out``, an adapter already merged or disabled) keep their own forward.
@@ -70,6 +73,42 @@ def _lora_merged(layer: nn.Module) -> Tensor | None:
     for delta in deltas[1:]:
         merged.add_(delta)
     return merged.add_(base)  # W + ΔW in float32, written into ΔW's memory (no float32 copy of W, no new sum)
+
+
+def _lora_unmerged(layer: nn.Module) -> Callable[..., Tensor] | None:
+    """peft's forward of a plain LoRA ``Linear`` without its per-call bookkeeping (argument checks, adapter
+    look-ups, module calls): the base layer's product, then each active adapter's ``B(A(x)) * scaling`` added,
+    the same operations in the same order; peft's own forward while a dropout would draw (training mode);
+    None where peft computes otherwise (see the module's text)."""
+    from peft.tuners.lora.layer import Linear as LoraLinear
+
+    if not isinstance(layer, LoraLinear) or layer.disable_adapters or layer.merged:
+        return None
+    active = [name for name in layer.active_adapters if name in layer.lora_A]
+    if any(name in layer.lora_variant for name in active):
+        return None
+    adapters, dropouts = [], []
+    for name in active:
+        down, up, dropout = layer.lora_A[name], layer.lora_B[name], layer.lora_dropout[name]
+        if type(down) is not nn.Linear or type(up) is not nn.Linear or type(dropout) not in (nn.Identity, nn.Dropout) \
+                or down._forward_hooks or up._forward_hooks:
+            return None
+        adapters.append((down.weight, down.bias, up.weight, up.bias, layer.scaling[name]))
+        dropouts += [dropout] if type(dropout) is nn.Dropout else []
+    base, cast = layer.get_base_layer(), getattr(layer, "cast_input_dtype_enabled", True)
+
+    def forward(x: Tensor, *args: object, **kwargs: object) -> Tensor:
+        if any(dropout.training for dropout in dropouts):
+            return type(layer).forward(layer, x, *args, **kwargs)
+        result = base(x, *args, **kwargs)
+        dtype = result.dtype
+        for down_weight, down_bias, up_weight, up_bias, scaling in adapters:
+            if cast and x.dtype != down_weight.dtype:  # peft's _cast_input_dtype
+                x = x.to(down_weight.dtype)
+            result = result + F.linear(F.linear(x, down_weight, down_bias), up_weight, up_bias) * scaling
+        return result.to(dtype)
+
+    return forward
 
 
 def _frozen_cast(layer: nn.Module) -> Tensor | None:
@@ -210,6 +249,11 @@ def generation_weights(model: nn.Module, merge_lora: bool | None = None, rows: i
             plans: dict[str, _Plan] = {}
             for name, layer in model.named_modules():  # parents first: a merged layer's parts are skipped
                 if id(layer) in replaced:
+                    continue
+                unmerged = None if merge_lora else _lora_unmerged(layer)
+                if unmerged is not None:  # its base layer (a child) is still cast or packed below where it pays
+                    layer.forward = unmerged
+                    patched.append(layer)
                     continue
                 weight = _lora_merged(layer) if merge_lora else None
                 if weight is not None:  # cast now, the cast the product makes: the float32 merge dies here

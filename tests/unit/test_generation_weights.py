@@ -58,13 +58,13 @@ def test_lora_merged_equals_the_adapted_layers_in_fp32_and_writes_nothing(compos
     inputs = batch(tiny_tokenizer)
     before = snapshot(model)
     want = logits_of(model, inputs)
-    with generation_weights(model) as patched:  # float32: by default peft's own forward, bit for bit
-        assert patched == 0
+    lora_layers = [m for m in model.modules() if hasattr(m, "lora_A")]
+    with generation_weights(model) as patched:  # float32: by default peft's computation unmerged, bit for bit
+        assert patched == len(lora_layers) > 0
         assert torch.equal(logits_of(model, inputs), want)
     with generation_weights(model, merge_lora=True) as patched:
         got = logits_of(model, inputs)
-    lora_layers = [m for m in model.modules() if hasattr(m, "lora_A")]
-    assert patched == len(lora_layers) > 0  # only the LoRA layers change (no autocast casts to save)
+    assert patched == len(lora_layers)  # only the LoRA layers change (no autocast casts to save)
     assert (got - want).abs().max() < 1e-5
     with model.disable_adapter():
         base = logits_of(model, inputs)
@@ -72,6 +72,43 @@ def test_lora_merged_equals_the_adapted_layers_in_fp32_and_writes_nothing(compos
     after = snapshot(model)
     assert all(torch.equal(before[k], after[k]) for k in before)  # no weight written
     assert all("forward" not in layer.__dict__ for layer in model.modules())  # every forward restored
+
+
+def lora_layer(**options) -> nn.Module:
+    """A peft LoRA layer over a [6, 8] Linear with two adapters, both active, B non-zero."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    model = get_peft_model(nn.Sequential(nn.Linear(8, 6)),
+                           LoraConfig(target_modules=["0"], r=2, lora_alpha=4, lora_dropout=0.3, **options), "first")
+    model.add_adapter("second", LoraConfig(target_modules=["0"], r=3, lora_alpha=3, **options))
+    model.base_model.set_adapter(["first", "second"])
+    layer = model.base_model.model[0]
+    with torch.no_grad():
+        for name in ("first", "second"):
+            layer.lora_B[name].weight.normal_()
+    return layer.eval()
+
+
+def test_unmerged_lora_forward_is_peft_s_bit_for_bit_and_only_where_peft_computes_so():
+    layer = lora_layer()
+    assert layer.active_adapters == ["first", "second"]
+    x = torch.randn(4, 3, 8)
+    with torch.no_grad():
+        want = layer(x)
+        assert torch.equal(gw._lora_unmerged(layer)(x), want)
+        layer.set_adapter("second")  # the adapters are read when the forward is made
+        assert not torch.equal(layer(x), want) and torch.equal(gw._lora_unmerged(layer)(x), layer(x))
+    layer.set_adapter(["first", "second"])
+    unmerged = gw._lora_unmerged(layer)
+    torch.manual_seed(1)
+    dropped = layer.train()(x)  # dropout draws in training mode: peft's own forward, the same draws
+    torch.manual_seed(1)
+    assert torch.equal(unmerged(x), dropped) and not torch.equal(dropped, want)
+    layer.eval().enable_adapters(False)
+    assert gw._lora_unmerged(layer) is None
+    assert gw._lora_unmerged(lora_layer(use_dora=True)) is None  # a variant (DoRA) computes otherwise
+    assert gw._lora_unmerged(nn.Linear(8, 6)) is None
 
 
 def test_opened_inside_itself_it_keeps_the_outer_weights(compose, tiny_overrides, tiny_tokenizer):
