@@ -116,6 +116,11 @@ class _RowLookup(torch.autograd.Function):
         return None, None, None, None
 
 
+def _hooked(weight: Tensor) -> bool:
+    """Whether something reads ``weight``'s gradient as autograd makes it (a hook on it)."""
+    return bool(weight._backward_hooks or getattr(weight, "_post_accumulate_grad_hooks", None))
+
+
 class RowsPlan(NamedTuple):
     """What :func:`rows_gradient` rewires: the input embedding, and the LM head tied to it whose products are
     tapped (a tied weight without autocast), or None."""
@@ -138,8 +143,7 @@ def embedding_by_rows(model: nn.Module, autocast: bool) -> RowsPlan | None:
         return None
     weight = embedding.weight
     if not weight.requires_grad or weight.device.type != "cpu" or type(weight.data) is not torch.Tensor \
-            or weight._backward_hooks \
-            or getattr(weight, "_post_accumulate_grad_hooks", None):
+            or _hooked(weight):
         return None
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     tied = head is not None and getattr(head, "weight", None) is weight
@@ -154,8 +158,9 @@ def embedding_by_rows(model: nn.Module, autocast: bool) -> RowsPlan | None:
 def rows_gradient(plan: RowsPlan | None) -> Iterator[None]:
     """Within the block (the training forward pass and its backward), the embedding's lookups (and the tied
     head's products, where tapped) leave their gradients to an ordered sum; on leaving, it is added into the
-    weight's gradient. A no-op for None or where gradients are off."""
-    if plan is None or not torch.is_grad_enabled():
+    weight's gradient. A no-op for None, where gradients are off, or where a hook on the weight was registered
+    since the plan was made (the hook then sees autograd's gradient, as in the plain pass)."""
+    if plan is None or not torch.is_grad_enabled() or _hooked(plan.embedding.weight):
         yield
         return
     embedding, head = plan

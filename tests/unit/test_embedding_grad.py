@@ -120,6 +120,21 @@ def test_where_it_stays_off(compose, tiny_overrides, tiny_tokenizer):
     assert embedding_by_rows(untied, autocast=False) is None
 
 
+@pytest.mark.parametrize("precision", ["bf16-mixed", "fp32"])
+def test_a_hook_registered_after_the_plan_sees_autograd_s_gradient(compose, tiny_overrides, tiny_tokenizer,
+                                                                    precision):
+    model = tiny_model(compose, tiny_overrides, tiny_tokenizer)
+    plan = embedding_by_rows(model, autocast=precision == "bf16-mixed")
+    weight = plan.embedding.weight
+    seen = []
+    handle = weight.register_hook(lambda grad: seen.append(grad.clone()))
+    by_rows = training_pass(model, plan, precision, micro_batches=1)
+    handle.remove()
+    plain = training_pass(model, None, precision, micro_batches=1)
+    assert len(seen) == 1 and torch.equal(seen[0], plain["model.embed_tokens.weight"])  # the whole gradient
+    assert all(torch.equal(grad, by_rows[name]) for name, grad in plain.items())
+
+
 def test_a_no_op_without_gradients(compose, tiny_overrides, tiny_tokenizer):
     model = tiny_model(compose, tiny_overrides, tiny_tokenizer)
     plan = embedding_by_rows(model, autocast=False)
