@@ -57,14 +57,21 @@ def compute_dtype(weight: Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
 
 
-def _lora_merged(layer: nn.Module) -> Tensor | None:
-    """W + ΔW of the active adapters (float32) for a plain peft LoRA ``Linear``; None for any other layer."""
+def _plain_adapters(layer: nn.Module) -> list[str] | None:
+    """The active adapters of a peft LoRA ``Linear`` that runs them as plain LoRA (not disabled, not merged, no
+    variant such as DoRA); None for any other layer."""
     from peft.tuners.lora.layer import Linear as LoraLinear
 
-    if not isinstance(layer, LoraLinear) or layer.disable_adapters or layer.merged or layer.fan_in_fan_out:
+    if not isinstance(layer, LoraLinear) or layer.disable_adapters or layer.merged:
         return None
     active = [name for name in layer.active_adapters if name in layer.lora_A]
-    if not active or any(name in layer.lora_variant for name in active):
+    return None if any(name in layer.lora_variant for name in active) else active
+
+
+def _lora_merged(layer: nn.Module) -> Tensor | None:
+    """W + ΔW of the active adapters (float32) for a plain peft LoRA ``Linear``; None for any other layer."""
+    active = _plain_adapters(layer)
+    if not active or layer.fan_in_fan_out:
         return None
     base = layer.get_base_layer().weight
     with torch.autocast(base.device.type, enabled=False):  # ΔW at the adapter's precision
@@ -80,12 +87,8 @@ def _lora_unmerged(layer: nn.Module) -> Callable[..., Tensor] | None:
     look-ups, module calls): the base layer's product, then each active adapter's ``B(A(x)) * scaling`` added,
     the same operations in the same order; peft's own forward while a dropout would draw (training mode);
     None where peft computes otherwise (see the module's text)."""
-    from peft.tuners.lora.layer import Linear as LoraLinear
-
-    if not isinstance(layer, LoraLinear) or layer.disable_adapters or layer.merged:
-        return None
-    active = [name for name in layer.active_adapters if name in layer.lora_A]
-    if any(name in layer.lora_variant for name in active):
+    active = _plain_adapters(layer)
+    if active is None:
         return None
     adapters, dropouts = [], []
     for name in active:

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -83,8 +84,7 @@ def bf16_products_pay(threads: int) -> bool:
     return written if isinstance(written, bool) else answer
 
 
-
-def _read_answers(path: Any) -> dict[str, Any]:
+def _read_answers(path: Path) -> dict[str, Any]:
     try:
         answers = json.loads(path.read_text())
     except (OSError, ValueError):
