@@ -114,14 +114,25 @@ def sample_tokens(probs: Tensor) -> Tensor:
     if not fast or not bool((probs.max() < math.inf) & (probs.min() >= 0) & (probs.sum(-1) > 0).all()):
         return torch.multinomial(probs, num_samples=1).squeeze(1)
     uniform = torch.empty(probs.shape, dtype=torch.float64).uniform_()
-    bound = probs / uniform.float()  # u ≥ 2⁻⁵³ (or 0) is a normal float32, the quotient is ≤ 2⁵³
-    best = bound.argmax(-1, keepdim=True)  # a NaN, where there is one, is the argmax
-    if bool(bound.gather(-1, best).isnan().any()):
+    bound = uniform.float()  # u ≥ 2⁻⁵³ (or 0) is a normal float32, the quotient is ≤ 2⁵³
+    bound = torch.div(probs, bound, out=bound)
+    best_bound, best = bound.max(-1, keepdim=True)  # argmax's index (the first NaN, else the first maximum)
+    if bool(best_bound.isnan().any()):
         return (probs / draws_from_uniform(uniform)).argmax(-1)
     best_ratio = probs.gather(-1, best) / draws_from_uniform(uniform.gather(-1, best))  # exact, float32
     rows, cols = (bound >= best_ratio * (1 - _BOUND_MARGIN)).nonzero(as_tuple=True)
     ratio = probs[rows, cols] / draws_from_uniform(uniform[rows, cols])
-    return bound.fill_(-math.inf).index_put_((rows, cols), ratio).argmax(-1)  # argmax's own first-of-ties
+    return first_argmax(ratio, rows, cols, probs.shape)
+
+
+def first_argmax(values: Tensor, rows: Tensor, cols: Tensor, shape: torch.Size) -> Tensor:
+    """The argmax of each row of a [B, V] tensor of ``shape`` that holds ``values`` at (``rows``, ``cols``)
+    and −inf elsewhere (no NaN among them, every row holding one at least): the lowest column holding the
+    row's largest value, as ``argmax`` picks among ties, from the few entries alone."""
+    batch, width = shape
+    top = values.new_full((batch,), -math.inf).scatter_reduce_(0, rows, values, "amax")
+    winners = torch.where(values == top[rows], cols, width)
+    return cols.new_full((batch,), width).scatter_reduce_(0, rows, winners, "amin")
 
 
 class DecodeLayer(DynamicLayer):
@@ -193,7 +204,10 @@ def decode(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, past_key_v
     """
     batch, prompt_width = prompt_ids.shape
     device = prompt_ids.device
-    processors = logits_processors(prompt_width, eos_token_id, greedy, temperature, top_k, top_p)
+    # generate's minimum length of 1 sets the EOS scores to −inf at the first step; later it returns a copy of the
+    # scores it is given (the same numbers), so the later steps run without it, and without any processor copy.
+    first_processors = logits_processors(prompt_width, eos_token_id, greedy, temperature, top_k, top_p)
+    later_processors = logits_processors(prompt_width, eos_token_id, greedy, temperature, top_k, top_p, 0)
     eos_ids = torch.as_tensor([] if eos_token_id is None else eos_token_id, device=device).reshape(-1)
     attention_mask = torch.cat([prompt_mask, prompt_mask.new_ones(batch, max_new_tokens)], dim=1)
     # Positions skip left padding: the next position of each row is its count of real tokens so far.
@@ -212,8 +226,9 @@ def decode(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, past_key_v
         past_key_values = output.past_key_values
         raw = output.logits[:, -1].float()  # [B, V]
         scaled = scale_logits(raw, temperature)
-        scores = processors(sequences, raw.clone())
-        next_tokens = scores.argmax(-1) if greedy else sample_tokens(torch.softmax(scores, dim=-1))
+        processors = later_processors if step else first_processors
+        scores = processors(sequences, raw.clone()) if processors else raw
+        next_tokens = scores.max(-1).indices if greedy else sample_tokens(torch.softmax(scores, dim=-1))
         next_tokens = torch.where(unfinished, next_tokens, pad_token_id)
         logprobs.append(gather_logprobs(scaled, next_tokens))
         entropies.append(entropy_from_logits(scaled))

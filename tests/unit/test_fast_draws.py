@@ -156,3 +156,17 @@ def test_zero_draws_give_multinomial_s_inf_and_nan_tokens(monkeypatch, probs, un
     tokens = sample_tokens(probs)
     assert tokens[0].item() == first
     assert torch.equal(tokens, _reference_tokens(probs, uniform))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_first_argmax_of_the_few_entries_is_argmax_of_the_whole_row(seed: int) -> None:
+    # Entries on a coarse grid so rows tie often; some +inf; the rest of each row is −inf, as argmax would see it.
+    generator = torch.Generator().manual_seed(seed)
+    shape = torch.Size((12, 300))
+    mask = torch.rand(shape, generator=generator) < 0.05
+    mask[:, int(torch.randint(0, 300, (1,), generator=generator))] = True  # every row holds one at least
+    rows, cols = mask.nonzero(as_tuple=True)
+    values = torch.randint(0, 4, (len(rows),), generator=generator).float()
+    values[torch.rand(len(rows), generator=generator) < 0.05] = math.inf
+    dense = torch.full(shape, -math.inf).index_put_((rows, cols), values)
+    assert torch.equal(sampler.first_argmax(values, rows, cols, shape), dense.argmax(-1))
