@@ -49,6 +49,15 @@ def masked_whiten(values: Tensor, mask: Tensor, shift_mean: bool = True, eps: fl
     return whitened * mask
 
 
+def needs_float32_logits(temperature: float, *read_by: bool) -> bool:
+    """Whether a pass must hand on its [B, T, V] logits in float32 (:func:`scale_logits`' ``float32``): where the
+    temperature divides them, or where a reader of the whole logits is among ``read_by`` (an estimator or
+    algorithm that reads them). Otherwise only the log-prob gather and the exact KL read them, and both upcast
+    row chunks themselves: under autocast the LM head's bf16 logits give the same numbers without a float32 copy.
+    """
+    return temperature != 1.0 or any(read_by)
+
+
 def scale_logits(logits: Tensor, temperature: float, float32: bool = True) -> Tensor:
     """``logits`` in float32 divided by ``temperature``: the policy's distribution is their softmax.
 

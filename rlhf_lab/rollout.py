@@ -11,6 +11,9 @@ truncation) and the one whose log-probabilities, entropies and KL the algorithms
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -209,6 +212,37 @@ def prefill_shared(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, 
     return output
 
 
+# transformers' own switch: its SDPA attention passes the key/value heads to the kernel as they are
+# (``enable_gqa``) instead of repeating them for every query head of their group.
+GROUPED_KV_SWITCH = "TRANSFORMERS_SDPA_FORCE_GQA"
+
+
+@contextmanager
+def grouped_kv_attention(model: nn.Module, device: torch.device) -> Iterator[None]:
+    """Scoring passes on CPU attend with the grouped key/value heads as they are.
+
+    Under a padding mask transformers' SDPA attention repeats each key/value head for the query heads of its
+    group (``repeat_kv``: 3× the keys and values for SmolLM2's 9 query and 3 key/value heads), and a pass
+    with gradients keeps those copies for its backward pass; inside, it hands the kernel the heads as they are
+    (transformers' ``TRANSFORMERS_SDPA_FORCE_GQA``; PyTorch's CPU kernel takes a mask with them). The attention
+    output is the same bit for bit; the key/value gradients are summed over a group inside the kernel, equal to
+    the repeated heads' to float rounding (in float32 an ulp or two at 100+ positions; under bfloat16 autocast
+    summed before rounding instead of after). Not on other devices (CUDA's kernels need no mask for it), not
+    while a layer recomputes its forward in the backward pass (gradient checkpointing: the recomputation runs
+    outside this context), and the environment's own setting stands. Generation does not use it: the decode
+    loop's numbers stay ``generate``'s.
+    """
+    if device.type != "cpu" or GROUPED_KV_SWITCH in os.environ \
+            or any(getattr(module, "gradient_checkpointing", False) is True for module in model.modules()):
+        yield
+        return
+    os.environ[GROUPED_KV_SWITCH] = "1"
+    try:
+        yield
+    finally:
+        del os.environ[GROUPED_KV_SWITCH]
+
+
 def response_logits(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, prompt_width: int,
                     temperature: float, output_hidden_states: bool = False,
                     share_prompts: bool = True, float32: bool = True) -> tuple[Tensor, Tensor | None]:
@@ -221,7 +255,16 @@ def response_logits(model: nn.Module, input_ids: Tensor, attention_mask: Tensor,
     ``share_prompts``, rows that share a prompt (the G samples of a group) run that prompt through the
     network once; its key/value cache is then indexed out to every row, and gradients flow back through
     it. The result equals the plain forward pass (see :func:`_plain_response_logits`) to float precision.
+    Attention runs on the grouped key/value heads as they are where that applies (:func:`grouped_kv_attention`).
     """
+    with grouped_kv_attention(model, input_ids.device):
+        return _response_logits(model, input_ids, attention_mask, prompt_width, temperature, output_hidden_states,
+                                share_prompts, float32)
+
+
+def _response_logits(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, prompt_width: int,
+                     temperature: float, output_hidden_states: bool, share_prompts: bool,
+                     float32: bool) -> tuple[Tensor, Tensor | None]:
     prompt_ids = input_ids[:, :prompt_width]
     unique_prompts, row_to_prompt = torch.unique(prompt_ids, dim=0, return_inverse=True)
     if not share_prompts or unique_prompts.shape[0] == input_ids.shape[0] or input_ids.shape[1] == prompt_width:

@@ -22,7 +22,7 @@ from rlhf_lab.generation_weights import generation_weights
 from rlhf_lab.kl import estimate as estimate_kl
 from rlhf_lab.kl import exact_kl
 from rlhf_lab.models import PolicyAndReference
-from rlhf_lab.ops import gather_logprobs
+from rlhf_lab.ops import gather_logprobs, needs_float32_logits
 from rlhf_lab.precision import Precision
 from rlhf_lab.registry import get
 from rlhf_lab.rewards.base import Reward, fill_nonfinite
@@ -86,10 +86,8 @@ class ExperienceMaker:
         self.precision = precision or Precision("fp32", device.type)
         # The update needs the reference's full logits only for a logits-based estimator placed in the loss.
         self.update_needs_ref_logits = kl_placement.needs_grad and getattr(kl_estimator, "needs_logits", False)
-        # Unless the estimator reads them, the sampling policy's and the reference's full logits feed only the
-        # exact KL and the log-prob gather, which upcast row chunks themselves: at temperature 1 they stay in the
-        # LM head's dtype (the same numbers, half the memory, no [B, T, V] float32 copy).
-        self.logits_float32 = cfg.trainer.temperature != 1.0 or getattr(kl_estimator, "needs_logits", False)
+        # The sampling policy's and the reference's full logits: float32 only for an estimator that reads them.
+        self.logits_float32 = needs_float32_logits(cfg.trainer.temperature, getattr(kl_estimator, "needs_logits", False))
         self.rules = SamplingRules.from_config(cfg.algorithm)
         # ReMax's advantage subtracts the greedy response's score: one extra greedy generation per prompt.
         advantage = cfg.algorithm.get("advantage")

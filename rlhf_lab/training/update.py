@@ -26,7 +26,7 @@ from rlhf_lab import distributed
 from rlhf_lab.algorithms.base import Algorithm, LossContext, LossResult, PolicyOutput, aggregate
 from rlhf_lab.embedding_grad import embedding_by_rows, rows_gradient
 from rlhf_lab.kl import estimate, importance_weights
-from rlhf_lab.ops import gather_logprobs
+from rlhf_lab.ops import gather_logprobs, needs_float32_logits
 from rlhf_lab.precision import Precision
 from rlhf_lab.recompute import recompute_modules, recomputing
 from rlhf_lab.rollout import Rollout, response_logits
@@ -115,10 +115,11 @@ class Updater:
             self.optimizer, lr_lambda(trainer.lr_schedule, trainer.warmup_steps, trainer.steps)
         )
         self.recompute = recompute_modules(policy, trainer)  # parts of each layer the backward runs again
-        # Only the log-prob gather reads the training pass's logits: it gets the LM head's bf16 ones under autocast
-        # and upcasts row chunks itself (the same log-probs and gradients, bit for bit, without a float32 copy).
-        self.logits_float32 = (trainer.temperature != 1.0 or getattr(algorithm, "reads_policy_logits", True)
-                               or (kl_placement.needs_grad and getattr(kl_estimator, "needs_logits", False)))
+        # The training pass's logits: float32 for an algorithm, or an estimator in the loss, that reads them (the
+        # log-prob gather's gradients are the same bit for bit from the LM head's bf16 logits).
+        self.logits_float32 = needs_float32_logits(
+            trainer.temperature, getattr(algorithm, "reads_policy_logits", True),
+            kl_placement.needs_grad and getattr(kl_estimator, "needs_logits", False))
         # The input embedding's gradient added by rows after each backward (not under DDP/FSDP, whose reducers
         # read gradients during it).
         self.embedding_rows = embedding_by_rows(policy, autocast=self.precision.autocasts) \
