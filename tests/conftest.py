@@ -61,6 +61,22 @@ def tiny_overrides(tmp_path: Path | None) -> list[str]:
     return overrides
 
 
+SCORED_PROMPT, SCORED_RESPONSE, SCORED_GROUP = 5, 4, 3  # the shape of scoring_batch()
+
+
+def scoring_batch(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A scoring pass's batch over token ids 3..vocab−1: two prompts of SCORED_PROMPT tokens with SCORED_GROUP
+    sampled rows each (the pass shares each prompt's prefill), SCORED_RESPONSE response tokens per row, and the
+    first prompt left-padded by one position (a padding mask). Returns (input_ids, attention_mask)."""
+    generator = torch.Generator().manual_seed(0)
+    rows = 2 * SCORED_GROUP
+    prompts = torch.randint(3, vocab, (2, SCORED_PROMPT), generator=generator).repeat_interleave(SCORED_GROUP, dim=0)
+    responses = torch.randint(3, vocab, (rows, SCORED_RESPONSE), generator=generator)
+    mask = torch.ones(rows, SCORED_PROMPT + SCORED_RESPONSE, dtype=torch.long)
+    mask[:SCORED_GROUP, 0] = 0
+    return torch.cat([prompts, responses], dim=1), mask
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: runs the embedded SmolLM2 model (deselect with -m 'not slow')")
     config.addinivalue_line("markers", "integration: runs, CLI processes, sweeps (every test under tests/integration)")

@@ -8,22 +8,13 @@ import os
 
 import pytest
 import torch
+from conftest import SCORED_GROUP, SCORED_PROMPT, SCORED_RESPONSE, scoring_batch
 
 from rlhf_lab import models
 from rlhf_lab.precision import Precision
 from rlhf_lab.rollout import GROUPED_KV_SWITCH, grouped_kv_attention, response_logits
 
-PROMPT, RESPONSE, GROUP = 5, 4, 3
-
-
-def scoring_batch(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two prompts, three sampled rows each, the first prompt left-padded by one position (a padding mask)."""
-    generator = torch.Generator().manual_seed(0)
-    prompts = torch.randint(3, vocab, (2, PROMPT), generator=generator).repeat_interleave(GROUP, dim=0)
-    responses = torch.randint(3, vocab, (2 * GROUP, RESPONSE), generator=generator)
-    mask = torch.ones(2 * GROUP, PROMPT + RESPONSE, dtype=torch.long)
-    mask[:GROUP, 0] = 0
-    return torch.cat([prompts, responses], dim=1), mask
+PROMPT, RESPONSE, GROUP = SCORED_PROMPT, SCORED_RESPONSE, SCORED_GROUP
 
 
 @pytest.fixture

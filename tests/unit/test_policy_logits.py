@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import SCORED_PROMPT, SCORED_RESPONSE, scoring_batch
 
 import rlhf_lab.components  # noqa: F401
 from rlhf_lab import models
@@ -14,21 +15,11 @@ from rlhf_lab.registry import get
 from rlhf_lab.rollout import response_logits
 from rlhf_lab.training.update import Updater
 
-PROMPT, RESPONSE = 5, 4
-
-
-def scoring_batch() -> tuple[torch.Tensor, torch.Tensor]:
-    """Two prompts, three sampled rows each, the first prompt left-padded by one position."""
-    generator = torch.Generator().manual_seed(0)
-    prompts = torch.randint(3, 500, (2, PROMPT), generator=generator).repeat_interleave(3, dim=0)
-    responses = torch.randint(3, 500, (6, RESPONSE), generator=generator)
-    mask = torch.ones(6, PROMPT + RESPONSE, dtype=torch.long)
-    mask[:3, 0] = 0
-    return torch.cat([prompts, responses], dim=1), mask
+PROMPT, RESPONSE = SCORED_PROMPT, SCORED_RESPONSE
 
 
 def log_probs_and_gradients(model, float32: bool, share_prompts: bool):
-    input_ids, mask = scoring_batch()
+    input_ids, mask = scoring_batch(500)
     model.zero_grad(set_to_none=True)
     with Precision("bf16-mixed", "cpu").autocast():
         logits, _ = response_logits(model, input_ids, mask, PROMPT, 1.0, share_prompts=share_prompts,
@@ -53,7 +44,7 @@ def test_bf16_logits_give_the_float32_pass_s_log_probs_and_gradients(compose, ti
 
 def test_temperature_keeps_float32(compose, tiny_overrides, tiny_tokenizer):
     model = models.build_tiny_llama(tiny_tokenizer, compose(tiny_overrides(None)).model.tiny, seed=0)
-    input_ids, mask = scoring_batch()
+    input_ids, mask = scoring_batch(500)
     with torch.no_grad(), Precision("bf16-mixed", "cpu").autocast():
         logits, _ = response_logits(model, input_ids, mask, PROMPT, 0.7, float32=False)
     assert logits.dtype == torch.float32  # logits / 0.7 are not bf16 numbers

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import SCORED_PROMPT, SCORED_RESPONSE, scoring_batch
 
 from rlhf_lab import models
 from rlhf_lab.errors import ConfigError
@@ -13,7 +14,7 @@ from rlhf_lab.precision import Precision
 from rlhf_lab.recompute import AUTO, recompute_modules, recomputing
 from rlhf_lab.rollout import response_logits
 
-PROMPT, RESPONSE = 5, 4
+PROMPT, RESPONSE = SCORED_PROMPT, SCORED_RESPONSE
 
 
 def tiny_cfg(compose, tiny_overrides, *overrides: str):
@@ -23,17 +24,6 @@ def tiny_cfg(compose, tiny_overrides, *overrides: str):
 def tiny_policy(cfg, tokenizer):
     model = models.build_tiny_llama(tokenizer, cfg.model.tiny, seed=0)
     return models.apply_lora(model, cfg.model.lora) if cfg.model.lora.enabled else model
-
-
-def scoring_batch(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two prompts, three sampled rows each (the scoring pass shares each prompt's prefill), the first prompt
-    left-padded by one position."""
-    generator = torch.Generator().manual_seed(0)
-    prompts = torch.randint(3, vocab, (2, PROMPT), generator=generator).repeat_interleave(3, dim=0)
-    responses = torch.randint(3, vocab, (6, RESPONSE), generator=generator)
-    mask = torch.ones(6, PROMPT + RESPONSE, dtype=torch.long)
-    mask[:3, 0] = 0
-    return torch.cat([prompts, responses], dim=1), mask
 
 
 def training_pass(model, modules, precision: str, saved: list[torch.Tensor] | None = None):
