@@ -227,10 +227,10 @@ def grouped_kv_attention(model: nn.Module, device: torch.device) -> Iterator[Non
     (transformers' ``TRANSFORMERS_SDPA_FORCE_GQA``; PyTorch's CPU kernel takes a mask with them). The attention
     output is the same bit for bit; the key/value gradients are summed over a group inside the kernel, equal to
     the repeated heads' to float rounding (in float32 an ulp or two at 100+ positions; under bfloat16 autocast
-    summed before rounding instead of after). Not on other devices (CUDA's kernels need no mask for it), not
-    while a layer recomputes its forward in the backward pass (gradient checkpointing: the recomputation runs
-    outside this context), and the environment's own setting stands. Generation does not use it: the decode
-    loop's numbers stay ``generate``'s.
+    summed before rounding instead of after). Not on other devices (CUDA's kernels take the grouped heads only
+    without a mask and fall back to the math kernel with one), not while a layer recomputes its forward in the
+    backward pass (gradient checkpointing: the recomputation runs outside this context), and the environment's
+    own setting stands. Generation does not use it: the decode loop's numbers stay ``generate``'s.
     """
     if device.type != "cpu" or GROUPED_KV_SWITCH in os.environ \
             or any(getattr(module, "gradient_checkpointing", False) is True for module in model.modules()):

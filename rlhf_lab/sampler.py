@@ -114,8 +114,8 @@ def sample_tokens(probs: Tensor) -> Tensor:
     if not fast or not bool((probs.max() < math.inf) & (probs.min() >= 0) & (probs.sum(-1) > 0).all()):
         return torch.multinomial(probs, num_samples=1).squeeze(1)
     uniform = torch.empty(probs.shape, dtype=torch.float64).uniform_()
-    bound = uniform.float()  # u ≥ 2⁻⁵³ (or 0) is a normal float32, the quotient is ≤ 2⁵³
-    bound = torch.div(probs, bound, out=bound)
+    bound = uniform.float()
+    bound = torch.div(probs, bound, out=bound)  # u ≥ 2⁻⁵³ (or 0) is a normal float32, the quotient is ≤ 2⁵³
     best_bound, best = bound.max(-1, keepdim=True)  # argmax's index (the first NaN, else the first maximum)
     if bool(best_bound.isnan().any()):
         return (probs / draws_from_uniform(uniform)).argmax(-1)

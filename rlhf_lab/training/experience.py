@@ -86,7 +86,7 @@ class ExperienceMaker:
         self.precision = precision or Precision("fp32", device.type)
         # The update needs the reference's full logits only for a logits-based estimator placed in the loss.
         self.update_needs_ref_logits = kl_placement.needs_grad and getattr(kl_estimator, "needs_logits", False)
-        # The sampling policy's and the reference's full logits: float32 only for an estimator that reads them.
+        # The sampling policy's and the reference's full logits: float32 for a temperature or an estimator reading them.
         self.logits_float32 = needs_float32_logits(cfg.trainer.temperature, getattr(kl_estimator, "needs_logits", False))
         self.rules = SamplingRules.from_config(cfg.algorithm)
         # ReMax's advantage subtracts the greedy response's score: one extra greedy generation per prompt.
