@@ -9,6 +9,8 @@ forward pass.
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -16,6 +18,7 @@ from transformers import DynamicCache
 from rlhf_lab import models
 from rlhf_lab.generation_weights import generation_weights
 from rlhf_lab.ops import entropy_from_logits, gather_logprobs
+from rlhf_lab.precision import Precision
 from rlhf_lab.rollout import format_prompts, generate, position_ids_from_mask
 from rlhf_lab.sampler import decode
 from rlhf_lab.training.loop import Trainer
@@ -119,6 +122,24 @@ def test_rollout_quantities_equal_a_fresh_forward_pass(trainer: Trainer) -> None
                                rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(rollout.hidden[mask], hidden[mask], rtol=0, atol=1e-5)
     assert rollout.hidden.shape == (*rollout.response_mask.shape, model.config.hidden_size)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+def test_what_generation_returns_holds_no_inference_tensor(trainer: Trainer, precision: str) -> None:
+    """The decode's model calls run in inference mode without autocast; nothing they make is returned as an
+    inference tensor (autograd would refuse to save one, and it cannot be changed in place outside inference
+    mode), and the kept log-probs and hidden states still feed a pass with gradients."""
+    formatted = format_prompts(PROMPTS, trainer.tokenizer, True, None)
+    with Precision(precision, "cpu").autocast():
+        rollout = generate(trainer.policy, trainer.tokenizer, formatted, GROUP_SIZE, MAX_NEW_TOKENS, 1.0, 1.0, 0,
+                           256, keep_logits=True, keep_hidden=True)
+    tensors = {f.name: getattr(rollout, f.name) for f in fields(rollout)}
+    tensors = {name: value for name, value in tensors.items() if isinstance(value, torch.Tensor)}
+    assert {"input_ids", "logprobs", "entropy", "policy_logits", "hidden"} <= tensors.keys()
+    assert not [name for name, value in tensors.items() if value.is_inference()]
+    weight = torch.ones(rollout.hidden.shape[-1], requires_grad=True)
+    ((rollout.hidden.float() @ weight) * rollout.logprobs).sum().backward()  # both saved for backward
+    assert weight.grad is not None
 
 
 def test_without_keep_flags_nothing_large_is_kept(trainer: Trainer) -> None:
