@@ -219,8 +219,10 @@ def decode(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, past_key_v
     kept_logits = None  # [B, max_new_tokens, V], written step by step (see below)
     step_ids, step_positions = prompt_ids[:, cached:], positions[:, cached:]
     # Without autocast the model call runs in inference mode (no view or version bookkeeping: 3–7% of a decode
-    # step here, the same numbers); under autocast inference mode would bypass autocast's cache of weight casts.
-    inference = not torch.is_autocast_enabled(device.type)
+    # step here, the same numbers); under autocast inference mode would bypass autocast's cache of weight casts,
+    # and with sharded parameters (FSDP's DTensors) the call gathers weights that later passes train through.
+    inference = not torch.is_autocast_enabled(device.type) and all(
+        type(parameter.data) is torch.Tensor for parameter in model.parameters())
     for step in range(max_new_tokens):
         width = prompt_width + step
         with torch.inference_mode(inference):
