@@ -121,6 +121,12 @@ def transformer_blocks(module: nn.Module) -> list[nn.Module]:
     return blocks
 
 
+def sharded(tensor: Tensor) -> bool:
+    """Whether ``tensor`` holds its values as a tensor subclass (FSDP2's DTensor shards, say) rather than as one
+    plain tensor: code that reads or re-lays weights whole (stacking, packing, inference-mode gathers) skips it."""
+    return type(tensor.data) is not torch.Tensor
+
+
 def unwrap(module: nn.Module) -> nn.Module:
     """The module inside a DDP wrapper (FSDP2 shards in place: nothing to unwrap)."""
     return module.module if isinstance(module, nn.parallel.DistributedDataParallel) else module

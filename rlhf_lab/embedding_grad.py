@@ -40,6 +40,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from rlhf_lab.distributed import sharded
+
 
 class _Sum:
     """The weight's gradient contributions of one pass, in the order their backward runs.
@@ -142,7 +144,7 @@ def embedding_by_rows(model: nn.Module, autocast: bool) -> RowsPlan | None:
             or embedding.sparse:
         return None
     weight = embedding.weight
-    if not weight.requires_grad or weight.device.type != "cpu" or type(weight.data) is not torch.Tensor \
+    if not weight.requires_grad or weight.device.type != "cpu" or sharded(weight) \
             or _hooked(weight):
         return None
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None

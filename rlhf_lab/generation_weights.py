@@ -48,6 +48,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from rlhf_lab.distributed import sharded
+
 _ACTIVE: set[int] = set()  # ids of the models inside generation_weights now
 
 
@@ -151,7 +153,7 @@ def packed_products(weights: list[Tensor], biases: list[Tensor | None], rows: in
     would not give each layer's ``F.linear`` numbers bit for bit (checked once per key on random inputs of
     ``rows`` and of ``5 * rows + 3`` rows, a prefill's count; the global random generator is not touched). Inputs are cast to bfloat16 as autocast casts them. With several weights, the layers
     must be called on one input tensor in turn (:class:`_SharedInput`)."""
-    if dtype != torch.bfloat16 or any(w.device.type != "cpu" or w.dim() != 2 or type(w.data) is not torch.Tensor
+    if dtype != torch.bfloat16 or any(w.device.type != "cpu" or w.dim() != 2 or sharded(w)
                                       for w in weights):  # a tensor subclass: FSDP's DTensor shards, say
         return None
     if len({w.shape[1] for w in weights}) != 1 or len({b is None for b in biases}) != 1:

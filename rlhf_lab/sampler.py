@@ -36,6 +36,7 @@ from transformers import (
 )
 from transformers.cache_utils import DynamicLayer
 
+from rlhf_lab.distributed import sharded
 from rlhf_lab.ops import entropy_from_logits, gather_logprobs, scale_logits
 
 
@@ -221,8 +222,7 @@ def decode(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, past_key_v
     # Without autocast the model call runs in inference mode (no view or version bookkeeping: 3–7% of a decode
     # step here, the same numbers); under autocast inference mode would bypass autocast's cache of weight casts,
     # and with sharded parameters (FSDP's DTensors) the call gathers weights that later passes train through.
-    inference = not torch.is_autocast_enabled(device.type) and all(
-        type(parameter.data) is torch.Tensor for parameter in model.parameters())
+    inference = not torch.is_autocast_enabled(device.type) and not any(map(sharded, model.parameters()))
     for step in range(max_new_tokens):
         width = prompt_width + step
         with torch.inference_mode(inference):

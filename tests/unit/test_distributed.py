@@ -59,3 +59,12 @@ def test_rng_keys_differ_by_split_step_and_position_and_fit_a_generator_seed() -
     assert len(keys) == 24
     assert all(0 <= key < 2**62 for key in keys)
     assert rng_key(1, 0, 0, 0) != rng_key(0, 0, 0, 0)
+
+
+def test_sharded_tells_a_tensor_subclass_from_plain_tensors_and_parameters() -> None:
+    class Shard(torch.Tensor):  # stands for FSDP2's DTensor: any subclass holding the values
+        pass
+
+    plain = torch.zeros(2, 3)
+    assert not distributed.sharded(plain) and not distributed.sharded(torch.nn.Parameter(plain))
+    assert distributed.sharded(plain.as_subclass(Shard))
