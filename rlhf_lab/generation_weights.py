@@ -32,16 +32,9 @@ call. Packing is used only where the packed kernel gives ``F.linear``'s result b
 its product. Sibling layers a decoder block calls on one input (``q_proj``/``k_proj``/``v_proj``,
 ``gate_proj``/``up_proj``: ``SHARED_INPUT``) multiply as one packed product of their stacked weights, each
 returning its columns, where that too gives each layer's numbers bit for bit: fewer, wider products (the
-[192, 576] key and value products are the least efficient of the decode).
-
-In float32 a frozen weight of 2 MiB and more (LoRA's base MLP layers, a frozen or tied LM head) is laid out for
-MKL's packed sgemm (``mkl._mkl_reorder_linear_weight``) once and kept while the weight lives, laid out again
-only where the weight changed (its storage or version counter): at 16 rows the packed products take 0.3–0.6 of
-the unpacked ones' time, and the same check keeps them only where they give ``F.linear``'s numbers bit for bit
-(:func:`frozen_packed_product`). The layouts cost about the weights' size again in memory for as long as the
-model lives. Trainable float32 weights are not packed: laying them out again
-after every optimizer step costs about what it saves, and fresh layouts every step grow the heap
-(experiments/BENCHMARK.md, rounds 7, 11 and 13).
+[192, 576] key and value products are the least efficient of the decode). Float32 products (MKL's packed
+sgemm) are not packed: re-packing float32 weights after every optimizer step costs about what it saves
+(experiments/BENCHMARK.md, round 7).
 """
 
 from __future__ import annotations
@@ -50,7 +43,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from itertools import accumulate
 from typing import NamedTuple
-from weakref import ref
 
 import torch
 from torch import Tensor, nn
@@ -147,10 +139,7 @@ SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 def packed_product(weight: Tensor, bias: Tensor | None, rows: int, dtype: torch.dtype) -> Callable[..., Tensor] | None:
     """A layer forward multiplying by ``weight`` cast to ``dtype`` (bfloat16) in oneDNN's layout packed for
-    ``rows``-row products (see :func:`packed_products`), or in float32 by a frozen ``weight`` in MKL's packed
-    layout (:func:`frozen_packed_product`); or None."""
-    if dtype == torch.float32:
-        return frozen_packed_product(weight, bias, rows)
+    ``rows``-row products, or None (see :func:`packed_products`)."""
     forwards = packed_products([weight], [bias], rows, dtype)
     return None if forwards is None else forwards[0]
 
@@ -201,69 +190,6 @@ def packed_products(weights: list[Tensor], biases: list[Tensor | None], rows: in
         return [forward]
     shared = _SharedInput(packed, bias)
     return [shared.columns(end - width, end) for width, end in zip(widths, accumulate(widths))]
-
-
-# Frozen float32 weights in MKL's packed layout, kept while the weight lives (the weak reference's callback drops
-# the entry): id(weight) -> (weak reference, (storage, version), the rows it was laid out for, layout). Not a
-# WeakKeyDictionary: that compares keys with ==, which on tensors is elementwise.
-_FROZEN_LAYOUTS: dict[int, tuple[ref, tuple[int, int], int, Tensor]] = {}
-ALIGNMENT = 64  # bytes: PyTorch's CPU allocations start at such addresses, and the check's inputs with them
-# A smaller weight is not laid out: its layout (allocated at 4-21x its size, written about once over) still takes
-# whole 2 MiB pages under PyTorch's huge-page switch, and at 16 rows its product gains 10-30 µs (q/o, k/v of the
-# embedded model: a third of the layouts' memory for an eighth of their gain; experiments/BENCHMARK.md, round 13).
-LAYOUT_MIN_BYTES = 2 << 20
-
-
-def frozen_packed_product(weight: Tensor, bias: Tensor | None, rows: int) -> Callable[..., Tensor] | None:
-    """A layer forward multiplying float32 inputs of ``rows`` rows by a frozen float32 ``weight`` (no gradient
-    asked) in MKL's packed layout; or None where the weight is trainable, under ``LAYOUT_MIN_BYTES``, not a plain
-    float32 CPU matrix, a tensor subclass (FSDP's shards), or where the kernel is missing or would not give
-    ``F.linear``'s numbers bit for bit (checked once per shape, bias, rows, the rows the layout was made for and
-    threads, on random inputs of ``rows`` and of ``5 * rows + 3`` rows; inputs of another row count take
-    ``F.linear`` inside the kernel's operator). Inputs that are not contiguous from an aligned address (the
-    prefill's last position, a slice of a wider tensor) take ``F.linear`` too: MKL's unpacked product of a strided
-    input rounded otherwise than the packed one.
-
-    The layout is made at the first call and kept (about the weight's size in memory) until the weight is gone or
-    changes (another storage, or written in place: its version counter). Decodes of other row counts (evaluation,
-    ReMax's greedy baseline) use it as it is where the check passes for them (MKL's layout did not depend on the
-    row count in any shape measured), not a layout of their own each.
-    """
-    if (weight.dtype != torch.float32 or weight.requires_grad or weight.device.type != "cpu" or weight.dim() != 2
-            or sharded(weight) or weight.numel() * weight.element_size() < LAYOUT_MIN_BYTES):
-        return None
-    stamp, name = (weight.data_ptr(), weight._version), id(weight)
-    try:
-        kept = _FROZEN_LAYOUTS.get(name)
-        if kept is None or kept[0]() is not weight or kept[1] != stamp:
-            _FROZEN_LAYOUTS.pop(name, None)  # the stale layout goes before the new one is made
-            layout = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), rows)
-            _FROZEN_LAYOUTS[name] = ref(weight, lambda _, name=name: _FROZEN_LAYOUTS.pop(name, None)), stamp, rows, layout
-        _, _, made_for, layout = _FROZEN_LAYOUTS[name]
-        key = ("mkl", tuple(weight.shape), bias is not None, rows, made_for, torch.get_num_threads())
-        if key not in _PACKED_EXACT:
-            generator = torch.Generator().manual_seed(0)
-            probes = [torch.randn(n, weight.shape[1], generator=generator) for n in (rows, 5 * rows + 3)]
-            _PACKED_EXACT[key] = all(torch.equal(_mkl_packed(x, layout, weight, bias, rows), F.linear(x, weight, bias))
-                                     for x in probes)
-    except (RuntimeError, AttributeError, NotImplementedError):  # a build without MKL (ARM, macOS)
-        _FROZEN_LAYOUTS.pop(name, None)
-        return None
-    if not _PACKED_EXACT[key]:
-        if rows == made_for:  # of no use to its own row count: not kept
-            _FROZEN_LAYOUTS.pop(name, None)
-        return None
-
-    def forward(x: Tensor, *args: object, **kwargs: object) -> Tensor:
-        if x.is_contiguous() and x.data_ptr() % ALIGNMENT == 0:
-            return _mkl_packed(x, layout, weight, bias, rows)
-        return F.linear(x, weight, bias)  # a strided or offset view: MKL's unpacked product may round otherwise there
-
-    return forward
-
-
-def _mkl_packed(x: Tensor, layout: Tensor, weight: Tensor, bias: Tensor | None, rows: int) -> Tensor:
-    return torch.ops.mkl._mkl_linear(x, layout, weight, bias, rows)
 
 
 class _SharedInput:

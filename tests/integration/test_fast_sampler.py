@@ -9,7 +9,6 @@ forward pass.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import fields
 
 import pytest
@@ -201,25 +200,6 @@ def test_the_embedded_model_draws_what_generate_draws_and_scores_as_a_forward_pa
     torch.testing.assert_close(got.logprobs, fresh, rtol=1e-5, atol=1e-5)
 
 
-def draws_what_model_generate_draws(model, tokenizer, group_size: int, seed: int, autocast) -> None:
-    """``generate`` (no shared prompts) against ``model.generate`` under ``autocast``, from one seed: the same
-    tokens, the logits bit for bit."""
-    input_ids, attention_mask = encoded_prompts(tokenizer, group_size=group_size)
-    formatted = format_prompts(PROMPTS, tokenizer, True, None)
-    torch.manual_seed(seed)
-    with torch.no_grad(), autocast:
-        expected = plain_generate(model, input_ids, attention_mask, tokenizer.eos_token_id, tokenizer.pad_token_id,
-                                  temperature=1.0, top_k=0, top_p=1.0)
-    torch.manual_seed(seed)
-    with autocast:
-        got = generate(model, tokenizer, formatted, group_size, MAX_NEW_TOKENS, 1.0, 1.0, 0, 256, keep_logits=True,
-                       share_prompts=False)
-    width = input_ids.shape[1]
-    assert torch.equal(got.response_ids, expected.sequences[:, width:])
-    steps = got.response_ids.shape[1]
-    assert torch.equal(got.policy_logits, torch.stack(expected.logits, dim=1)[:, :steps].float())
-
-
 def test_the_embedded_model_under_bf16_autocast_draws_what_generate_draws(compose) -> None:
     """Mixed precision, full fine-tuning: ``generate`` (every product through its weight cast once and, where
     oneDNN has bfloat16 kernels, packed once) against ``model.generate`` under the same autocast (autocast's
@@ -227,21 +207,21 @@ def test_the_embedded_model_under_bf16_autocast_draws_what_generate_draws(compos
     model_cfg = compose(["model=smollm2_135m"]).model
     tokenizer = models.load_tokenizer(model_cfg)
     model = models.load_causal_lm(model_cfg, tokenizer, "float32", 0).eval()
+    input_ids, attention_mask = encoded_prompts(tokenizer, group_size=2)
+    formatted = format_prompts(PROMPTS, tokenizer, True, None)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16)
-    with autocast, generation_weights(model, rows=2 * len(PROMPTS)) as patched:
+    with autocast, generation_weights(model, rows=input_ids.shape[0]) as patched:
         packs = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
         assert patched == (sum(isinstance(m, torch.nn.Linear) for m in model.modules()) if packs else 0)
-    draws_what_model_generate_draws(model, tokenizer, 2, 5, autocast)
-
-
-@pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="no MKL packed sgemm in this build")
-def test_the_embedded_model_with_frozen_float32_weights_draws_what_generate_draws(compose) -> None:
-    """Float32 with every weight frozen (LoRA's base layers and tied LM head are): ``generate`` multiplies by the
-    packed layouts of the weights of 2 MiB and more (the MLPs' and the LM head's), ``model.generate`` by the weights:
-    the same tokens, the logits bit for bit."""
-    model_cfg = compose(["model=smollm2_135m"]).model
-    tokenizer = models.load_tokenizer(model_cfg)
-    model = models.load_causal_lm(model_cfg, tokenizer, "float32", 0).eval().requires_grad_(False)
-    with generation_weights(model, rows=8 * len(PROMPTS)) as patched:  # the bench's 16 decode rows
-        assert patched == 3 * model.config.num_hidden_layers + 1
-    draws_what_model_generate_draws(model, tokenizer, 8, 7, contextlib.nullcontext())
+    torch.manual_seed(5)
+    with torch.no_grad(), autocast:
+        expected = plain_generate(model, input_ids, attention_mask, tokenizer.eos_token_id, tokenizer.pad_token_id,
+                                  temperature=1.0, top_k=0, top_p=1.0)
+    torch.manual_seed(5)
+    with autocast:
+        got = generate(model, tokenizer, formatted, 2, MAX_NEW_TOKENS, 1.0, 1.0, 0, 256, keep_logits=True,
+                       share_prompts=False)
+    width = input_ids.shape[1]
+    assert torch.equal(got.response_ids, expected.sequences[:, width:])
+    steps = got.response_ids.shape[1]
+    assert torch.equal(got.policy_logits, torch.stack(expected.logits, dim=1)[:, :steps].float())

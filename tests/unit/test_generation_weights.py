@@ -201,17 +201,6 @@ def test_store_frozen_weights_leaves_lora_s_trainable_adapters_in_float32(compos
     assert torch.equal(logits_of(model, inputs, autocast=True), want)
 
 
-def assert_sampled_alike(packed: rollout_module.Rollout, plain: rollout_module.Rollout, model: nn.Module,
-                         before: dict[str, torch.Tensor]) -> None:
-    """The same tokens, logits and log-probs; no weight of ``model`` written (``before``: its snapshot) and every
-    forward restored."""
-    assert torch.equal(packed.input_ids, plain.input_ids)
-    assert torch.equal(packed.policy_logits, plain.policy_logits)
-    assert torch.equal(packed.logprobs, plain.logprobs)
-    assert all(torch.equal(before[k], v) for k, v in snapshot(model).items())
-    assert all("forward" not in layer.__dict__ for layer in model.modules())
-
-
 def packs_here() -> bool:
     """Whether this CPU has oneDNN's bfloat16 kernels (the packed products' precondition)."""
     return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
@@ -240,7 +229,11 @@ def test_packed_products_sample_what_the_plain_products_sample_bit_for_bit(compo
     packed = sample_bf16(model, tiny_tokenizer)
     without_packing(monkeypatch)
     plain = sample_bf16(model, tiny_tokenizer)
-    assert_sampled_alike(packed, plain, model, before)
+    assert torch.equal(packed.input_ids, plain.input_ids)
+    assert torch.equal(packed.policy_logits, plain.policy_logits)
+    assert torch.equal(packed.logprobs, plain.logprobs)
+    assert all(torch.equal(before[k], v) for k, v in snapshot(model).items())  # no weight written
+    assert all("forward" not in layer.__dict__ for layer in model.modules())  # every forward restored
 
 
 @pytest.mark.skipif(not packs_here(), reason="no oneDNN bfloat16 kernels on this CPU")
@@ -275,104 +268,12 @@ def test_a_packed_kernel_that_rounds_otherwise_is_not_used(compose, tiny_overrid
     assert torch.equal(again.policy_logits, plain.policy_logits)
 
 
-def test_trainable_float32_weights_are_not_packed(compose, tiny_overrides, tiny_tokenizer):
+def test_nothing_is_packed_in_float32(compose, tiny_overrides, tiny_tokenizer):
     model, _ = tiny(compose, tiny_overrides, tiny_tokenizer)
     with generation_weights(model, rows=6) as patched:
         assert patched == 0
-    assert gw.packed_product(nn.Parameter(torch.randn(64, 32)), None, 6, torch.float32) is None
+    assert gw.packed_product(torch.ones(4, 4), None, 2, torch.float32) is None
     assert gw.packed_product(torch.ones(4, 4, device="meta"), None, 2, torch.bfloat16) is None  # not a CPU
-
-
-def mkl_here() -> bool:
-    """Whether this PyTorch build has MKL's packed sgemm (the float32 packed products' precondition)."""
-    return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
-
-
-def sample_fp32(model: nn.Module, tiny_tokenizer, seed: int = 0) -> rollout_module.Rollout:
-    torch.manual_seed(seed)
-    return generate(model, tiny_tokenizer, PROMPTS, **SAMPLING)
-
-
-@pytest.fixture
-def small_layouts(monkeypatch) -> None:
-    """The tiny model's weights are laid out too (in a real run only weights of 2 MiB and more are)."""
-    monkeypatch.setattr(gw, "LAYOUT_MIN_BYTES", 0)
-
-
-@pytest.mark.skipif(not mkl_here(), reason="no MKL packed sgemm in this build")
-def test_frozen_float32_weights_sample_what_the_plain_products_sample_bit_for_bit(compose, tiny_overrides,
-                                                                                  tiny_tokenizer, monkeypatch,
-                                                                                  small_layouts):
-    """LoRA in float32: every frozen base layer and the tied LM head multiply by their packed layout, the adapters
-    as peft does; the tokens, logits and log-probs are the plain products' bit for bit."""
-    model = lora_model(compose, tiny_overrides, tiny_tokenizer)
-    before = snapshot(model)
-    frozen = [m for m in model.modules() if type(m) is nn.Linear and not m.weight.requires_grad]
-    adapted = [m for m in model.modules() if hasattr(m, "lora_A")]
-    calls = counted_products(monkeypatch, "_mkl_packed")
-    with generation_weights(model, rows=6) as patched:
-        assert patched == len(adapted) + len(frozen) and len(frozen) > len(adapted) > 0  # the LM head too
-        assert all("forward" in layer.__dict__ for layer in frozen)
-    packed = sample_fp32(model, tiny_tokenizer, seed=3)
-    assert len(calls) > 0
-    without_packing(monkeypatch)
-    plain = sample_fp32(model, tiny_tokenizer, seed=3)
-    assert_sampled_alike(packed, plain, model, before)
-
-
-@pytest.mark.skipif(not mkl_here(), reason="no MKL packed sgemm in this build")
-def test_a_frozen_layout_is_kept_until_its_weight_changes_or_goes(monkeypatch, small_layouts):
-    generator = torch.Generator().manual_seed(0)
-    weight = nn.Parameter(torch.randn(96, 64, generator=generator), requires_grad=False)
-    x = torch.randn(6, 64, generator=generator)
-    made = []
-    reorder = torch.ops.mkl._mkl_reorder_linear_weight
-    monkeypatch.setattr(torch.ops.mkl, "_mkl_reorder_linear_weight", lambda *args: made.append(1) or reorder(*args))
-    first = gw.frozen_packed_product(weight, None, 6)
-    assert first is not None and torch.equal(first(x), torch.nn.functional.linear(x, weight))
-    again = gw.frozen_packed_product(weight, None, 6)
-    assert len(made) == 1 and torch.equal(again(x), first(x))  # kept: not laid out again
-    with torch.no_grad():
-        weight.mul_(2)  # written in place: its version counter moves
-    changed = gw.frozen_packed_product(weight, None, 6)
-    assert len(made) == 2 and torch.equal(changed(x), torch.nn.functional.linear(x, weight))
-    calls = counted_products(monkeypatch, "_mkl_packed")
-    wide = torch.randn(6, 2, 64, generator=generator)
-    for view in (wide[:, 0], wide.view(-1)[1:385].view(6, 64)):  # strided; contiguous from an unaligned address
-        assert torch.equal(changed(view), torch.nn.functional.linear(view, weight))
-    assert calls == [] and torch.equal(changed(x), torch.nn.functional.linear(x, weight)) and calls == [1]
-    other = gw.frozen_packed_product(weight, None, 7)  # another row count: the same layout, checked for 7 rows
-    y = torch.randn(7, 64, generator=generator)
-    assert len(made) == 2 and (other is None or torch.equal(other(y), torch.nn.functional.linear(y, weight)))
-    name = id(weight)
-    del weight, first, again, changed, other
-    assert name not in gw._FROZEN_LAYOUTS  # the weight is gone: so is its layout
-
-
-@pytest.mark.skipif(not mkl_here(), reason="no MKL packed sgemm in this build")
-def test_a_float32_packed_kernel_that_rounds_otherwise_is_not_used(compose, tiny_overrides, tiny_tokenizer,
-                                                                   monkeypatch, small_layouts):
-    model = lora_model(compose, tiny_overrides, tiny_tokenizer)
-    plain = sample_fp32(model, tiny_tokenizer)
-    monkeypatch.setattr(gw, "_PACKED_EXACT", {})
-    exact = gw._mkl_packed
-    monkeypatch.setattr(gw, "_mkl_packed", lambda *args: exact(*args) * (1 + 2**-20))
-    with generation_weights(model, rows=6) as patched:
-        assert patched == sum(hasattr(m, "lora_A") for m in model.modules())  # only peft's bookkeeping skipped
-    assert set(gw._PACKED_EXACT.values()) == {False}
-    again = sample_fp32(model, tiny_tokenizer)
-    assert torch.equal(again.input_ids, plain.input_ids)
-    assert torch.equal(again.policy_logits, plain.policy_logits)
-    assert gw.packed_product(nn.Parameter(torch.randn(64, 32), requires_grad=False).as_subclass(Shard), None, 6,
-                             torch.float32) is None  # FSDP's shards: never
-
-
-@pytest.mark.skipif(not mkl_here(), reason="no MKL packed sgemm in this build")
-def test_only_frozen_weights_of_two_mib_and_more_are_laid_out():
-    small = nn.Parameter(torch.randn(1023, 512), requires_grad=False)  # 2 MiB less 2 KiB
-    large = nn.Parameter(torch.randn(1024, 512), requires_grad=False)
-    assert gw.frozen_packed_product(small, None, 16) is None and id(small) not in gw._FROZEN_LAYOUTS
-    assert gw.frozen_packed_product(large, None, 16) is not None and id(large) in gw._FROZEN_LAYOUTS
 
 
 class Shard(torch.Tensor):
@@ -386,12 +287,12 @@ def test_tensor_subclasses_are_not_packed():
     assert gw.packed_product(nn.Parameter(weight.as_subclass(Shard)), None, 2, torch.bfloat16) is None
 
 
-def counted_products(monkeypatch, kernel: str = "_packed") -> list[int]:
-    """From here on, every packed product (``_packed``: bfloat16; ``_mkl_packed``: float32) appends to the list
-    returned."""
+@pytest.mark.skipif(not packs_here(), reason="no oneDNN bfloat16 kernels on this CPU")
+def counted_products(monkeypatch) -> list[int]:
+    """From here on, every packed product appends to the list returned."""
     calls = []
-    exact = getattr(gw, kernel)
-    monkeypatch.setattr(gw, kernel, lambda *args: calls.append(1) or exact(*args))
+    exact = gw._packed
+    monkeypatch.setattr(gw, "_packed", lambda *args: calls.append(1) or exact(*args))
     return calls
 
 
