@@ -1,12 +1,13 @@
 # Two commands on a fresh machine:  `make train` (install + train the embedded default)  and  `make test`.
 # Extra Hydra overrides go in ARGS, e.g.  make train ARGS="algorithm=rloo kl=kl kl.placement=reward seed=1"
+# `make docs` builds the documentation site (docs/, mkdocs.yml) with --strict: a broken link fails it.
 VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: install install-ray install-mlflow train test test-unit lint clean bench
+.PHONY: install install-ray install-mlflow train test test-unit lint docs clean bench
 
 $(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,8 +22,10 @@ $(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 
 install: $(STAMP)
 
+# The embedded default runs with the CPU profile (hardware=cpu_tuned; its CPU pieces are off on a GPU).
+# ARGS="hardware=default" runs plain PyTorch/transformers.
 train: install
-	$(VENV)/bin/rlhf-lab $(ARGS)
+	$(VENV)/bin/rlhf-lab hardware=cpu_tuned $(ARGS)
 
 # Two workers (pytest-xdist), one file per worker at a time; each test process runs torch on one thread.
 test: install
@@ -33,7 +36,7 @@ test-unit: install
 	$(PY) -m pytest -q -n 2 --dist loadfile -m "not integration" $(ARGS)
 
 # `make bench`: installs the optional TRL extra (requirements-trl.txt) and times rlhf_lab against TRL's GRPOTrainer
-# on identical settings (experiments/BENCHMARK.md). More flags or overrides in ARGS, e.g. ARGS="--lora --rounds 3".
+# on identical settings (docs/benchmarks.md). More flags or overrides in ARGS, e.g. ARGS="--lora --rounds 3".
 BENCH_ARGS ?= --compare trl --steps 5 --warmup 1 --rounds 2 --json outputs/bench/latest.json
 TRL_STAMP := $(VENV)/.installed-trl
 
@@ -57,8 +60,11 @@ install-ray: $(RAY_STAMP)
 install-mlflow: $(STAMP) requirements-mlflow.txt
 	$(PY) -m pip install --quiet -r requirements-mlflow.txt
 
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
+
 lint: install
 	$(VENV)/bin/ruff check rlhf_lab hydra_plugins tests
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) site

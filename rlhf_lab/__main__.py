@@ -1,4 +1,4 @@
-from rlhf_lab.cli import main
+from rlhf_lab.app.cli import main
 
 if __name__ == "__main__":
     main()

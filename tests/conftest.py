@@ -102,7 +102,7 @@ def tiny_overrides_fixture() -> Callable[[Path | None], list[str]]:
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
     """The tokenizer of ``model=tiny`` (the embedded one), loaded once per test process."""
-    from rlhf_lab.models import load_tokenizer
+    from rlhf_lab.models.loading import load_tokenizer
 
     return load_tokenizer(compose(tiny_overrides(None)).model)
 
@@ -112,7 +112,7 @@ def run_cli_fixture(capsys) -> Callable[[list[str]], tuple[int, str, str]]:
     """``rlhf-lab ARGS`` in-process: (exit status, stdout, stderr)."""
 
     def run_cli(args: list[str]) -> tuple[int, str, str]:
-        from rlhf_lab.cli import main
+        from rlhf_lab.app.cli import main
 
         code = 0
         try:

@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.trial import TrialState
 
-from rlhf_lab.overrides import override_text
+from rlhf_lab.config.overrides import override_text
 
 log = logging.getLogger(__name__)
 

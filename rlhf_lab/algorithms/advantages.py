@@ -13,9 +13,9 @@ from typing import Any
 
 from torch import Tensor
 
-from rlhf_lab import distributed
-from rlhf_lab.ops import masked_sum
+from rlhf_lab.masked import masked_sum, masked_whiten
 from rlhf_lab.registry import get, register
+from rlhf_lab.runtime import distributed
 
 
 def sequence_returns(token_rewards: Tensor, mask: Tensor) -> Tensor:
@@ -108,14 +108,14 @@ def reinforce(token_rewards: Tensor, mask: Tensor, group_size: int, cfg: Any) ->
 def reinforce_pp(token_rewards: Tensor, mask: Tensor, group_size: int, cfg: Any) -> Tensor:
     """REINFORCE++ (Hu 2025): token-level rewards-to-go (the KL penalty per token when ``kl.placement=reward``),
     whitened over every valid token of the batch (global normalisation, no critic, no groups)."""
-    return distributed.masked_whiten(rewards_to_go(token_rewards, mask), mask)
+    return masked_whiten(rewards_to_go(token_rewards, mask), mask, across_ranks=True)
 
 
 @register("advantage", "reinforce_pp_baseline")
 def reinforce_pp_baseline(token_rewards: Tensor, mask: Tensor, group_size: int, cfg: Any) -> Tensor:
     """REINFORCE++-baseline (Hu 2025): R − mean_group, then whitened over every valid token of the batch."""
     centred = group_advantages(sequence_returns(token_rewards, mask), group_size, scale_by_std=False)
-    return distributed.masked_whiten(per_token(centred, mask), mask)
+    return masked_whiten(per_token(centred, mask), mask, across_ranks=True)
 
 
 @register("advantage", "remax")

@@ -16,12 +16,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from rlhf_lab import distributed
 from rlhf_lab.algorithms.advantages import GROUP_ADVANTAGES, sequence_returns
 from rlhf_lab.algorithms.losses import ClipRange, truncated_importance_weights
-from rlhf_lab.ops import entropy_from_logits, masked_mean, masked_sum
+from rlhf_lab.generation.rollout import Rollout, scores_to_token_rewards
+from rlhf_lab.masked import masked_mean, masked_sum, masked_whiten
 from rlhf_lab.registry import get, register
-from rlhf_lab.rollout import Rollout, scores_to_token_rewards
+from rlhf_lab.runtime import distributed
+from rlhf_lab.scoring.logprobs import entropy_from_logits
 
 WEIGHT_SOURCES = ("advantage", "reward")
 
@@ -112,7 +113,7 @@ def policy_weights(advantages: Tensor, scores: Tensor, mask: Tensor, weight_by: 
     weights = advantages if weight_by == "advantage" else scores
     token_weights = weights * mask if weights.dim() == 2 else weights[:, None] * mask
     if whiten:
-        token_weights = distributed.masked_whiten(token_weights, mask)  # over every rank's tokens
+        token_weights = masked_whiten(token_weights, mask, across_ranks=True)  # over every rank's tokens
     return token_weights.clamp(min=0.0) * mask if clamp_negative else token_weights
 
 
@@ -183,7 +184,7 @@ class Algorithm:
                                        self.cfg.whiten_advantages, self.cfg.clamp_negative_weights)
         rollout.advantages = token_weights
         rollout.returns = returns[:, None] * mask
-        stats = {"advantages/mean": distributed.masked_mean(token_weights, mask).item(),
+        stats = {"advantages/mean": masked_mean(token_weights, mask, across_ranks=True).item(),
                  "returns/mean": distributed.mean(returns).item()}
         if rollout.baseline_scores is not None:
             stats["advantages/baseline_mean"] = distributed.mean(rollout.baseline_scores).item()
@@ -201,8 +202,8 @@ class Algorithm:
         rollout.tis_weights = truncated_importance_weights(train_logprobs, rollout.logprobs, cap) * mask
         rollout.old_logprobs = train_logprobs
         capped = (torch.exp(train_logprobs - rollout.logprobs) > cap).float()
-        return {"tis/weight_mean": distributed.masked_mean(rollout.tis_weights, mask).item(),
-                "tis/capped_frac": distributed.masked_mean(capped, mask).item()}
+        return {"tis/weight_mean": masked_mean(rollout.tis_weights, mask, across_ranks=True).item(),
+                "tis/capped_frac": masked_mean(capped, mask, across_ranks=True).item()}
 
     def loss(self, batch: Rollout, output: PolicyOutput, context: LossContext) -> LossResult:
         """The policy loss of a micro-batch minus the entropy bonus, and its statistics (shares of the

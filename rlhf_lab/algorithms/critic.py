@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from rlhf_lab.rollout import position_ids_from_mask
+from rlhf_lab.scoring.forward import position_ids_from_mask
 
 
 class ValueHead(nn.Module):

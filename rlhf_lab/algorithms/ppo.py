@@ -18,7 +18,6 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from rlhf_lab import distributed
 from rlhf_lab.algorithms.base import (
     Algorithm,
     LossContext,
@@ -29,9 +28,10 @@ from rlhf_lab.algorithms.base import (
     build_token_rewards,
 )
 from rlhf_lab.algorithms.critic import SeparateCritic, ValueHead, hidden_size_of, policy_trunk
-from rlhf_lab.ops import masked_sum
+from rlhf_lab.generation.rollout import Rollout
+from rlhf_lab.masked import masked_mean, masked_sum, masked_var, masked_whiten
 from rlhf_lab.registry import register
-from rlhf_lab.rollout import Rollout
+from rlhf_lab.runtime import distributed
 
 CRITICS = ("shared", "separate")
 
@@ -82,10 +82,10 @@ def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
 
     Defined as 0 when Var(R) = 0 (the ratio is undefined; 0 keeps the logged value finite).
     """
-    returns_variance = distributed.masked_var(returns, mask)
+    returns_variance = masked_var(returns, mask, across_ranks=True)
     if returns_variance <= 0:
         return returns_variance.new_zeros(())
-    return 1.0 - distributed.masked_var(returns - values, mask) / returns_variance
+    return 1.0 - masked_var(returns - values, mask, across_ranks=True) / returns_variance
 
 
 def shape_scores(scores: Tensor, reward_clip: float | None, normalize: bool) -> Tensor:
@@ -94,7 +94,7 @@ def shape_scores(scores: Tensor, reward_clip: float | None, normalize: bool) -> 
     The order is TRL's (``use_score_norm`` then ``score_clip``), so the clip is in normalised units.
     """
     if normalize:
-        scores = distributed.masked_whiten(scores, torch.ones_like(scores))  # over every rank's scores
+        scores = masked_whiten(scores, torch.ones_like(scores), across_ranks=True)  # over every rank's scores
     if reward_clip is not None:
         scores = scores.clamp(-reward_clip, reward_clip)
     return scores
@@ -177,13 +177,13 @@ class PPO(Algorithm):
         values = self.sampling_values(rollout, forward).float()
         advantages, returns = gae_advantages(rollout.token_rewards, values, mask, cfg.gamma, cfg.lam)
         rollout.values, rollout.returns = values, returns
-        rollout.advantages = distributed.masked_whiten(advantages, mask) if cfg.whiten_advantages else advantages
+        rollout.advantages = masked_whiten(advantages, mask, across_ranks=True) if cfg.whiten_advantages else advantages
         return {
             **self.importance_weights(rollout, forward),
             **advantage_range(rollout.advantages, mask),
-            "value/mean": distributed.masked_mean(values, mask).item(),
-            "returns/mean": distributed.masked_mean(returns, mask).item(),
-            "advantages/mean": distributed.masked_mean(advantages, mask).item(),
+            "value/mean": masked_mean(values, mask, across_ranks=True).item(),
+            "returns/mean": masked_mean(returns, mask, across_ranks=True).item(),
+            "advantages/mean": masked_mean(advantages, mask, across_ranks=True).item(),
             "value/explained_variance": explained_variance(values, returns, mask).item(),
         }
 

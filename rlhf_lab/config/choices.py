@@ -3,7 +3,7 @@
 The other choice fields take their values from where the concept lives: registered names
 (``rlhf_lab.registry.names``: algorithm, kl, kl_placement, kl_controller, reward, logger,
 loss_aggregation, baseline) or a constant next to the code (``rlhf_lab.algorithms.base.WEIGHT_SOURCES``,
-``rlhf_lab.algorithms.ppo.CRITICS``, ``rlhf_lab.trackers.wandb.MODES``,
+``rlhf_lab.algorithms.ppo.CRITICS``, ``rlhf_lab.trackers.wandb_run.MODES``,
 ``rlhf_lab.rewards.sentiment.TARGETS``, ``rlhf_lab.rewards.classifier.OUTPUTS``).
 """
 

@@ -15,6 +15,8 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+import rlhf_lab.config.schema_offline  # noqa: F401  (the offline stages' schemas join OPTION_SCHEMAS)
+from rlhf_lab.app.plugins import load_plugins, plugins_in_overrides
 from rlhf_lab.config.objective import check_objective
 from rlhf_lab.config.schema import register_configs
 from rlhf_lab.config.sweep_jobs import (
@@ -36,10 +38,9 @@ from rlhf_lab.config.validate_sweep import (
     sweep_values,
 )
 from rlhf_lab.errors import ConfigError
-from rlhf_lab.plugins import load_plugins, plugins_in_overrides
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
-GROUPS = ("algorithm", "kl", "reward", "model", "data", "logger", "experiment", "hparams_search")
+GROUPS = ("algorithm", "kl", "reward", "model", "data", "logger", "hardware", "generation", "experiment", "hparams_search")
 HYDRA_PREFIXES = ("hydra.", "hydra/", "+hydra", "++hydra")
 # Overrides that can change the launcher or the sweeper: composing Hydra's own config checks them.
 SWEEP_SETTINGS = (*HYDRA_PREFIXES, "experiment=", "+experiment=", "hparams_search=", "+hparams_search=")

@@ -19,6 +19,8 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from rlhf_lab.config.schema_run import EvalConfig, GenerationConfig, HardwareConfig, TrainerConfig
+
 # ------------------------------------------------------------------------------------------------ algorithm
 
 
@@ -213,7 +215,7 @@ class TinyModelConfig(ModelConfig):
 
 @dataclass
 class ExactTaskDims:
-    """The exact task's policy (``model=exact``, rlhf_lab/exact/): a tiny Llama over ``symbols`` symbols."""
+    """The exact task's policy (``model=exact``, rlhf_lab/testbed/): a tiny Llama over ``symbols`` symbols."""
 
     symbols: int = 4  # V: responses are trainer.max_new_tokens (T) symbols, V^T of them in all
     init_seed: int = 0  # the initial policy = the reference; fixed by the task, not by the run's seed
@@ -260,7 +262,7 @@ class LoggerConfig:
     """``logger=none`` uses this schema as it is: local metrics files are always written."""
 
     name: str = MISSING  # registered kind `logger`
-    mode: str = "auto"  # rlhf_lab.trackers.wandb.MODES
+    mode: str = "auto"  # rlhf_lab.trackers.wandb_run.MODES
     samples_every: int = 10  # steps between generation-sample tables
     # logger=[wandb,tensorboard]: each option adds itself here (dicts merge); rlhf_lab/trackers/multi.py
     trackers: dict[str, bool] = field(default_factory=dict)
@@ -279,74 +281,6 @@ class WandbLoggerConfig(LoggerConfig):
     job_type: str = "train"
 
 
-# ------------------------------------------------------------------------------------------------ trainer
-
-
-@dataclass
-class TrainerConfig:
-    steps: int = 30
-    lr: float = 1e-5
-    # Wall-clock budget (s) of the training steps, over every resumed segment: the run stops after the step
-    # that reaches it, then ends as usual (rlhf_lab/training/budget.py). null: none. The LR schedule still
-    # runs over trainer.steps: with a large trainer.steps a decaying schedule is cut short, not compressed.
-    max_train_seconds: float | None = None
-    prompts_per_step: int = 2
-    max_new_tokens: int = 32
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    eval_every: int = 0  # 0: only at the end
-    eval_prompts: int = 16
-    checkpoint_every: int = 0  # 0: only at the end
-    keep_last_n: int = 2
-    resume: str | None = None  # null | auto | path to a checkpoint folder
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    # auto | fp32 | bf16-mixed | bf16-true | fp16-mixed (Lightning's names; rlhf_lab/precision.py). auto:
-    # bf16-mixed where the device multiplies bfloat16 fast (CUDA with bf16; AVX512-BF16/AMX CPUs whose bf16
-    # products measure at least as fast as fp32's), else fp32
-    precision: str = "auto"
-    dtype: str | None = None  # deprecated alias: float32 -> precision=fp32, bfloat16 -> precision=bf16-true
-    strategy: str = "auto"  # auto | single | ddp | fsdp (rlhf_lab/distributed.py); auto: ddp under torchrun
-    gradient_checkpointing: bool = False  # recompute activations in backward (transformers' own)
-    # Submodules of every decoder layer recomputed in the backward pass instead of keeping their activations
-    # (exact: rlhf_lab/recompute.py). null: both norms and the MLP where the layers have them (none under
-    # LoRA); []: none
-    recompute: list[str] | None = None
-    offload_reference: bool = False  # keep the frozen reference on the CPU between its passes
-    logprob_chunk: int = 0  # rows per chunk of the reference scoring pass; 0: the whole batch at once
-    seed_per_prompt: bool = False  # each prompt group samples from its own seeded generator (batch-independent)
-    num_threads: int = 0  # torch intra-op threads; 0: torch's default
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    warmup_steps: int = 0
-    lr_schedule: str = "constant"  # constant | linear | cosine (after warmup)
-    max_grad_norm: float | None = 1.0
-    micro_batch_size: int = 0  # samples per forward/backward; 0 = the whole mini-batch
-    samples_per_step_logged: int = 2  # rows appended to samples.jsonl each step
-    max_consecutive_skips: int = 5  # non-finite loss/gradient skips before the run stops
-    progress_bar: bool = True
-    exact_every: int = 1  # model=exact: steps between exact/* metrics (by enumeration); 0: the last step only
-    output_dir: str | None = None  # null: Hydra's run folder
-
-
-# ----------------------------------------------------------------------------------------------------- eval
-
-
-@dataclass
-class EvalConfig:
-    """Held-out evaluation (rlhf_lab/training/evaluation.py): training's periodic one and ``rlhf-lab eval``."""
-
-    prompts: int | None = None  # null: trainer.eval_prompts
-    samples_per_prompt: int = 1
-    temperature: float | None = None  # null: trainer.temperature
-    top_p: float | None = None  # null: trainer.top_p
-    greedy: bool = False  # the most likely token at every position
-    rewards: list[str] = field(default_factory=list)  # extra eval-only reward options, each eval/reward/<name>/mean
-    win_rate: bool = False  # the reference answers too: eval/win_rate under win_rate_reward
-    win_rate_reward: str | None = None  # a reward option; null: the run's reward
-
-
 # --------------------------------------------------------------------------------------------------- root
 
 
@@ -358,6 +292,8 @@ class Config:
     model: ModelConfig = MISSING
     data: DataConfig = MISSING
     logger: LoggerConfig = MISSING
+    hardware: HardwareConfig = MISSING
+    generation: GenerationConfig = MISSING
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     seed: int = 0
     experiment_name: str = "default"
@@ -366,7 +302,7 @@ class Config:
     kl_budget: float | None = None  # subtract kl_budget_penalty * (eval/kl/exact - kl_budget) above the budget
     kl_budget_penalty: float = 10.0
     eval: EvalConfig = field(default_factory=EvalConfig)
-    plugins: list[str] = field(default_factory=list)  # modules imported before validation (rlhf_lab/plugins.py)
+    plugins: list[str] = field(default_factory=list)  # modules imported before validation (rlhf_lab/app/plugins.py)
 
 
 # group -> {schema name in the ConfigStore: dataclass}; each option's YAML names one in its defaults list.
@@ -385,6 +321,8 @@ OPTION_SCHEMAS: dict[str, dict[str, type]] = {
     "model": {"model_schema": ModelConfig, "tiny_schema": TinyModelConfig, "exact_schema": ExactModelConfig},
     "data": {"data_schema": DataConfig, "data_path_schema": DataPathConfig},
     # tensorboard/mlflow/csv name trackers_schema: the same type as wandb's, so logger=[wandb,csv] merges in any order
+    "hardware": {"hardware_schema": HardwareConfig},
+    "generation": {"generation_schema": GenerationConfig},
     "logger": {"logger_schema": LoggerConfig, "wandb_schema": WandbLoggerConfig, "trackers_schema": WandbLoggerConfig},
 }
 

@@ -10,7 +10,7 @@
 - :func:`expand_globs`: ``kl=glob(*)`` on the command line becomes the list of the group's options (schemas,
   ``*_schema``, are not options), so the sweep runs exactly the jobs checked here.
 
-Job folders are named by :mod:`rlhf_lab.job_folders` (number + a short, bounded label).
+Job folders are named by :mod:`rlhf_lab.app.job_folders` (number + a short, bounded label).
 """
 
 from __future__ import annotations

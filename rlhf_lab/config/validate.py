@@ -18,6 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from rlhf_lab.app.plugins import load_plugins
 from rlhf_lab.config.validate_code import check_code
 from rlhf_lab.config.validate_eval import check_eval
 from rlhf_lab.config.validate_keys import check_known_keys
@@ -28,7 +29,6 @@ from rlhf_lab.config.validate_paths import check_paths
 from rlhf_lab.config.validate_scale import check_scale
 from rlhf_lab.config.validate_values import check_values
 from rlhf_lab.errors import CheckpointError, ConfigError
-from rlhf_lab.plugins import load_plugins
 from rlhf_lab.trackers.multi import check_trackers
 
 

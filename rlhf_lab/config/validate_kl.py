@@ -17,8 +17,8 @@ from typing import Any
 
 from rlhf_lab.config.validate_values import at_least
 from rlhf_lab.errors import ConfigError
-from rlhf_lab.exact.task import MAX_SEQUENCES
 from rlhf_lab.kl import zero_gradient_warning
+from rlhf_lab.testbed.task import MAX_SEQUENCES
 
 _WARNED: set[str] = set()  # warnings already printed by this process (the CLI validates before each job)
 

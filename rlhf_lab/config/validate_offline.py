@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlhf_lab import distributed
 from rlhf_lab.config.validate_values import at_least, choice
 from rlhf_lab.errors import ConfigError
 from rlhf_lab.offline.data import FORMATS, ON_INVALID
 from rlhf_lab.offline.reward_model import POOLINGS
 from rlhf_lab.registry import get, names
+from rlhf_lab.runtime import distributed
 
 EXPORTS = ("merged", "adapter")  # algorithm.export under LoRA
 

@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from rlhf_lab.data import FILE_FORMATS
+from rlhf_lab.data.prompts import FILE_FORMATS
 from rlhf_lab.errors import ConfigError
 
 

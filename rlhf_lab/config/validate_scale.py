@@ -11,11 +11,11 @@ from typing import Any
 
 import torch
 
-from rlhf_lab import distributed
 from rlhf_lab.config.validate_values import at_least
 from rlhf_lab.errors import ConfigError
-from rlhf_lab.precision import check_device, resolve_precision
-from rlhf_lab.recompute import check_config as check_recompute
+from rlhf_lab.models.recompute import check_config as check_recompute
+from rlhf_lab.runtime import distributed
+from rlhf_lab.runtime.precision import check_device, resolve_precision
 
 
 def planned_device(name: str) -> torch.device:

@@ -23,9 +23,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from rlhf_lab.config.overrides import override_text
 from rlhf_lab.config.validate_keys import schema_at, unknown_key_message
 from rlhf_lab.errors import ConfigError
-from rlhf_lab.overrides import override_text
 
 PLUGIN_KINDS = ("launcher", "sweeper")
 OPTUNA_SWEEPER = "hydra_plugins.rlhf_lab_optuna.optuna_sweeper.OptunaSweeper"

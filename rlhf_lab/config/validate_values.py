@@ -20,7 +20,7 @@ from rlhf_lab.errors import ConfigError
 from rlhf_lab.registry import get, names
 from rlhf_lab.rewards.classifier import OUTPUTS
 from rlhf_lab.rewards.sentiment import TARGETS
-from rlhf_lab.trackers.wandb import MODES
+from rlhf_lab.trackers.wandb_run import MODES
 
 
 def choice(key: str, value: Any, valid: Sequence[str]) -> None:

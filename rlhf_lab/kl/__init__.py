@@ -6,7 +6,8 @@ combinations are right.
   sequence-level variants; :func:`estimate` (options: clamps, mask) and :func:`importance_weights`.
 - :mod:`~rlhf_lab.kl.exact`: :func:`exact_kl`, the exact per-position KL from full logits (``kl/exact``).
 - :mod:`~rlhf_lab.kl.controllers`: coefficient controllers (kind ``kl_controller``): ``fixed``, ``adaptive``.
-- :mod:`~rlhf_lab.kl.placements`: placements (kind ``kl_placement``): ``reward``, ``loss``.
+- :mod:`~rlhf_lab.kl.placements`: placements (kind ``kl_placement``): ``reward``, ``loss``; :class:`KLPenalty`,
+  the run's penalty at both points of a step.
 - :mod:`~rlhf_lab.kl.truth`: the tables of which estimator × placement is unbiased for ∇KL(π‖π_ref), for one
   token and for sequences, the pairs with zero expected gradient, and the advantage estimators' effect.
 
@@ -32,7 +33,7 @@ from rlhf_lab.kl.estimators import (
     straight_through,
 )
 from rlhf_lab.kl.exact import exact_kl
-from rlhf_lab.kl.placements import LossPlacement, RewardPlacement
+from rlhf_lab.kl.placements import KLPenalty, LossPlacement, RewardPlacement
 from rlhf_lab.kl.truth import (
     REVERSE_KL_GRADIENT_UNBIASED,
     REWARD_KL_UNDER_ADVANTAGE,
@@ -43,7 +44,7 @@ from rlhf_lab.kl.truth import (
 
 __all__ = [
     "REVERSE_KL_GRADIENT_UNBIASED", "REWARD_KL_UNDER_ADVANTAGE", "SEQUENCE_KL_GRADIENT_UNBIASED", "ZERO_KL_GRADIENT",
-    "AdaptiveKLController", "FixedKLController", "LossPlacement", "RewardPlacement", "absolute", "estimate",
+    "AdaptiveKLController", "FixedKLController", "KLPenalty", "LossPlacement", "RewardPlacement", "absolute", "estimate",
     "exact_kl", "full", "importance_weights", "k1", "k1_plus", "k2", "k3", "k3_plus", "log_ratio", "no_kl",
     "sequence_full", "sequence_k1", "straight_through", "zero_gradient_warning",
 ]

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from rlhf_lab.ops import ROW_CHUNK
+from rlhf_lab.scoring.logprobs import row_chunk
 
 
 def _row_blocks(*tensors: Tensor) -> list[tuple[Tensor, ...]]:
@@ -94,7 +94,7 @@ class _ExactKL(torch.autograd.Function):
         return grad_logits, grad_ref, None
 
 
-def exact_kl(logits: Tensor, ref_logits: Tensor, chunk_size: int = ROW_CHUNK) -> Tensor:
+def exact_kl(logits: Tensor, ref_logits: Tensor, chunk_size: int | None = None) -> Tensor:
     """Exact per-position KL(π‖π_ref) = Σ_v π(v)(log π(v) − log π_ref(v)): [B, T, V] × 2 -> [B, T].
 
     π = softmax(logits), π_ref = softmax(ref_logits), computed in float32 (or float64 if given) over at
@@ -106,6 +106,7 @@ def exact_kl(logits: Tensor, ref_logits: Tensor, chunk_size: int = ROW_CHUNK) ->
             f"exact_kl needs logits and ref_logits of the same shape [B, T, V]; got {tuple(logits.shape)} "
             f"and {tuple(ref_logits.shape)}"
         )
+    chunk_size = row_chunk() if chunk_size is None else chunk_size
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive number of rows; got {chunk_size}")
     return _ExactKL.apply(logits, ref_logits, chunk_size)

@@ -1,16 +1,30 @@
-"""Where the KL penalty acts (kind ``kl_placement``), registered as ready-made instances (they hold no state),
-so ``get("kl_placement", "reward").shape_rewards(...)`` works without constructing anything.
+"""Where the KL penalty acts (``kl.placement``), and the run's KL penalty applied at its two points of a step.
+
+The placements (kind ``kl_placement``) are registered as ready-made instances (they hold no state), so
+``get("kl_placement", "reward").shape_rewards(...)`` works without constructing anything:
+
+- ``reward``: coef × estimate per token comes out of the token rewards when the rollout is scored, with no
+  gradient through the estimate (PPO-style);
+- ``loss``: coef × the aggregated estimate is added to every micro-batch's loss, with gradient (GRPO-style).
+
+:class:`KLPenalty` is the run's penalty: the configured estimator with its options, at both points of the step —
+:meth:`KLPenalty.score_rollout` when the rollout is scored (the estimate, the exact KL beside it, the reward half)
+and :meth:`KLPenalty.loss_term` in every micro-batch's loss (the loss half). The trainer calls those two and
+never asks which placement it runs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from rlhf_lab.ops import masked_mean
-from rlhf_lab.registry import register
+from rlhf_lab.kl.estimators import estimate, importance_weights
+from rlhf_lab.kl.exact import exact_kl
+from rlhf_lab.masked import masked_mean
+from rlhf_lab.registry import get, register
 
 Reduce = Callable[[Tensor, Tensor], Tensor]  # (per_token [B, T], mask [B, T]) -> scalar
 
@@ -58,3 +72,65 @@ class LossPlacement:
 
 register("kl_placement", "reward")(RewardPlacement())
 register("kl_placement", "loss")(LossPlacement())
+
+
+class KLPenalty:
+    """The run's KL penalty (``cfg.kl``): estimator ``kl.name``, placement ``kl.placement``, and the estimate's
+    options (``clamp_log_ratio``, ``clamp_value``, ``importance_weight``)."""
+
+    def __init__(self, kl_cfg: Any) -> None:
+        self.estimator = get("kl", kl_cfg.name)
+        self.placement = get("kl_placement", kl_cfg.placement)
+        self.clamp_log_ratio = kl_cfg.get("clamp_log_ratio")
+        self.clamp_value = kl_cfg.get("clamp_value")
+        self.importance_weight = bool(kl_cfg.get("importance_weight", False))
+
+    @property
+    def reads_logits(self) -> bool:
+        """Whether the estimator reads the full-vocabulary logits (``full``, ``sequence_full``)."""
+        return bool(getattr(self.estimator, "needs_logits", False))
+
+    @property
+    def in_loss(self) -> bool:
+        """Whether a loss term is added (``kl.placement=loss``)."""
+        return bool(self.placement.needs_grad)
+
+    @property
+    def loss_reads_ref_logits(self) -> bool:
+        """Whether the loss term needs the reference's full logits kept until the update."""
+        return self.in_loss and self.reads_logits
+
+    def estimate(self, logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, logits: Tensor | None = None,
+                 ref_logits: Tensor | None = None) -> Tensor:
+        """The configured estimator's per-token values [B, T], with its clamps (:func:`~rlhf_lab.kl.estimate`)."""
+        return estimate(self.estimator, logprobs, ref_logprobs, logits=logits, ref_logits=ref_logits, mask=mask,
+                        clamp_log_ratio=self.clamp_log_ratio, clamp_value=self.clamp_value)
+
+    @torch.no_grad()
+    def sampled_terms(self, rollout: Any) -> tuple[Tensor, Tensor]:
+        """(estimate, exact) per-token KL of the sampling policy from the reference, masked: [B, T] each."""
+        mask = rollout.response_mask
+        estimated = self.estimate(rollout.logprobs, rollout.ref_logprobs, mask, rollout.policy_logits,
+                                  rollout.ref_logits) * mask
+        return estimated, exact_kl(rollout.policy_logits, rollout.ref_logits) * mask
+
+    def score_rollout(self, rollout: Any, coef: float) -> None:
+        """When the rollout is scored: ``kl_coef``, and ``kl_penalty``, what the placement takes out of the token
+        rewards (coef × estimate for ``reward``, zeros for ``loss``). ``kl_estimate`` and ``kl_exact`` are
+        filled by the reference pass (:meth:`sampled_terms`)."""
+        rollout.kl_coef = coef
+        rollout.kl_penalty = self.placement.reward_penalty(rollout.kl_estimate, coef, rollout.response_mask)
+
+    def loss_term(self, logprobs: Tensor, logits: Tensor | None, batch: Any, coef: float,
+                  reduce: Reduce) -> Tensor | None:
+        """In a micro-batch's loss: coef × reduce(estimate) with gradient under ``kl.placement=loss`` (``reduce``
+        is the policy loss's aggregation, so the two keep the ratio β); None under ``reward``. With
+        ``importance_weight`` the estimate on samples of π_old (later epochs or mini-batches) is reweighted by
+        sg(π_θ/π_old), so its expectation is under π_θ."""
+        if not self.in_loss:
+            return None
+        mask = batch.response_mask
+        values = self.estimate(logprobs, batch.ref_logprobs, mask, logits, batch.ref_logits)
+        if self.importance_weight:
+            values = values * importance_weights(logprobs, batch.logprobs, mask)
+        return self.placement.loss_term(values, mask, coef, reduce=reduce)

@@ -1,6 +1,6 @@
 """Examples -> token rows in the rollout layout, so the online trainer's forward pass and updater train on them.
 
-Each row is ``[left padding | prompt | response + EOS | right padding]`` (:class:`rlhf_lab.rollout.Rollout`):
+Each row is ``[left padding | prompt | response + EOS | right padding]`` (:class:`rlhf_lab.generation.rollout.Rollout`):
 the prompt rendered exactly as generation renders it (the chat template with a generation prompt), the
 response tokens followed by the tokenizer's EOS, which ``response_mask`` covers: the model learns to stop
 (the EOS is the pad token in SmolLM2, so masks come from lengths, never from ``token == pad``). A response
@@ -15,14 +15,14 @@ from typing import Any
 
 import torch
 
+from rlhf_lab.generation.rollout import Rollout
 from rlhf_lab.offline.data import Example
 from rlhf_lab.offline.packing import PackedRows, pack_documents, resolve_length
-from rlhf_lab.rollout import Rollout
 
 
 def render_prompt(messages: list[dict[str, str]], tokenizer: Any, chat_template: bool,
                   system_prompt: str | None) -> str:
-    """The prompt text the model reads before its response (as :func:`rlhf_lab.rollout.format_prompts`)."""
+    """The prompt text the model reads before its response (as :func:`rlhf_lab.generation.rollout.format_prompts`)."""
     if not chat_template or not getattr(tokenizer, "chat_template", None):
         return "\n".join(m["content"] for m in messages)
     if system_prompt and not any(m["role"] == "system" for m in messages):

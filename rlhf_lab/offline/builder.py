@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from rlhf_lab.cache import cache_dir
 from rlhf_lab.errors import DataError
+from rlhf_lab.runtime.cache import cache_dir
 
 RECIPE = "recipe.json"
 BUILDER_VERSION = 1  # bump when the procedure changes, so cached sets are rebuilt
@@ -64,7 +64,8 @@ def ensure_preferences(cfg: Any) -> Any:
 @torch.no_grad()
 def sample_pairs(model: Any, tokenizer: Any, prompts: list[str], gold: Any, cfg: Any) -> tuple[list[dict], int]:
     """(pairs, samples scored) for ``prompts``: best vs worst of ``samples_per_prompt`` gold-scored samples."""
-    from rlhf_lab.rollout import format_prompts, generate
+    from rlhf_lab.data.prompts import format_prompts
+    from rlhf_lab.generation.hf import generate
 
     data = cfg.data
     k = data.samples_per_prompt
@@ -93,8 +94,8 @@ def sample_pairs(model: Any, tokenizer: Any, prompts: list[str], gold: Any, cfg:
 
 def build_preferences(cfg: Any, folder: Path, recipe: dict[str, Any]) -> Path:
     """Sample, score and write the pairs of both splits with their recipe (atomically: a folder appears whole)."""
-    from rlhf_lab.data import load_prompts
-    from rlhf_lab.models import load_causal_lm, load_tokenizer
+    from rlhf_lab.data.prompts import load_prompts
+    from rlhf_lab.models.loading import load_causal_lm, load_tokenizer
     from rlhf_lab.rewards.base import build_reward
 
     data = cfg.data

@@ -113,7 +113,7 @@ def load_raw_splits(data_cfg: Any) -> tuple[list[dict[str, Any]], list[dict[str,
 def _hub_rows(data_cfg: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, str, str]:
     from datasets import load_dataset
 
-    from rlhf_lab.data import _root_cause
+    from rlhf_lab.data.prompts import _root_cause
 
     splits = []
     for split in (data_cfg.train_split, data_cfg.eval_split):

@@ -13,12 +13,14 @@ from typing import Any
 import torch
 
 from rlhf_lab.algorithms.base import LossContext, LossResult, PolicyOutput
+from rlhf_lab.generation.rollout import Rollout
+from rlhf_lab.masked import masked_sum
 from rlhf_lab.offline.data import Example
 from rlhf_lab.offline.losses import PairLogps, is_reference_free, preference_loss, preference_metrics
 from rlhf_lab.offline.stage import OfflineStage, chunks, to_device
-from rlhf_lab.ops import gather_logprobs, masked_sum
 from rlhf_lab.registry import register
-from rlhf_lab.rollout import Rollout, response_logits
+from rlhf_lab.scoring.forward import response_logits
+from rlhf_lab.scoring.logprobs import gather_logprobs
 
 
 def pair_logps(logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None, mask: torch.Tensor) -> PairLogps:

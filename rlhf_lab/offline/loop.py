@@ -19,16 +19,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rlhf_lab import distributed
 from rlhf_lab.algorithms.base import PolicyOutput
-from rlhf_lab.data import PromptSplits, prompt_indices
+from rlhf_lab.data.prompts import PromptSplits, prompt_indices
+from rlhf_lab.generation.rollout import Rollout
 from rlhf_lab.offline.batch import Collator
 from rlhf_lab.offline.data import ExampleSplits, load_examples
 from rlhf_lab.offline.packing import PackedRows, packed_logits
 from rlhf_lab.offline.stage import to_device
-from rlhf_lab.ops import gather_logprobs
 from rlhf_lab.registry import get
-from rlhf_lab.rollout import Rollout
+from rlhf_lab.runtime import distributed
+from rlhf_lab.scoring.logprobs import gather_logprobs
 from rlhf_lab.trackers.jsonl import read_jsonl
 from rlhf_lab.training.loop import Trainer
 from rlhf_lab.training.records import StepTimer, run_summary
@@ -75,9 +75,11 @@ class OfflineTrainer(Trainer):
 
     def __init__(self, cfg: Any, run_dir: Path) -> None:
         super().__init__(cfg, run_dir)
-        # The stage's loss is the whole objective: no loss-placed KL term (the KL is only measured).
-        self.updater.kl_placement = get("kl_placement", "reward")
         self.collator = Collator(self.tokenizer, cfg.model, cfg.data)
+
+    def loss_kl(self) -> None:
+        """The stage's loss is the whole objective: no loss-placed KL term (the KL is only measured)."""
+        return None
 
     def load_prompts(self) -> PromptSplits:
         pairs = get("algorithm", self.cfg.algorithm.name).pairs

@@ -24,9 +24,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from rlhf_lab import distributed
-from rlhf_lab.ops import scale_logits
-from rlhf_lab.rollout import Rollout
+from rlhf_lab.generation.rollout import Rollout
+from rlhf_lab.runtime import distributed
+from rlhf_lab.scoring.logprobs import scale_logits
 
 
 @dataclass

@@ -43,7 +43,7 @@ def build_reward_model(model_cfg: Any, tokenizer: Any, dtype: torch.dtype, seed:
     """A one-output sequence classifier on ``model_cfg``'s causal LM (the head newly initialised)."""
     from transformers import AutoModelForSequenceClassification, LlamaForSequenceClassification
 
-    from rlhf_lab.models import apply_lora, build_tiny_llama, smollm2_model_path
+    from rlhf_lab.models.loading import apply_lora, build_tiny_llama, smollm2_model_path
 
     if model_cfg.name == "tiny" and not model_cfg.name_or_path:
         config = build_tiny_llama(tokenizer, model_cfg.tiny, seed=seed).config

@@ -16,19 +16,20 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from rlhf_lab.data import PromptSplits, prompt_indices
-from rlhf_lab.models import DTYPES, load_tokenizer
+from rlhf_lab.data.prompts import PromptSplits, prompt_indices
+from rlhf_lab.hardware import HardwareProfile
+from rlhf_lab.models.loading import DTYPES, load_tokenizer
 from rlhf_lab.offline.loop import MODEL_FOLDER, OfflineTrainer
 from rlhf_lab.offline.reward_model import build_reward_model, pair_metrics
 from rlhf_lab.offline.stage import chunks
-from rlhf_lab.precision import Precision
 from rlhf_lab.registry import get
+from rlhf_lab.runtime.precision import Precision
 from rlhf_lab.trackers.jsonl import repair_jsonl
 from rlhf_lab.training import checkpoint as ckpt
 from rlhf_lab.training import resume_contract
 from rlhf_lab.training.budget import TrainingClock
-from rlhf_lab.training.loop import configure_process, resolve_device, seed_everything
 from rlhf_lab.training.records import Records, StepTimer
+from rlhf_lab.training.setup import configure_process, resolve_device, seed_everything
 from rlhf_lab.training.update import Updater
 
 
@@ -36,9 +37,10 @@ class RewardModelTrainer(OfflineTrainer):
     def __init__(self, cfg: Any, run_dir: Path) -> None:  # super().__init__ would build a policy: not here
         self.cfg, self.run_dir = cfg, Path(run_dir)
         self.device = resolve_device(cfg.trainer.device)
+        self.hardware = HardwareProfile.from_config(cfg.get("hardware"), self.device)
+        configure_process(cfg.trainer, self.hardware)  # before auto measures the CPU's products
         self.precision = Precision.from_config(cfg.trainer, self.device, warn=True)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        configure_process(cfg.trainer)
         seed_everything(cfg.seed)
         self.checkpoint_root = self.run_dir / "checkpoints"
         self.resume_from = ckpt.prepare_run_folder(cfg.trainer.resume, self.run_dir)
@@ -52,8 +54,8 @@ class RewardModelTrainer(OfflineTrainer):
         self.model.to(self.device)
         self.model.config.pooling = cfg.algorithm.pooling  # read back by reward=reward_model when it scores
         self.policy = self.model
-        self.updater = Updater(cfg, self.model, self.algorithm, None, get("kl_placement", "reward"), self.device,
-                               self.precision, "single", [self.model])
+        self.updater = Updater(cfg, self.model, self.algorithm, None, self.device, self.precision, "single",
+                               [self.model], self.hardware)
         self.start_step, self.step = 0, -1
         self.first_eval: dict[str, Any] | None = None
         self.stop_requested: str | None = None

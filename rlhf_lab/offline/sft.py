@@ -16,12 +16,12 @@ from typing import Any
 import torch
 
 from rlhf_lab.algorithms.base import LossContext, LossResult, PolicyOutput
+from rlhf_lab.generation.rollout import Rollout
+from rlhf_lab.masked import masked_sum
 from rlhf_lab.offline.data import Example
 from rlhf_lab.offline.packing import PackedRows
 from rlhf_lab.offline.stage import OfflineStage, chunks, to_device
-from rlhf_lab.ops import masked_sum
 from rlhf_lab.registry import register
-from rlhf_lab.rollout import Rollout
 
 
 def response_nll(logprobs: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:

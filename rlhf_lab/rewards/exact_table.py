@@ -1,17 +1,17 @@
-"""`exact_table`: the exact task's reward, a seeded table over all V^T responses (rlhf_lab/exact/)."""
+"""`exact_table`: the exact task's reward, a seeded table over all V^T responses (rlhf_lab/testbed/)."""
 
 from __future__ import annotations
 
 import torch
 
-from rlhf_lab.exact.task import parse_response, reward_table, table_index
 from rlhf_lab.registry import register
 from rlhf_lab.rewards.base import ConfigLike, Reward, RewardOutput
+from rlhf_lab.testbed.task import parse_response, reward_table, table_index
 
 
 @register("reward", "exact_table")
 class ExactTableReward(Reward):
-    """R(y) looked up in :func:`rlhf_lab.exact.task.reward_table`: ``noise``·u(y), u ~ U[0, 1) for every
+    """R(y) looked up in :func:`rlhf_lab.testbed.task.reward_table`: ``noise``·u(y), u ~ U[0, 1) for every
     response, plus peak_reward·(1 − k/peaks) for the k-th of ``peaks`` seeded high-reward responses.
 
     Config fields: symbols (V), length (T), seed, peaks, peak_reward, noise. A response that is not T of

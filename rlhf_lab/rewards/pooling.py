@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rlhf_lab.rollout import position_ids_from_mask
+from rlhf_lab.scoring.forward import position_ids_from_mask
 
 POOLINGS = ("last", "mean")
 

@@ -3,13 +3,14 @@
     rlhf-lab bench [--steps N] [--warmup W] [--rounds R] [--seeds 0,1,2] [--compare trl] [--lora] [--ppo]
                    [--scaling] [--batch-sizes 4,8,16,32] [--lengths 16,32,64] [--json PATH] [-- overrides...]
 
-Every measured run is a child process (``python -m rlhf_lab.tools.bench --worker JOB RESULT``) that trains
-W warm-up steps plus N measured steps and writes its per-step records and its peak RSS
-(``getrusage(RUSAGE_SELF).ru_maxrss``) as JSON. Frameworks alternate within one invocation (rlhf_lab,
+Every measured run is a child process (``python -m rlhf_lab.tools.bench --worker JOB RESULT``,
+:mod:`rlhf_lab.tools.bench_worker`) that trains W warm-up steps plus N measured steps and writes its per-step
+records and its peak RSS as JSON. Frameworks alternate within one invocation (rlhf_lab,
 TRL, rlhf_lab, TRL, … for R rounds), so machine noise hits both; ``--seeds`` gives round r the seed
 ``seeds[r % len(seeds)]``, so rounds double as seeds of a learning comparison. The default run is
 :data:`DEFAULT_OVERRIDES` (GRPO, 2 prompts × 8 samples, 32 new tokens, k3 KL in the loss with coef 0.04,
-full fine-tuning); overrides after ``--`` change it for every framework. See experiments/BENCHMARK.md.
+full fine-tuning, ``hardware=cpu_tuned`` as ``make train`` runs it on a CPU); overrides after ``--`` change it for
+every framework (``-- hardware=default``: the plain path). See the docs' benchmark page.
 """
 
 from __future__ import annotations
@@ -19,26 +20,24 @@ import json
 import math
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import rlhf_lab
-from rlhf_lab import allocator
 from rlhf_lab.errors import ToolError
 from rlhf_lab.tools.bench_format import PHASES, format_report
+from rlhf_lab.tools.bench_worker import Job, _clean, process_switches, worker
 
 SCHEMA = "rlhf_lab.bench/1"
 DEFAULT_OVERRIDES = [
     "algorithm=grpo", "kl=k3", "kl.coef=0.04", "kl.placement=loss", "trainer.prompts_per_step=2",
     "algorithm.group_size=8", "trainer.max_new_tokens=32", "model.lora.enabled=false", "logger=none",
-    "trainer.eval_prompts=0", "trainer.progress_bar=false",
+    "trainer.eval_prompts=0", "trainer.progress_bar=false", "hardware=cpu_tuned",
 ]
 ROW_OVERRIDES = {
     "grpo_full": [],
@@ -71,7 +70,7 @@ def parse_args(args: list[str]) -> argparse.Namespace:
     """Flags before ``--``, Hydra overrides after it (bare ``key=value`` arguments are overrides too)."""
     flags, overrides = (args[: args.index("--")], args[args.index("--") + 1 :]) if "--" in args else (args, [])
     parser = _Parser(prog="rlhf-lab bench", usage="%(prog)s [flags] [-- hydra overrides...]",
-                     epilog="Hydra overrides after '--' apply to every run. See experiments/BENCHMARK.md.")
+                     epilog="Hydra overrides after '--' apply to every run. See docs/benchmarks.md.")
     parser.add_argument("--steps", type=int, default=5, help="measured steps per run (default 5)")
     parser.add_argument("--warmup", type=int, default=1, help="warm-up steps per run, not measured (default 1)")
     parser.add_argument("--rounds", type=int, default=1, help="alternating rounds of each framework (default 1)")
@@ -113,119 +112,7 @@ def scaling_overrides(samples: int, max_new_tokens: int) -> list[str]:
             f"trainer.max_new_tokens={max_new_tokens}"]
 
 
-@dataclass
-class Job:
-    """One child run: ``framework`` trains ``overrides`` for ``warmup + steps`` steps."""
-
-    row: str
-    framework: str
-    overrides: list[str]
-    steps: int
-    warmup: int
-
-
-# ------------------------------------------------------------------------------------------ child process
-
-
-def _peak_rss_mib() -> float:
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
-    return peak / (1024 * 1024) if sys.platform == "darwin" else peak / 1024
-
-
-def _synchronize() -> None:
-    """Wait for queued GPU work, so a wall-clock interval covers the kernels it launched (no-op on CPU)."""
-    import torch
-
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-
-
-def run_rlhf_lab(cfg: Any, steps: int, warmup: int, work_dir: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Train ``warmup + steps`` steps with rlhf_lab's Trainer; (per-step records, facts about the run)."""
-    import rlhf_lab.components  # noqa: F401  (registers the built-in parts)
-    from rlhf_lab import distributed
-    from rlhf_lab.tools.bench_floor import ModelShape, floor_seconds, measure_floor, record_generation_work
-    from rlhf_lab.training.loop import Trainer
-
-    trainer = Trainer(cfg, work_dir / "run")
-    ready = time.perf_counter()
-    works = record_generation_work(trainer)
-    shape = ModelShape.of(distributed.unwrap(trainer.policy))
-    floor = measure_floor(trainer.precision.name)
-    weight_bytes = 2 if trainer.precision.name != "fp32" else 4  # autocast reads its cached half copies
-    records = []
-    try:
-        for step in range(warmup + steps):
-            works.clear()
-            _synchronize()
-            start = time.perf_counter()
-            metrics = trainer.train_step(step)
-            _synchronize()
-            step_s = time.perf_counter() - start
-            records.append({
-                "step_s": step_s,
-                "phases": {name: metrics.get(f"time/{name}_s", 0.0) for name in PHASES},
-                "tokens": round(metrics["throughput/tokens_per_s"] * metrics["time/step_s"]),
-                "reward_mean": metrics["reward/mean"],
-                "generation_floor": floor_seconds(works[0], shape, floor, weight_bytes) if len(works) == 1 else None,
-            })
-    finally:
-        trainer.records.close()
-    return records, {"trainer": "rlhf_lab.Trainer", "device": str(trainer.device), "ready_at": ready,
-                     "floor": asdict(floor), "model_shape": asdict(shape)}
-
-
-def worker(job_path: str, result_path: str) -> None:
-    """Child process: run one job, write {records, peak_rss_mib, setup_s, ...} to ``result_path``."""
-    started = time.perf_counter()
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    job = Job(**json.loads(Path(job_path).read_text()))
-    from rlhf_lab.config import compose
-
-    cfg = compose(job.overrides)
-    with tempfile.TemporaryDirectory(prefix=f"rlhf_lab_bench_{job.framework}_") as tmp:
-        if job.framework == "trl":
-            from rlhf_lab.tools.bench_trl import run_trl
-
-            records, facts = run_trl(cfg, job.steps, job.warmup, Path(tmp))
-        else:
-            records, facts = run_rlhf_lab(cfg, job.steps, job.warmup, Path(tmp))
-    import torch
-
-    ready_at = facts.pop("ready_at", None)
-    result = {
-        "records": records[job.warmup :],
-        "warmup_records": records[: job.warmup],
-        "peak_rss_mib": _peak_rss_mib(),
-        "setup_s": (ready_at - started) if ready_at else None,
-        "peak_gpu_mib": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_initialized() else None,
-        "torch_threads": torch.get_num_threads(),
-        **facts,
-    }
-    Path(result_path).write_text(json.dumps(_clean(result)))
-
-
-def _clean(value: Any) -> Any:
-    """NaN/inf become None, recursively (JSON has no NaN)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _clean(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_clean(v) for v in value]
-    return value
-
-
 # ------------------------------------------------------------------------------------------ parent process
-
-
-def child_environment(framework: str) -> dict[str, str]:
-    """A child's environment: TRL gets the libraries' own values of rlhf_lab's process defaults, written out (the
-    child imports rlhf_lab, which sets unset ones); a setting the user made applies to both sides."""
-    env = dict(os.environ)
-    if framework == "trl":
-        env.update({name: rlhf_lab.LIBRARY_DEFAULTS[name] for name, ours in rlhf_lab.DEFAULTED.items() if ours})
-    return env
 
 
 def run_job(job: Job, work_dir: Path) -> dict[str, Any]:
@@ -237,7 +124,7 @@ def run_job(job: Job, work_dir: Path) -> dict[str, Any]:
     start = time.perf_counter()
     with open(log_file, "w") as log:
         returncode = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, check=False,
-                                    env=child_environment(job.framework)).returncode
+).returncode
     wall_s = time.perf_counter() - start
     if returncode != 0 or not result_file.is_file():
         lines = [line for line in log_file.read_text(errors="replace").splitlines() if line.strip()]
@@ -303,13 +190,16 @@ def _environment() -> dict[str, Any]:
             packages[name] = version(name)
         except PackageNotFoundError:
             packages[name] = None
-    theirs = child_environment("trl")  # rlhf_lab's process defaults on its side, the libraries' on TRL's
-    settings = {name: {"rlhf_lab": os.environ.get(name), "trl": theirs.get(name)} for name in rlhf_lab.DEFAULTED}
-    kept = allocator.applies()  # set by rlhf_lab's trainers only
+    # Both children start from this environment; rlhf_lab's then applies its hardware profile (each run's
+    # "hardware" and "process_switches" say what it ran under), TRL runs with the libraries' own settings.
     return {"python": platform.python_version(), "platform": platform.platform(), "cpu_count": os.cpu_count(),
-            "packages": packages, "thp_mem_alloc": settings["THP_MEM_ALLOC_ENABLE"],
-            "onednn_lru_cache": settings["LRU_CACHE_CAPACITY"],
-            "freed_heap_kept": {"rlhf_lab": kept, "trl": False}}
+            "cpu_capability": _cpu_capability(), "packages": packages, "process_switches": process_switches()}
+
+
+def _cpu_capability() -> str:
+    import torch
+
+    return torch.backends.cpu.get_cpu_capability()
 
 
 def _check_config(overrides: list[str]) -> Any:

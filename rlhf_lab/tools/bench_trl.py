@@ -150,7 +150,7 @@ def step_prompts(cfg: Any, total_steps: int) -> tuple[list[str], list[Any]]:
     With the chat template on, TRL gets conversations (system message when ``model.system_prompt`` is set,
     then the user prompt) and applies the tokenizer's template itself, as rlhf_lab's ``format_prompts`` does.
     """
-    from rlhf_lab.data import load_prompts, prompt_indices
+    from rlhf_lab.data.prompts import load_prompts, prompt_indices
 
     train = load_prompts(cfg.data, seed=cfg.seed).train
     raw = [train[i] for step in range(total_steps)
@@ -163,7 +163,7 @@ def step_prompts(cfg: Any, total_steps: int) -> tuple[list[str], list[Any]]:
 
 def prompt_ids_match(cfg: Any, tokenizer: Any, raw_prompt: str, trl_prompt: Any) -> bool:
     """Whether TRL's tokenisation of a prompt equals rlhf_lab's (``format_prompts`` + no special tokens)."""
-    from rlhf_lab.rollout import format_prompts
+    from rlhf_lab.data.prompts import format_prompts
 
     ours = tokenizer(format_prompts([raw_prompt], tokenizer, cfg.model.chat_template, cfg.model.system_prompt),
                      add_special_tokens=False)["input_ids"][0]
@@ -197,21 +197,21 @@ def reward_function(cfg: Any) -> Any:
 def run_precision(trainer: Any) -> str:
     """The precision rlhf_lab's run resolves to (``trainer.precision``, ``auto`` for the planned device)."""
     from rlhf_lab.config.validate_scale import planned_device
-    from rlhf_lab.precision import resolve_precision
+    from rlhf_lab.runtime.precision import resolve_precision
 
     return resolve_precision(trainer.precision, trainer.dtype, warn=False, device=planned_device(trainer.device))
 
 
 def weights_dtype(trainer: Any) -> str:
     """The dtype name of the weights rlhf_lab trains in."""
-    from rlhf_lab.precision import WEIGHT_DTYPES
+    from rlhf_lab.runtime.precision import WEIGHT_DTYPES
 
     return WEIGHT_DTYPES[run_precision(trainer)]
 
 
 def model_folder(cfg: Any, tokenizer: Any, work_dir: Path) -> str:
     """A folder TRL can load the policy (and its reference) from: the same weights rlhf_lab starts from."""
-    from rlhf_lab.models import DTYPES, build_tiny_llama, smollm2_model_path
+    from rlhf_lab.models.loading import DTYPES, build_tiny_llama, smollm2_model_path
 
     if cfg.model.name == "tiny":
         folder = work_dir / "tiny_model"
@@ -299,7 +299,7 @@ def run_trl(cfg: Any, steps: int, warmup: int, work_dir: Path) -> tuple[list[dic
     from transformers import TrainerCallback
     from trl import GRPOConfig
 
-    from rlhf_lab.models import load_tokenizer
+    from rlhf_lab.models.loading import load_tokenizer
 
     if cfg.trainer.num_threads > 0:
         torch.set_num_threads(cfg.trainer.num_threads)

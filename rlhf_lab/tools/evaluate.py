@@ -73,16 +73,16 @@ def evaluate_source(source: str, overrides: list[str], out: Path | None = None) 
 
     import rlhf_lab.components  # noqa: F401  (registers the built-in parts)
     from rlhf_lab.config.compose import compose
-    from rlhf_lab.data import load_prompts
-    from rlhf_lab.models import build_policy, load_tokenizer
-    from rlhf_lab.precision import Precision
-    from rlhf_lab.registry import get
+    from rlhf_lab.data.prompts import load_prompts
+    from rlhf_lab.kl.placements import KLPenalty
+    from rlhf_lab.models.loading import build_policy, load_tokenizer
     from rlhf_lab.rewards.base import build_reward
+    from rlhf_lab.runtime.precision import Precision
     from rlhf_lab.trackers.jsonl import JsonlWriter, write_json_atomic
     from rlhf_lab.trackers.multi import build_tracker
     from rlhf_lab.training.evaluation import Evaluation
     from rlhf_lab.training.experience import ExperienceMaker
-    from rlhf_lab.training.loop import resolve_device, seed_everything
+    from rlhf_lab.training.setup import resolve_device, seed_everything
 
     base, checkpoint, run_dir = source_overrides(source)
     cfg = compose([*base, *overrides])
@@ -99,11 +99,10 @@ def evaluate_source(source: str, overrides: list[str], out: Path | None = None) 
     if models.reference is not None:
         models.reference.to(device)
     reward = build_reward(cfg.reward, device=str(device))
-    kl_estimator, kl_placement = get("kl", cfg.kl.name), get("kl_placement", cfg.kl.placement)
+    kl = KLPenalty(cfg.kl)
 
     def make_maker(maker_cfg: Any, network: Any) -> ExperienceMaker:
-        return ExperienceMaker(maker_cfg, tokenizer, models, network, reward, kl_estimator, kl_placement, device,
-                               precision)
+        return ExperienceMaker(maker_cfg, tokenizer, models, network, reward, kl, device, precision)
 
     evaluation = Evaluation.from_parts(cfg, make_maker(cfg, policy), make_maker, models,
                                        lambda reward_cfg: build_reward(reward_cfg, device=str(device)))

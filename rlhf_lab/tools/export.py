@@ -97,7 +97,7 @@ def _merge(config: dict[str, Any], model_dir: Path) -> Any:
     from omegaconf import OmegaConf
     from peft import PeftModel
 
-    from rlhf_lab.models import load_causal_lm, load_tokenizer, peft_wrapping
+    from rlhf_lab.models.loading import load_causal_lm, load_tokenizer, peft_wrapping
 
     if not config.get("model"):
         raise ToolError(f"cannot merge the adapter in {model_dir}: the run's config (to rebuild its base model) is "

@@ -61,7 +61,7 @@ def split_overrides(overrides: list[str], stages: list[str]) -> tuple[list[str],
 def run_stage(overrides: list[str], folder: Path) -> dict[str, Any]:
     """Compose and validate as the CLI does, write ``.hydra/config.yaml``, run; the stage's summary."""
     from rlhf_lab.config import compose
-    from rlhf_lab.training.loop import run
+    from rlhf_lab.training.run import run
 
     cfg = compose([*overrides, f"trainer.output_dir={folder}"])
     (folder / ".hydra").mkdir(parents=True, exist_ok=True)
@@ -72,8 +72,8 @@ def run_stage(overrides: list[str], folder: Path) -> dict[str, Any]:
 
 def load_final_policy(trainer: Any, run_folder: Path) -> None:
     """Load a run's last checkpoint's policy weights (full weights or LoRA adapter) into ``trainer``'s policy."""
-    from rlhf_lab import distributed
     from rlhf_lab.errors import CheckpointError
+    from rlhf_lab.runtime import distributed
     from rlhf_lab.training.checkpoint import latest_checkpoint, load_policy_weights
 
     folder = latest_checkpoint(run_folder / "checkpoints")

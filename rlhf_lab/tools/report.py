@@ -44,8 +44,8 @@ from typing import Any
 
 import numpy as np
 
+from rlhf_lab.config.overrides import flatten
 from rlhf_lab.errors import ToolError
-from rlhf_lab.overrides import flatten
 from rlhf_lab.tools.report_exact import EXACT_METRICS, exact_job_metrics, exact_plots, rank_by_gap
 from rlhf_lab.tools.report_plots import BANDS, PLOT_FILES, PlotOptions, write_all
 from rlhf_lab.tools.report_search import optuna_section

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from rlhf_lab import distributed
-from rlhf_lab.console import say
+from rlhf_lab.runtime import distributed
+from rlhf_lab.runtime.console import say
 
 STOPPED_BY_STEPS = "steps"  # every configured step ran
 STOPPED_BY_BUDGET = "max_train_seconds"
@@ -29,7 +29,7 @@ STOPPED_BY_BUDGET = "max_train_seconds"
 
 def rank_zero_value(value: float, device: torch.device | str = "cpu") -> float:
     """Rank 0's ``value`` on every rank: a broadcast as a sum to which only rank 0 contributes (one
-    :func:`rlhf_lab.distributed.all_reduce_sum`; ``value`` itself in one process)."""
+    :func:`rlhf_lab.runtime.distributed.all_reduce_sum`; ``value`` itself in one process)."""
     if distributed.world_size() == 1:
         return value
     local = torch.tensor([value if distributed.is_main_process() else 0.0], dtype=torch.float64, device=device)

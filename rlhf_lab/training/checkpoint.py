@@ -311,7 +311,7 @@ def load_policy_weights(folder: Path, policy: nn.Module, uses_adapter: bool, sha
     for shard in sorted(model_dir.glob("*.safetensors")):
         weights.update(load_file(str(shard)))
     if sharded:
-        from rlhf_lab.distributed import load_full_model_state
+        from rlhf_lab.runtime.distributed import load_full_model_state
 
         missing, unexpected = load_full_model_state(policy, weights)
     else:
@@ -359,14 +359,14 @@ def load_checkpoint(
         for name, module in modules.items():
             module_state = load_file(str(folder / f"{name}.safetensors"))
             if sharded:
-                from rlhf_lab.distributed import load_full_model_state
+                from rlhf_lab.runtime.distributed import load_full_model_state
 
                 load_full_model_state(module, module_state)
             else:
                 module.load_state_dict(module_state)
         plain = decode_state(state.pop("optimizer"), load_file(str(folder / OPTIMIZER_FILE)))
         if sharded:
-            from rlhf_lab.distributed import load_full_optimizer_state
+            from rlhf_lab.runtime.distributed import load_full_optimizer_state
 
             load_full_optimizer_state({"policy": policy, **modules}, optimizer, plain["optimizer"])
         else:

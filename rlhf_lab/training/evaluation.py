@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from rlhf_lab import distributed
-from rlhf_lab.ops import masked_sum
+from rlhf_lab.masked import masked_sum
+from rlhf_lab.runtime import distributed
 from rlhf_lab.training.records import StepTimer, distinct_n
 
 EVAL_CHUNK = 16  # held-out prompts generated at once

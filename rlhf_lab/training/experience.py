@@ -17,16 +17,18 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from rlhf_lab.data.prompts import format_prompts
 from rlhf_lab.errors import RewardError
-from rlhf_lab.generation_weights import generation_weights
-from rlhf_lab.kl import estimate as estimate_kl
-from rlhf_lab.kl import exact_kl
-from rlhf_lab.models import PolicyAndReference
-from rlhf_lab.ops import gather_logprobs, needs_float32_logits
-from rlhf_lab.precision import Precision
+from rlhf_lab.generation.backend import GenerationBackend, SamplingSettings
+from rlhf_lab.generation.rollout import Rollout, concat_rollouts
+from rlhf_lab.hardware import HardwareProfile
+from rlhf_lab.kl.placements import KLPenalty
+from rlhf_lab.models.loading import PolicyAndReference
 from rlhf_lab.registry import get
 from rlhf_lab.rewards.base import Reward, fill_nonfinite
-from rlhf_lab.rollout import Rollout, concat_rollouts, format_prompts, generate, response_logits
+from rlhf_lab.runtime.precision import Precision
+from rlhf_lab.scoring.forward import response_logits
+from rlhf_lab.scoring.logprobs import gather_logprobs, needs_float32_logits
 from rlhf_lab.training.records import StepTimer
 from rlhf_lab.training.sampling import SamplingRules, informative_groups, overlong_penalty, truncated
 
@@ -78,16 +80,20 @@ class ExperienceMaker:
     """
 
     def __init__(self, cfg: Any, tokenizer: Any, models: PolicyAndReference, policy: nn.Module, reward: Reward,
-                 kl_estimator: Any, kl_placement: Any, device: torch.device, precision: Precision | None = None,
-                 keep_hidden: bool = False) -> None:
+                 kl: KLPenalty, device: torch.device, precision: Precision | None = None,
+                 keep_hidden: bool = False, hardware: HardwareProfile | None = None) -> None:
         self.cfg, self.tokenizer, self.models, self.policy = cfg, tokenizer, models, policy
-        self.keep_hidden = keep_hidden  # keep the decode loop's last hidden states (Rollout.hidden)
-        self.reward, self.kl_estimator, self.kl_placement, self.device = reward, kl_estimator, kl_placement, device
+        self.reward, self.kl, self.device = reward, kl, device
         self.precision = precision or Precision("fp32", device.type)
+        self.hardware = hardware or HardwareProfile()
         # The update needs the reference's full logits only for a logits-based estimator placed in the loss.
-        self.update_needs_ref_logits = kl_placement.needs_grad and getattr(kl_estimator, "needs_logits", False)
+        self.update_needs_ref_logits = kl.loss_reads_ref_logits
         # The sampling policy's and the reference's full logits: float32 for a temperature or an estimator reading them.
-        self.logits_float32 = needs_float32_logits(cfg.trainer.temperature, getattr(kl_estimator, "needs_logits", False))
+        self.logits_float32 = needs_float32_logits(cfg.trainer.temperature, kl.reads_logits)
+        # The engine that samples (generation=NAME); it keeps the decode's last hidden states for PPO's shared critic.
+        self.engine: GenerationBackend = get("generation", cfg.generation.name)(
+            policy, tokenizer, SamplingSettings.from_config(cfg), self.precision, self.hardware, keep_logits=True,
+            keep_hidden=keep_hidden, logits_float32=self.logits_float32)
         self.rules = SamplingRules.from_config(cfg.algorithm)
         # ReMax's advantage subtracts the greedy response's score: one extra greedy generation per prompt.
         advantage = cfg.algorithm.get("advantage")
@@ -111,10 +117,8 @@ class ExperienceMaker:
             experience = self._training_batch(prompts, group_size, timer, names, rng_keys, refill)
             if self.greedy_baseline:
                 self._greedy_baseline(experience, group_size, timer, names)
-        rollout = experience.rollout
-        self.reference(rollout, timer)
-        rollout.kl_coef = kl_coef
-        rollout.kl_penalty = self.kl_placement.reward_penalty(rollout.kl_estimate, kl_coef, rollout.response_mask)
+        self.reference(experience.rollout, timer)
+        self.kl.score_rollout(experience.rollout, kl_coef)
         return experience
 
     def _shaped(self, prompts: list[str], group_size: int, timer: StepTimer, names: list[str],
@@ -179,11 +183,8 @@ class ExperienceMaker:
         cfg = self.cfg
         prompts = experience.prompts[::group_size]
         formatted = format_prompts(prompts, self.tokenizer, cfg.model.chat_template, cfg.model.system_prompt)
-        with timer.phase("generate_greedy"), self.precision.autocast():
-            greedy = generate(self.policy, self.tokenizer, formatted, group_size=1,
-                              max_new_tokens=cfg.trainer.max_new_tokens, temperature=cfg.trainer.temperature,
-                              top_p=cfg.trainer.top_p, top_k=cfg.trainer.top_k,
-                              max_prompt_tokens=cfg.data.max_prompt_tokens, keep_logits=False, greedy=True)
+        with timer.phase("generate_greedy"):
+            greedy = self.engine.generate(formatted, 1, greedy=True)
         responses = self._decode(greedy)
         with timer.phase("reward"):
             output = self.reward(prompts, responses)
@@ -198,23 +199,11 @@ class ExperienceMaker:
         )
 
     def generate(self, prompts: list[str], group_size: int, rng_keys: list[int] | None) -> Rollout:
-        """Sample the responses; one generate call per prompt group, each seeded, under ``seed_per_prompt``."""
+        """Sample the responses; each prompt group from its own seeded generator under ``seed_per_prompt``."""
         cfg = self.cfg
         formatted = format_prompts(prompts, self.tokenizer, cfg.model.chat_template, cfg.model.system_prompt)
-        settings = dict(group_size=group_size, max_new_tokens=cfg.trainer.max_new_tokens,
-                        temperature=cfg.trainer.temperature, top_p=cfg.trainer.top_p, top_k=cfg.trainer.top_k,
-                        max_prompt_tokens=cfg.data.max_prompt_tokens, keep_logits=True, keep_hidden=self.keep_hidden,
-                        logits_float32=self.logits_float32)
-        with self.precision.autocast():
-            if not (cfg.trainer.seed_per_prompt and rng_keys is not None):
-                return generate(self.policy, self.tokenizer, formatted, **settings)
-            parts = []
-            with generation_weights(self.policy, rows=group_size):  # made once for every prompt group's call
-                for prompt, key in zip(formatted, rng_keys):
-                    with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-                        torch.manual_seed(key)
-                        parts.append(generate(self.policy, self.tokenizer, [prompt], **settings))
-        return concat_rollouts(parts, self.tokenizer.pad_token_id)
+        seeds = rng_keys if cfg.trainer.seed_per_prompt else None
+        return self.engine.generate(formatted, group_size, seeds=seeds)
 
     def sample_and_score(self, prompts: list[str], group_size: int, timer: StepTimer, names: list[str],
                          rng_keys: list[int] | None = None) -> tuple[Rollout, list[str], Tensor]:
@@ -243,7 +232,8 @@ class ExperienceMaker:
         model = self.models.reference_model()
         offload = self.cfg.trainer.offload_reference and self.models.reference is not None
         chunk = self.cfg.trainer.logprob_chunk
-        with timer.phase("reference"), torch.no_grad(), self.models.reference_context(), self.precision.autocast():
+        with timer.phase("reference"), torch.no_grad(), self.models.reference_context(), self.precision.autocast(), \
+                self.hardware.scoring(model, self.device):
             if offload:
                 model.to(self.device)
             if not chunk or chunk >= rollout.batch_size:
@@ -252,7 +242,7 @@ class ExperienceMaker:
                                                 float32=self.logits_float32)
                 rollout.ref_logprobs = gather_logprobs(ref_logits, rollout.response_ids) * rollout.response_mask
                 rollout.ref_logits = ref_logits
-                rollout.kl_estimate, rollout.kl_exact = self.kl_terms(rollout)
+                rollout.kl_estimate, rollout.kl_exact = self.kl.sampled_terms(rollout)
             else:
                 self._reference_in_chunks(model, rollout, chunk)
             if offload:
@@ -266,26 +256,13 @@ class ExperienceMaker:
             part.ref_logits, _ = response_logits(model, part.input_ids, part.attention_mask, part.prompt_width,
                                                  self.cfg.trainer.temperature, float32=self.logits_float32)
             part.ref_logprobs = gather_logprobs(part.ref_logits, part.response_ids) * part.response_mask
-            part.kl_estimate, part.kl_exact = self.kl_terms(part)
+            part.kl_estimate, part.kl_exact = self.kl.sampled_terms(part)
             for key in ("ref_logprobs", "kl_estimate", "kl_exact"):
                 pieces[key].append(getattr(part, key))
             if self.update_needs_ref_logits:
                 pieces["ref_logits"].append(part.ref_logits)
         for key, values in pieces.items():
             setattr(rollout, key, torch.cat(values) if values else None)
-
-    def kl_terms(self, rollout: Rollout) -> tuple[Tensor, Tensor]:
-        """(estimate, exact) per-token KL of the sampling policy from the reference, masked: [B, T] each."""
-        mask = rollout.response_mask
-        kl_cfg = self.cfg.kl
-        with torch.no_grad():
-            estimate = estimate_kl(  # with the configured clamps, which bound a reward-placed penalty too
-                self.kl_estimator, rollout.logprobs, rollout.ref_logprobs, logits=rollout.policy_logits,
-                ref_logits=rollout.ref_logits, mask=mask, clamp_log_ratio=kl_cfg.get("clamp_log_ratio"),
-                clamp_value=kl_cfg.get("clamp_value"),
-            ) * mask
-            exact = exact_kl(rollout.policy_logits, rollout.ref_logits) * mask
-        return estimate, exact
 
 
 def _select_groups(experience: Experience, groups: list[int], group_size: int) -> Experience:

@@ -7,63 +7,40 @@ config name; this file never asks which algorithm, estimator, placement or rewar
 
 from __future__ import annotations
 
-import importlib
-import os
-import random
 import signal
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from omegaconf import OmegaConf
 
 import rlhf_lab.components  # noqa: F401  (registers the built-in parts)
-from rlhf_lab import allocator, distributed
-from rlhf_lab.console import progress_label, say
-from rlhf_lab.data import PromptSplits, check_prompt_lengths, load_prompts, prompt_indices, prompt_token_limit
+from rlhf_lab.data.prompts import PromptSplits, check_model_prompts, load_prompts, prompt_indices
 from rlhf_lab.errors import TrainingStopped
-from rlhf_lab.exact.metrics import exact_step_metrics
-from rlhf_lab.models import build_policy, enable_activation_checkpointing, load_tokenizer
-from rlhf_lab.ops import masked_sum
-from rlhf_lab.precision import Precision
+from rlhf_lab.hardware import HardwareProfile
+from rlhf_lab.kl.placements import KLPenalty
+from rlhf_lab.masked import masked_sum
+from rlhf_lab.models.loading import build_policy, enable_activation_checkpointing, load_tokenizer
 from rlhf_lab.registry import get
 from rlhf_lab.rewards.base import build_reward
-from rlhf_lab.rollout import format_prompts
+from rlhf_lab.runtime import distributed
+from rlhf_lab.runtime.console import progress_label, say
+from rlhf_lab.runtime.precision import Precision
+from rlhf_lab.testbed.metrics import exact_step_metrics
 from rlhf_lab.trackers.jsonl import repair_jsonl
 from rlhf_lab.trackers.multi import build_tracker
 from rlhf_lab.training import checkpoint as ckpt
 from rlhf_lab.training import resume_contract
 from rlhf_lab.training.budget import TrainingClock
-from rlhf_lab.training.evaluation import Evaluation, rng_key, shard  # noqa: F401  (shard: imported from here)
+from rlhf_lab.training.evaluation import Evaluation, rng_key
 from rlhf_lab.training.experience import ExperienceMaker
 from rlhf_lab.training.records import Records, StepTimer, run_summary, sample_columns
 from rlhf_lab.training.sampling import refill_indices
+from rlhf_lab.training.setup import configure_process, resolve_device, seed_everything
+from rlhf_lab.training.step_metrics import rollout_metrics, sampling_metrics
 from rlhf_lab.training.update import Updater
-
-
-def resolve_device(name: str) -> torch.device:
-    """``auto``: CUDA when available; under a multi-process launch each rank takes its ``LOCAL_RANK`` GPU."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda" and distributed.launched_processes() > 1:
-        return torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}")
-    return torch.device(name)
-
-
-def configure_process(trainer_cfg: Any) -> None:
-    """Process-wide settings of a training run: its thread count, and freed memory kept for the next step."""
-    if trainer_cfg.num_threads > 0:
-        torch.set_num_threads(trainer_cfg.num_threads)
-    allocator.keep_freed_heap()
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 class Trainer:
@@ -77,7 +54,11 @@ class Trainer:
         self.strategy = distributed.resolve_strategy(cfg.trainer.strategy)
         self.device = resolve_device(cfg.trainer.device)
         distributed.setup(self.strategy, self.device)
-        configure_process(cfg.trainer)  # threads first: auto measures the CPU's products with the run's threads
+        self.hardware = HardwareProfile.from_config(cfg.get("hardware"), self.device)
+        if self.hardware.name != "default" and not self.hardware.tunes() and distributed.is_main_process():
+            say(f"hardware={self.hardware.name} tunes CPU runs; on {self.device.type} the plain path runs", __name__)
+        # Threads first: auto measures the CPU's products with the run's threads.
+        configure_process(cfg.trainer, self.hardware)
         self.precision = Precision.from_config(cfg.trainer, self.device, warn=distributed.is_main_process(),
                                                agree=distributed.all_reduce_flags)  # auto: one answer for all ranks
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -95,7 +76,7 @@ class Trainer:
         self.prompts = self.load_prompts()
         self.tokenizer = load_tokenizer(cfg.model)
         self.models = build_policy(cfg.model, self.tokenizer, self.precision.weights_dtype, cfg.seed)
-        self._check_prompt_lengths()
+        check_model_prompts(self.prompts, self.tokenizer, self.models.policy, cfg)
         if cfg.trainer.gradient_checkpointing:
             enable_activation_checkpointing(self.models.policy)
         policy = self.models.policy.to(self.device)
@@ -118,17 +99,16 @@ class Trainer:
         self.algorithm.wrap_modules(wrap)
         if distributed.world_size() > 1:  # every rank samples its own noise from here on
             seed_everything(cfg.seed + 1_000_003 * distributed.rank())
-        self.kl_estimator = get("kl", cfg.kl.name)
-        self.kl_placement = get("kl_placement", cfg.kl.placement)
+        self.kl = KLPenalty(cfg.kl)  # the estimator, placed in the reward or the loss (rlhf_lab/kl/placements.py)
         self.kl_controller = get("kl_controller", cfg.kl.controller)(
             coef=cfg.kl.coef, target=cfg.kl.target, horizon=cfg.kl.horizon
         )
         self.reward = build_reward(cfg.reward, device=str(self.device))
         self.experience = ExperienceMaker(cfg, self.tokenizer, self.models, distributed.unwrap(self.policy),
-                                          self.reward, self.kl_estimator, self.kl_placement, self.device,
-                                          self.precision, keep_hidden=self.algorithm.reads_sampling_hidden)
-        self.updater = self.updater_class(cfg, self.policy, self.algorithm, self.kl_estimator, self.kl_placement,
-                                          self.device, self.precision, self.strategy, sync_modules)
+                                          self.reward, self.kl, self.device, self.precision,
+                                          keep_hidden=self.algorithm.reads_sampling_hidden, hardware=self.hardware)
+        self.updater = self.updater_class(cfg, self.policy, self.algorithm, self.loss_kl(), self.device,
+                                          self.precision, self.strategy, sync_modules, self.hardware)
         self.start_step = 0
         self.step = -1
         self.first_eval: dict[str, Any] | None = None
@@ -171,21 +151,6 @@ class Trainer:
     def load_prompts(self) -> PromptSplits:
         """The train and held-out prompts (the offline stages read them from their examples)."""
         return load_prompts(self.cfg.data, seed=self.cfg.seed)
-
-    def _check_prompt_lengths(self) -> None:
-        """Every prompt, as the model sees it, must fit data.max_prompt_tokens and the model's context."""
-        cfg = self.cfg
-        contexts = [getattr(self.models.policy.config, "max_position_embeddings", None)]
-        if self.tokenizer.model_max_length < 1_000_000:  # tokenizers without a limit report a huge number
-            contexts.append(self.tokenizer.model_max_length)
-        context = min((c for c in contexts if c), default=None)
-        limit, why = prompt_token_limit(cfg.data.max_prompt_tokens, cfg.trainer.max_new_tokens, context)
-
-        def count_tokens(prompts: list[str]) -> list[int]:
-            formatted = format_prompts(prompts, self.tokenizer, cfg.model.chat_template, cfg.model.system_prompt)
-            return [len(ids) for ids in self.tokenizer(formatted, add_special_tokens=False)["input_ids"]]
-
-        check_prompt_lengths(self.prompts, count_tokens, limit, why)
 
     def save(self, step: int) -> Path | None:
         """Write a checkpoint of ``step``: rank 0 writes, after gathering what other ranks hold (FSDP shards,
@@ -245,26 +210,13 @@ class Trainer:
         self.updater.scheduler.step()
 
         elapsed = time.perf_counter() - start
-        scores, all_valid = distributed.gather_rows(rollout.scores), distributed.gather_rows(valid)
-        metrics: dict[str, Any] = {
-            "step": step,
-            "reward/mean": scores[all_valid].mean().item(),
-            "reward/std": scores[all_valid].std().item() if int(all_valid.sum()) > 1 else 0.0,
-            "reward/dropped": int((~all_valid).sum()),
-            "kl/estimate": distributed.masked_mean(rollout.kl_estimate, mask).item(),
-            "kl/exact": distributed.masked_mean(rollout.kl_exact, mask).item(),
-            "kl/exact_sequence": exact_per_sequence.mean().item(),
-            "kl/coef": coef,
-            "policy/entropy": distributed.masked_mean(rollout.entropy, mask).item(),
-            "response/length_mean": distributed.gather_rows(mask.sum(-1)).mean().item(),
-            "lr": self.updater.scheduler.get_last_lr()[0],
-            "optim/grad_norm": self.updater.last_grad_norm,
-            "time/step_s": elapsed,
-            "throughput/tokens_per_s": float(distributed.all_reduce_sum(rollout.attention_mask.sum())) / elapsed,
-        }
-        for key, value in rollout.extras.items():
-            metrics[key] = distributed.gather_rows(value)[all_valid].mean().item()
-        metrics.update(self._sampling_metrics(experience.stats, len(all_valid)))
+        metrics: dict[str, Any] = {"step": step, **rollout_metrics(rollout, valid, coef, exact_per_sequence),
+                                   "lr": self.updater.scheduler.get_last_lr()[0],
+                                   "optim/grad_norm": self.updater.last_grad_norm, "time/step_s": elapsed,
+                                   "throughput/tokens_per_s": float(distributed.all_reduce_sum(
+                                       rollout.attention_mask.sum())) / elapsed,
+                                   **sampling_metrics(experience.stats, rollout.batch_size * distributed.world_size(),
+                                                      self.device)}
         metrics.update(prepare_stats)
         metrics.update(update_stats)
         metrics.setdefault("loss/policy", 0.0)
@@ -294,20 +246,6 @@ class Trainer:
 
         return refill
 
-    def _sampling_metrics(self, stats: dict[str, float], samples: int) -> dict[str, float]:
-        """The sampling rules' counts over every rank: refill rounds and groups, truncated and masked shares."""
-        keys = sorted(stats)
-        counts = distributed.all_reduce_sum(torch.tensor([stats[k] for k in keys], device=self.device))
-        totals = dict(zip(keys, counts.tolist()))
-        metrics = {"response/truncated_frac": totals.get("truncated", 0.0) / max(samples, 1)}
-        if "masked_truncated" in totals:
-            metrics["overlong/masked_frac"] = totals["masked_truncated"] / max(samples, 1)
-        if "rounds" in totals:
-            metrics["sampling/rounds"] = totals["rounds"] / distributed.world_size()
-            for key in ("groups_dropped", "groups_filled", "refill_prompts"):
-                metrics[f"sampling/{key}"] = totals[key]
-        return metrics
-
     # ----------------------------------------------------------------- evaluation
     @torch.no_grad()
     def evaluate(self, step: int) -> dict[str, Any]:
@@ -325,8 +263,12 @@ class Trainer:
         return metrics
 
     def _experience_maker(self, cfg: Any, policy: torch.nn.Module) -> ExperienceMaker:
-        return ExperienceMaker(cfg, self.tokenizer, self.models, policy, self.reward, self.kl_estimator,
-                               self.kl_placement, self.device, self.precision)
+        return ExperienceMaker(cfg, self.tokenizer, self.models, policy, self.reward, self.kl, self.device,
+                               self.precision, hardware=self.hardware)
+
+    def loss_kl(self) -> KLPenalty | None:
+        """The KL penalty whose loss-placed term the updater adds (the offline stages: none)."""
+        return self.kl
 
     def _print_example(self, when: str) -> None:
         if self._eval_examples:
@@ -353,7 +295,7 @@ class Trainer:
 
     # ----------------------------------------------------------------- the loop's hooks (OfflineTrainer overrides)
     def step_extras(self, step: int) -> dict[str, Any]:
-        """The exact task's metrics by enumeration (model=exact, rlhf_lab/exact/); {} otherwise."""
+        """The exact task's metrics by enumeration (model=exact, rlhf_lab/testbed/); {} otherwise."""
         return exact_step_metrics(self, step)
 
     def progress_postfix(self, metrics: dict[str, Any]) -> dict[str, str]:
@@ -365,7 +307,12 @@ class Trainer:
                            self.first_eval, final_eval)
 
     def train(self) -> dict[str, Any]:
-        """Steps, evaluation before and after, checkpoints, signals, the time budget: every trainer's loop."""
+        """Steps, evaluation before and after, checkpoints, signals, the time budget: every trainer's loop, under
+        the run's hardware profile."""
+        with self.hardware.running():
+            return self._train()
+
+    def _train(self) -> dict[str, Any]:
         cfg = self.cfg
         steps = cfg.trainer.steps
         previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -423,20 +370,3 @@ def _progress(iterable: range, enabled: bool, initial: int, total: int):
     from tqdm.auto import tqdm
 
     return tqdm(iterable, initial=initial, total=total, desc=progress_label(), dynamic_ncols=True)
-
-
-def run(cfg: Any, run_dir: Path) -> dict[str, Any]:
-    """Train the run ``cfg`` describes in ``run_dir`` and return its summary (what the CLI calls).
-
-    An algorithm that learns from data (sft, reward_model, dpo) names its own loop as ``module:Class`` in
-    its ``trainer`` attribute; that loop subclasses :class:`Trainer`, so it is imported by name here.
-    """
-    trainer_class: Any = Trainer
-    path = getattr(get("algorithm", cfg.algorithm.name), "trainer", None)
-    if path:
-        module, _, name = path.partition(":")
-        trainer_class = getattr(importlib.import_module(module), name)
-    with resume_contract.holding(run_dir):  # one writer per run folder (rank 0 holds its lock)
-        trainer = trainer_class(cfg, run_dir)
-        resume_contract.record_segment(trainer.start_step, cfg)
-        return trainer.train()

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from rlhf_lab import distributed
+from rlhf_lab.runtime import distributed
 from rlhf_lab.trackers.base import Tracker
 from rlhf_lab.trackers.jsonl import JsonlTracker, read_jsonl
 

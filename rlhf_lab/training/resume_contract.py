@@ -34,10 +34,10 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from rlhf_lab.console import say
+from rlhf_lab.config.overrides import flatten
 from rlhf_lab.errors import CheckpointError, ConfigError
-from rlhf_lab.overrides import flatten
-from rlhf_lab.precision import Precision, check_device
+from rlhf_lab.runtime.console import say
+from rlhf_lab.runtime.precision import Precision, check_device
 from rlhf_lab.training import checkpoint as ckpt
 from rlhf_lab.training import run_lock
 from rlhf_lab.training.verify import damage
@@ -54,8 +54,10 @@ MAY_CHANGE = (
     "trainer.device", "trainer.strategy", "trainer.num_threads", "trainer.micro_batch_size",
     "trainer.gradient_checkpointing", "trainer.recompute", "trainer.offload_reference", "trainer.logprob_chunk",
     "logger.*", "eval.*", "experiment_name", "optimized_metric", "kl_budget", "kl_budget_penalty",
+    "hardware.*",  # how the machine computes the same steps (a CPU profile's pieces are float-rounding apart)
+    "generation.*",  # the engine that samples: the state it resumes (weights, optimizer, generators) is the same
 )
-GROUP_KEYS = ("algorithm", "kl", "reward", "model", "data", "logger")  # `<group>.name` is set as `<group>=X`
+GROUP_KEYS = ("algorithm", "kl", "reward", "model", "data", "logger", "hardware", "generation")  # `<group>.name` is set as `<group>=X`
 SEGMENTS = "segments"
 HYDRA_FILES = ("config.yaml", "hydra.yaml", "overrides.yaml")
 

@@ -22,14 +22,15 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from rlhf_lab import distributed
 from rlhf_lab.algorithms.base import Algorithm, LossContext, LossResult, PolicyOutput, aggregate
-from rlhf_lab.embedding_grad import embedding_by_rows, rows_gradient
-from rlhf_lab.kl import estimate, importance_weights
-from rlhf_lab.ops import gather_logprobs, needs_float32_logits
-from rlhf_lab.precision import Precision
-from rlhf_lab.recompute import recompute_modules, recomputing
-from rlhf_lab.rollout import Rollout, response_logits
+from rlhf_lab.generation.rollout import Rollout
+from rlhf_lab.hardware import HardwareProfile
+from rlhf_lab.kl.placements import KLPenalty
+from rlhf_lab.models.recompute import recompute_modules, recomputing
+from rlhf_lab.runtime import distributed
+from rlhf_lab.runtime.precision import Precision
+from rlhf_lab.scoring.forward import response_logits
+from rlhf_lab.scoring.logprobs import gather_logprobs, needs_float32_logits
 from rlhf_lab.training.records import StepTimer
 
 
@@ -59,19 +60,6 @@ def combine_extremum(key: str, current: float | None, value: float) -> float:
     return max(current, value) if key.endswith("_max") else min(current, value)
 
 
-def allocate_state(optimizer: torch.optim.Optimizer) -> None:
-    """AdamW's moments made now as its first step makes them (zeros, step 0), through its public state-dict
-    format. Made before the first generation, they lie low in the heap instead of in the pieces the first
-    backward pass leaves free, and the heap grows less around them (the bench's full fine-tuning: peak RSS −50
-    to −70 MiB from the fourth step on; experiments/BENCHMARK.md). The first step finds them and updates as
-    it would have."""
-    state = optimizer.state_dict()
-    parameters = [p for group in optimizer.param_groups for p in group["params"]]
-    state["state"] = {index: {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
-                              "exp_avg_sq": torch.zeros_like(p)} for index, p in enumerate(parameters)}
-    optimizer.load_state_dict(state)
-
-
 def parameter_groups(policy: nn.Module, algorithm: Algorithm, lr: float) -> list[dict[str, Any]]:
     """The policy's trainable tensors at ``lr``, then the algorithm's own groups (a tensor appears once)."""
     policy_parameters = [p for p in policy.parameters() if p.requires_grad]
@@ -88,15 +76,17 @@ def parameter_groups(policy: nn.Module, algorithm: Algorithm, lr: float) -> list
 class Updater:
     """Optimizer, schedule and the epoch / mini-batch / micro-batch loop of one policy and its algorithm.
 
-    ``kl_estimator`` and ``kl_placement`` add the loss-placed KL term to every micro-batch's loss.
+    ``kl`` adds its loss-placed term to every micro-batch's loss (None: no KL term, as in the offline stages).
     """
 
-    def __init__(self, cfg: Any, policy: nn.Module, algorithm: Algorithm, kl_estimator: Any, kl_placement: Any,
+    def __init__(self, cfg: Any, policy: nn.Module, algorithm: Algorithm, kl: KLPenalty | None,
                  device: torch.device, precision: Precision | None = None, strategy: str = "single",
-                 sync_modules: list[nn.Module] | None = None) -> None:
+                 sync_modules: list[nn.Module] | None = None, hardware: HardwareProfile | None = None) -> None:
         self.cfg, self.policy, self.algorithm = cfg, policy, algorithm
         self.sync_modules = sync_modules or [policy]  # as the strategy wrapped them: DDP ones sync gradients
-        self.kl_estimator, self.kl_placement = kl_estimator, kl_placement
+        self.kl = kl
+        self.device = device
+        self.hardware = hardware or HardwareProfile()
         self.precision = precision or Precision("fp32", device.type)
         self.scaler = self.precision.grad_scaler()
         self.world_size = distributed.world_size()
@@ -108,24 +98,23 @@ class Updater:
             lr=trainer.lr,
             betas=(trainer.adam_beta1, trainer.adam_beta2),
             weight_decay=trainer.weight_decay,
-            # One fused kernel instead of per-tensor loops: same update, ~6x faster on this CPU (0.75 -> 0.12 s).
+            # One fused kernel instead of per-tensor loops: the same update.
             fused=device.type in ("cpu", "cuda") and strategy != "fsdp",
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(trainer.lr_schedule, trainer.warmup_steps, trainer.steps)
         )
-        self.recompute = recompute_modules(policy, trainer)  # parts of each layer the backward runs again
+        # Parts of each layer the backward runs again (trainer.recompute; null: the hardware profile's choice).
+        self.recompute = recompute_modules(policy, trainer, auto=self.hardware.recompute)
         # The training pass's logits: float32 for an algorithm, or an estimator in the loss, that reads them (the
         # log-prob gather's gradients are the same bit for bit from the LM head's bf16 logits).
         self.logits_float32 = needs_float32_logits(
             trainer.temperature, getattr(algorithm, "reads_policy_logits", True),
-            kl_placement.needs_grad and getattr(kl_estimator, "needs_logits", False))
-        # The input embedding's gradient added by rows after each backward (not under DDP/FSDP, whose reducers
-        # read gradients during it).
-        self.embedding_rows = embedding_by_rows(policy, autocast=self.precision.autocasts) \
-            if strategy == "single" and self.world_size == 1 else None
-        if strategy != "fsdp":  # FSDP2's sharded parameters get theirs at the first step
-            allocate_state(self.optimizer)
+            kl is not None and kl.in_loss and kl.reads_logits)
+        self.embedding_rows = self.hardware.embedding_plan(
+            policy, autocast=self.precision.autocasts, single_process=strategy == "single" and self.world_size == 1)
+        if strategy != "fsdp":  # FSDP2's shards get their state at the first step
+            self.hardware.prepare_optimizer(self.optimizer)
         self.consecutive_skips = 0
         self.skipped_updates = 0
         self.last_grad_norm = float("nan")
@@ -145,7 +134,7 @@ class Updater:
         Rows sharing a prompt share its prefill, except under gradient checkpointing (which turns the
         key/value cache off in training).
         """
-        with self.precision.autocast():
+        with self.precision.autocast(), self.hardware.scoring(self.policy, self.device):
             logits, hidden = response_logits(
                 self.policy, batch.input_ids, batch.attention_mask, batch.prompt_width,
                 self.cfg.trainer.temperature, output_hidden_states=self.algorithm.needs_hidden_states,
@@ -158,20 +147,13 @@ class Updater:
         """The algorithm's loss of a micro-batch plus the loss-placed KL term; ``loss/total`` in the stats."""
         with recomputing(self.recompute):
             output = self.forward(batch)
-        mask = batch.response_mask
         with self.precision.autocast():  # the algorithm's own networks (a separate critic's trunk)
             result = self.algorithm.loss(batch, output, context)
         loss, stats = result.loss, result.stats
-        if self.kl_placement.needs_grad:
-            kl_cfg = self.cfg.kl  # options of the loss-placed term: clamps, importance weight (rlhf_lab/kl/)
-            kl_values = estimate(self.kl_estimator, output.logprobs, batch.ref_logprobs, logits=output.logits,
-                                 ref_logits=batch.ref_logits, mask=mask, clamp_log_ratio=kl_cfg.clamp_log_ratio,
-                                 clamp_value=kl_cfg.clamp_value)
-            if kl_cfg.importance_weight:  # samples of π_old (later epochs / mini-batches): reweight to π_θ
-                kl_values = kl_values * importance_weights(output.logprobs, batch.logprobs, mask)
-            aggregation = self.cfg.algorithm.loss_aggregation  # reduced like the policy loss
-            kl_loss = self.kl_placement.loss_term(
-                kl_values, mask, coef, reduce=lambda values, m: aggregate(values, m, aggregation, context))
+        kl_loss = None if self.kl is None else self.kl.loss_term(  # reduced like the policy loss
+            output.logprobs, output.logits, batch, coef,
+            reduce=lambda values, m: aggregate(values, m, self.cfg.algorithm.loss_aggregation, context))
+        if kl_loss is not None:
             loss = loss + kl_loss
             stats["loss/kl"] = kl_loss.detach()
         stats["loss/total"] = loss.detach()
@@ -221,7 +203,7 @@ class Updater:
                 rows_index = torch.arange(micro_start, min(micro_start + micro, minibatch.batch_size))
                 # DDP all-reduces the gradients once, in the mini-batch's last backward.
                 with distributed.no_sync(self.sync_modules, skip=micro_start != starts[-1]), \
-                        rows_gradient(self.embedding_rows):
+                        self.hardware.training_pass(self.embedding_rows):
                     result = self.micro_loss(minibatch.select(rows_index), context, coef)
                     loss_finite = loss_finite and bool(torch.isfinite(result.loss.detach()))
                     self.backward(result.loss)

@@ -60,9 +60,9 @@ def record_arm(overrides: list[str], work: Path) -> str:
     return (work / "metrics.jsonl").read_text()
 
 
-def record_resume(work: Path) -> str:
-    train([*RESUME_ARM, "trainer.steps=2"], work)
-    train([*RESUME_ARM, "trainer.resume=auto"], work)
+def record_resume(work: Path, extra: list[str] | None = None) -> str:
+    train([*RESUME_ARM, *(extra or []), "trainer.steps=2"], work)
+    train([*RESUME_ARM, *(extra or []), "trainer.resume=auto"], work)
     return (work / "metrics.jsonl").read_text()
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_lab.data import prompt_indices
+from rlhf_lab.data.prompts import prompt_indices
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 TINY = ["model=tiny", "trainer.steps=1", "trainer.prompts_per_step=2", "algorithm.group_size=2",
@@ -55,8 +55,8 @@ def prompt_tokens(text: str) -> int:
     """Length of a prompt as the tiny model sees it (SmolLM2's tokenizer and chat template)."""
     from transformers import AutoTokenizer
 
-    from rlhf_lab.models import smollm2_tokenizer_path
-    from rlhf_lab.rollout import format_prompts
+    from rlhf_lab.data.prompts import format_prompts
+    from rlhf_lab.models.loading import smollm2_tokenizer_path
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_tokenizer_path())
     formatted = format_prompts([text], tokenizer, chat_template=True, system_prompt=None)

@@ -1,6 +1,6 @@
 """Bad inputs, round two: each stops with exit status 2, one ``error:`` line naming the value, no traceback.
 
-Two kinds of rows, both through the real command line, :func:`rlhf_lab.cli.main`:
+Two kinds of rows, both through the real command line, :func:`rlhf_lab.app.cli.main`:
 
 - rows refused before Hydra starts (numbers, the output folder, the command line itself, a resume that asks
   for a change the checkpoint cannot honour) run ``main(argv)`` in this process: the same code as
@@ -30,7 +30,7 @@ import torch
 from test_bad_inputs import CASE_IDS as EARLIER_CASE_IDS
 from test_bad_inputs import TINY, Case, environment, write_jsonl
 
-from rlhf_lab import cli
+from rlhf_lab.app import cli
 from rlhf_lab.training import run_lock
 
 BIG_SEED = 2**70

@@ -136,7 +136,7 @@ def test_auto_precision_is_resolved_once_for_every_child(monkeypatch: pytest.Mon
                              "reward_mean": 0.0}], "peak_rss_mib": 100.0, "setup_s": 1.0}
 
     monkeypatch.setattr(bench, "_run_and_report", fake_run)
-    monkeypatch.setattr("rlhf_lab.precision.fast_bf16", lambda device: fast)
+    monkeypatch.setattr("rlhf_lab.runtime.precision.fast_bf16", lambda device: fast)
     bench.run_benchmark(bench.parse_args(["--rounds", "2", "--", *TINY, *extra]))
     assert len(jobs) == 2
     assert all([o for o in job.overrides if o.startswith("trainer.precision=")] == [expected] for job in jobs)
@@ -187,7 +187,7 @@ def test_trl_rejects_settings_it_cannot_match(compose) -> None:
 
 @pytest.mark.skipif(not HAS_TRL, reason="TRL is not installed (optional extra: pip install -r requirements-trl.txt)")
 def test_trl_runner_does_one_step_on_a_tiny_model(tmp_path: Path, compose) -> None:
-    from rlhf_lab.models import build_tiny_llama, load_tokenizer
+    from rlhf_lab.models.loading import build_tiny_llama, load_tokenizer
     from rlhf_lab.tools.bench_trl import run_trl
 
     tiny_cfg = compose(["model=tiny"])

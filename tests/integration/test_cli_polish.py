@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from rlhf_lab import __version__
-from rlhf_lab.cli import SUBCOMMANDS, main
+from rlhf_lab.app.cli import SUBCOMMANDS, main
 
 REPO = Path(__file__).resolve().parents[2]
 

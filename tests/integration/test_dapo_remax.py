@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from rlhf_lab.data.prompts import format_prompts
+from rlhf_lab.generation.hf import generate
 from rlhf_lab.rewards.base import RewardOutput
-from rlhf_lab.rollout import format_prompts, generate
 from rlhf_lab.training.loop import Trainer
 from rlhf_lab.training.records import StepTimer
 

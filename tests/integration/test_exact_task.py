@@ -12,9 +12,9 @@ import pytest
 import torch
 import yaml
 
-from rlhf_lab.exact.metrics import ExactEvaluator, exact_metrics
-from rlhf_lab.exact.task import SPECIAL_TOKENS
 from rlhf_lab.registry import get
+from rlhf_lab.testbed.metrics import ExactEvaluator, exact_metrics
+from rlhf_lab.testbed.task import SPECIAL_TOKENS
 from rlhf_lab.tools.report import build_report
 from rlhf_lab.training.loop import Trainer
 

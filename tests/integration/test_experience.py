@@ -84,7 +84,7 @@ def test_bf16_policy_and_reference_logits_give_the_float32_ones_kl_terms(compose
             parameter.add_(0.05 * torch.randn_like(parameter))
     rollouts = {}
     for float32 in (False, True):
-        maker.logits_float32 = float32
+        maker.logits_float32 = maker.engine.logits_float32 = float32
         torch.manual_seed(3)
         rollouts[float32] = maker.make(trainer.prompts.train[:2], 3, StepTimer(), ["a", "b"], kl_coef=0.1).rollout
     narrow, wide = rollouts[False], rollouts[True]

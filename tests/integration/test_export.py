@@ -28,7 +28,7 @@ def test_lora_run_is_merged_with_the_same_outputs(lora_run: Path, tmp_path: Path
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rlhf_lab.models import build_tiny_llama, load_tokenizer, peft_wrapping
+    from rlhf_lab.models.loading import build_tiny_llama, load_tokenizer, peft_wrapping
 
     out = tmp_path / "merged"
     code, printed, _ = run_cli(["export", str(lora_run), str(out)])

@@ -15,12 +15,14 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from rlhf_lab import models
-from rlhf_lab.generation_weights import generation_weights
-from rlhf_lab.ops import entropy_from_logits, gather_logprobs
-from rlhf_lab.precision import Precision
-from rlhf_lab.rollout import format_prompts, generate, position_ids_from_mask
-from rlhf_lab.sampler import decode
+from rlhf_lab.data.prompts import format_prompts
+from rlhf_lab.generation.decode import decode
+from rlhf_lab.generation.hf import generate
+from rlhf_lab.hardware.generation_weights import generation_weights
+from rlhf_lab.models import loading as models
+from rlhf_lab.runtime.precision import Precision
+from rlhf_lab.scoring.forward import position_ids_from_mask
+from rlhf_lab.scoring.logprobs import entropy_from_logits, gather_logprobs
 from rlhf_lab.training.loop import Trainer
 
 PROMPTS = ["Hi", "Write two honest sentences about a slow but beautiful film about the sea and its sailors."]
@@ -151,7 +153,7 @@ def test_without_keep_flags_nothing_large_is_kept(trainer: Trainer) -> None:
 
 def test_ppo_sampling_values_read_the_kept_hidden_states_without_a_forward_pass(trainer: Trainer) -> None:
     algorithm = trainer.algorithm
-    assert algorithm.reads_sampling_hidden and trainer.experience.keep_hidden
+    assert algorithm.reads_sampling_hidden and trainer.experience.engine.keep_hidden
     formatted = format_prompts(PROMPTS, trainer.tokenizer, True, None)
     torch.manual_seed(0)
     rollout = generate(trainer.policy, trainer.tokenizer, formatted, GROUP_SIZE, MAX_NEW_TOKENS, 1.0, 1.0, 0, 256,

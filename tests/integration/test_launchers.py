@@ -30,7 +30,7 @@ from test_sweeps import (
     wandb_test_env,
 )
 
-from rlhf_lab.cli import main as cli_main
+from rlhf_lab.app.cli import main as cli_main
 
 RAY_HINT = "the optional ray extra is not installed: pip install -r requirements-ray.txt (or: make install-ray)"
 

@@ -14,17 +14,12 @@ import pytest
 import torch
 
 from rlhf_lab.algorithms.base import LossContext
-from rlhf_lab.ops import entropy_from_logits, gather_logprobs
+from rlhf_lab.data.prompts import format_prompts
+from rlhf_lab.generation.hf import generate
+from rlhf_lab.generation.rollout import Rollout, response_mask_from_tokens, scores_to_token_rewards
 from rlhf_lab.registry import get
-from rlhf_lab.rollout import (
-    Rollout,
-    format_prompts,
-    generate,
-    position_ids_from_mask,
-    response_logits,
-    response_mask_from_tokens,
-    scores_to_token_rewards,
-)
+from rlhf_lab.scoring.forward import position_ids_from_mask, response_logits
+from rlhf_lab.scoring.logprobs import entropy_from_logits, gather_logprobs
 from rlhf_lab.training.loop import Trainer
 
 EOS = 2  # SmolLM2's EOS, which is also its pad token
@@ -145,8 +140,8 @@ def score(trainer: Trainer, rollout: Rollout) -> tuple[Rollout, torch.Tensor, to
     rollout.logprobs = rollout.ref_logprobs.clone()
     rollout.entropy = entropy_from_logits(policy_logits) * mask
     rollout.scores = SCORES.clone()
-    estimate, exact = trainer.experience.kl_terms(rollout)
-    rollout.kl_penalty = trainer.kl_placement.reward_penalty(estimate, trainer.kl_controller.coef, mask)
+    estimate, exact = trainer.kl.sampled_terms(rollout)
+    rollout.kl_penalty = trainer.kl.placement.reward_penalty(estimate, trainer.kl_controller.coef, mask)
     trainer.algorithm.prepare(rollout)
     return rollout, estimate, exact
 
@@ -239,7 +234,7 @@ def test_kl_in_the_reward_leaves_masked_positions_at_zero(trainer: Trainer,
     rollout, _, _ = score(trainer, copy.deepcopy(rollouts[0]))
     mask = rollout.response_mask
     # The raw per-position KL is nonzero after the EOS too (the logits exist there); add an inf to be sure.
-    raw_kl = trainer.kl_estimator(rollout.logprobs, rollout.ref_logprobs, logits=rollout.policy_logits,
+    raw_kl = trainer.kl.estimator(rollout.logprobs, rollout.ref_logprobs, logits=rollout.policy_logits,
                                   ref_logits=rollout.ref_logits)
     assert (raw_kl[mask == 0] > 1e-4).all()
     raw_kl[0, -1] = float("inf")

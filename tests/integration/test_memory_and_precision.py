@@ -66,7 +66,8 @@ def test_the_default_recomputation_keeps_less_for_backward_and_the_same_gradient
         compose, tiny_overrides, tmp_path, precision):
     plain = make_trainer(compose, tiny_overrides, tmp_path / "plain", "trainer.recompute=[]",
                          f"trainer.precision={precision}")
-    default = make_trainer(compose, tiny_overrides, tmp_path / "default", f"trainer.precision={precision}")
+    default = make_trainer(compose, tiny_overrides, tmp_path / "default", f"trainer.precision={precision}",
+                           "hardware.recompute=true")  # cpu_tuned's choice under trainer.recompute=null
     assert plain.updater.recompute == [] and len(default.updater.recompute) == 3 * 4  # norms and MLP, 4 layers
     rollout = scored_rollout(plain)
     plain_bytes, plain_grads = saved_bytes_and_grads(plain, copy.deepcopy(rollout))

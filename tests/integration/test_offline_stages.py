@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from rlhf_lab.errors import ConfigError
 from rlhf_lab.trackers.jsonl import read_jsonl
-from rlhf_lab.training.loop import run
+from rlhf_lab.training.run import run
 
 WORDS = ["the", "movie", "film", "was", "plot", "acting", "story", "really", "very", "of", "about"]
 
@@ -107,7 +107,7 @@ def test_dpo_variants_train_with_and_without_lora(compose, tiny_overrides, pair_
 
 # ----------------------------------------------------------------------------------------------------- SFT
 def test_sft_loss_falls_and_eos_is_learned(compose, tiny_overrides, demo_file, tmp_path):
-    from rlhf_lab.models import build_tiny_llama, load_causal_lm, load_tokenizer
+    from rlhf_lab.models.loading import build_tiny_llama, load_causal_lm, load_tokenizer
     from rlhf_lab.offline.batch import Collator
     from rlhf_lab.offline.data import load_examples
 
@@ -139,12 +139,12 @@ def test_sft_loss_falls_and_eos_is_learned(compose, tiny_overrides, demo_file, t
 
 def test_sft_loss_counts_response_tokens_only(compose, tiny_overrides, demo_file):
     from rlhf_lab.algorithms.base import LossContext, PolicyOutput
-    from rlhf_lab.models import build_tiny_llama, load_tokenizer
+    from rlhf_lab.models.loading import build_tiny_llama, load_tokenizer
     from rlhf_lab.offline.batch import Collator
     from rlhf_lab.offline.data import load_examples
     from rlhf_lab.offline.sft import SFT
-    from rlhf_lab.ops import gather_logprobs
-    from rlhf_lab.rollout import response_logits
+    from rlhf_lab.scoring.forward import response_logits
+    from rlhf_lab.scoring.logprobs import gather_logprobs
 
     cfg = compose([*tiny_overrides(None), "algorithm=sft", "data=demonstrations", f"data.path={demo_file}",
                    "data.eval_fraction=0"])
@@ -169,7 +169,7 @@ def test_sft_loss_counts_response_tokens_only(compose, tiny_overrides, demo_file
 
 
 def test_sft_lora_output_loads_merged_and_as_adapter(compose, tiny_overrides, demo_file, tmp_path):
-    from rlhf_lab.models import build_tiny_llama, load_causal_lm, load_tokenizer
+    from rlhf_lab.models.loading import build_tiny_llama, load_causal_lm, load_tokenizer
 
     base = tmp_path / "base"
     tokenizer = load_tokenizer(compose(tiny_overrides(None)).model)
@@ -199,14 +199,13 @@ def test_sft_packing_gives_the_unpacked_logprobs_loss_and_gradient(compose, tiny
     """No cross-contamination: each demonstration's per-token log-probs, the loss and its gradient are the
     same packed (several documents per row, padding after them) as unpacked (one per row), fp32."""
     from rlhf_lab.algorithms.base import LossContext
-    from rlhf_lab.models import build_tiny_llama, load_tokenizer
+    from rlhf_lab.models.loading import build_tiny_llama, load_tokenizer
     from rlhf_lab.offline.batch import Collator
     from rlhf_lab.offline.data import load_examples
     from rlhf_lab.offline.loop import OfflineUpdater
     from rlhf_lab.offline.packing import first_fit, resolve_length
     from rlhf_lab.offline.sft import SFT
-    from rlhf_lab.ops import gather_logprobs
-    from rlhf_lab.registry import get
+    from rlhf_lab.scoring.logprobs import gather_logprobs
 
     cfg = compose([*tiny_overrides(None), "algorithm=sft", "algorithm.packing=true",
                    f"algorithm.packing_length={packing_length}", "data=demonstrations", f"data.path={demo_file}",
@@ -222,7 +221,7 @@ def test_sft_packing_gives_the_unpacked_logprobs_loss_and_gradient(compose, tiny
     assert [len(row) for row in layout] == rows == packed.document_ids.amax(-1).tolist()
 
     stage_, updater = SFT(cfg.algorithm), OfflineUpdater(cfg, model, SFT(cfg.algorithm), None,
-                                                         get("kl_placement", "reward"), torch.device("cpu"))
+                                                         torch.device("cpu"))
     results = {}
     for name, batch in (("unpacked", unpacked), ("packed", packed)):
         model.zero_grad()

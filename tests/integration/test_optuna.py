@@ -22,7 +22,7 @@ import yaml
 from omegaconf import OmegaConf
 from test_sweeps import read_offline_run, wandb_test_env
 
-from rlhf_lab.cli import main as cli_main
+from rlhf_lab.app.cli import main as cli_main
 from rlhf_lab.config.objective import objective
 
 TINY = ["model=tiny", "trainer.steps=1", "trainer.prompts_per_step=2", "algorithm.group_size=2",
@@ -145,7 +145,7 @@ def test_search_space_grammar() -> None:
     from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
     from hydra_plugins.rlhf_lab_optuna._search import flatten_params, search_space
-    from rlhf_lab.overrides import override_text
+    from rlhf_lab.config.overrides import override_text
 
     space, fixed = search_space([
         "a=interval(0.1, 0.5)", "b=tag(log, interval(1e-5, 1e-3))", "c=tag(int, interval(1, 8))",

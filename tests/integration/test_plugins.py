@@ -130,7 +130,7 @@ def test_python_api_refuses_a_sweep() -> None:
 def test_entry_point_that_fails_to_import_is_one_line_naming_it(monkeypatch) -> None:
     import importlib.metadata
 
-    from rlhf_lab import plugins
+    from rlhf_lab.app import plugins
 
     class Broken:
         name, value = "broken", "broken_pkg.parts"

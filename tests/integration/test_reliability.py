@@ -20,7 +20,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import rlhf_lab
 from rlhf_lab.algorithms.base import LossContext
-from rlhf_lab.data import prompt_indices
+from rlhf_lab.data.prompts import prompt_indices
 from rlhf_lab.rewards.base import RewardError, fill_nonfinite
 from rlhf_lab.training import checkpoint as ckpt
 from rlhf_lab.training.loop import Trainer, TrainingStopped

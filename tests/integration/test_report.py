@@ -13,7 +13,7 @@ import pytest
 import yaml
 from test_sweeps import read_metrics, smoke_sweep, swept
 
-from rlhf_lab.cli import main as cli_main
+from rlhf_lab.app.cli import main as cli_main
 from rlhf_lab.tools import report
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

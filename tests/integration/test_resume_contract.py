@@ -149,12 +149,12 @@ def test_auto_precision_continues_in_what_the_checkpoints_run_resolved(compose, 
     precision is refused."""
     auto = [*tiny_overrides(None), *BASE, "trainer.precision=auto"]
     run_dir = tmp_path / "run"
-    monkeypatch.setattr("rlhf_lab.precision.fast_bf16", lambda device: True)
+    monkeypatch.setattr("rlhf_lab.runtime.precision.fast_bf16", lambda device: True)
     Trainer(compose(auto), run_dir).train()
     step_1 = run_dir / "checkpoints" / "step_1"
     assert json.loads((step_1 / "trainer_state.json").read_text())["precision"] == "bf16-mixed"
 
-    monkeypatch.setattr("rlhf_lab.precision.fast_bf16", lambda device: False)
+    monkeypatch.setattr("rlhf_lab.runtime.precision.fast_bf16", lambda device: False)
     capsys.readouterr()
     trainer = Trainer(compose([*auto, "trainer.resume=auto", "trainer.steps=3"]), run_dir)
     assert trainer.precision.name == "bf16-mixed"
@@ -174,7 +174,7 @@ def test_auto_precision_continues_in_what_the_checkpoints_run_resolved(compose, 
 def test_auto_precision_without_a_record_or_when_set_explicitly_is_left_alone(tmp_path, monkeypatch) -> None:
     from omegaconf import OmegaConf
 
-    from rlhf_lab.precision import Precision
+    from rlhf_lab.runtime.precision import Precision
 
     folder = tmp_path / "step_4"
     folder.mkdir()

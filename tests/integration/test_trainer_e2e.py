@@ -22,9 +22,11 @@ from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM
 
 import rlhf_lab.training.loop as trainer_module
-from rlhf_lab.data import PromptSplits, load_prompts
-from rlhf_lab.models import build_tiny_llama, load_tokenizer
-from rlhf_lab.rollout import generate, response_logits, response_mask_from_tokens
+from rlhf_lab.data.prompts import PromptSplits, load_prompts
+from rlhf_lab.generation.hf import generate
+from rlhf_lab.generation.rollout import response_mask_from_tokens
+from rlhf_lab.models.loading import build_tiny_llama, load_tokenizer
+from rlhf_lab.scoring.forward import response_logits
 from rlhf_lab.trackers.jsonl import read_jsonl
 from rlhf_lab.training.loop import Trainer
 

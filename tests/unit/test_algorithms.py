@@ -22,8 +22,8 @@ from rlhf_lab.algorithms.base import (
 )
 from rlhf_lab.algorithms.losses import ClipRange, clip_loss
 from rlhf_lab.errors import RegistryError
+from rlhf_lab.generation.rollout import Rollout, last_token_index, scores_to_token_rewards
 from rlhf_lab.registry import get
-from rlhf_lab.rollout import Rollout, last_token_index, scores_to_token_rewards
 
 # Two prompts, G = 4 samples each.
 RETURNS = torch.tensor([1.0, 2.0, 3.0, 6.0, 0.0, 0.0, 1.0, 1.0], dtype=torch.float64)

@@ -1,4 +1,4 @@
-"""Prompt sources (rlhf_lab/data.py): the embedded set, local jsonl/csv files and folders, and the order in
+"""Prompt sources (rlhf_lab/data/prompts.py): the embedded set, local jsonl/csv files and folders, and the order in
 which prompts are drawn."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_lab.data import DataError, load_prompts, prompt_indices
+from rlhf_lab.data.prompts import DataError, load_prompts, prompt_indices
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:

@@ -8,10 +8,10 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-import rlhf_lab.rollout as rollout_module
-from rlhf_lab import models
-from rlhf_lab.rollout import generate
-from rlhf_lab.sampler import DecodeLayer, decode_cache
+import rlhf_lab.generation.hf as hf_module
+from rlhf_lab.generation.hf import generate
+from rlhf_lab.generation.kv_cache import DecodeLayer, decode_cache
+from rlhf_lab.models import loading as models
 
 AUTOCAST = dict(device_type="cpu", dtype=torch.bfloat16)
 
@@ -63,13 +63,13 @@ def test_generation_samples_what_it_samples_with_the_dynamic_cache(compose, tiny
                     keep_logits=True, share_prompts=share_prompts)
     prompts = ["Hi", "Say something kind about the sea."]
 
-    def sample() -> rollout_module.Rollout:
+    def sample() -> hf_module.Rollout:
         torch.manual_seed(0)
         with torch.autocast(**AUTOCAST, enabled=autocast):
             return generate(model, tiny_tokenizer, prompts, **settings)
 
     ours = sample()
-    monkeypatch.setattr(rollout_module, "decode_cache", lambda reserve: DynamicCache())
+    monkeypatch.setattr(hf_module, "decode_cache", lambda reserve: DynamicCache())
     theirs = sample()
     assert torch.equal(ours.input_ids, theirs.input_ids)
     assert torch.equal(ours.policy_logits, theirs.policy_logits)

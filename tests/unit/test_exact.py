@@ -1,4 +1,4 @@
-"""The exact task (rlhf_lab/exact/): metrics against hand computation, the closed-form optimum, the tokenizer and
+"""The exact task (rlhf_lab/testbed/): metrics against hand computation, the closed-form optimum, the tokenizer and
 model (special tokens have zero probability, responses are exactly T symbols), the reward table, and the
 config rules around it."""
 
@@ -12,8 +12,11 @@ import torch
 
 import rlhf_lab.components  # noqa: F401
 from rlhf_lab.errors import ConfigError, RewardError
-from rlhf_lab.exact.metrics import enumerate_logits, exact_metrics, regularised_optimum
-from rlhf_lab.exact.task import (
+from rlhf_lab.generation.hf import generate
+from rlhf_lab.registry import get
+from rlhf_lab.scoring.logprobs import gather_logprobs
+from rlhf_lab.testbed.metrics import enumerate_logits, exact_metrics, regularised_optimum
+from rlhf_lab.testbed.task import (
     PROMPT,
     SPECIAL_TOKENS,
     all_responses,
@@ -23,9 +26,6 @@ from rlhf_lab.exact.task import (
     table_index,
     token_ids,
 )
-from rlhf_lab.ops import gather_logprobs
-from rlhf_lab.registry import get
-from rlhf_lab.rollout import generate
 
 DIMS = SimpleNamespace(symbols=3, init_seed=0, init_std=0.2, hidden_size=16, num_hidden_layers=1,
                        num_attention_heads=2, num_key_value_heads=1, intermediate_size=32)

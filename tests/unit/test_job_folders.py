@@ -1,10 +1,10 @@
-"""Job folder labels (rlhf_lab/job_folders.py): short, bounded, distinct, the swept keys only when known."""
+"""Job folder labels (rlhf_lab/app/job_folders.py): short, bounded, distinct, the swept keys only when known."""
 
 from __future__ import annotations
 
 from omegaconf import OmegaConf
 
-from rlhf_lab.job_folders import LABEL_CHARS, job_label, swept_keys
+from rlhf_lab.app.job_folders import LABEL_CHARS, job_label, swept_keys
 
 
 def test_group_choices_by_value_and_dotted_keys_by_their_last_part() -> None:

@@ -9,8 +9,8 @@ import warnings
 import pytest
 import torch
 
-from rlhf_lab import models
 from rlhf_lab.errors import ConfigError
+from rlhf_lab.models import loading as models
 from rlhf_lab.offline.reward_model import build_reward_model
 
 DEPRECATION = "`is_gradient_checkpointing` is deprecated and will be removed in v6."

@@ -110,7 +110,7 @@ def test_demonstrations_from_columns_and_messages(tmp_path):
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from rlhf_lab.models import load_tokenizer
+    from rlhf_lab.models.loading import load_tokenizer
 
     return load_tokenizer(OmegaConf.create({"name": "tiny", "name_or_path": None}))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhf_lab.ops import gather_logprobs
+from rlhf_lab.scoring.logprobs import gather_logprobs, scale_logits
 
 
 def autograd_reference(logits: torch.Tensor, tokens: torch.Tensor, chunk_size: int) -> torch.Tensor:
@@ -47,3 +47,13 @@ def test_without_gradient_it_keeps_nothing() -> None:
         values = gather_logprobs(logits, tokens)
     assert values.grad_fn is None
     assert torch.equal(values, autograd_reference(logits, tokens, 1024))
+
+
+def test_scale_logits_skips_the_division_at_temperature_one() -> None:
+    logits = torch.randn(2, 3, 5, generator=torch.Generator().manual_seed(0))
+    assert scale_logits(logits, 1.0) is logits  # float32 in, nothing allocated
+    assert torch.equal(scale_logits(logits, 1.0), logits / 1.0)  # x / 1 is x exactly
+    assert torch.equal(scale_logits(logits, 0.7), logits / 0.7)
+    half = logits.bfloat16()
+    assert scale_logits(half, 1.0).dtype == torch.float32
+    assert torch.equal(scale_logits(half, 1.0), half.float())

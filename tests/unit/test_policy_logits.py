@@ -8,11 +8,12 @@ import torch
 from conftest import SCORED_PROMPT, SCORED_RESPONSE, scoring_batch
 
 import rlhf_lab.components  # noqa: F401
-from rlhf_lab import models
-from rlhf_lab.ops import gather_logprobs
-from rlhf_lab.precision import Precision
+from rlhf_lab.kl.placements import KLPenalty
+from rlhf_lab.models import loading as models
 from rlhf_lab.registry import get
-from rlhf_lab.rollout import response_logits
+from rlhf_lab.runtime.precision import Precision
+from rlhf_lab.scoring.forward import response_logits
+from rlhf_lab.scoring.logprobs import gather_logprobs
 from rlhf_lab.training.update import Updater
 
 PROMPT, RESPONSE = SCORED_PROMPT, SCORED_RESPONSE
@@ -59,6 +60,6 @@ def test_temperature_keeps_float32(compose, tiny_overrides, tiny_tokenizer):
 def test_which_runs_get_the_lm_head_s_logits(compose, tiny_overrides, tiny_tokenizer, overrides, float32):
     cfg = compose([*tiny_overrides(None), "algorithm=grpo", "kl=k3", "kl.placement=loss", *overrides])
     model = models.build_tiny_llama(tiny_tokenizer, cfg.model.tiny, seed=0)
-    updater = Updater(cfg, model, get("algorithm", cfg.algorithm.name)(cfg.algorithm), get("kl", cfg.kl.name),
-                      get("kl_placement", cfg.kl.placement), torch.device("cpu"), Precision("bf16-mixed", "cpu"))
+    updater = Updater(cfg, model, get("algorithm", cfg.algorithm.name)(cfg.algorithm), KLPenalty(cfg.kl),
+                      torch.device("cpu"), Precision("bf16-mixed", "cpu"))
     assert updater.logits_float32 is float32

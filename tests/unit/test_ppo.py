@@ -19,7 +19,7 @@ from rlhf_lab.algorithms.base import LossContext, PolicyOutput
 from rlhf_lab.algorithms.critic import SeparateCritic, ValueHead, policy_trunk
 from rlhf_lab.algorithms.losses import ClipRange, clip_loss
 from rlhf_lab.algorithms.ppo import PPO, clipped_value_loss, explained_variance, gae_advantages, shape_scores
-from rlhf_lab.rollout import Rollout, scores_to_token_rewards
+from rlhf_lab.generation.rollout import Rollout, scores_to_token_rewards
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -87,7 +87,7 @@ _TOKENIZERS: dict = {}
 
 
 def _cached_tokenizer(model_cfg):
-    from rlhf_lab.models import load_tokenizer
+    from rlhf_lab.models.loading import load_tokenizer
 
     key = (model_cfg.name, model_cfg.name_or_path)
     if key not in _TOKENIZERS:

@@ -8,9 +8,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from rlhf_lab import precision as precision_module
 from rlhf_lab.errors import ConfigError
-from rlhf_lab.precision import Precision, check_device, fast_bf16, resolve_precision
+from rlhf_lab.runtime import precision as precision_module
+from rlhf_lab.runtime.precision import Precision, check_device, fast_bf16, resolve_precision
 
 
 @pytest.mark.parametrize(("precision", "dtype", "expected"), [

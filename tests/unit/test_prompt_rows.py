@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_lab.data import check_rows
+from rlhf_lab.data.prompts import check_rows
 from rlhf_lab.errors import DataError, UserError
 
 
@@ -47,7 +47,7 @@ def test_loaded_prompts_that_are_not_strings_are_refused(tmp_path: Path) -> None
     """A csv column pandas reads as numbers, or a jsonl line without the column (``datasets`` fills null)."""
     from omegaconf import OmegaConf
 
-    from rlhf_lab.data import load_prompts
+    from rlhf_lab.data.prompts import load_prompts
 
     def load(name: str, path: Path) -> None:
         load_prompts(OmegaConf.create({"name": name, "path": str(path), "prompt_column": "prompt",

@@ -1,4 +1,4 @@
-"""Selective activation recomputation (``trainer.recompute``, rlhf_lab/recompute.py): the same gradients bit for
+"""Selective activation recomputation (``trainer.recompute``, rlhf_lab/models/recompute.py): the same gradients bit for
 bit, fewer tensors kept for the backward pass, which parts a config picks, and one-line errors."""
 
 from __future__ import annotations
@@ -7,12 +7,12 @@ import pytest
 import torch
 from conftest import SCORED_PROMPT, SCORED_RESPONSE, scoring_batch
 
-from rlhf_lab import models
 from rlhf_lab.errors import ConfigError
-from rlhf_lab.ops import gather_logprobs
-from rlhf_lab.precision import Precision
-from rlhf_lab.recompute import AUTO, recompute_modules, recomputing
-from rlhf_lab.rollout import response_logits
+from rlhf_lab.models import loading as models
+from rlhf_lab.models.recompute import AUTO, recompute_modules, recomputing
+from rlhf_lab.runtime.precision import Precision
+from rlhf_lab.scoring.forward import response_logits
+from rlhf_lab.scoring.logprobs import gather_logprobs
 
 PROMPT, RESPONSE = SCORED_PROMPT, SCORED_RESPONSE
 
@@ -51,7 +51,7 @@ LORA = ["model.lora.enabled=true", "model.lora.r=4", "model.lora.dropout=0.3"]
 def test_gradients_equal_the_plain_pass_bit_for_bit(compose, tiny_overrides, tiny_tokenizer, precision, overrides):
     cfg = tiny_cfg(compose, tiny_overrides, *overrides)
     model = tiny_policy(cfg, tiny_tokenizer)
-    modules = recompute_modules(model, cfg.trainer)
+    modules = recompute_modules(model, cfg.trainer, auto=True)
     assert len(modules) == len(AUTO) * cfg.model.tiny.num_hidden_layers
     plain = training_pass(model, [], precision)
     recomputed = training_pass(model, modules, precision)
@@ -71,7 +71,7 @@ def test_the_mlp_s_activations_are_not_kept(compose, tiny_overrides, tiny_tokeni
         return [t.shape[-1] for t in saved if t.dim() >= 2 and t.shape[-1] == width]
 
     # gate, up, their product and the activation: 4 per layer, plus the MLP weights' [H, I] ones kept either way
-    plain, recomputed = kept_widths([]), kept_widths(recompute_modules(model, cfg.trainer))
+    plain, recomputed = kept_widths([]), kept_widths(recompute_modules(model, cfg.trainer, auto=True))
     assert len(plain) - len(recomputed) >= 3 * cfg.model.tiny.num_hidden_layers
     assert len(recomputed) <= cfg.model.tiny.num_hidden_layers  # down_proj's weight [H, I] only
 
@@ -79,7 +79,7 @@ def test_the_mlp_s_activations_are_not_kept(compose, tiny_overrides, tiny_tokeni
 def test_wrapping_lasts_only_for_the_block_and_keeps_an_instance_forward(compose, tiny_overrides, tiny_tokenizer):
     cfg = tiny_cfg(compose, tiny_overrides)
     model = tiny_policy(cfg, tiny_tokenizer)
-    modules = recompute_modules(model, cfg.trainer)
+    modules = recompute_modules(model, cfg.trainer, auto=True)
     hooked = modules[0]
     own_forward = hooked.forward  # as accelerate's hooks set one on the instance
     hooked.forward = own_forward
@@ -96,16 +96,18 @@ def test_which_parts_a_config_picks(compose, tiny_overrides, tiny_tokenizer):
     model = tiny_policy(tiny_cfg(compose, tiny_overrides), tiny_tokenizer)
     layers = model.model.layers
 
-    def picked(*overrides: str):
-        return recompute_modules(model, tiny_cfg(compose, tiny_overrides, *overrides).trainer)
+    def picked(*overrides: str, auto: bool = True):
+        return recompute_modules(model, tiny_cfg(compose, tiny_overrides, *overrides).trainer, auto=auto)
 
-    assert picked() == [getattr(layer, name) for layer in layers for name in AUTO]
+    assert picked() == [getattr(layer, name) for layer in layers for name in AUTO]  # hardware=cpu_tuned's choice
+    assert picked(auto=False) == []  # the plain path's
+    assert picked("trainer.recompute=[mlp]", auto=False) == [layer.mlp for layer in layers]
     assert picked("trainer.recompute=[]") == []
     assert picked("trainer.recompute=[mlp]") == [layer.mlp for layer in layers]
     assert picked("trainer.recompute=[mlp,mlp]") == [layer.mlp for layer in layers]
     assert picked("trainer.gradient_checkpointing=true") == []  # whole layers are recomputed there
     lora = tiny_policy(tiny_cfg(compose, tiny_overrides, *LORA), tiny_tokenizer)
-    assert recompute_modules(lora, tiny_cfg(compose, tiny_overrides, *LORA).trainer) == []  # the default under LoRA
+    assert recompute_modules(lora, tiny_cfg(compose, tiny_overrides, *LORA).trainer, auto=True) == []  # under LoRA
     named = recompute_modules(lora, tiny_cfg(compose, tiny_overrides, *LORA, "trainer.recompute=[mlp]").trainer)
     assert named == [layer.mlp for layer in lora.base_model.model.model.layers]
 

@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 
 from rlhf_lab.algorithms.advantages import remax
 from rlhf_lab.algorithms.base import Algorithm
-from rlhf_lab.rollout import Rollout
+from rlhf_lab.generation.rollout import Rollout
 from rlhf_lab.training.sampling import SamplingRules, informative_groups, overlong_penalty, refill_indices, truncated
 
 
@@ -97,7 +97,7 @@ def _part(prompt_width: int, response_width: int, score: float | None) -> Rollou
 
 @pytest.mark.parametrize("scored", [False, True])
 def test_concat_rollouts_pads_and_carries_scores_when_there_are_any(scored: bool) -> None:
-    from rlhf_lab.rollout import concat_rollouts
+    from rlhf_lab.generation.rollout import concat_rollouts
 
     joined = concat_rollouts([_part(3, 2, 1.0 if scored else None), _part(1, 4, 3.0 if scored else None)], 0)
     assert joined.prompt_width == 3 and joined.response_mask.shape == (4, 4)

@@ -10,10 +10,12 @@ from torch import nn
 import rlhf_lab.components  # noqa: F401
 from rlhf_lab.algorithms.base import Algorithm, LossResult, PolicyOutput, token_mean
 from rlhf_lab.algorithms.critic import ValueHead
+from rlhf_lab.generation.rollout import Rollout
+from rlhf_lab.hardware import HardwareProfile
+from rlhf_lab.hardware.allocator import preallocate_adam_state
 from rlhf_lab.registry import get
-from rlhf_lab.rollout import Rollout
 from rlhf_lab.training.records import StepTimer
-from rlhf_lab.training.update import Updater, allocate_state, lr_lambda, parameter_groups
+from rlhf_lab.training.update import Updater, lr_lambda, parameter_groups
 
 TRAINER = {"lr": 0.1, "adam_beta1": 0.9, "adam_beta2": 0.999, "weight_decay": 0.0, "lr_schedule": "constant",
            "warmup_steps": 0, "steps": 10, "max_grad_norm": None, "micro_batch_size": 0, "max_new_tokens": 3,
@@ -38,13 +40,13 @@ class Toy(Algorithm):
         return LossResult(loss, {"loss/policy": loss.detach()}, veto)
 
 
-def toy_updater(algorithm: Algorithm, **trainer) -> tuple[Updater, nn.Linear]:
+def toy_updater(algorithm: Algorithm, hardware: HardwareProfile | None = None, **trainer) -> tuple[Updater, nn.Linear]:
     policy = nn.Linear(1, 1, bias=False)
     with torch.no_grad():
         policy.weight.fill_(1.0)
     cfg = config()
     cfg.trainer.update(trainer)
-    updater = Updater(cfg, policy, algorithm, get("kl", "kl"), get("kl_placement", "reward"), torch.device("cpu"))
+    updater = Updater(cfg, policy, algorithm, None, torch.device("cpu"), hardware=hardware)
     # The policy's "log-prob" of every token is its single weight w.
     updater.forward = lambda batch: PolicyOutput(policy.weight[0, 0] * batch.response_mask, batch.response_mask,
                                                  None)
@@ -140,7 +142,7 @@ def test_adams_state_made_before_the_first_step_updates_as_the_lazily_made_one(f
     early_model.load_state_dict(lazy_model.state_dict())
     lazy = torch.optim.AdamW(lazy_model.parameters(), lr=0.1, weight_decay=0.01, fused=fused)
     early = torch.optim.AdamW(early_model.parameters(), lr=0.1, weight_decay=0.01, fused=fused)
-    allocate_state(early)
+    preallocate_adam_state(early)
     for p in early_model.parameters():
         state = early.state[p]
         assert float(state["step"]) == 0.0 and not state["exp_avg"].any() and not state["exp_avg_sq"].any()
@@ -157,6 +159,8 @@ def test_adams_state_made_before_the_first_step_updates_as_the_lazily_made_one(f
             assert lazy.state[p][key].dtype == early.state[q][key].dtype
 
 
-def test_the_updater_makes_adams_state_up_front() -> None:
-    updater, policy = toy_updater(Toy())
+def test_the_cpu_profile_makes_adams_state_up_front_and_the_plain_path_lazily() -> None:
+    updater, policy = toy_updater(Toy(), hardware=HardwareProfile(preallocate_optimizer=True))
     assert float(updater.optimizer.state[policy.weight]["step"]) == 0.0
+    updater, policy = toy_updater(Toy())
+    assert policy.weight not in updater.optimizer.state

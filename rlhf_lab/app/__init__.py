@@ -1,0 +1,1 @@
+"""Entry points: the `rlhf-lab` command (:mod:`.cli`), the Python API (:mod:`.api`), plug-ins (:mod:`.plugins`)."""

@@ -1,0 +1,28 @@
+"""``rlhf-lab --help`` (rlhf_lab/conf/hydra/help/rlhf_lab.yaml): the option lists it shows, computed when asked.
+
+``${rlhf_lab_help:groups}`` lists each config group's options (schemas, ``*_schema``, are not options) and
+``${rlhf_lab_help:launchers}`` / ``${rlhf_lab_help:sweepers}`` the installed launchers and sweepers.
+"""
+
+from __future__ import annotations
+
+from omegaconf import OmegaConf
+
+GROUPS = ("algorithm", "kl", "reward", "model", "data", "logger", "hardware", "generation", "experiment", "hparams_search",
+          "kl_arm")
+
+
+def help_text(what: str) -> str:
+    from rlhf_lab.config.compose import CONF_DIR, group_options
+    from rlhf_lab.config.validate_sweep import plugin_options
+
+    if what == "groups":
+        return "\n".join(f"  {group}: {', '.join(group_options(group))}" for group in GROUPS if group_options(group))
+    if what in ("launchers", "sweepers"):
+        return ", ".join(plugin_options(what[:-1], CONF_DIR))
+    return ""
+
+
+def register_help() -> None:
+    if not OmegaConf.has_resolver("rlhf_lab_help"):
+        OmegaConf.register_new_resolver("rlhf_lab_help", help_text)

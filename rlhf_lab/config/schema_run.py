@@ -1,0 +1,105 @@
+"""Structured configs of how a run runs: the trainer's loop, evaluation, the generation engine, the hardware profile.
+
+Part of :mod:`rlhf_lab.config.schema` (the root :class:`~rlhf_lab.config.schema.Config` types its groups with them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# ------------------------------------------------------------------------------------------------ trainer
+
+
+@dataclass
+class TrainerConfig:
+    steps: int = 30
+    lr: float = 1e-5
+    # Wall-clock budget (s) of the training steps, over every resumed segment: the run stops after the step
+    # that reaches it, then ends as usual (rlhf_lab/training/budget.py). null: none. The LR schedule still
+    # runs over trainer.steps: with a large trainer.steps a decaying schedule is cut short, not compressed.
+    max_train_seconds: float | None = None
+    prompts_per_step: int = 2
+    max_new_tokens: int = 32
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    eval_every: int = 0  # 0: only at the end
+    eval_prompts: int = 16
+    checkpoint_every: int = 0  # 0: only at the end
+    keep_last_n: int = 2
+    resume: str | None = None  # null | auto | path to a checkpoint folder
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    # auto | fp32 | bf16-mixed | bf16-true | fp16-mixed (Lightning's names; rlhf_lab/runtime/precision.py). auto:
+    # bf16-mixed where the device multiplies bfloat16 fast (CUDA with bf16; AVX512-BF16/AMX CPUs whose bf16
+    # products measure at least as fast as fp32's), else fp32
+    precision: str = "auto"
+    dtype: str | None = None  # deprecated alias: float32 -> precision=fp32, bfloat16 -> precision=bf16-true
+    strategy: str = "auto"  # auto | single | ddp | fsdp (rlhf_lab/runtime/distributed.py); auto: ddp under torchrun
+    gradient_checkpointing: bool = False  # recompute activations in backward (transformers' own)
+    # Submodules of every decoder layer recomputed in the backward pass instead of keeping their activations
+    # (exact: rlhf_lab/models/recompute.py). null: the hardware profile's choice (hardware.recompute: both norms
+    # and the MLP under full fine-tuning; none otherwise); []: none
+    recompute: list[str] | None = None
+    offload_reference: bool = False  # keep the frozen reference on the CPU between its passes
+    logprob_chunk: int = 0  # rows per chunk of the reference scoring pass; 0: the whole batch at once
+    seed_per_prompt: bool = False  # each prompt group samples from its own seeded generator (batch-independent)
+    num_threads: int = 0  # torch intra-op threads; 0: torch's default
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    warmup_steps: int = 0
+    lr_schedule: str = "constant"  # constant | linear | cosine (after warmup)
+    max_grad_norm: float | None = 1.0
+    micro_batch_size: int = 0  # samples per forward/backward; 0 = the whole mini-batch
+    samples_per_step_logged: int = 2  # rows appended to samples.jsonl each step
+    max_consecutive_skips: int = 5  # non-finite loss/gradient skips before the run stops
+    progress_bar: bool = True
+    exact_every: int = 1  # model=exact: steps between exact/* metrics (by enumeration); 0: the last step only
+    output_dir: str | None = None  # null: Hydra's run folder
+
+
+# ----------------------------------------------------------------------------------------------------- eval
+
+
+@dataclass
+class EvalConfig:
+    """Held-out evaluation (rlhf_lab/training/evaluation.py): training's periodic one and ``rlhf-lab eval``."""
+
+    prompts: int | None = None  # null: trainer.eval_prompts
+    samples_per_prompt: int = 1
+    temperature: float | None = None  # null: trainer.temperature
+    top_p: float | None = None  # null: trainer.top_p
+    greedy: bool = False  # the most likely token at every position
+    rewards: list[str] = field(default_factory=list)  # extra eval-only reward options, each eval/reward/<name>/mean
+    win_rate: bool = False  # the reference answers too: eval/win_rate under win_rate_reward
+    win_rate_reward: str | None = None  # a reward option; null: the run's reward
+
+
+# ------------------------------------------------------------------------------------------------ hardware
+
+
+@dataclass
+class HardwareConfig:
+    """``hardware=default|cpu_tuned`` (rlhf_lab/hardware/): each field one piece of CPU tuning, off on the plain path."""
+
+    name: str = "default"
+    keep_freed_heap: bool = False  # glibc: mmap threshold fixed at 32 MiB, the heap never trimmed
+    huge_pages: bool = False  # THP_MEM_ALLOC_ENABLE=1 (unless the environment sets it)
+    onednn_cache_capacity: int = 0  # LRU_CACHE_CAPACITY (unless the environment sets it); 0: oneDNN's own
+    row_chunk: int = 0  # rows per [rows, V] chunk of the log-prob and KL passes; 0: the plain path's
+    fast_draws: bool = False  # the decode's multinomial draws computed only where a token can win
+    generation_weights: bool = False  # merged LoRA / cast frozen / oneDNN-packed weights while decoding
+    embedding_rows: bool = False  # the input embedding's gradient added by rows (one process only)
+    grouped_kv: bool = False  # scoring passes attend on the grouped key/value heads (transformers' switch)
+    recompute: bool = False  # trainer.recompute=null: norms and MLP recomputed under full fine-tuning
+    preallocate_optimizer: bool = False  # AdamW's moments made before the first generation
+
+
+# ---------------------------------------------------------------------------------------------- generation
+
+
+@dataclass
+class GenerationConfig:
+    """``generation=hf`` (rlhf_lab/generation/): the engine that samples the responses (registered kind ``generation``)."""
+
+    name: str = "hf"

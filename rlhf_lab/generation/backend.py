@@ -1,0 +1,54 @@
+"""The generation seam: one interface every engine implements (kind ``generation``, ``generation=NAME``).
+
+The trainer asks an engine for samples and never how they are made. An engine is built once per run from the
+policy, the tokenizer and the sampling settings, and then:
+
+- ``generate(prompts, group_size, seeds=None, greedy=False) -> Rollout``: ``group_size`` responses per prompt
+  (``prompts`` already formatted, e.g. through the chat template), their token ids, the response mask and the
+  sampler's own per-token log-probs (π_old); ``seeds`` gives each prompt group its own generator, so samples do not
+  depend on batching or on ranks; ``greedy`` decodes the most likely token (ReMax's baseline);
+- ``sync_weights(policy)``: the policy's current weights become the ones it samples with (after each update);
+- ``sleep()`` / ``wake_up()``: give back and take again the memory it holds between generations.
+
+``hf`` (:mod:`rlhf_lab.generation.hf`) samples with the policy's own transformers forward passes; its weights are
+the policy's, so ``sync_weights``, ``sleep`` and ``wake_up`` have nothing to do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from torch import nn
+
+from rlhf_lab.generation.rollout import Rollout
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """What every engine samples with (``trainer.*`` and ``data.max_prompt_tokens``)."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_prompt_tokens: int = 512
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> SamplingSettings:
+        trainer = cfg.trainer
+        return cls(trainer.max_new_tokens, trainer.temperature, trainer.top_p, trainer.top_k,
+                   cfg.data.max_prompt_tokens)
+
+
+class GenerationBackend(Protocol):
+    """What the trainer needs of a generation engine (see the module's text)."""
+
+    def generate(self, prompts: list[str], group_size: int, seeds: list[int] | None = None,
+                 greedy: bool = False) -> Rollout: ...
+
+    def sync_weights(self, policy: nn.Module) -> None: ...
+
+    def sleep(self) -> None: ...
+
+    def wake_up(self) -> None: ...

@@ -1,0 +1,139 @@
+"""The decode loop: sample responses and collect the sampling policy's per-token quantities as it goes.
+
+It makes the same draws as ``model.generate(do_sample=True, ...)`` for a fixed seed: the same logits
+processors (transformers' own ``MinNewTokensLengthLogitsProcessor``, ``TemperatureLogitsWarper``,
+``TopKLogitsWarper``, ``TopPLogitsWarper``, in generate's order), one ``torch.multinomial`` draw per step for
+every row on the processed distribution, finished rows continued with the pad token, and the loop ends when
+every row has produced an EOS or ``max_new_tokens`` are done. What it adds over ``generate``: each position's
+log-probability and entropy come from that step's logits at once, so the [B, T, V] logits need not be kept
+unless asked; it can keep the last hidden state that predicted each token (the shared PPO critic's input at
+sampling time), which saves a forward pass over the rollout; its key/value cache
+(:mod:`rlhf_lab.generation.kv_cache`) is written in place.
+
+The policy distribution is ``softmax(raw logits / temperature)``, before top-k/top-p truncation (see
+:mod:`rlhf_lab.generation.rollout`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from transformers import (
+    LogitsProcessorList,
+    MinNewTokensLengthLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from rlhf_lab.runtime.distributed import sharded
+from rlhf_lab.scoring.logprobs import entropy_from_logits, gather_logprobs, scale_logits
+
+
+@dataclass
+class Sampled:
+    """What the decode loop returns; T is the number of steps taken (≤ max_new_tokens)."""
+
+    response_ids: Tensor  # [B, T] sampled tokens, pad after a row's EOS
+    logprobs: Tensor  # [B, T] log softmax(logits / temperature) at the sampled token (unmasked)
+    entropy: Tensor  # [B, T] entropy of softmax(logits / temperature) (unmasked)
+    logits: Tensor | None  # [B, T, V] raw logits / temperature, float32 (``keep_logits``; a view of a
+    # [B, max_new_tokens, V] buffer when every row ended early); with ``logits_float32=False`` at temperature 1
+    # the LM head's own logits (bf16 under autocast: the numbers whose float32 copy the sampler reads)
+    hidden: Tensor | None  # [B, T, H] last hidden state that predicted each token (``keep_hidden``)
+
+def logits_processors(prompt_width: int, eos_token_id: int | list[int] | None, greedy: bool, temperature: float,
+                      top_k: int, top_p: float, min_new_tokens: int = 1) -> LogitsProcessorList:
+    """The processors ``generate`` applies for these settings, in its order."""
+    processors = LogitsProcessorList()
+    if min_new_tokens > 0 and eos_token_id is not None:
+        processors.append(MinNewTokensLengthLogitsProcessor(prompt_width, min_new_tokens, eos_token_id))
+    if greedy:
+        return processors
+    if temperature != 1.0:
+        processors.append(TemperatureLogitsWarper(temperature))
+    if top_k:
+        processors.append(TopKLogitsWarper(top_k=top_k, min_tokens_to_keep=1))
+    if top_p < 1.0:
+        processors.append(TopPLogitsWarper(top_p=top_p, min_tokens_to_keep=1))
+    return processors
+
+
+def multinomial(probs: Tensor) -> Tensor:
+    """One token per row of [B, V] ``probs``: ``torch.multinomial``'s draw, as ``generate`` makes it."""
+    return torch.multinomial(probs, num_samples=1).squeeze(1)
+
+
+@torch.no_grad()
+def decode(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, past_key_values: Any, cached: int,
+           max_new_tokens: int, temperature: float, top_p: float, top_k: int, eos_token_id: int | list[int] | None,
+           pad_token_id: int, greedy: bool = False, keep_logits: bool = False,
+           keep_hidden: bool = False, logits_float32: bool = True,
+           sample: Callable[[Tensor], Tensor] = multinomial) -> Sampled:
+    """Sample up to ``max_new_tokens`` tokens after left-padded prompts ``prompt_ids`` [B, P].
+
+    ``past_key_values`` holds the first ``cached`` prompt positions of every row (0 with an empty cache);
+    the rest of the prompt goes through the model in the first step. ``sample`` draws one token per row from
+    the processed [B, V] probabilities (:func:`multinomial`; a hardware profile may give its own with the same
+    draws).
+    """
+    batch, prompt_width = prompt_ids.shape
+    device = prompt_ids.device
+    # generate's minimum length of 1 sets the EOS scores to −inf at the first step; later it returns a copy of the
+    # scores it is given (the same numbers), so the later steps run without it, and without any processor copy.
+    first_processors = logits_processors(prompt_width, eos_token_id, greedy, temperature, top_k, top_p)
+    later_processors = logits_processors(prompt_width, eos_token_id, greedy, temperature, top_k, top_p, 0)
+    eos_ids = torch.as_tensor([] if eos_token_id is None else eos_token_id, device=device).reshape(-1)
+    attention_mask = torch.cat([prompt_mask, prompt_mask.new_ones(batch, max_new_tokens)], dim=1)
+    # Positions skip left padding: the next position of each row is its count of real tokens so far.
+    positions = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)
+    next_position = prompt_mask.long().sum(-1, keepdim=True)
+    sequences = prompt_ids
+    unfinished = torch.ones(batch, dtype=torch.bool, device=device)
+    tokens, logprobs, entropies, hidden_states = [], [], [], []
+    kept_logits = None  # [B, max_new_tokens, V], written step by step (see below)
+    step_ids, step_positions = prompt_ids[:, cached:], positions[:, cached:]
+    # Without autocast the model call runs in inference mode (no view or version bookkeeping, the same
+    # numbers); under autocast inference mode would bypass autocast's cache of weight casts,
+    # and with sharded parameters (FSDP's DTensors) the call gathers weights that later passes train through.
+    inference = not torch.is_autocast_enabled(device.type) and not any(map(sharded, model.parameters()))
+    for step in range(max_new_tokens):
+        width = prompt_width + step
+        with torch.inference_mode(inference):
+            output = model(input_ids=step_ids, attention_mask=attention_mask[:, :width], position_ids=step_positions,
+                           past_key_values=past_key_values, use_cache=True, logits_to_keep=1,
+                           output_hidden_states=keep_hidden)
+        past_key_values = output.past_key_values
+        raw = output.logits[:, -1].float()  # [B, V]
+        scaled = scale_logits(raw, temperature)
+        processors = later_processors if step else first_processors
+        scores = processors(sequences, raw.clone()) if processors else raw
+        next_tokens = scores.max(-1).indices if greedy else sample(torch.softmax(scores, dim=-1))
+        next_tokens = torch.where(unfinished, next_tokens, pad_token_id)
+        logprobs.append(gather_logprobs(scaled, next_tokens))
+        entropies.append(entropy_from_logits(scaled))
+        if keep_logits:  # into one buffer: a list of [B, V] tensors stacked at the end is a second full copy
+            kept = scaled if logits_float32 or temperature != 1.0 else output.logits[:, -1]
+            if kept_logits is None:
+                kept_logits = kept.new_empty(batch, max_new_tokens, kept.shape[-1])
+            kept_logits[:, step] = kept
+        if keep_hidden:
+            hidden_states.append(output.hidden_states[-1][:, -1])
+        tokens.append(next_tokens)
+        sequences = torch.cat([sequences, next_tokens[:, None]], dim=1)
+        unfinished = unfinished & ~torch.isin(next_tokens, eos_ids)
+        if not bool(unfinished.any()):
+            break
+        step_ids = next_tokens[:, None]
+        step_positions = next_position + step
+    return Sampled(
+        response_ids=torch.stack(tokens, dim=1),
+        logprobs=torch.stack(logprobs, dim=1),
+        entropy=torch.stack(entropies, dim=1),
+        logits=kept_logits[:, : len(tokens)] if keep_logits else None,
+        hidden=torch.stack(hidden_states, dim=1) if keep_hidden else None,
+    )

@@ -1,0 +1,157 @@
+"""The default generation engine (``generation=hf``): the policy's own transformers forward passes, driven by
+rlhf_lab's decode loop (:mod:`rlhf_lab.generation.decode`).
+
+Each prompt is prefilled once for its ``group_size`` samples: all but its last token run through the network for
+the distinct prompts, the key/value cache is repeated to the rows of each, and decoding continues from it (the
+logits equal the unshared run's to float precision). The sampler's log-probs and entropies come from the logits
+it samples with, so no second forward pass of the policy is needed for π_old.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from rlhf_lab.generation.backend import SamplingSettings
+from rlhf_lab.generation.decode import decode, multinomial
+from rlhf_lab.generation.kv_cache import decode_cache
+from rlhf_lab.generation.rollout import Rollout, concat_rollouts, response_mask_from_tokens
+from rlhf_lab.registry import register
+from rlhf_lab.runtime.precision import Precision
+from rlhf_lab.scoring.forward import position_ids_from_mask, prefill_shared
+
+if TYPE_CHECKING:
+    from rlhf_lab.hardware import HardwareProfile
+
+
+@torch.no_grad()
+def generate(
+    model: nn.Module,
+    tokenizer: Any,
+    prompts: list[str],
+    group_size: int,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    max_prompt_tokens: int,
+    keep_logits: bool,
+    share_prompts: bool = True,
+    greedy: bool = False,
+    keep_hidden: bool = False,
+    logits_float32: bool = True,
+    sample: Callable[[Tensor], Tensor] = multinomial,
+) -> Rollout:
+    """Sample ``group_size`` responses per prompt and collect the sampling policy's log-probs and entropy.
+
+    The decode loop (:func:`rlhf_lab.generation.decode.decode`, the same draws as ``model.generate``) computes
+    the log-probs and entropies from the logits it samples with, so no second forward pass of the policy is
+    needed for the old log-probs. With ``share_prompts`` each prompt is prefilled once, not once per sample:
+    all but its last token run through the network for the unique prompts, the key/value cache is repeated
+    to the ``group_size`` rows of each, and decoding continues from it. The logits equal the unshared run's
+    to float precision. ``greedy`` decodes the most likely token at every position instead (ReMax's
+    baseline response); ``keep_hidden`` keeps the last hidden state that predicted each response token
+    (``Rollout.hidden``, the shared PPO critic's input at sampling time); ``logits_float32=False`` keeps the
+    LM head's own logits at temperature 1 (``Rollout.policy_logits``, see
+    :class:`rlhf_lab.generation.decode.Sampled`); ``sample`` draws each step's tokens.
+    """
+    device = next(model.parameters()).device
+    encoded = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    if encoded["input_ids"].shape[1] > max_prompt_tokens:
+        lengths = encoded["attention_mask"].sum(-1)
+        index = int(torch.argmax(lengths))
+        raise ValueError(
+            f"prompt {index} is {int(lengths[index])} tokens, over data.max_prompt_tokens={max_prompt_tokens}"
+        )
+    prompt_ids = encoded["input_ids"].repeat_interleave(group_size, 0).to(device)
+    prompt_mask = encoded["attention_mask"].repeat_interleave(group_size, 0).to(device)
+    was_training = model.training
+    model.eval()
+    cache, cached = decode_cache(max_new_tokens), 0
+    if share_prompts and group_size > 1 and encoded["input_ids"].shape[1] > 1:
+        unique_ids, unique_mask = encoded["input_ids"].to(device), encoded["attention_mask"].to(device)
+        rows = torch.arange(unique_ids.shape[0], device=device).repeat_interleave(group_size)
+        prefix = prefill_shared(model, unique_ids[:, :-1], unique_mask[:, :-1],
+                                position_ids_from_mask(unique_mask)[:, :-1], rows, past_key_values=cache)
+        cache, cached = prefix.past_key_values, unique_ids.shape[1] - 1
+    sampled = decode(model, prompt_ids, prompt_mask, cache, cached, max_new_tokens=max_new_tokens,
+                     temperature=temperature, top_p=top_p, top_k=top_k, eos_token_id=tokenizer.eos_token_id,
+                     pad_token_id=tokenizer.pad_token_id, greedy=greedy, keep_logits=keep_logits,
+                     keep_hidden=keep_hidden, logits_float32=logits_float32, sample=sample)
+    model.train(was_training)
+    prompt_width = prompt_ids.shape[1]
+    response_ids = sampled.response_ids
+    response_mask = response_mask_from_tokens(response_ids, tokenizer.eos_token_id)
+    # Tokens after the first EOS are padding: make them the pad token and mask them out of attention.
+    response_ids = torch.where(response_mask.bool(), response_ids, tokenizer.pad_token_id)
+    input_ids = torch.cat([prompt_ids, response_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask, response_mask.long()], dim=1)
+    return Rollout(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        response_mask=response_mask,
+        prompt_width=prompt_width,
+        group_size=group_size,
+        logprobs=sampled.logprobs * response_mask,
+        entropy=sampled.entropy * response_mask,
+        policy_logits=sampled.logits,
+        hidden=sampled.hidden,
+    )
+
+
+@register("generation", "hf")
+class HFGeneration:
+    """The :class:`~rlhf_lab.generation.backend.GenerationBackend` that decodes with the policy itself.
+
+    ``keep_logits`` keeps the sampling policy's [B, T, V] logits on the rollout (the exact-KL diagnostic and the
+    estimators that read them), ``keep_hidden`` the last hidden states (PPO's shared critic at sampling time),
+    ``logits_float32`` whether the kept logits are float32 (see :func:`generate`). Every pass runs under the run's
+    precision; the hardware profile may give the decode its own weights and draws (:mod:`rlhf_lab.hardware`).
+    """
+
+    def __init__(self, policy: nn.Module, tokenizer: Any, settings: SamplingSettings,
+                 precision: Precision | None = None, hardware: HardwareProfile | None = None,
+                 keep_logits: bool = True, keep_hidden: bool = False, logits_float32: bool = True) -> None:
+        self.policy, self.tokenizer, self.settings = policy, tokenizer, settings
+        self.device = next(policy.parameters()).device
+        self.precision = precision or Precision("fp32", self.device.type)
+        if hardware is None:
+            from rlhf_lab.hardware import HardwareProfile  # the plain path (its module reads the config schema)
+
+            hardware = HardwareProfile()
+        self.hardware = hardware
+        self.keep_logits, self.keep_hidden, self.logits_float32 = keep_logits, keep_hidden, logits_float32
+
+    def generate(self, prompts: list[str], group_size: int, seeds: list[int] | None = None,
+                 greedy: bool = False) -> Rollout:
+        """``group_size`` samples per prompt (see :class:`~rlhf_lab.generation.backend.GenerationBackend`)."""
+        rows = group_size if seeds is not None else len(prompts) * group_size
+        with self.precision.autocast(), self.hardware.decode_weights(self.policy, rows=rows):
+            if seeds is None:
+                return self._generate(prompts, group_size, greedy)
+            parts = []
+            for prompt, seed in zip(prompts, seeds, strict=True):
+                with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+                    torch.manual_seed(seed)
+                    parts.append(self._generate([prompt], group_size, greedy))
+        return concat_rollouts(parts, self.tokenizer.pad_token_id)
+
+    def _generate(self, prompts: list[str], group_size: int, greedy: bool) -> Rollout:
+        settings = self.settings
+        return generate(self.policy, self.tokenizer, prompts, group_size, settings.max_new_tokens,
+                        settings.temperature, settings.top_p, settings.top_k, settings.max_prompt_tokens,
+                        keep_logits=self.keep_logits and not greedy, greedy=greedy,
+                        keep_hidden=self.keep_hidden and not greedy, logits_float32=self.logits_float32,
+                        sample=self.hardware.sample)
+
+    def sync_weights(self, policy: nn.Module) -> None:
+        """Nothing to copy: it samples with the policy's own weights."""
+
+    def sleep(self) -> None:
+        """Nothing held between generations."""
+
+    def wake_up(self) -> None:
+        """Nothing to take again."""

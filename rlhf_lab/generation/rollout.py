@@ -1,0 +1,131 @@
+"""The batch of sampled responses every algorithm trains on (:class:`Rollout`) and its masks.
+
+Layout: each row is ``[left padding | prompt | response | padding after EOS]``; the prompt part has the
+same width P for every row (left padding), the response part width T. ``response_mask`` [B, T] is 1 on
+response tokens up to and including the first EOS, 0 after it; it is built from the first EOS of each
+response, never from ``token == pad_token_id`` (SmolLM2's pad token is its EOS token).
+
+The policy's distribution is ``softmax(logits / temperature)``: the one sampled from (before top-p/top-k
+truncation) and the one whose log-probabilities, entropies and KL the algorithms use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+import torch
+from torch import Tensor
+
+
+def response_mask_from_tokens(response_ids: Tensor, eos_token_id: int | list[int] | None) -> Tensor:
+    """1.0 on tokens up to and including the first EOS of each row, 0.0 after it: [B, T]."""
+    batch, length = response_ids.shape
+    if eos_token_id is None:
+        return torch.ones(batch, length, dtype=torch.float32, device=response_ids.device)
+    eos_ids = torch.as_tensor(eos_token_id, device=response_ids.device).reshape(-1)
+    is_eos = torch.isin(response_ids, eos_ids)
+    positions = torch.arange(length, device=response_ids.device).expand(batch, length)
+    first_eos = torch.where(is_eos, positions, torch.full_like(positions, length)).min(dim=1).values
+    return (positions <= first_eos[:, None]).float()
+
+@dataclass
+class Rollout:
+    """One step's samples and every per-token quantity computed from them.
+
+    Rows are grouped: row i belongs to prompt i // group_size.
+    """
+
+    input_ids: Tensor  # [B, P+T] prompt (left padded) + response
+    attention_mask: Tensor  # [B, P+T] 1 on prompt and valid response tokens
+    response_mask: Tensor  # [B, T] float
+    prompt_width: int  # P
+    group_size: int
+    logprobs: Tensor  # [B, T] sampling-time policy log-probs (the "old" policy)
+    entropy: Tensor  # [B, T] full-vocabulary entropy of the sampling policy
+    policy_logits: Tensor | None = None  # [B, T, V] sampling-time policy logits (temperature-scaled), in the
+    # LM head's dtype or float32 as ref_logits
+    hidden: Tensor | None = None  # [B, T, H] sampling-time last hidden states predicting each response token
+    ref_logprobs: Tensor | None = None  # [B, T]
+    ref_logits: Tensor | None = None  # [B, T, V] temperature-scaled; in the LM head's dtype at temperature 1
+    # unless the KL estimator reads them (ExperienceMaker.logits_float32), else float32
+    scores: Tensor | None = None  # [B] sequence rewards from the reward function
+    kl_estimate: Tensor | None = None  # [B, T] the configured KL estimator's per-token value, masked
+    kl_exact: Tensor | None = None  # [B, T] exact per-token KL from full logits (diagnostic), masked
+    kl_penalty: Tensor | None = None  # [B, T] what the KL placement takes out of the token rewards
+    kl_coef: float = 0.0  # the KL coefficient this rollout was scored with
+    token_rewards: Tensor | None = None  # [B, T] built by the algorithm: score at the last token − kl_penalty
+    advantages: Tensor | None = None  # [B, T]
+    returns: Tensor | None = None  # [B, T] (critic targets)
+    values: Tensor | None = None  # [B, T] (critic estimates at sampling time)
+    old_logprobs: Tensor | None = None  # [B, T] π_old from a training pass (algorithm.tis_cap); None: logprobs
+    tis_weights: Tensor | None = None  # [B, T] truncated importance weights π_train/π_sampler (tis_cap)
+    baseline_scores: Tensor | None = None  # [B] the greedy response's score of each sample's prompt (ReMax)
+    extras: dict[str, Tensor] = field(default_factory=dict)
+
+    @property
+    def response_ids(self) -> Tensor:
+        return self.input_ids[:, self.prompt_width :]
+
+    @property
+    def batch_size(self) -> int:
+        return self.input_ids.shape[0]
+
+    def select(self, rows: Tensor) -> Rollout:
+        """A sub-batch with the given row indices (tensors indexed on dim 0, the rest shared)."""
+        values = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, Tensor) and value.dim() > 0:
+                value = value[rows]
+            elif f.name == "extras":
+                value = {k: v[rows] for k, v in value.items()}
+            values[f.name] = value
+        return Rollout(**values)
+
+def last_token_index(response_mask: Tensor) -> Tensor:
+    """Index of each row's last valid response token: [B] (0 for an empty row)."""
+    return (response_mask.sum(-1).long() - 1).clamp(min=0)
+
+def scores_to_token_rewards(scores: Tensor, response_mask: Tensor) -> Tensor:
+    """Place each sequence score on its last valid response token: [B] -> [B, T]."""
+    token_rewards = torch.zeros_like(response_mask)
+    token_rewards.scatter_(1, last_token_index(response_mask)[:, None], scores[:, None].to(token_rewards.dtype))
+    return token_rewards * response_mask
+
+def concat_rollouts(parts: list[Rollout], pad_token_id: int) -> Rollout:
+    """Stack rollouts generated separately into one batch: prompts left-padded to the widest prompt, responses
+    right-padded to the longest (pad token, mask 0; per-token tensors 0 there). Rows keep their order; scores
+    and reward components come along when the parts have them."""
+    if len(parts) == 1:
+        return parts[0]
+    prompt_width = max(part.prompt_width for part in parts)
+    response_width = max(part.response_mask.shape[1] for part in parts)
+
+    def pad(tensor: Tensor, left: int, right: int, value: float = 0) -> Tensor:
+        # F.pad pads the last dimensions first: move [B, T, V]'s T last, pad, move back.
+        if tensor.dim() == 3:
+            return torch.nn.functional.pad(tensor.transpose(1, 2), (left, right), value=value).transpose(1, 2)
+        return torch.nn.functional.pad(tensor, (left, right), value=value)
+
+    pieces: dict[str, list[Tensor]] = {key: [] for key in ("input_ids", "attention_mask", "response_mask",
+                                                           "logprobs", "entropy", "policy_logits", "hidden", "scores")}
+    for part in parts:
+        left, right = prompt_width - part.prompt_width, response_width - part.response_mask.shape[1]
+        prompt_ids, response_ids = part.input_ids[:, : part.prompt_width], part.response_ids
+        pieces["input_ids"].append(torch.cat([pad(prompt_ids, left, 0, pad_token_id),
+                                              pad(response_ids, 0, right, pad_token_id)], dim=1))
+        prompt_mask, response_attention = part.attention_mask[:, : part.prompt_width], part.attention_mask[:, part.prompt_width :]
+        pieces["attention_mask"].append(torch.cat([pad(prompt_mask, left, 0), pad(response_attention, 0, right)], dim=1))
+        for key in ("response_mask", "logprobs", "entropy"):
+            pieces[key].append(pad(getattr(part, key), 0, right))
+        for key in ("policy_logits", "hidden"):
+            if getattr(part, key) is not None:
+                pieces[key].append(pad(getattr(part, key), 0, right))
+        if part.scores is not None:
+            pieces["scores"].append(part.scores)
+    optional = {key: pieces.pop(key) for key in ("policy_logits", "hidden", "scores")}
+    optional = {key: torch.cat(values) if getattr(parts[0], key) is not None else None
+                for key, values in optional.items()}
+    extras = {key: torch.cat([part.extras[key] for part in parts]) for key in parts[0].extras}
+    return Rollout(prompt_width=prompt_width, group_size=parts[0].group_size, extras=extras, **optional,
+                   **{key: torch.cat(values) for key, values in pieces.items()})

@@ -1,0 +1,39 @@
+"""What a run tells its user: Python ``logging`` inside a Hydra job (so the job's ``<name>.log`` holds it, as well
+as the console), plain ``print`` elsewhere (a notebook, a test, ``rlhf_lab.train`` without a logging setup)."""
+
+from __future__ import annotations
+
+import logging
+
+
+def _in_hydra_job() -> bool:
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return HydraConfig.initialized()
+    except Exception:  # Hydra missing or not running
+        return False
+
+
+def say(message: str, logger: str = "rlhf_lab", level: int = logging.INFO) -> None:
+    if _in_hydra_job():
+        logging.getLogger(logger).log(level, message)
+    else:
+        print(message, flush=True)
+
+
+def progress_label() -> str:
+    """The progress bar's name: ``train``, or in a multirun the job's number and label (``train job 3 k3,seed=1``),
+    so the bars of jobs that run side by side (joblib, Ray) tell which is which."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+            return "train"
+        from pathlib import Path
+
+        folder = Path(str(HydraConfig.get().runtime.output_dir)).name  # <num>_<label> (rlhf_lab/app/job_folders.py)
+        return f"train job {folder.replace('_', ' ', 1)}"
+    except Exception:  # Hydra missing or its config incomplete: the plain name
+        return "train"

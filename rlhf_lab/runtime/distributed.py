@@ -1,0 +1,277 @@
+"""Where a multi-process run differs from one process: torch.distributed set-up, wrapping, and reductions.
+
+One run scales over N processes launched by ``torchrun`` (or ``accelerate launch``), which set ``RANK``,
+``WORLD_SIZE`` and ``MASTER_ADDR``/``MASTER_PORT``. ``trainer.strategy``:
+
+- ``single``: one process, no process group;
+- ``ddp``: the policy (and an algorithm's trainable modules) wrapped in ``DistributedDataParallel``:
+  gradients are averaged across ranks at every backward;
+- ``fsdp``: torch's FSDP2 ``fully_shard`` with each transformer block as a unit, then the whole model:
+  parameters, gradients and optimizer state are sharded; works in one process too;
+- ``auto``: ``ddp`` under a multi-process launch, else ``single``.
+
+Single-process runs see rank 0 of 1 and every reduction here is the identity, computed exactly as the
+plain local expression (so one-process numbers do not move); the masked reductions over every rank's rows are
+:mod:`rlhf_lab.masked`'s, with ``across_ranks=True``. Prompt groups are never split across ranks
+(``data.prompt_indices`` gives each rank a contiguous block of whole prompts); statistics over the batch
+are reduced here so N processes compute what one process computes on the whole batch.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from contextlib import AbstractContextManager, ExitStack
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from rlhf_lab.errors import ConfigError
+
+STRATEGIES = ("auto", "single", "ddp", "fsdp")
+LAUNCH_HINT = "launch with torchrun --nproc_per_node=N -m rlhf_lab ... (or accelerate launch)"
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    return dist.get_rank() if is_distributed() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def is_main_process() -> bool:
+    return rank() == 0
+
+
+def launched_processes() -> int:
+    """How many processes the launcher started (``WORLD_SIZE`` from torchrun / accelerate), 1 otherwise."""
+    if is_distributed():
+        return world_size()
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
+
+
+def resolve_strategy(strategy: str, processes: int | None = None) -> str:
+    """The strategy a run uses: ``auto`` picks ``ddp`` under a multi-process launch, else ``single``.
+
+    ``ddp`` needs a multi-process launch; ``single`` refuses one (each rank would train its own model).
+    """
+    processes = launched_processes() if processes is None else processes
+    if strategy not in STRATEGIES:
+        raise ConfigError(f"trainer.strategy={strategy!r} is not valid; choose from: {', '.join(STRATEGIES)}")
+    if strategy == "auto":
+        return "ddp" if processes > 1 else "single"
+    if strategy == "ddp" and processes < 2:
+        raise ConfigError(f"trainer.strategy=ddp needs a multi-process launch (WORLD_SIZE={processes}); {LAUNCH_HINT}")
+    if strategy == "single" and processes > 1:
+        raise ConfigError(
+            f"trainer.strategy=single, but launched as {processes} processes (WORLD_SIZE={processes}): each "
+            "would train its own model; use trainer.strategy=ddp|fsdp|auto or run without torchrun"
+        )
+    return strategy
+
+
+def setup(strategy: str, device: torch.device) -> None:
+    """Start the process group a strategy needs (idempotent); ``fsdp`` in one process gets a group of one."""
+    if strategy == "single" or is_distributed():
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if launched_processes() > 1:
+        dist.init_process_group(backend)
+    else:  # FSDP in one process: a group of one, no rendezvous
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+def teardown() -> None:
+    if is_distributed():
+        dist.destroy_process_group()
+
+
+def wrap(module: nn.Module, strategy: str, device: torch.device) -> nn.Module:
+    """``module`` as the strategy trains it: DDP-wrapped, FSDP2-sharded in place, or unchanged."""
+    if strategy == "ddp" and any(p.requires_grad for p in module.parameters()):
+        device_ids = [device.index or 0] if device.type == "cuda" else None
+        return nn.parallel.DistributedDataParallel(module, device_ids=device_ids)
+    if strategy == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in transformer_blocks(module):
+            fully_shard(block)
+        fully_shard(module)
+    return module
+
+
+def transformer_blocks(module: nn.Module) -> list[nn.Module]:
+    """The decoder layers of a causal LM (looking through a peft wrapper): FSDP2's sharding units."""
+    blocks = []
+    for name, child in module.named_modules():
+        if name.endswith("layers") and isinstance(child, nn.ModuleList):
+            blocks.extend(child)
+    return blocks
+
+
+def sharded(tensor: Tensor) -> bool:
+    """Whether ``tensor`` holds its values as a tensor subclass (FSDP2's DTensor shards, say) rather than as one
+    plain tensor: code that reads or re-lays weights whole (stacking, packing, inference-mode gathers) skips it."""
+    return type(tensor.data) is not torch.Tensor
+
+
+def unwrap(module: nn.Module) -> nn.Module:
+    """The module inside a DDP wrapper (FSDP2 shards in place: nothing to unwrap)."""
+    return module.module if isinstance(module, nn.parallel.DistributedDataParallel) else module
+
+
+def no_sync(modules: Sequence[nn.Module], skip: bool) -> AbstractContextManager:
+    """Skip DDP's gradient all-reduce in this backward (every micro-batch of a mini-batch but the last)."""
+    stack = ExitStack()
+    if skip:
+        for module in modules:
+            if isinstance(module, nn.parallel.DistributedDataParallel):
+                stack.enter_context(module.no_sync())
+    return stack
+
+
+# ------------------------------------------------------------------------------------------ reductions
+def all_reduce_sum(values: Tensor) -> Tensor:
+    """Σ over ranks of ``values`` (a new tensor; the identity in one process)."""
+    if not is_distributed() or world_size() == 1:
+        return values
+    total = values.detach().clone()
+    dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    return total
+
+
+def all_reduce_flags(flag: bool) -> bool:
+    """True when ``flag`` is true on every rank (e.g. every rank's loss is finite)."""
+    return bool(all_reduce_sum(torch.tensor([0.0 if flag else 1.0]))[0] == 0)
+
+
+def sum_dict(values: dict[str, float]) -> dict[str, float]:
+    """Σ over ranks of each value of a dict with the same keys on every rank (one collective)."""
+    if not is_distributed() or world_size() == 1 or not values:
+        return values
+    keys = sorted(values)
+    totals = all_reduce_sum(torch.tensor([float(values[k]) for k in keys], dtype=torch.float64))
+    return {**values, **{k: float(v) for k, v in zip(keys, totals.tolist())}}
+
+
+def gather_rows(values: Tensor) -> Tensor:
+    """Every rank's rows concatenated in rank order ([B, ...] each, the same shape on every rank)."""
+    if not is_distributed() or world_size() == 1:
+        return values
+    pieces = [torch.empty_like(values) for _ in range(world_size())]
+    dist.all_gather(pieces, values.contiguous())
+    return torch.cat(pieces)
+
+
+def gather_objects(items: list[Any]) -> list[Any]:
+    """Every rank's list concatenated in rank order (picklable objects: texts, floats)."""
+    if not is_distributed() or world_size() == 1:
+        return items
+    gathered: list[list[Any]] = [[] for _ in range(world_size())]
+    dist.all_gather_object(gathered, items)
+    return [item for part in gathered for item in part]
+
+
+def _single() -> bool:
+    return not is_distributed() or world_size() == 1
+
+
+def mean(values: Tensor) -> Tensor:
+    """Mean of ``values`` over every rank's entries (``values.mean()`` in one process)."""
+    if _single():
+        return values.mean()
+    totals = all_reduce_sum(torch.stack([values.sum().double(), values.new_tensor(values.numel()).double()]))
+    return (totals[0] / totals[1]).to(values.dtype)
+
+
+def maximum(value: Tensor) -> float:
+    """The largest of every rank's scalar ``value``."""
+    if _single():
+        return float(value)
+    total = value.detach().double().reshape(1).clone()
+    dist.all_reduce(total, op=dist.ReduceOp.MAX)
+    return float(total[0])
+
+
+def minimum(value: Tensor) -> float:
+    """The smallest of every rank's scalar ``value``."""
+    return -maximum(-value)
+
+
+def mean_across_ranks(metrics: dict[str, Any]) -> dict[str, Any]:
+    """Average numeric metrics over ranks (identity in a single process)."""
+    if not is_distributed() or world_size() == 1:
+        return metrics
+    keys = sorted(k for k, v in metrics.items() if isinstance(v, int | float) and not isinstance(v, bool))
+    totals = sum_dict({k: float(metrics[k]) for k in keys})
+    return {**metrics, **{k: totals[k] / world_size() for k in keys}}
+
+
+# ------------------------------------------------------------------------------- FSDP checkpoint state
+def full_model_state(module: nn.Module) -> dict[str, Tensor]:
+    """The whole (unsharded) state dict of an FSDP-sharded module on the CPU; a collective: every rank calls."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    # A tied parameter (lm_head = embeddings) is one tensor saved once, as an unsharded model saves it.
+    seen: set[int] = set()
+    for name, parameter in module.named_parameters(remove_duplicate=False):
+        if id(parameter) in seen:
+            state.pop(name, None)
+        seen.add(id(parameter))
+    return state
+
+
+def load_full_model_state(module: nn.Module, state: dict[str, Tensor]) -> Any:
+    """Load a whole state dict into a (possibly FSDP-sharded) module; returns (missing, unexpected) keys."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    return set_model_state_dict(module, state, options=StateDictOptions(full_state_dict=True, strict=False))
+
+
+def _parameter_names(container: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """The name of each of the optimizer's parameters, in its groups' order (the id format's indices)."""
+    names = {id(p): name for name, p in container.named_parameters()}
+    return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+
+
+def full_optimizer_state(modules: dict[str, nn.Module], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The whole optimizer state of sharded modules, in ``optimizer.state_dict()``'s format (parameters by
+    index), so a checkpoint looks the same whatever strategy wrote it; a collective: every rank calls."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    container = nn.ModuleDict(modules)
+    state = get_optimizer_state_dict(container, optimizer,
+                                     options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not state:  # gathered on rank 0 only
+        return {}
+    index = {name: i for i, name in enumerate(_parameter_names(container, optimizer))}
+    return {"state": {index[name]: value for name, value in state["state"].items()},
+            "param_groups": [{**group, "params": [index[name] for name in group["params"]]}
+                             for group in state["param_groups"]]}
+
+
+def load_full_optimizer_state(modules: dict[str, nn.Module], optimizer: torch.optim.Optimizer,
+                              state: dict[str, Any]) -> None:
+    """Load an optimizer state in ``state_dict()``'s format into the optimizer of sharded modules."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    container = nn.ModuleDict(modules)
+    names = _parameter_names(container, optimizer)
+    by_name = {"state": {names[int(i)]: value for i, value in state["state"].items()},
+               "param_groups": [{**group, "params": [names[int(i)] for i in group["params"]]}
+                                for group in state["param_groups"]]}
+    set_optimizer_state_dict(container, optimizer, optim_state_dict=by_name,
+                             options=StateDictOptions(full_state_dict=True))

@@ -1,0 +1,93 @@
+"""Scoring passes: the logits a model gives each response token of a batch, with or without gradient.
+
+The same function serves the reference pass (no gradient), the training pass (with gradient) and, through
+:func:`prefill_shared`, the decode loop's prompt prefill. Rows that share a prompt (the G samples of a group)
+run that prompt through the network once; its key/value cache is indexed out to every row.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from rlhf_lab.scoring.logprobs import scale_logits
+
+
+def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
+    """Positions that skip left padding, as generation uses them: cumsum(mask) − 1, clamped at 0."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+def prefill_shared(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor,
+                   rows: Tensor, **kwargs: Any) -> Any:
+    """Run each distinct prompt through ``model`` once and expand its key/value cache to ``rows``.
+
+    ``rows[i]`` is the prompt that batch row ``i`` continues from. The returned output's logits (last
+    position only) and hidden states are per prompt; its ``past_key_values`` are per row, ready for the
+    continuation (generation, or the response tokens of a scoring pass). Indexing keeps the gradient path.
+    """
+    output = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   use_cache=True, logits_to_keep=1, **kwargs)
+    output.past_key_values.batch_select_indices(rows)
+    return output
+
+def response_logits(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, prompt_width: int,
+                    temperature: float, output_hidden_states: bool = False,
+                    share_prompts: bool = True, float32: bool = True) -> tuple[Tensor, Tensor | None]:
+    """Temperature-scaled logits predicting each response token: [B, T, V] (and last hidden states [B, T, H]).
+
+    In float32, or with ``float32=False`` at temperature 1 in the LM head's own dtype (bfloat16 under autocast:
+    the same numbers, without the [B, T, V] float32 copy, for a caller that upcasts them in chunks itself).
+
+    Only the positions that predict response tokens go through the LM head (``logits_to_keep``). With
+    ``share_prompts``, rows that share a prompt (the G samples of a group) run that prompt through the
+    network once; its key/value cache is then indexed out to every row, and gradients flow back through
+    it. The result equals the plain forward pass (see :func:`_plain_response_logits`) to float precision.
+    """
+    prompt_ids = input_ids[:, :prompt_width]
+    unique_prompts, row_to_prompt = torch.unique(prompt_ids, dim=0, return_inverse=True)
+    if not share_prompts or unique_prompts.shape[0] == input_ids.shape[0] or input_ids.shape[1] == prompt_width:
+        return _plain_response_logits(model, input_ids, attention_mask, prompt_width, temperature,
+                                      output_hidden_states, float32)
+    # One representative row per unique prompt.
+    first_row = torch.full((unique_prompts.shape[0],), input_ids.shape[0], dtype=torch.long, device=input_ids.device)
+    first_row.scatter_reduce_(0, row_to_prompt, torch.arange(input_ids.shape[0], device=input_ids.device), "amin")
+    positions = position_ids_from_mask(attention_mask)
+    prefix = prefill_shared(model, prompt_ids[first_row], attention_mask[first_row, :prompt_width],
+                            positions[first_row, :prompt_width], row_to_prompt,
+                            output_hidden_states=output_hidden_states)
+    cache = prefix.past_key_values
+    first_logits = prefix.logits[:, -1:].index_select(0, row_to_prompt)
+    # The last response token predicts nothing, so the continuation stops one short of the end.
+    continuation = model(
+        input_ids=input_ids[:, prompt_width:-1],
+        attention_mask=attention_mask[:, :-1],
+        position_ids=positions[:, prompt_width:-1],
+        past_key_values=cache,
+        use_cache=True,
+        output_hidden_states=output_hidden_states,
+    )
+    logits = scale_logits(torch.cat([first_logits, continuation.logits], dim=1), temperature, float32)
+    hidden = None
+    if output_hidden_states:
+        first_hidden = prefix.hidden_states[-1][:, -1:].index_select(0, row_to_prompt)
+        hidden = torch.cat([first_hidden, continuation.hidden_states[-1]], dim=1)
+    return logits, hidden
+
+def _plain_response_logits(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, prompt_width: int,
+                           temperature: float, output_hidden_states: bool = False,
+                           float32: bool = True) -> tuple[Tensor, Tensor | None]:
+    """One forward pass over every row's prompt and response (the reference computation)."""
+    response_width = input_ids.shape[1] - prompt_width
+    output = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        logits_to_keep=response_width + 1,
+        output_hidden_states=output_hidden_states,
+        use_cache=False,
+    )
+    logits = scale_logits(output.logits[:, :-1], temperature, float32)
+    hidden = output.hidden_states[-1][:, prompt_width - 1 : -1] if output_hidden_states else None
+    return logits, hidden
