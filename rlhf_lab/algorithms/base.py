@@ -209,7 +209,7 @@ class Algorithm:
         """The policy loss of a micro-batch minus the entropy bonus, and its statistics (shares of the
         mini-batch's: summed over micro-batches they give the mini-batch's values)."""
         mask = batch.response_mask
-        old_logprobs = batch.old_logprobs if batch.old_logprobs is not None else batch.logprobs
+        old_logprobs = batch.behaviour_logprobs
         result = get("policy_loss", self.cfg.policy_loss)(output.logprobs, old_logprobs, batch.advantages, mask,
                                                           self.clip)
         per_token = result.per_token if batch.tis_weights is None else result.per_token * batch.tis_weights

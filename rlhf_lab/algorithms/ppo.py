@@ -196,7 +196,7 @@ class PPO(Algorithm):
             self.values(batch, output), batch.values, batch.returns, mask, self.cfg.clip_value
         )
         value_loss = aggregate(per_token, mask, self.cfg.loss_aggregation, context)
-        old_logprobs = batch.old_logprobs if batch.old_logprobs is not None else batch.logprobs
+        old_logprobs = batch.behaviour_logprobs
         ratio = torch.exp(output.logprobs - old_logprobs).detach()
         stats = result.stats
         stats["loss/value"] = value_loss.detach()  # ½ squared error, before vf_coef

@@ -18,6 +18,7 @@ from rlhf_lab.errors import ConfigError, DataError
 
 EMBEDDED = {"movie_prompts": Path(__file__).parents[1] / "assets" / "movie_prompts"}
 FILE_FORMATS = {"jsonl": ("json", ".jsonl"), "csv": ("csv", ".csv")}
+EVAL_CHUNK = 16  # held-out prompts generated at once (the offline stages: held-out examples per forward pass)
 
 
 @dataclass

@@ -63,6 +63,12 @@ class Rollout:
     extras: dict[str, Tensor] = field(default_factory=dict)
 
     @property
+    def behaviour_logprobs(self) -> Tensor:
+        """log π_old, what the ratio divides by: the training pass's log-probs where ``algorithm.tis_cap`` made
+        them (``old_logprobs``), else the sampler's (``logprobs``)."""
+        return self.old_logprobs if self.old_logprobs is not None else self.logprobs
+
+    @property
     def response_ids(self) -> Tensor:
         return self.input_ids[:, self.prompt_width :]
 

@@ -2,7 +2,7 @@
 stage's own steps (collate a batch, prepare it, held-out metrics).
 
 A stage registers under kind ``algorithm`` like the online algorithms (``algorithm=sft|dpo|reward_model``),
-with ``offline = True`` and the loop that runs it named in ``trainer`` (see :func:`rlhf_lab.training.run.run`).
+with ``offline = True`` and the loop that runs it named in ``trainer`` (see :func:`rlhf_lab.training.launch.run`).
 """
 
 from __future__ import annotations
@@ -13,10 +13,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from rlhf_lab.data.prompts import EVAL_CHUNK
 from rlhf_lab.generation.rollout import Rollout
 from rlhf_lab.offline.data import Example
-
-EVAL_CHUNK = 16  # held-out examples per forward pass
 
 
 class OfflineStage:

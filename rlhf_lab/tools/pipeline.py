@@ -61,7 +61,7 @@ def split_overrides(overrides: list[str], stages: list[str]) -> tuple[list[str],
 def run_stage(overrides: list[str], folder: Path) -> dict[str, Any]:
     """Compose and validate as the CLI does, write ``.hydra/config.yaml``, run; the stage's summary."""
     from rlhf_lab.config import compose
-    from rlhf_lab.training.run import run
+    from rlhf_lab.training.launch import run
 
     cfg = compose([*overrides, f"trainer.output_dir={folder}"])
     (folder / ".hydra").mkdir(parents=True, exist_ok=True)

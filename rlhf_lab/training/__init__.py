@@ -5,10 +5,24 @@
 - ``records``: step timer, metrics and samples files, summary;
 - ``checkpoint``: crash-safe checkpoints and resume;
 - ``loop``: the ``Trainer`` that builds the parts and runs steps, evaluation and signals;
-- ``run``: :func:`run`, what the CLI and the API call (the algorithm's loop class, under the run folder's lock).
+- ``launch``: :func:`run`, what the CLI and the API call (the algorithm's loop class, under the run folder's lock).
+
+``Trainer`` and ``run`` load on first use, so importing one unit (``rlhf_lab.training.evaluation``) does not
+import the whole loop.
 """
 
-from rlhf_lab.training.loop import Trainer
-from rlhf_lab.training.run import run
+from typing import Any
 
 __all__ = ["Trainer", "run"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Trainer":
+        from rlhf_lab.training.loop import Trainer
+
+        return Trainer
+    if name == "run":
+        from rlhf_lab.training.launch import run
+
+        return run
+    raise AttributeError(f"module 'rlhf_lab.training' has no attribute {name!r}")

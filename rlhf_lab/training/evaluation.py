@@ -21,11 +21,10 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
+from rlhf_lab.data.prompts import EVAL_CHUNK
 from rlhf_lab.masked import masked_sum
 from rlhf_lab.runtime import distributed
 from rlhf_lab.training.records import StepTimer, distinct_n
-
-EVAL_CHUNK = 16  # held-out prompts generated at once
 
 
 def rng_key(seed: int, split: int, step: int, position: int) -> int:

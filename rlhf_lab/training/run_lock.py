@@ -6,7 +6,7 @@ lock left by a killed process is never "stale": the next run takes it. The file 
 holder that the previous one ended without releasing it. Only rank 0 of a multi-process run takes it.
 
 Within one process the lock is counted: the CLI takes it before Hydra writes ``.hydra/`` into the folder,
-and :func:`rlhf_lab.training.run.run` takes it again (a multirun job's own folder); the last release unlocks.
+and :func:`rlhf_lab.training.launch.run` takes it again (a multirun job's own folder); the last release unlocks.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from rlhf_lab.errors import ConfigError
 from rlhf_lab.trackers.jsonl import read_jsonl
-from rlhf_lab.training.run import run
+from rlhf_lab.training.launch import run
 
 WORDS = ["the", "movie", "film", "was", "plot", "acting", "story", "really", "very", "of", "about"]
 

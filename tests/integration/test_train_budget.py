@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from rlhf_lab.trackers.jsonl import read_jsonl
-from rlhf_lab.training.run import run
+from rlhf_lab.training.launch import run
 
 COMMON = ["algorithm=grpo", "trainer.steps=3", "trainer.lr=1e-3"]
 WALL_TIME_KEYS = ("time/", "throughput/")
