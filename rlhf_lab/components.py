@@ -8,7 +8,9 @@ import rlhf_lab.algorithms.advantages  # noqa: F401  (advantage estimators, base
 import rlhf_lab.algorithms.base  # noqa: F401  (the composed algorithms, loss aggregations)
 import rlhf_lab.algorithms.losses  # noqa: F401  (policy losses)
 import rlhf_lab.algorithms.ppo  # noqa: F401
-import rlhf_lab.generation.hf  # noqa: F401  (generation engines)
+import rlhf_lab.generation.hf  # noqa: F401  (generation engines; vllm imports vLLM only when a run uses it)
+import rlhf_lab.generation.server  # noqa: F401
+import rlhf_lab.generation.vllm  # noqa: F401
 import rlhf_lab.kl  # noqa: F401
 import rlhf_lab.offline.dpo  # noqa: F401  (offline stages: sft, dpo, reward_model; preference losses)
 import rlhf_lab.offline.reward_model  # noqa: F401

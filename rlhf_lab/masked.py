@@ -23,7 +23,7 @@ def masked_sum(values: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
 def _sum_and_count(values: Tensor, mask: Tensor, across_ranks: bool) -> tuple[Tensor, Tensor]:
     """(Σ values·mask, Σ mask) over every position, over every rank's rows with ``across_ranks`` (in float64)."""
     total, count = masked_sum(values, mask), mask.sum()
-    if across_ranks and distributed.world_size() > 1:
+    if across_ranks and distributed.is_distributed():
         total, count = distributed.all_reduce_sum(torch.stack([total.double(), count.double()])).unbind()
     return total, count
 

@@ -80,6 +80,8 @@ def scoring_batch(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: runs the embedded SmolLM2 model (deselect with -m 'not slow')")
     config.addinivalue_line("markers", "integration: runs, CLI processes, sweeps (every test under tests/integration)")
+    config.addinivalue_line("markers", "gpu: needs a CUDA device (tests/gpu; make test-gpu), skipped elsewhere")
+    config.addinivalue_line("markers", "vllm: needs the optional vLLM extra (make install-vllm), skipped without it")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -9,6 +9,7 @@ methods; it never asks which algorithm it runs. Per-token tensors are [B, T]; ``
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from rlhf_lab.algorithms.advantages import GROUP_ADVANTAGES, sequence_returns
-from rlhf_lab.algorithms.losses import ClipRange, truncated_importance_weights
+from rlhf_lab.algorithms.losses import ClipRange, sampler_correction
 from rlhf_lab.generation.rollout import Rollout, scores_to_token_rewards
 from rlhf_lab.masked import masked_mean, masked_sum, masked_whiten
 from rlhf_lab.registry import get, register
@@ -188,28 +189,32 @@ class Algorithm:
                  "returns/mean": distributed.mean(returns).item()}
         if rollout.baseline_scores is not None:
             stats["advantages/baseline_mean"] = distributed.mean(rollout.baseline_scores).item()
-        return {**stats, **self.importance_weights(rollout, forward), **advantage_range(token_weights, mask)}
+        return {**stats, **self.importance_weights(rollout), **advantage_range(token_weights, mask)}
 
-    def importance_weights(self, rollout: Rollout, forward: Any) -> dict[str, float]:
-        """``algorithm.tis_cap``: the training pass's log-probs become π_old, and each token's loss is weighted
-        by min(π_train/π_sampler, cap) (TIS); the sampler's log-probs stay for the KL terms."""
+    def importance_weights(self, rollout: Rollout) -> dict[str, float]:
+        """``algorithm.tis_cap``: each token's loss weighted by the sampler-trainer correction
+        (:func:`~rlhf_lab.algorithms.losses.sampler_correction`, ``algorithm.tis_mode``) between the trainer's
+        π_old (``logprobs``: the experience step rescores them under ``tis_cap``) and the engine's log-probs."""
         cap = self.cfg.get("tis_cap")
         if cap is None:
             return {}
-        with torch.no_grad():
-            train_logprobs = forward(rollout).logprobs.float()
+        if rollout.sampler_logprobs is None:
+            raise RuntimeError("algorithm.tis_cap needs the trainer's log-probs beside the sampler's (the scoring pass)")
         mask = rollout.response_mask
-        rollout.tis_weights = truncated_importance_weights(train_logprobs, rollout.logprobs, cap) * mask
-        rollout.old_logprobs = train_logprobs
-        capped = (torch.exp(train_logprobs - rollout.logprobs) > cap).float()
-        return {"tis/weight_mean": masked_mean(rollout.tis_weights, mask, across_ranks=True).item(),
-                "tis/capped_frac": masked_mean(capped, mask, across_ranks=True).item()}
+        rollout.tis_weights = sampler_correction(rollout.logprobs, rollout.sampler_logprobs, mask, cap,
+                                                 self.cfg.get("tis_mode", "token_truncate"))
+        ratio = torch.exp(rollout.logprobs - rollout.sampler_logprobs)
+        if self.cfg.get("tis_mode", "token_truncate").startswith("sequence"):
+            ratio = torch.exp(((rollout.logprobs - rollout.sampler_logprobs) * mask).sum(-1, keepdim=True))
+            ratio = ratio.expand_as(mask)
+        return {"rollout/is_weight_mean": masked_mean(rollout.tis_weights, mask, across_ranks=True).item(),
+                "rollout/is_capped_frac": masked_mean((ratio > cap).float(), mask, across_ranks=True).item()}
 
     def loss(self, batch: Rollout, output: PolicyOutput, context: LossContext) -> LossResult:
         """The policy loss of a micro-batch minus the entropy bonus, and its statistics (shares of the
         mini-batch's: summed over micro-batches they give the mini-batch's values)."""
         mask = batch.response_mask
-        old_logprobs = batch.behaviour_logprobs
+        old_logprobs = batch.old_logprobs(output.logprobs)
         result = get("policy_loss", self.cfg.policy_loss)(output.logprobs, old_logprobs, batch.advantages, mask,
                                                           self.clip)
         per_token = result.per_token if batch.tis_weights is None else result.per_token * batch.tis_weights
@@ -231,10 +236,10 @@ class Algorithm:
             bonus = self.cfg.entropy_coef * entropy_bonus(output.logits, mask, context)
             loss = loss - bonus
             stats["loss/entropy_bonus"] = -bonus.detach()
-        valid = mask > 0
-        extrema = {"policy/ratio_max": result.ratio[valid].max() if valid.any() else None,
-                   "policy/ratio_min": result.ratio[valid].min() if valid.any() else None}
-        return LossResult(loss, stats, extrema={k: v for k, v in extrema.items() if v is not None})
+        valid = mask > 0  # ±inf where no token counts (left out after the reduction over ranks)
+        extrema = {"policy/ratio_max": torch.where(valid, result.ratio, -math.inf).max(),
+                   "policy/ratio_min": torch.where(valid, result.ratio, math.inf).min()}
+        return LossResult(loss, stats, extrema=extrema)
 
     def should_stop_epochs(self, stats: dict[str, float]) -> bool:
         """Early stop of the update epochs (PPO's target_kl); never for critic-free algorithms."""

@@ -103,3 +103,26 @@ def truncated_importance_weights(train_logprobs: Tensor, sampler_logprobs: Tenso
     w = min(π_train(y) / π_sampler(y), cap) per token, for when generation and training compute log-probs
     differently (another dtype or engine); [B, T], no gradient."""
     return torch.exp(train_logprobs - sampler_logprobs).clamp(max=cap).detach()
+
+
+CORRECTIONS = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+def sampler_correction(train_logprobs: Tensor, sampler_logprobs: Tensor, mask: Tensor, cap: float,
+                       mode: str = "token_truncate") -> Tensor:
+    """The weight of each token's loss for samples drawn by the engine (π_sampler) and scored by the trainer
+    (π_train = π_old), no gradient, 0 off the response (``algorithm.tis_cap``, ``algorithm.tis_mode``):
+
+    - ``token_truncate``: w_t = min(r_t, C) with r_t = π_train(y_t) / π_sampler(y_t) (TIS);
+    - ``token_mask``: w_t = r_t where r_t ≤ C, else 0 (the token leaves the loss);
+    - ``sequence_truncate`` / ``sequence_mask``: the same with the sequence's ratio Π_t r_t on every token.
+
+    The modes are TRL's ``vllm_importance_sampling_mode`` and verl's token/sequence rollout correction."""
+    if mode not in CORRECTIONS:
+        raise ValueError(f"algorithm.tis_mode={mode!r}; valid: {', '.join(CORRECTIONS)}")
+    log_ratio = (train_logprobs - sampler_logprobs).detach() * mask
+    if mode.startswith("sequence"):
+        log_ratio = log_ratio.sum(-1, keepdim=True).expand_as(mask)
+    ratio = torch.exp(log_ratio)
+    weights = ratio.clamp(max=cap) if mode.endswith("truncate") else torch.where(ratio <= cap, ratio, 0.0)
+    return weights * mask

@@ -179,7 +179,7 @@ class PPO(Algorithm):
         rollout.values, rollout.returns = values, returns
         rollout.advantages = masked_whiten(advantages, mask, across_ranks=True) if cfg.whiten_advantages else advantages
         return {
-            **self.importance_weights(rollout, forward),
+            **self.importance_weights(rollout),
             **advantage_range(rollout.advantages, mask),
             "value/mean": masked_mean(values, mask, across_ranks=True).item(),
             "returns/mean": masked_mean(returns, mask, across_ranks=True).item(),
@@ -196,7 +196,7 @@ class PPO(Algorithm):
             self.values(batch, output), batch.values, batch.returns, mask, self.cfg.clip_value
         )
         value_loss = aggregate(per_token, mask, self.cfg.loss_aggregation, context)
-        old_logprobs = batch.behaviour_logprobs
+        old_logprobs = batch.old_logprobs(output.logprobs)
         ratio = torch.exp(output.logprobs - old_logprobs).detach()
         stats = result.stats
         stats["loss/value"] = value_loss.detach()  # ½ squared error, before vf_coef

@@ -22,7 +22,7 @@ from typing import Any
 import rlhf_lab.app.job_folders  # noqa: F401  (the job-folder label resolver, needed in every job process too)
 from rlhf_lab.errors import UserError
 
-SUBCOMMANDS = ("report", "bench", "export", "eval", "pipeline")
+SUBCOMMANDS = ("report", "bench", "export", "eval", "pipeline", "serve")
 
 
 def _is_user_flag(arg: str) -> bool:
@@ -251,3 +251,7 @@ def _run_subcommand(name: str, args: list[str]) -> None:
         from rlhf_lab.tools.pipeline import main as pipeline_main
 
         pipeline_main(args)
+    elif name == "serve":
+        from rlhf_lab.tools.serve import main as serve_main
+
+        serve_main(args)

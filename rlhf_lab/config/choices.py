@@ -12,3 +12,5 @@ from __future__ import annotations
 LR_SCHEDULES = ("constant", "linear", "cosine")  # trainer.lr_schedule (after warmup)
 DEVICES = ("auto", "cpu", "cuda", "mps")  # trainer.device, besides cuda:N
 ON_NONFINITE = ("error", "drop")  # reward.on_nonfinite: a NaN/inf score stops the run or drops that sample
+LOGPROB_SOURCES = ("auto", "trainer", "sampler")  # generation.logprobs (rlhf_lab/training/scoring_pass.py)
+EXACT_KL = ("step", "eval", "off")  # kl.exact: when the exact KL from full logits is computed

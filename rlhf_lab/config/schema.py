@@ -19,7 +19,14 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from rlhf_lab.config.schema_run import EvalConfig, GenerationConfig, HardwareConfig, TrainerConfig
+from rlhf_lab.config.schema_run import (
+    EvalConfig,
+    GenerationConfig,
+    HardwareConfig,
+    TrainerConfig,
+    VLLMGenerationConfig,
+    VLLMServerGenerationConfig,
+)
 
 # ------------------------------------------------------------------------------------------------ algorithm
 
@@ -32,7 +39,8 @@ class AlgorithmConfig:
     advantage: str = MISSING  # registered kind `advantage` (rlhf_lab/algorithms/advantages.py); ppo: gae
     policy_loss: str = "clip"  # registered kind `policy_loss`: clip | gspo | cispo | reinforce
     clip_ratio_c: float | None = None  # Dual-clip c (> 1): negative-advantage tokens' loss at most −c·A
-    tis_cap: float | None = None  # truncated importance sampling against the sampler's log-probs (cap, e.g. 2)
+    tis_cap: float | None = None  # sampler-trainer correction: cap C of the importance weights (e.g. 2); null: off
+    tis_mode: str = "token_truncate"  # token_truncate | token_mask | sequence_truncate | sequence_mask
     group_size: int = 8  # samples per prompt; samples per step = prompts_per_step × group_size
     clip_eps: float | None = 0.2  # null: no ratio clipping
     clip_eps_low: float | None = None  # defaults to clip_eps
@@ -103,6 +111,7 @@ class KLConfig:
     clamp_log_ratio: float | None = None  # bound log r to [-c, c] before the estimator (verl: 20)
     clamp_value: float | None = None  # bound the estimate to [-c, c] (verl clamps k3 to 10)
     importance_weight: bool = False  # weight the estimate by sg(pi_theta / pi_old) (off-policy epochs/mini-batches)
+    exact: str = "step"  # the exact KL from full logits (kl/exact): every step | eval only | off
 
 
 # ------------------------------------------------------------------------------------------------- reward
@@ -322,7 +331,8 @@ OPTION_SCHEMAS: dict[str, dict[str, type]] = {
     "data": {"data_schema": DataConfig, "data_path_schema": DataPathConfig},
     # tensorboard/mlflow/csv name trackers_schema: the same type as wandb's, so logger=[wandb,csv] merges in any order
     "hardware": {"hardware_schema": HardwareConfig},
-    "generation": {"generation_schema": GenerationConfig},
+    "generation": {"generation_schema": GenerationConfig, "vllm_schema": VLLMGenerationConfig,
+                   "vllm_server_schema": VLLMServerGenerationConfig},
     "logger": {"logger_schema": LoggerConfig, "wandb_schema": WandbLoggerConfig, "trackers_schema": WandbLoggerConfig},
 }
 

@@ -84,13 +84,9 @@ class HardwareConfig:
 
     name: str = "default"
     keep_freed_heap: bool = False  # glibc: mmap threshold fixed at 32 MiB, the heap never trimmed
-    huge_pages: bool = False  # THP_MEM_ALLOC_ENABLE=1 (unless the environment sets it)
-    onednn_cache_capacity: int = 0  # LRU_CACHE_CAPACITY (unless the environment sets it); 0: oneDNN's own
     row_chunk: int = 0  # rows per [rows, V] chunk of the log-prob and KL passes; 0: the plain path's
     fast_draws: bool = False  # the decode's multinomial draws computed only where a token can win
     generation_weights: bool = False  # merged LoRA / cast frozen / oneDNN-packed weights while decoding
-    embedding_rows: bool = False  # the input embedding's gradient added by rows (one process only)
-    grouped_kv: bool = False  # scoring passes attend on the grouped key/value heads (transformers' switch)
     recompute: bool = False  # trainer.recompute=null: norms and MLP recomputed under full fine-tuning
     preallocate_optimizer: bool = False  # AdamW's moments made before the first generation
 
@@ -103,3 +99,28 @@ class GenerationConfig:
     """``generation=hf`` (rlhf_lab/generation/): the engine that samples the responses (registered kind ``generation``)."""
 
     name: str = "hf"
+    # Where π_old comes from (rlhf_lab/training/scoring_pass.py): trainer (a no-grad pass of the training model) |
+    # sampler (the engine's own log-probs) | auto (trainer unless the engine is hf and the precision fp32)
+    logprobs: str = "auto"
+    stop: list[str] = field(default_factory=list)  # stop strings: a response ends once its text ends with one
+
+
+@dataclass
+class VLLMGenerationConfig(GenerationConfig):
+    """``generation=vllm`` (rlhf_lab/generation/vllm.py): vLLM colocated in the trainer's process, one engine per rank."""
+
+    name: str = "vllm"
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.3  # of the GPU, for vLLM's weights and key/value cache (the rest trains)
+    kv_cache_mib: int = 512  # on a CPU: vLLM's key/value cache
+    enforce_eager: bool = True  # no CUDA graphs / torch.compile warm-up (minutes on a CPU)
+    sleep: bool = True  # on a GPU: the engine gives its memory back between generations (vLLM's sleep mode)
+
+
+@dataclass
+class VLLMServerGenerationConfig(GenerationConfig):
+    """``generation=vllm_server`` (rlhf_lab/generation/server.py): an ``rlhf-lab serve`` server generates."""
+
+    name: str = "vllm_server"
+    url: str = "http://127.0.0.1:8765"
+    sync_folder: str | None = None  # a folder the trainer and the server both read: weights go through it

@@ -8,14 +8,16 @@ schema has it, never by the option's name.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from collections.abc import Sequence
 from typing import Any
 
 import rlhf_lab.components  # noqa: F401  (registers the built-in parts, whose names are the valid choices)
 from rlhf_lab.algorithms.base import WEIGHT_SOURCES
+from rlhf_lab.algorithms.losses import CORRECTIONS
 from rlhf_lab.algorithms.ppo import CRITICS
-from rlhf_lab.config.choices import DEVICES, LR_SCHEDULES, ON_NONFINITE
+from rlhf_lab.config.choices import DEVICES, EXACT_KL, LOGPROB_SOURCES, LR_SCHEDULES, ON_NONFINITE
 from rlhf_lab.errors import ConfigError
 from rlhf_lab.registry import get, names
 from rlhf_lab.rewards.classifier import OUTPUTS
@@ -52,6 +54,20 @@ def check_choices(cfg: Any) -> None:
     if not getattr(get("algorithm", algorithm.name), "offline", False):  # sft, dpo, reward_model learn from data
         choice("algorithm.advantage", algorithm.advantage, names("advantage"))
     choice("algorithm.policy_loss", algorithm.policy_loss, names("policy_loss"))
+    choice("algorithm.tis_mode", algorithm.get("tis_mode", "token_truncate"), CORRECTIONS)
+    choice("generation", cfg.generation.name, names("generation"))
+    if cfg.generation.name == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise ConfigError("generation=vllm needs vLLM, which is not installed: pip install -r requirements-vllm.txt "
+                          "(or make install-vllm); generation=hf needs nothing more")
+    if cfg.generation.name == "vllm_server" and not cfg.generation.get("sync_folder"):
+        raise ConfigError("generation=vllm_server needs generation.sync_folder: a folder the trainer and the server "
+                          "both read (the policy's weights go through it after every update)")
+    choice("generation.logprobs", cfg.generation.get("logprobs", "auto"), LOGPROB_SOURCES)
+    if cfg.generation.get("logprobs") == "sampler" and algorithm.get("tis_cap") is not None:
+        raise ConfigError(f"algorithm.tis_cap={algorithm.tis_cap} corrects the sampler's log-probs towards the "
+                          "trainer's, which generation.logprobs=sampler does not compute: use generation.logprobs="
+                          "auto or trainer, or algorithm.tis_cap=null")
+    choice("kl.exact", kl.get("exact", "step"), EXACT_KL)
     has_critic = "critic" in algorithm
     if has_critic and algorithm.advantage != "gae":
         raise ConfigError(f"algorithm.advantage={algorithm.advantage!r} does not fit algorithm={algorithm.name}, "

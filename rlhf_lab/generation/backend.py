@@ -3,10 +3,12 @@
 The trainer asks an engine for samples and never how they are made. An engine is built once per run from the
 policy, the tokenizer and the sampling settings, and then:
 
-- ``generate(prompts, group_size, seeds=None, greedy=False) -> Rollout``: ``group_size`` responses per prompt
+- ``generate(prompts, group_size, seeds=None, greedy=False, settings=None) -> Rollout``: ``group_size`` responses
+  per prompt
   (``prompts`` already formatted, e.g. through the chat template), their token ids, the response mask and the
   sampler's own per-token log-probs (π_old); ``seeds`` gives each prompt group its own generator, so samples do not
-  depend on batching or on ranks; ``greedy`` decodes the most likely token (ReMax's baseline);
+  depend on batching or on ranks; ``greedy`` decodes the most likely token (ReMax's baseline); ``settings``
+  replaces the engine's sampling settings for this call (an evaluation's own temperature, say);
 - ``sync_weights(policy)``: the policy's current weights become the ones it samples with (after each update);
 - ``sleep()`` / ``wake_up()``: give back and take again the memory it holds between generations.
 
@@ -33,19 +35,21 @@ class SamplingSettings:
     top_p: float = 1.0
     top_k: int = 0
     max_prompt_tokens: int = 512
+    stop: tuple[str, ...] = ()  # a response also ends once its text ends with one of these (kept in it)
 
     @classmethod
     def from_config(cls, cfg: Any) -> SamplingSettings:
         trainer = cfg.trainer
+        generation = cfg.get("generation") or {}
         return cls(trainer.max_new_tokens, trainer.temperature, trainer.top_p, trainer.top_k,
-                   cfg.data.max_prompt_tokens)
+                   cfg.data.max_prompt_tokens, tuple(generation.get("stop", None) or ()))
 
 
 class GenerationBackend(Protocol):
     """What the trainer needs of a generation engine (see the module's text)."""
 
     def generate(self, prompts: list[str], group_size: int, seeds: list[int] | None = None,
-                 greedy: bool = False) -> Rollout: ...
+                 greedy: bool = False, settings: SamplingSettings | None = None) -> Rollout: ...
 
     def sync_weights(self, policy: nn.Module) -> None: ...
 

@@ -30,6 +30,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
+from rlhf_lab.runtime import distributed
 from rlhf_lab.runtime.distributed import sharded
 from rlhf_lab.scoring.logprobs import entropy_from_logits, gather_logprobs, scale_logits
 
@@ -45,6 +46,7 @@ class Sampled:
     # [B, max_new_tokens, V] buffer when every row ended early); with ``logits_float32=False`` at temperature 1
     # the LM head's own logits (bf16 under autocast: the numbers whose float32 copy the sampler reads)
     hidden: Tensor | None  # [B, T, H] last hidden state that predicted each token (``keep_hidden``)
+    lengths: Tensor | None = None  # [B] tokens of each response, its last one included (EOS or a stop string's)
 
 def logits_processors(prompt_width: int, eos_token_id: int | list[int] | None, greedy: bool, temperature: float,
                       top_k: int, top_p: float, min_new_tokens: int = 1) -> LogitsProcessorList:
@@ -73,13 +75,14 @@ def decode(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, past_key_v
            max_new_tokens: int, temperature: float, top_p: float, top_k: int, eos_token_id: int | list[int] | None,
            pad_token_id: int, greedy: bool = False, keep_logits: bool = False,
            keep_hidden: bool = False, logits_float32: bool = True,
-           sample: Callable[[Tensor], Tensor] = multinomial) -> Sampled:
+           sample: Callable[[Tensor], Tensor] = multinomial,
+           stopped: Callable[[Tensor], Tensor] | None = None) -> Sampled:
     """Sample up to ``max_new_tokens`` tokens after left-padded prompts ``prompt_ids`` [B, P].
 
     ``past_key_values`` holds the first ``cached`` prompt positions of every row (0 with an empty cache);
     the rest of the prompt goes through the model in the first step. ``sample`` draws one token per row from
     the processed [B, V] probabilities (:func:`multinomial`; a hardware profile may give its own with the same
-    draws).
+    draws); ``stopped`` (the sequences so far [B, P + t] -> [B] bool) ends a row besides its EOS (stop strings).
     """
     batch, prompt_width = prompt_ids.shape
     device = prompt_ids.device
@@ -94,13 +97,15 @@ def decode(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, past_key_v
     next_position = prompt_mask.long().sum(-1, keepdim=True)
     sequences = prompt_ids
     unfinished = torch.ones(batch, dtype=torch.bool, device=device)
+    lengths = torch.zeros(batch, dtype=torch.long, device=device)
     tokens, logprobs, entropies, hidden_states = [], [], [], []
     kept_logits = None  # [B, max_new_tokens, V], written step by step (see below)
     step_ids, step_positions = prompt_ids[:, cached:], positions[:, cached:]
     # Without autocast the model call runs in inference mode (no view or version bookkeeping, the same
     # numbers); under autocast inference mode would bypass autocast's cache of weight casts,
     # and with sharded parameters (FSDP's DTensors) the call gathers weights that later passes train through.
-    inference = not torch.is_autocast_enabled(device.type) and not any(map(sharded, model.parameters()))
+    sharded_weights = any(map(sharded, model.parameters()))
+    inference = not torch.is_autocast_enabled(device.type) and not sharded_weights
     for step in range(max_new_tokens):
         width = prompt_width + step
         with torch.inference_mode(inference):
@@ -124,9 +129,14 @@ def decode(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, past_key_v
         if keep_hidden:
             hidden_states.append(output.hidden_states[-1][:, -1])
         tokens.append(next_tokens)
+        lengths += unfinished
         sequences = torch.cat([sequences, next_tokens[:, None]], dim=1)
         unfinished = unfinished & ~torch.isin(next_tokens, eos_ids)
-        if not bool(unfinished.any()):
+        if stopped is not None:
+            unfinished = unfinished & ~stopped(sequences)
+        # With sharded weights (FSDP) every forward pass gathers them from every rank: a rank whose rows have all
+        # ended goes on (with pad tokens) until every rank's have.
+        if not (distributed.any_rank(bool(unfinished.any())) if sharded_weights else bool(unfinished.any())):
             break
         step_ids = next_tokens[:, None]
         step_positions = next_position + step
@@ -136,4 +146,5 @@ def decode(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, past_key_v
         entropy=torch.stack(entropies, dim=1),
         logits=kept_logits[:, : len(tokens)] if keep_logits else None,
         hidden=torch.stack(hidden_states, dim=1) if keep_hidden else None,
+        lengths=lengths,
     )

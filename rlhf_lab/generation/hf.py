@@ -14,14 +14,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
+from transformers import StopStringCriteria
 
 from rlhf_lab.generation.backend import SamplingSettings
 from rlhf_lab.generation.decode import decode, multinomial
 from rlhf_lab.generation.kv_cache import decode_cache
-from rlhf_lab.generation.rollout import Rollout, concat_rollouts, response_mask_from_tokens
+from rlhf_lab.generation.rollout import Rollout, concat_rollouts
 from rlhf_lab.registry import register
 from rlhf_lab.runtime.precision import Precision
-from rlhf_lab.scoring.forward import position_ids_from_mask, prefill_shared
+from rlhf_lab.scoring.forward import agreed, position_ids_from_mask, prefill_shared
 
 if TYPE_CHECKING:
     from rlhf_lab.hardware import HardwareProfile
@@ -44,6 +45,7 @@ def generate(
     keep_hidden: bool = False,
     logits_float32: bool = True,
     sample: Callable[[Tensor], Tensor] = multinomial,
+    stop: tuple[str, ...] = (),
 ) -> Rollout:
     """Sample ``group_size`` responses per prompt and collect the sampling policy's log-probs and entropy.
 
@@ -56,7 +58,8 @@ def generate(
     baseline response); ``keep_hidden`` keeps the last hidden state that predicted each response token
     (``Rollout.hidden``, the shared PPO critic's input at sampling time); ``logits_float32=False`` keeps the
     LM head's own logits at temperature 1 (``Rollout.policy_logits``, see
-    :class:`rlhf_lab.generation.decode.Sampled`); ``sample`` draws each step's tokens.
+    :class:`rlhf_lab.generation.decode.Sampled`); ``sample`` draws each step's tokens; a response also ends where its
+    text ends with one of ``stop`` (transformers' ``StopStringCriteria``; the stop string stays in the response).
     """
     device = next(model.parameters()).device
     encoded = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
@@ -71,7 +74,7 @@ def generate(
     was_training = model.training
     model.eval()
     cache, cached = decode_cache(max_new_tokens), 0
-    if share_prompts and group_size > 1 and encoded["input_ids"].shape[1] > 1:
+    if agreed(model, share_prompts and group_size > 1 and encoded["input_ids"].shape[1] > 1):
         unique_ids, unique_mask = encoded["input_ids"].to(device), encoded["attention_mask"].to(device)
         rows = torch.arange(unique_ids.shape[0], device=device).repeat_interleave(group_size)
         prefix = prefill_shared(model, unique_ids[:, :-1], unique_mask[:, :-1],
@@ -80,11 +83,12 @@ def generate(
     sampled = decode(model, prompt_ids, prompt_mask, cache, cached, max_new_tokens=max_new_tokens,
                      temperature=temperature, top_p=top_p, top_k=top_k, eos_token_id=tokenizer.eos_token_id,
                      pad_token_id=tokenizer.pad_token_id, greedy=greedy, keep_logits=keep_logits,
-                     keep_hidden=keep_hidden, logits_float32=logits_float32, sample=sample)
+                     keep_hidden=keep_hidden, logits_float32=logits_float32, sample=sample,
+                     stopped=stop_strings(tokenizer, stop, prompt_width=prompt_ids.shape[1]) if stop else None)
     model.train(was_training)
     prompt_width = prompt_ids.shape[1]
     response_ids = sampled.response_ids
-    response_mask = response_mask_from_tokens(response_ids, tokenizer.eos_token_id)
+    response_mask = (torch.arange(response_ids.shape[1], device=device)[None, :] < sampled.lengths[:, None]).float()
     # Tokens after the first EOS are padding: make them the pad token and mask them out of attention.
     response_ids = torch.where(response_mask.bool(), response_ids, tokenizer.pad_token_id)
     input_ids = torch.cat([prompt_ids, response_ids], dim=1)
@@ -102,18 +106,31 @@ def generate(
     )
 
 
+def stop_strings(tokenizer: Any, stop: tuple[str, ...], prompt_width: int) -> Callable[[Tensor], Tensor]:
+    """[B, P + t] sequences -> [B] bool: the response (past the prompt's ``prompt_width``) ends with a stop string."""
+    criteria = StopStringCriteria(tokenizer=tokenizer, stop_strings=list(stop))
+
+    def stopped(sequences: Tensor) -> Tensor:
+        if sequences.shape[1] <= prompt_width:
+            return torch.zeros(sequences.shape[0], dtype=torch.bool, device=sequences.device)
+        return criteria(sequences[:, prompt_width:], None)
+
+    return stopped
+
+
 @register("generation", "hf")
 class HFGeneration:
     """The :class:`~rlhf_lab.generation.backend.GenerationBackend` that decodes with the policy itself.
 
     ``keep_logits`` keeps the sampling policy's [B, T, V] logits on the rollout (the exact-KL diagnostic and the
     estimators that read them), ``keep_hidden`` the last hidden states (PPO's shared critic at sampling time),
-    ``logits_float32`` whether the kept logits are float32 (see :func:`generate`). Every pass runs under the run's
+    ``logits_float32`` whether the kept logits are float32 (see :func:`generate`); ``options`` (``cfg.generation``)
+    has nothing for it. Every pass runs under the run's
     precision; the hardware profile may give the decode its own weights and draws (:mod:`rlhf_lab.hardware`).
     """
 
     def __init__(self, policy: nn.Module, tokenizer: Any, settings: SamplingSettings,
-                 precision: Precision | None = None, hardware: HardwareProfile | None = None,
+                 precision: Precision | None = None, hardware: HardwareProfile | None = None, options: Any = None,
                  keep_logits: bool = True, keep_hidden: bool = False, logits_float32: bool = True) -> None:
         self.policy, self.tokenizer, self.settings = policy, tokenizer, settings
         self.device = next(policy.parameters()).device
@@ -126,26 +143,26 @@ class HFGeneration:
         self.keep_logits, self.keep_hidden, self.logits_float32 = keep_logits, keep_hidden, logits_float32
 
     def generate(self, prompts: list[str], group_size: int, seeds: list[int] | None = None,
-                 greedy: bool = False) -> Rollout:
+                 greedy: bool = False, settings: SamplingSettings | None = None) -> Rollout:
         """``group_size`` samples per prompt (see :class:`~rlhf_lab.generation.backend.GenerationBackend`)."""
+        settings = settings or self.settings
         rows = group_size if seeds is not None else len(prompts) * group_size
         with self.precision.autocast(), self.hardware.decode_weights(self.policy, rows=rows):
             if seeds is None:
-                return self._generate(prompts, group_size, greedy)
+                return self._generate(prompts, group_size, greedy, settings)
             parts = []
             for prompt, seed in zip(prompts, seeds, strict=True):
                 with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
                     torch.manual_seed(seed)
-                    parts.append(self._generate([prompt], group_size, greedy))
+                    parts.append(self._generate([prompt], group_size, greedy, settings))
         return concat_rollouts(parts, self.tokenizer.pad_token_id)
 
-    def _generate(self, prompts: list[str], group_size: int, greedy: bool) -> Rollout:
-        settings = self.settings
+    def _generate(self, prompts: list[str], group_size: int, greedy: bool, settings: SamplingSettings) -> Rollout:
         return generate(self.policy, self.tokenizer, prompts, group_size, settings.max_new_tokens,
                         settings.temperature, settings.top_p, settings.top_k, settings.max_prompt_tokens,
                         keep_logits=self.keep_logits and not greedy, greedy=greedy,
                         keep_hidden=self.keep_hidden and not greedy, logits_float32=self.logits_float32,
-                        sample=self.hardware.sample)
+                        sample=self.hardware.sample, stop=settings.stop)
 
     def sync_weights(self, policy: nn.Module) -> None:
         """Nothing to copy: it samples with the policy's own weights."""

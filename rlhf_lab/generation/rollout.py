@@ -40,7 +40,7 @@ class Rollout:
     response_mask: Tensor  # [B, T] float
     prompt_width: int  # P
     group_size: int
-    logprobs: Tensor  # [B, T] sampling-time policy log-probs (the "old" policy)
+    logprobs: Tensor  # [B, T] π_old: the sampling policy's log-probs (the training model's where it rescored them)
     entropy: Tensor  # [B, T] full-vocabulary entropy of the sampling policy
     policy_logits: Tensor | None = None  # [B, T, V] sampling-time policy logits (temperature-scaled), in the
     # LM head's dtype or float32 as ref_logits
@@ -57,16 +57,16 @@ class Rollout:
     advantages: Tensor | None = None  # [B, T]
     returns: Tensor | None = None  # [B, T] (critic targets)
     values: Tensor | None = None  # [B, T] (critic estimates at sampling time)
-    old_logprobs: Tensor | None = None  # [B, T] π_old from a training pass (algorithm.tis_cap); None: logprobs
-    tis_weights: Tensor | None = None  # [B, T] truncated importance weights π_train/π_sampler (tis_cap)
+    sampler_logprobs: Tensor | None = None  # [B, T] the engine's own log-probs where ``logprobs`` are the trainer's
+    tis_weights: Tensor | None = None  # [B, T] the sampler-trainer correction's weights (algorithm.tis_cap)
+    old_from_update: bool = False  # π_old is the training pass's own detached log-probs (one update per rollout)
     baseline_scores: Tensor | None = None  # [B] the greedy response's score of each sample's prompt (ReMax)
     extras: dict[str, Tensor] = field(default_factory=dict)
 
-    @property
-    def behaviour_logprobs(self) -> Tensor:
-        """log π_old, what the ratio divides by: the training pass's log-probs where ``algorithm.tis_cap`` made
-        them (``old_logprobs``), else the sampler's (``logprobs``)."""
-        return self.old_logprobs if self.old_logprobs is not None else self.logprobs
+    def old_logprobs(self, logprobs: Tensor) -> Tensor:
+        """π_old for a training pass that computed ``logprobs``: themselves, detached, where the rollout gets one
+        update whose numbers the sampler's may not match (``old_from_update``); else the rollout's ``logprobs``."""
+        return logprobs.detach() if self.old_from_update else self.logprobs
 
     @property
     def response_ids(self) -> Tensor:

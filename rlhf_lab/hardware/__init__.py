@@ -1,32 +1,27 @@
 """Hardware profiles (config group ``hardware``): tuning that pays on one kind of machine, opt-in for the run.
 
 ``hardware=default`` is the plain path: PyTorch and transformers as they come, the same code on CPU and CUDA.
-``hardware=cpu_tuned`` turns on pieces measured to pay on small CPUs (the embedded default on a laptop; the
-figures are in the docs' benchmark page). Each piece is one field of the profile, so an ablation is one
-override (``hardware=cpu_tuned hardware.embedding_rows=false``); each lives in its own module here:
+``hardware=cpu_tuned`` turns on the pieces measured to pay on small CPUs (the embedded default on a laptop; the
+figures, and the pieces measured and deleted, are in the docs' hardware guide). Each piece is one field of the
+profile, so an ablation is one override (``hardware=cpu_tuned hardware.fast_draws=false``):
 
 ==========================  ===============================================================================
 ``keep_freed_heap``          glibc keeps freed memory for the next step (:mod:`~rlhf_lab.hardware.allocator`)
-``huge_pages``               PyTorch's CPU tensors of 2 MiB and more on transparent huge pages
-``onednn_cache_capacity``    oneDNN's per-shape cache of matrix-product set-ups (entries; 0: oneDNN's own)
 ``row_chunk``                rows per [rows, V] float32 chunk of the log-prob and KL passes (0: the plain 1024)
 ``fast_draws``               multinomial's draws computed only where a token can win (:mod:`.fast_draws`)
 ``generation_weights``       merged / cast / packed weights for the decode (:mod:`.generation_weights`)
-``embedding_rows``           the input embedding's gradient added by rows (:mod:`.embedding_grad`)
-``grouped_kv``               scoring passes attend on the grouped key/value heads (:mod:`.grouped_kv`)
 ``recompute``                ``trainer.recompute: null`` recomputes both norms and the MLP under full fine-tuning
-``preallocate_optimizer``    AdamW's moments made before the first generation
+``preallocate_optimizer``    AdamW's moments made before the first generation (:mod:`.allocator`)
 ==========================  ===============================================================================
 
 Nothing here runs at import. The trainer builds a :class:`HardwareProfile` from ``cfg.hardware`` and applies it
-for the run it starts: :meth:`HardwareProfile.apply_process_settings` before anything loads, :meth:`~HardwareProfile.
-running` around the run, the hooks below at their one point of the step. On a device other than the CPU every
-CPU piece is off.
+for the run it starts: :meth:`HardwareProfile.apply_process_settings` before anything loads,
+:meth:`~HardwareProfile.running` around the run, the hooks below at their one point of the step. On a device
+other than the CPU every CPU piece is off.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, fields, replace
@@ -38,10 +33,6 @@ from torch import Tensor, nn
 from rlhf_lab.config.schema_run import HardwareConfig
 from rlhf_lab.generation.decode import multinomial
 from rlhf_lab.scoring.logprobs import rows_per_chunk
-
-# Environment switches read by libraries torch loads, each once, at its first use.
-HUGE_PAGES = "THP_MEM_ALLOC_ENABLE"  # PyTorch's CPU allocator: 2 MiB alignment and madvise(MADV_HUGEPAGE)
-ONEDNN_CACHE = "LRU_CACHE_CAPACITY"  # PyTorch's oneDNN (ideep) primitive cache, entries
 
 
 @dataclass
@@ -66,19 +57,13 @@ class HardwareProfile(HardwareConfig):
 
     # ------------------------------------------------------------------ the process, before anything loads
     def apply_process_settings(self) -> dict[str, bool]:
-        """Set what the profile asks of the process: the environment switches (where the environment does not
-        set them: the user's value stands) and glibc's heap. Returns which took effect. Call it before the run
-        allocates its first tensors: each switch is read once, at the library's first use."""
-        applied = {}
-        if self.huge_pages:
-            applied[HUGE_PAGES] = _set_default(HUGE_PAGES, "1")
-        if self.onednn_cache_capacity:
-            applied[ONEDNN_CACHE] = _set_default(ONEDNN_CACHE, str(self.onednn_cache_capacity))
-        if self.keep_freed_heap:
-            from rlhf_lab.hardware.allocator import keep_freed_heap
+        """Set what the profile asks of the process (glibc's heap, unless the environment sets glibc's own
+        switches); returns which took effect. Call it before the run allocates its first tensors."""
+        if not self.keep_freed_heap:
+            return {}
+        from rlhf_lab.hardware.allocator import keep_freed_heap
 
-            applied["keep_freed_heap"] = keep_freed_heap()
-        return applied
+        return {"keep_freed_heap": keep_freed_heap()}
 
     @contextmanager
     def running(self) -> Iterator[None]:
@@ -104,23 +89,6 @@ class HardwareProfile(HardwareConfig):
 
         return generation_weights(model, rows=rows)
 
-    def scoring(self, model: nn.Module, device: torch.device) -> AbstractContextManager:
-        """Around a scoring pass (reference or training): attention on the grouped key/value heads."""
-        if not self.grouped_kv:
-            return nullcontext()
-        from rlhf_lab.hardware.grouped_kv import grouped_kv_attention
-
-        return grouped_kv_attention(model, device)
-
-    def embedding_plan(self, policy: nn.Module, autocast: bool, single_process: bool) -> Any:
-        """The training pass's rows plan for the input embedding's gradient, or None (off, or under DDP/FSDP,
-        whose reducers read gradients during the backward pass)."""
-        if not (self.embedding_rows and single_process):
-            return None
-        from rlhf_lab.hardware.embedding_grad import embedding_by_rows
-
-        return embedding_by_rows(policy, autocast=autocast)
-
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Before the first generation: AdamW's moments made where the heap will keep them (``preallocate_optimizer``)."""
         if self.preallocate_optimizer:
@@ -128,25 +96,9 @@ class HardwareProfile(HardwareConfig):
 
             preallocate_adam_state(optimizer)
 
-    def training_pass(self, plan: Any) -> AbstractContextManager:
-        """Around a micro-batch's training forward and backward: the embedding's gradient by rows."""
-        if plan is None:
-            return nullcontext()
-        from rlhf_lab.hardware.embedding_grad import rows_gradient
-
-        return rows_gradient(plan)
-
-
-def _set_default(name: str, value: str) -> bool:
-    """Set an environment switch unless the environment has it; True when it now has ``value``."""
-    os.environ.setdefault(name, value)
-    return os.environ[name] == value
-
 
 def describe(profile: HardwareProfile) -> str:
     """One line naming the profile and the pieces it has on (for the console and the bench)."""
     plain = HardwareProfile()
     on = [f.name for f in fields(profile) if f.name != "name" and getattr(profile, f.name) != getattr(plain, f.name)]
     return f"hardware={profile.name}" + (f" ({', '.join(on)})" if on else "")
-
-

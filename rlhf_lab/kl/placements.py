@@ -107,12 +107,13 @@ class KLPenalty:
                         clamp_log_ratio=self.clamp_log_ratio, clamp_value=self.clamp_value)
 
     @torch.no_grad()
-    def sampled_terms(self, rollout: Any) -> tuple[Tensor, Tensor]:
-        """(estimate, exact) per-token KL of the sampling policy from the reference, masked: [B, T] each."""
+    def sampled_terms(self, rollout: Any, exact: bool = True) -> tuple[Tensor, Tensor | None]:
+        """(estimate, exact) per-token KL of π_old from the reference, masked: [B, T] each; the exact one from
+        both full logits (the ``kl/exact`` diagnostic) only with ``exact`` (else None)."""
         mask = rollout.response_mask
         estimated = self.estimate(rollout.logprobs, rollout.ref_logprobs, mask, rollout.policy_logits,
                                   rollout.ref_logits) * mask
-        return estimated, exact_kl(rollout.policy_logits, rollout.ref_logits) * mask
+        return estimated, exact_kl(rollout.policy_logits, rollout.ref_logits) * mask if exact else None
 
     def score_rollout(self, rollout: Any, coef: float) -> None:
         """When the rollout is scored: ``kl_coef``, and ``kl_penalty``, what the placement takes out of the token

@@ -31,7 +31,7 @@ from rlhf_lab.runtime import distributed
 from rlhf_lab.scoring.logprobs import gather_logprobs
 from rlhf_lab.trackers.jsonl import read_jsonl
 from rlhf_lab.training.loop import Trainer
-from rlhf_lab.training.records import StepTimer, run_summary
+from rlhf_lab.training.records import StepTimer, run_summary, synchronize
 from rlhf_lab.training.update import Updater
 
 MODEL_FOLDER = "model"  # the stage's output inside the run folder
@@ -91,6 +91,7 @@ class OfflineTrainer(Trainer):
         cfg = self.cfg
         self.step = step
         timer = StepTimer()
+        synchronize()
         start = time.perf_counter()
         indices = prompt_indices(step, cfg.trainer.prompts_per_step, len(self.examples.train), cfg.seed)
         with timer.phase("collate"):
@@ -100,6 +101,7 @@ class OfflineTrainer(Trainer):
             self.algorithm.prepare(batch, self)
         update_stats = self.updater.update(batch, 0.0, step, timer)
         self.updater.scheduler.step()
+        synchronize()
         elapsed = time.perf_counter() - start
         metrics: dict[str, Any] = {
             "step": step,

@@ -4,6 +4,7 @@ as the console), plain ``print`` elsewhere (a notebook, a test, ``rlhf_lab.train
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 
 def _in_hydra_job() -> bool:
@@ -37,3 +38,12 @@ def progress_label() -> str:
         return f"train job {folder.replace('_', ' ', 1)}"
     except Exception:  # Hydra missing or its config incomplete: the plain name
         return "train"
+
+
+def progress_bar(steps: range, enabled: bool, initial: int, total: int) -> Any:
+    """``steps`` with a tqdm bar labelled by :func:`progress_label` (``trainer.progress_bar``), or as they are."""
+    if not enabled:
+        return steps
+    from tqdm.auto import tqdm
+
+    return tqdm(steps, initial=initial, total=total, desc=progress_label(), dynamic_ncols=True)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, ExitStack
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -60,17 +61,23 @@ def launched_processes() -> int:
         return 1
 
 
+def launched_by_torchrun() -> bool:
+    """Whether a launcher started this process as a rank (``torchrun --nproc_per_node 1`` included)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "MASTER_ADDR" in os.environ)
+
+
 def resolve_strategy(strategy: str, processes: int | None = None) -> str:
     """The strategy a run uses: ``auto`` picks ``ddp`` under a multi-process launch, else ``single``.
 
-    ``ddp`` needs a multi-process launch; ``single`` refuses one (each rank would train its own model).
+    ``ddp`` needs a launch by torchrun (one process is allowed: its collectives run, on one rank); ``single``
+    refuses a multi-process launch (each rank would train its own model).
     """
     processes = launched_processes() if processes is None else processes
     if strategy not in STRATEGIES:
         raise ConfigError(f"trainer.strategy={strategy!r} is not valid; choose from: {', '.join(STRATEGIES)}")
     if strategy == "auto":
         return "ddp" if processes > 1 else "single"
-    if strategy == "ddp" and processes < 2:
+    if strategy == "ddp" and processes < 2 and not launched_by_torchrun():
         raise ConfigError(f"trainer.strategy=ddp needs a multi-process launch (WORLD_SIZE={processes}); {LAUNCH_HINT}")
     if strategy == "single" and processes > 1:
         raise ConfigError(
@@ -80,6 +87,11 @@ def resolve_strategy(strategy: str, processes: int | None = None) -> str:
     return strategy
 
 
+# How long a collective waits for the slowest rank: long enough for rank 0 to write a large checkpoint while the
+# others wait at the barrier after it (NCCL's own default is 10 minutes).
+COLLECTIVE_TIMEOUT = timedelta(minutes=60)
+
+
 def setup(strategy: str, device: torch.device) -> None:
     """Start the process group a strategy needs (idempotent); ``fsdp`` in one process gets a group of one."""
     if strategy == "single" or is_distributed():
@@ -87,10 +99,16 @@ def setup(strategy: str, device: torch.device) -> None:
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    if launched_processes() > 1:
-        dist.init_process_group(backend)
+    if launched_processes() > 1 or launched_by_torchrun():
+        dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT)
     else:  # FSDP in one process: a group of one, no rendezvous
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=COLLECTIVE_TIMEOUT)
+
+
+def barrier() -> None:
+    """Every rank waits here for every other (e.g. while rank 0 writes a checkpoint); nothing in one process."""
+    if not _single():
+        dist.barrier(device_ids=[torch.cuda.current_device()] if dist.get_backend() == "nccl" else None)
 
 
 def teardown() -> None:
@@ -98,17 +116,28 @@ def teardown() -> None:
         dist.destroy_process_group()
 
 
-def wrap(module: nn.Module, strategy: str, device: torch.device) -> nn.Module:
-    """``module`` as the strategy trains it: DDP-wrapped, FSDP2-sharded in place, or unchanged."""
+def wrap(module: nn.Module, strategy: str, device: torch.device, compute_dtype: torch.dtype | None = None) -> nn.Module:
+    """``module`` as the strategy trains it: DDP-wrapped, FSDP2-sharded in place (:func:`shard`), or unchanged."""
     if strategy == "ddp" and any(p.requires_grad for p in module.parameters()):
         device_ids = [device.index or 0] if device.type == "cuda" else None
         return nn.parallel.DistributedDataParallel(module, device_ids=device_ids)
     if strategy == "fsdp":
-        from torch.distributed.fsdp import fully_shard
+        shard(module, compute_dtype)
+    return module
 
-        for block in transformer_blocks(module):
-            fully_shard(block)
-        fully_shard(module)
+
+def shard(module: nn.Module, compute_dtype: torch.dtype | None = None) -> nn.Module:
+    """FSDP2's ``fully_shard`` of each transformer block, then of the whole module, in place: each rank keeps its
+    shard of every parameter (moved to the mesh's device block by block, so no rank ever holds the whole model
+    there). ``compute_dtype`` (a mixed precision's bfloat16): the weights are gathered in it for the forward pass
+    and the gradients reduced in float32 (``MixedPrecisionPolicy``); None: gathered as stored."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy() if compute_dtype is None else \
+        MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    for block in transformer_blocks(module):
+        fully_shard(block, mp_policy=policy)
+    fully_shard(module, mp_policy=policy)
     return module
 
 
@@ -143,13 +172,33 @@ def no_sync(modules: Sequence[nn.Module], skip: bool) -> AbstractContextManager:
 
 
 # ------------------------------------------------------------------------------------------ reductions
+# Every collective of the package is one of these. NCCL takes only tensors on the process's GPU, gloo CPU tensors:
+# each helper moves its input to :func:`collective_device` and its result back to where the input was.
+
+
+def collective_device() -> torch.device:
+    """Where this process's collectives take their tensors: its GPU under NCCL, else the CPU."""
+    if is_distributed() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _single() -> bool:
+    """No process group: every reduction is the local value. With one (one rank included: a 1-GPU torchrun run
+    exercises its NCCL collectives) they run."""
+    return not is_distributed()
+
+
+def _reduce(values: Tensor, op: Any) -> Tensor:
+    """``op`` over ranks of ``values``, on the collective device; a new tensor on ``values``' device."""
+    reduced = values.detach().to(collective_device(), copy=True)
+    dist.all_reduce(reduced, op=op)
+    return reduced.to(values.device)
+
+
 def all_reduce_sum(values: Tensor) -> Tensor:
     """Σ over ranks of ``values`` (a new tensor; the identity in one process)."""
-    if not is_distributed() or world_size() == 1:
-        return values
-    total = values.detach().clone()
-    dist.all_reduce(total, op=dist.ReduceOp.SUM)
-    return total
+    return values if _single() else _reduce(values, dist.ReduceOp.SUM)
 
 
 def all_reduce_flags(flag: bool) -> bool:
@@ -157,9 +206,14 @@ def all_reduce_flags(flag: bool) -> bool:
     return bool(all_reduce_sum(torch.tensor([0.0 if flag else 1.0]))[0] == 0)
 
 
+def any_rank(flag: bool) -> bool:
+    """True when ``flag`` is true on some rank (e.g. some rank still decodes)."""
+    return not all_reduce_flags(not flag)
+
+
 def sum_dict(values: dict[str, float]) -> dict[str, float]:
     """Σ over ranks of each value of a dict with the same keys on every rank (one collective)."""
-    if not is_distributed() or world_size() == 1 or not values:
+    if _single() or not values:
         return values
     keys = sorted(values)
     totals = all_reduce_sum(torch.tensor([float(values[k]) for k in keys], dtype=torch.float64))
@@ -168,24 +222,22 @@ def sum_dict(values: dict[str, float]) -> dict[str, float]:
 
 def gather_rows(values: Tensor) -> Tensor:
     """Every rank's rows concatenated in rank order ([B, ...] each, the same shape on every rank)."""
-    if not is_distributed() or world_size() == 1:
+    if _single():
         return values
-    pieces = [torch.empty_like(values) for _ in range(world_size())]
-    dist.all_gather(pieces, values.contiguous())
-    return torch.cat(pieces)
+    local = values.detach().to(collective_device()).contiguous()
+    pieces = [torch.empty_like(local) for _ in range(world_size())]
+    dist.all_gather(pieces, local)
+    return torch.cat(pieces).to(values.device)
 
 
 def gather_objects(items: list[Any]) -> list[Any]:
-    """Every rank's list concatenated in rank order (picklable objects: texts, floats)."""
-    if not is_distributed() or world_size() == 1:
+    """Every rank's list concatenated in rank order (picklable objects: texts, floats; torch moves them through
+    the backend's device itself)."""
+    if _single():
         return items
     gathered: list[list[Any]] = [[] for _ in range(world_size())]
     dist.all_gather_object(gathered, items)
     return [item for part in gathered for item in part]
-
-
-def _single() -> bool:
-    return not is_distributed() or world_size() == 1
 
 
 def mean(values: Tensor) -> Tensor:
@@ -200,9 +252,7 @@ def maximum(value: Tensor) -> float:
     """The largest of every rank's scalar ``value``."""
     if _single():
         return float(value)
-    total = value.detach().double().reshape(1).clone()
-    dist.all_reduce(total, op=dist.ReduceOp.MAX)
-    return float(total[0])
+    return float(_reduce(value.detach().double().reshape(1), dist.ReduceOp.MAX)[0])
 
 
 def minimum(value: Tensor) -> float:
@@ -212,11 +262,13 @@ def minimum(value: Tensor) -> float:
 
 def mean_across_ranks(metrics: dict[str, Any]) -> dict[str, Any]:
     """Average numeric metrics over ranks (identity in a single process)."""
-    if not is_distributed() or world_size() == 1:
+    if _single():
         return metrics
     keys = sorted(k for k, v in metrics.items() if isinstance(v, int | float) and not isinstance(v, bool))
     totals = sum_dict({k: float(metrics[k]) for k in keys})
-    return {**metrics, **{k: totals[k] / world_size() for k in keys}}
+    means = {k: totals[k] / world_size() for k in keys}
+    # A count the ranks agree on (the step, say) stays an integer.
+    return {**metrics, **{k: int(v) if isinstance(metrics[k], int) and v == metrics[k] else v for k, v in means.items()}}
 
 
 # ------------------------------------------------------------------------------- FSDP checkpoint state
@@ -245,22 +297,6 @@ def _parameter_names(container: nn.Module, optimizer: torch.optim.Optimizer) -> 
     """The name of each of the optimizer's parameters, in its groups' order (the id format's indices)."""
     names = {id(p): name for name, p in container.named_parameters()}
     return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
-
-
-def full_optimizer_state(modules: dict[str, nn.Module], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The whole optimizer state of sharded modules, in ``optimizer.state_dict()``'s format (parameters by
-    index), so a checkpoint looks the same whatever strategy wrote it; a collective: every rank calls."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-    container = nn.ModuleDict(modules)
-    state = get_optimizer_state_dict(container, optimizer,
-                                     options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if not state:  # gathered on rank 0 only
-        return {}
-    index = {name: i for i, name in enumerate(_parameter_names(container, optimizer))}
-    return {"state": {index[name]: value for name, value in state["state"].items()},
-            "param_groups": [{**group, "params": [index[name] for name in group["params"]]}
-                             for group in state["param_groups"]]}
 
 
 def load_full_optimizer_state(modules: dict[str, nn.Module], optimizer: torch.optim.Optimizer,

@@ -182,6 +182,11 @@ class Precision:
         return WEIGHT_DTYPES[self.name]
 
     @property
+    def compute_dtype(self) -> torch.dtype | None:
+        """The dtype forward passes compute in under a mixed precision (bfloat16, float16); None otherwise."""
+        return AUTOCAST_DTYPES.get(self.name)
+
+    @property
     def autocasts(self) -> bool:
         """Whether forward passes run under autocast (the ``*-mixed`` precisions)."""
         return self.name in AUTOCAST_DTYPES

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from rlhf_lab.runtime import distributed
 from rlhf_lab.scoring.logprobs import scale_logits
 
 
@@ -32,6 +33,14 @@ def prefill_shared(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, 
     output.past_key_values.batch_select_indices(rows)
     return output
 
+def agreed(model: nn.Module, local: bool) -> bool:
+    """``local``, where every rank agrees on it under sharded weights (FSDP: each forward pass is a collective,
+    so every rank must take the same passes); else ``local``."""
+    if any(map(distributed.sharded, model.parameters())):
+        return distributed.all_reduce_flags(local)
+    return local
+
+
 def response_logits(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, prompt_width: int,
                     temperature: float, output_hidden_states: bool = False,
                     share_prompts: bool = True, float32: bool = True) -> tuple[Tensor, Tensor | None]:
@@ -47,7 +56,8 @@ def response_logits(model: nn.Module, input_ids: Tensor, attention_mask: Tensor,
     """
     prompt_ids = input_ids[:, :prompt_width]
     unique_prompts, row_to_prompt = torch.unique(prompt_ids, dim=0, return_inverse=True)
-    if not share_prompts or unique_prompts.shape[0] == input_ids.shape[0] or input_ids.shape[1] == prompt_width:
+    shared = share_prompts and unique_prompts.shape[0] < input_ids.shape[0] and input_ids.shape[1] > prompt_width
+    if not agreed(model, shared):
         return _plain_response_logits(model, input_ids, attention_mask, prompt_width, temperature,
                                       output_hidden_states, float32)
     # One representative row per unique prompt.

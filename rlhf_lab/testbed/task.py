@@ -55,6 +55,11 @@ class ExactTaskLM(LlamaForCausalLM):
         special[: len(SPECIAL_TOKENS)] = True
         self.register_buffer("special_tokens", special, persistent=False)
 
+    @property
+    def allowed_token_ids(self) -> list[int]:
+        """The symbols' ids: what an engine that samples outside this forward (vLLM) may draw."""
+        return (~self.special_tokens).nonzero().squeeze(-1).tolist()
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         output = super().forward(*args, **kwargs)
         if output.logits is not None:

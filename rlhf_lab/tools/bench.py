@@ -43,6 +43,8 @@ ROW_OVERRIDES = {
     "grpo_full": [],
     "grpo_lora": ["model.lora.enabled=true", "model.lora.r=16", "model.lora.alpha=32"],
     "ppo_full": ["algorithm=ppo", "kl=kl", "kl.placement=reward"],  # classic RLHF PPO: KL penalty in the reward
+    "grpo_full_vllm": ["generation=vllm"],  # the same steps with vLLM generating (the optional extra)
+    "grpo_lora_vllm": ["model.lora.enabled=true", "model.lora.r=16", "model.lora.alpha=32", "generation=vllm"],
 }
 FRAMEWORKS = ("rlhf_lab", "trl")
 
@@ -79,6 +81,7 @@ def parse_args(args: list[str]) -> argparse.Namespace:
     parser.add_argument("--compare", choices=["trl"], help="also run the same settings in this framework")
     parser.add_argument("--lora", action="store_true", help="add a LoRA row (r=16, alpha=32, all linear layers)")
     parser.add_argument("--ppo", action="store_true", help="add a PPO row (TRL side only if it has a PPO trainer)")
+    parser.add_argument("--vllm", action="store_true", help="add the rows' generation=vllm twins (the vLLM extra)")
     parser.add_argument("--scaling", action="store_true", help="rlhf_lab time per step over batch sizes x lengths")
     parser.add_argument("--batch-sizes", type=_int_list, default=[4, 8, 16, 32], help="samples per step for --scaling")
     parser.add_argument("--lengths", type=_int_list, default=[16, 32, 64], help="new tokens for --scaling")
@@ -226,8 +229,9 @@ def plan(options: argparse.Namespace) -> tuple[list[tuple[str, list[str], str | 
     """(rows as (name, overrides, reason TRL is not run or None), scaling jobs), all checked before any run."""
     base = merge_overrides(DEFAULT_OVERRIDES, options.overrides)
     base = merge_overrides(base, resolved_precision(_check_config(base)))
-    run_rows = not options.scaling or options.compare or options.lora or options.ppo
+    run_rows = not options.scaling or options.compare or options.lora or options.ppo or options.vllm
     names = ["grpo_full", *["grpo_lora"] * options.lora, *["ppo_full"] * options.ppo] if run_rows else []
+    names += [f"{name}_vllm" for name in names if f"{name}_vllm" in ROW_OVERRIDES] if options.vllm else []
     rows = []
     for name in names:
         overrides = merge_overrides(base, ROW_OVERRIDES[name]) if name != "grpo_full" else base
@@ -238,7 +242,8 @@ def plan(options: argparse.Namespace) -> tuple[list[tuple[str, list[str], str | 
 
             if trl_version() is None:
                 raise BenchError("--compare trl needs TRL: pip install -r requirements-trl.txt (or make bench)")
-            reason = unsupported_reason(cfg)
+            reason = unsupported_reason(cfg) or ("TRL is compared on the hf row's settings" if name.endswith("_vllm")
+                                                 else None)
         rows.append((name, overrides, reason))
     scaling = []
     if options.scaling:

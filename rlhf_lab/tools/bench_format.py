@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-PHASES = ("generate", "reward", "reference", "advantages", "policy_forward_backward", "optimizer")
+PHASES = ("generate", "reward", "reference", "advantages", "policy_forward_backward", "optimizer", "sync_weights")
 
 
 def _table(headers: list[str], rows: list[list[str]]) -> str:
@@ -30,7 +30,7 @@ def format_report(report: dict[str, Any]) -> str:
     out = []
     if report["rows"]:
         headers = ["row", "framework", "s/step (median)", "generate", "reward", "reference", "advantages",
-                   "fwd+bwd", "optimizer", "other", "tokens/s", "peak RSS MiB", "reward mean"]
+                   "fwd+bwd", "optimizer", "sync", "other", "tokens/s", "peak RSS MiB", "reward mean"]
         lines, notes = [], []
         for row in report["rows"]:
             for framework, entry in row["frameworks"].items():
@@ -40,7 +40,7 @@ def format_report(report: dict[str, Any]) -> str:
                     continue
                 phases = summary["phases_s_mean"]
                 lines.append([row["row"], framework, _number(summary["step_s_median"]),
-                              *(_number(phases[name]) for name in PHASES), _number(summary["other_s_mean"]),
+                              *(_number(phases.get(name, 0.0)) for name in PHASES), _number(summary["other_s_mean"]),
                               _number(summary["tokens_per_s"], 1), _number(summary["peak_rss_mib"], 0),
                               _reward_cell(summary)])
             floor = row["frameworks"].get("rlhf_lab", {}).get("summary", {})

@@ -282,6 +282,7 @@ def _step_record(times: dict[str, float], step_s: float, tokens: int) -> dict[st
         "advantages": max(0.0, prepare - sum(measured.values())),
         "policy_forward_backward": max(0.0, training - prepare),
         "optimizer": max(0.0, step_s - training),
+        "sync_weights": 0.0,  # TRL generates with the model itself here (no engine to sync)
     }
     return {"step_s": step_s, "phases": phases, "tokens": tokens, "reward_mean": float("nan")}
 

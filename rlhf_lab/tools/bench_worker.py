@@ -37,14 +37,6 @@ def _peak_rss_mib() -> float:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return peak / (1024 * 1024) if sys.platform == "darwin" else peak / 1024
 
-def _synchronize() -> None:
-    """Wait for queued GPU work, so a wall-clock interval covers the kernels it launched (no-op on CPU)."""
-    import torch
-
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-
-
 def run_rlhf_lab(cfg: Any, steps: int, warmup: int, work_dir: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Train ``warmup + steps`` steps with rlhf_lab's Trainer; (per-step records, facts about the run)."""
     import rlhf_lab.components  # noqa: F401  (registers the built-in parts)
@@ -52,6 +44,7 @@ def run_rlhf_lab(cfg: Any, steps: int, warmup: int, work_dir: Path) -> tuple[lis
     from rlhf_lab.runtime import distributed
     from rlhf_lab.tools.bench_floor import ModelShape, floor_seconds, measure_floor, record_generation_work
     from rlhf_lab.training.loop import Trainer
+    from rlhf_lab.training.records import synchronize
 
     trainer = Trainer(cfg, work_dir / "run")
     ready = time.perf_counter()
@@ -63,10 +56,10 @@ def run_rlhf_lab(cfg: Any, steps: int, warmup: int, work_dir: Path) -> tuple[lis
     try:
         for step in range(warmup + steps):
             works.clear()
-            _synchronize()
+            synchronize()
             start = time.perf_counter()
             metrics = trainer.train_step(step)
-            _synchronize()
+            synchronize()
             step_s = time.perf_counter() - start
             records.append({
                 "step_s": step_s,
@@ -83,10 +76,9 @@ def run_rlhf_lab(cfg: Any, steps: int, warmup: int, work_dir: Path) -> tuple[lis
 
 def process_switches() -> dict[str, str | None]:
     """The environment switches a CPU profile may set, as this process has them (the user's, or the profile's)."""
-    from rlhf_lab.hardware import HUGE_PAGES, ONEDNN_CACHE
     from rlhf_lab.hardware.allocator import USER_SWITCHES
 
-    return {name: os.environ.get(name) for name in (HUGE_PAGES, ONEDNN_CACHE, *USER_SWITCHES, "GLIBC_TUNABLES")}
+    return {name: os.environ.get(name) for name in (*USER_SWITCHES, "GLIBC_TUNABLES")}
 
 
 def worker(job_path: str, result_path: str) -> None:

@@ -7,6 +7,10 @@ A checkpoint holds only safetensors and JSON, so loading one never unpickles any
   value head);
 - ``optimizer.safetensors``: the tensors of the optimizer and scheduler states; their other fields
   (hyper-parameters, step counts) are JSON inside ``trainer_state.json``;
+- ``sharded/`` (FSDP runs): the policy, the algorithm's modules and the optimizer as every rank holds them, written
+  by every rank through ``torch.distributed.checkpoint`` (DCP) and read back the same way, each rank its own part
+  (any process count, one process included); ``model/`` is then the export of the gathered weights and
+  ``optimizer.safetensors`` holds the scheduler only;
 - ``rng.safetensors``: the torch (and CUDA) generator states; Python's and NumPy's are JSON;
 - ``config.json``: the resolved config of the run that wrote it (what a resume is compared against);
 - ``trainer_state.json``: step, KL controller, counters, the seconds trained so far (``train_seconds``, the
@@ -35,8 +39,9 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from rlhf_lab.errors import CheckpointError
+from rlhf_lab.training.checkpoint_sharded import SHARDED_FOLDER, load_sharded, save_sharded  # noqa: F401
 from rlhf_lab.training.state_encoding import decode_state, encode_state, rng_state, set_rng_state
-from rlhf_lab.training.verify import seal
+from rlhf_lab.training.verify import fsync, fsync_tree, manifest, seal
 
 STATE_FILE = "trainer_state.json"  # written last inside a checkpoint folder; holds the manifest
 COMPLETE_MARKER = STATE_FILE
@@ -50,39 +55,25 @@ TEMP_PREFIX = ".step_"
 
 
 # ----------------------------------------------------------------------------- save
-def _fsync_tree(folder: Path) -> None:
-    """Flush every file (and folder entry) under ``folder`` to disk, so a rename never outlives the data."""
-    for path in sorted(folder.rglob("*"), reverse=True):
-        _fsync(path)
-    _fsync(folder)
-
-
-def _fsync(path: Path) -> None:
-    try:
-        descriptor = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(descriptor)
-    except OSError:
-        pass  # some filesystems refuse fsync on folders
-    finally:
-        os.close(descriptor)
-
-
-def _manifest(folder: Path) -> dict[str, int]:
-    return {
-        path.relative_to(folder).as_posix(): path.stat().st_size
-        for path in sorted(folder.rglob("*"))
-        if path.is_file() and path.name != STATE_FILE
-    }
-
-
-def remove_temporary(root: Path) -> None:
-    """Delete ``.step_*`` folders left by a save that was killed (only one process writes checkpoints)."""
+def remove_temporary(root: Path, keep: Path | None = None) -> None:
+    """Delete ``.step_*`` folders left by a save that was killed (rank 0 does; ``keep``: the one being written)."""
     for child in Path(root).glob(f"{TEMP_PREFIX}*"):
-        if child.is_dir():
+        if child.is_dir() and child != keep:
             shutil.rmtree(child, ignore_errors=True)
+
+
+def staging_folder(root: Path, step: int) -> Path:
+    """The temporary folder every rank writes a sharded checkpoint of ``step`` into (the same name on every rank)."""
+    return Path(root) / f"{TEMP_PREFIX}{step}.sharded"
+
+
+def prepare_staging(root: Path, step: int) -> Path:
+    """Rank 0, before the ranks write: an empty staging folder (a killed save's leftovers removed)."""
+    folder = staging_folder(root, step)
+    Path(root).mkdir(parents=True, exist_ok=True)
+    remove_temporary(root)
+    folder.mkdir()
+    return folder
 
 
 def save_checkpoint(
@@ -99,18 +90,19 @@ def save_checkpoint(
     optimizer_state: dict[str, Any] | None = None,
     module_states: dict[str, dict[str, torch.Tensor]] | None = None,
     config: dict[str, Any] | None = None,
+    staged: Path | None = None,
 ) -> Path:
     """Write ``root/step_{step}`` atomically, point ``root/latest`` at it, keep the newest ``keep_last_n``.
 
-    ``model_state`` / ``optimizer_state`` / ``module_states``: the whole states gathered from sharded (FSDP)
-    modules, written in
-    the same format as an unsharded run's, so any strategy loads them.
+    ``model_state`` / ``module_states``: the whole states gathered from sharded (FSDP) modules (``model/`` is
+    written from them as an unsharded run writes it). ``staged``: the staging folder the ranks wrote the sharded
+    state into (:func:`save_sharded`); the optimizer's state is there, and the rest is written beside it.
     """
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    remove_temporary(root)
+    remove_temporary(root, keep=staged)
     final = root / f"step_{step}"
-    tmp = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{step}.", dir=root))
+    tmp = staged or Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{step}.", dir=root))
     try:
         policy.save_pretrained(tmp / MODEL_FOLDER, safe_serialization=True, state_dict=model_state)
         tokenizer.save_pretrained(tmp / MODEL_FOLDER)
@@ -119,23 +111,23 @@ def save_checkpoint(
             state = {k: v.detach().contiguous() for k, v in whole.items()}
             save_file(state, str(tmp / f"{name}.safetensors"))
         optimizer_tensors: dict[str, torch.Tensor] = {}
-        optimizer_plain = encode_state(
-            {"optimizer": optimizer_state or optimizer.state_dict(), "scheduler": scheduler.state_dict()},
-            optimizer_tensors,
-        )
+        states = {"scheduler": scheduler.state_dict()}
+        if staged is None:  # else the optimizer's state is in the sharded folder
+            states["optimizer"] = optimizer_state or optimizer.state_dict()
+        optimizer_plain = encode_state(states, optimizer_tensors)
         save_file(optimizer_tensors, str(tmp / OPTIMIZER_FILE))
         rng_tensors, rng_plain = rng_state()
         save_file(rng_tensors, str(tmp / RNG_FILE))
         if config is not None:
             (tmp / CONFIG_FILE).write_text(json.dumps(config), encoding="utf-8")
-        _fsync_tree(tmp)
+        fsync_tree(tmp)
         state = {
             "step": step,
             **trainer_state,
             "optimizer": optimizer_plain,
             "rng": rng_plain,
             "modules": sorted(modules),
-            "files": _manifest(tmp),
+            "files": manifest(tmp, skip=STATE_FILE),
         }
         state = seal(state, tmp, skip=STATE_FILE)
         with open(tmp / STATE_FILE, "w", encoding="utf-8") as handle:
@@ -145,7 +137,7 @@ def save_checkpoint(
         if final.exists():  # the same step saved again (a re-run); the pointer still names a complete one
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _fsync(root)
+        fsync(root)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     pointer_tmp = root / f".{LATEST}.tmp"
@@ -154,7 +146,7 @@ def save_checkpoint(
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(pointer_tmp, root / LATEST)
-    _fsync(root)
+    fsync(root)
     if keep_last_n > 0:
         for old in complete_checkpoints(root)[:-keep_last_n]:
             if old != final:
@@ -355,6 +347,11 @@ def load_checkpoint(
             f"checkpoint {folder} has no {', '.join(missing_modules)} (it was written by another algorithm)"
         )
     try:
+        if (folder / SHARDED_FOLDER).is_dir():  # written by an FSDP run: each rank reads its part
+            load_sharded(folder, policy, modules, optimizer)
+            scheduler.load_state_dict(decode_state(state.pop("optimizer"), load_file(str(folder / OPTIMIZER_FILE)))
+                                      ["scheduler"])
+            return _finish_load(folder, state)
         load_policy_weights(folder, policy, uses_adapter, sharded)
         for name, module in modules.items():
             module_state = load_file(str(folder / f"{name}.safetensors"))
@@ -382,6 +379,11 @@ def load_checkpoint(
         raise CheckpointError(f"checkpoint {folder} does not match the configured model: {detail}") from None
     except ValueError as error:  # e.g. an optimizer with other parameter groups
         raise CheckpointError(f"checkpoint {folder} does not match the configured run: {error}") from None
+    return _finish_load(folder, state)
+
+
+def _finish_load(folder: Path, state: dict[str, Any]) -> dict[str, Any]:
+    """The generators restored; the trainer's state without the checkpoint's bookkeeping."""
     set_rng_state(load_file(str(folder / RNG_FILE)), state.pop("rng"))
     for key in ("files", "modules", "sha256", "keys", "state_sha256"):
         state.pop(key, None)

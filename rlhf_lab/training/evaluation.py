@@ -13,6 +13,7 @@ count half).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -122,8 +123,14 @@ class Evaluation:
         """Metrics on ``prompts`` (sharded over ranks) and the (prompt, response, reward) examples, in order."""
         group = self.settings.samples_per_prompt
         positions = shard(len(prompts), distributed.rank(), distributed.world_size())
+        real = len(positions) * group  # this rank's samples
+        if any(map(distributed.sharded, self.maker.policy.parameters())):
+            # FSDP: a forward pass is a collective, so every rank generates as often as the rank with the most
+            # prompts; the padding (repeats of a prompt) is generated and dropped.
+            width = -(-len(prompts) // distributed.world_size())
+            positions = positions + [positions[-1] if positions else 0] * (width - len(positions))
         timer = StepTimer()
-        scores, estimates, exacts, lengths, texts, tokens, shown = [], [], [], [], [], [], []
+        scores, valid, estimates, exacts, lengths, texts = [], [], [], [], [], []
         extra: dict[str, list[torch.Tensor]] = {name: [] for name in self.extra_rewards}
         wins: list[torch.Tensor] = []
         for start in range(0, len(positions), EVAL_CHUNK):
@@ -133,26 +140,28 @@ class Evaluation:
             keys = [rng_key(seed, 1, step, i) for i in chunk]
             experience = self.maker.make(chunk_prompts, group, timer, names, kl_coef, rng_keys=keys)
             rollout, mask = experience.rollout, experience.rollout.response_mask
-            scores.append(rollout.scores[experience.valid])  # dropped (non-finite) scores count in no eval mean
-            shown.append(rollout.scores)
-            estimates.append(masked_sum(rollout.kl_estimate, mask))
-            exacts.append(masked_sum(rollout.kl_exact, mask))
-            tokens.append(mask.sum())
+            scores.append(rollout.scores)
+            valid.append(experience.valid)  # dropped (non-finite) scores count in no eval mean
+            estimates.append(masked_sum(rollout.kl_estimate, mask, dim=-1))
+            exact = rollout.kl_exact if rollout.kl_exact is not None else torch.full_like(mask, math.nan)  # kl.exact=off
+            exacts.append(masked_sum(exact, mask, dim=-1))
             lengths.append(mask.sum(-1))
             texts += experience.responses
             for name, reward in self.extra_rewards.items():
                 extra[name].append(reward(experience.prompts, experience.responses).scores)
             if self.reference_maker is not None:
                 wins.append(self._wins(experience, chunk_prompts, names, keys, timer))
-        all_scores, all_shown, all_lengths = torch.cat(scores), torch.cat(shown), torch.cat(lengths)
-        estimates, exacts, tokens = torch.stack(estimates), torch.stack(exacts), torch.stack(tokens)
-        extra_scores = {name: torch.cat(values) for name, values in extra.items()}
-        all_wins = torch.cat(wins) if wins else None
+        all_shown, all_valid, all_lengths, estimates, exacts = (
+            torch.cat(values)[:real] for values in (scores, valid, lengths, estimates, exacts))
+        all_scores, texts, tokens = all_shown[all_valid], texts[:real], all_lengths.sum()
+        extra_scores = {name: torch.cat(values)[:real] for name, values in extra.items()}
+        all_wins = torch.cat(wins)[:real] if wins else None
         if distributed.world_size() > 1:  # every rank's results, in rank order
-            all_scores, all_shown, all_lengths, estimates, exacts, tokens = (
+            all_scores, all_shown, all_lengths, estimates, exacts = (
                 torch.tensor(distributed.gather_objects(t.tolist()))
-                for t in (all_scores, all_shown, all_lengths, estimates, exacts, tokens)
+                for t in (all_scores, all_shown, all_lengths, estimates, exacts)
             )
+            tokens = all_lengths.sum()
             extra_scores = {k: torch.tensor(distributed.gather_objects(v.tolist())) for k, v in extra_scores.items()}
             if all_wins is not None:
                 all_wins = torch.tensor(distributed.gather_objects(all_wins.tolist()))
@@ -165,11 +174,11 @@ class Evaluation:
             "eval/reward/mean": all_scores.mean().item(),
             "eval/reward/std": all_scores.std().item() if len(all_scores) > 1 else 0.0,
             "eval/kl/estimate": (estimates.sum() / total_tokens).item(),
-            "eval/kl/exact": (exacts.sum() / total_tokens).item(),
+            **({"eval/kl/exact": (exacts.sum() / total_tokens).item()} if not exacts.isnan().any() else {}),
             "eval/response/length_mean": all_lengths.mean().item(),
             "eval/distinct_2": distinct_n(texts, 2),
         }
-        if group > 1 or self.extra_rewards or all_wins is not None:  # keys beyond training's default evaluation
+        if (group > 1 or self.extra_rewards or all_wins is not None) and "eval/kl/exact" in metrics:
             metrics["eval/kl/exact_sequence"] = exacts.sum().item() / max(len(all_lengths), 1)
         for name, values in extra_scores.items():
             metrics[f"eval/reward/{name}/mean"] = values.float().mean().item()

@@ -26,11 +26,12 @@ from rlhf_lab.kl.placements import KLPenalty
 from rlhf_lab.models.loading import PolicyAndReference
 from rlhf_lab.registry import get
 from rlhf_lab.rewards.base import Reward, fill_nonfinite
+from rlhf_lab.runtime import distributed
 from rlhf_lab.runtime.precision import Precision
-from rlhf_lab.scoring.forward import response_logits
-from rlhf_lab.scoring.logprobs import gather_logprobs, needs_float32_logits
+from rlhf_lab.scoring.logprobs import needs_float32_logits
 from rlhf_lab.training.records import StepTimer
 from rlhf_lab.training.sampling import SamplingRules, informative_groups, overlong_penalty, truncated
+from rlhf_lab.training.scoring_pass import ScoringPass, rescores, sampler_differs, single_update
 
 # ``refill(round, count)`` -> (prompts, names, rng_keys) of ``count`` further prompts (dynamic sampling).
 Refill = Callable[[int, int], tuple[list[str], list[str], list[int] | None]]
@@ -75,13 +76,14 @@ class ExperienceMaker:
 
     ``policy`` is the network that generates (unwrapped from DDP); every forward pass runs under the run's
     precision. ``trainer.seed_per_prompt`` samples each prompt group from its own generator, so the samples
-    do not depend on how prompts are batched or sharded over ranks. ``trainer.logprob_chunk`` scores the
-    reference in chunks of rows, so its [B, T, V] logits never exist whole unless the update needs them.
+    do not depend on how prompts are batched or sharded over ranks. The scoring pass (:mod:`.scoring_pass`) runs
+    the reference, and the training model where the engine's log-probs are not the trainer's, over row chunks.
     """
 
     def __init__(self, cfg: Any, tokenizer: Any, models: PolicyAndReference, policy: nn.Module, reward: Reward,
                  kl: KLPenalty, device: torch.device, precision: Precision | None = None,
-                 keep_hidden: bool = False, hardware: HardwareProfile | None = None) -> None:
+                 keep_hidden: bool = False, hardware: HardwareProfile | None = None,
+                 engine: GenerationBackend | None = None) -> None:
         self.cfg, self.tokenizer, self.models, self.policy = cfg, tokenizer, models, policy
         self.reward, self.kl, self.device = reward, kl, device
         self.precision = precision or Precision("fp32", device.type)
@@ -90,10 +92,22 @@ class ExperienceMaker:
         self.update_needs_ref_logits = kl.loss_reads_ref_logits
         # The sampling policy's and the reference's full logits: float32 for a temperature or an estimator reading them.
         self.logits_float32 = needs_float32_logits(cfg.trainer.temperature, kl.reads_logits)
-        # The engine that samples (generation=NAME); it keeps the decode's last hidden states for PPO's shared critic.
-        self.engine: GenerationBackend = get("generation", cfg.generation.name)(
-            policy, tokenizer, SamplingSettings.from_config(cfg), self.precision, self.hardware, keep_logits=True,
-            keep_hidden=keep_hidden, logits_float32=self.logits_float32)
+        # π_old from a pass of the training model where the engine's log-probs are not the trainer's (scoring_pass.py),
+        # or where the engine reports no entropies or logits (vLLM).
+        engine_class = get("generation", cfg.generation.name)
+        self.rescore = rescores(cfg, self.precision) or not getattr(engine_class, "reports_entropy", True)
+        # One update per rollout with numbers that may differ: the training pass's own log-probs are π_old.
+        self.old_from_update = not self.rescore and sampler_differs(cfg, self.precision) and single_update(cfg)
+        self.exact_kl = cfg.kl.get("exact", "step")  # kl.exact: step | eval | off
+        # The engine that samples (generation=NAME); it keeps the decode's last hidden states for PPO's shared critic
+        # where its numbers are the trainer's, else the scoring pass does.
+        # ``engine``: another maker's, shared (an evaluation's maker with its own sampling settings, same weights).
+        self.settings = SamplingSettings.from_config(cfg)
+        self.engine: GenerationBackend = engine or engine_class(
+            policy, tokenizer, self.settings, self.precision, self.hardware, options=cfg.generation, keep_logits=False,
+            keep_hidden=keep_hidden and not self.rescore, logits_float32=self.logits_float32)
+        self.scoring = ScoringPass(cfg, models, policy, kl, device, self.precision, self.rescore, keep_hidden,
+                                   self.logits_float32)
         self.rules = SamplingRules.from_config(cfg.algorithm)
         # ReMax's advantage subtracts the greedy response's score: one extra greedy generation per prompt.
         advantage = cfg.algorithm.get("advantage")
@@ -109,6 +123,9 @@ class ExperienceMaker:
         sampling rules (overlong shaping, truncation mask, dynamic sampling through ``refill``) and ReMax's
         greedy baseline; evaluation runs without them.
         """
+        exact = self.exact_kl == "step" if train else self.exact_kl != "off"
+        if not self.rescore:  # the exact KL (and a logits-reading estimator) read the sampler's own logits
+            self.engine.keep_logits = exact or self.kl.reads_logits
         if not train:
             rollout, responses, valid = self.sample_and_score(prompts, group_size, timer, names, rng_keys)
             experience = Experience(rollout, [p for p in prompts for _ in range(group_size)], responses,
@@ -117,8 +134,9 @@ class ExperienceMaker:
             experience = self._training_batch(prompts, group_size, timer, names, rng_keys, refill)
             if self.greedy_baseline:
                 self._greedy_baseline(experience, group_size, timer, names)
-        self.reference(experience.rollout, timer)
+        self.scoring(experience.rollout, timer, exact)
         self.kl.score_rollout(experience.rollout, kl_coef)
+        experience.rollout.old_from_update = self.old_from_update
         return experience
 
     def _shaped(self, prompts: list[str], group_size: int, timer: StepTimer, names: list[str],
@@ -154,17 +172,19 @@ class ExperienceMaker:
         batch, round_ = first, 0
         while True:
             informative = informative_groups(batch.rollout.scores, batch.valid, group_size)
-            if round_ == 0 and bool(informative.all()):  # nothing dropped: the first batch as it is, not rebuilt
-                first.stats = stats
-                return first
             stats["groups_dropped"] += float((~informative).sum())
             for group, keep in enumerate(informative.tolist()):
                 (kept if keep else tied).append(_select_groups(batch, [group], group_size))
-            missing = wanted - len(kept)
-            if missing <= 0 or round_ >= self.rules.max_refill_rounds:
+            # Every rank takes the same rounds with the same number of prompts (the most any rank misses): under
+            # FSDP a generation's forward passes are collectives. A rank that misses fewer keeps what it needs.
+            count = int(distributed.maximum(torch.tensor(float(max(wanted - len(kept), 0)))))
+            if round_ == 0 and count == 0:  # nothing dropped anywhere: the first batch as it is, not rebuilt
+                first.stats = stats
+                return first
+            if count == 0 or round_ >= self.rules.max_refill_rounds:
                 break
             round_ += 1
-            more_prompts, more_names, more_keys = refill(round_, missing)
+            more_prompts, more_names, more_keys = refill(round_, count)
             batch = self._shaped(more_prompts, group_size, timer, more_names, more_keys)
             stats["rounds"] += 1
             stats["refill_prompts"] += len(more_prompts)
@@ -184,7 +204,7 @@ class ExperienceMaker:
         prompts = experience.prompts[::group_size]
         formatted = format_prompts(prompts, self.tokenizer, cfg.model.chat_template, cfg.model.system_prompt)
         with timer.phase("generate_greedy"):
-            greedy = self.engine.generate(formatted, 1, greedy=True)
+            greedy = self.engine.generate(formatted, 1, greedy=True, settings=self.settings)
         responses = self._decode(greedy)
         with timer.phase("reward"):
             output = self.reward(prompts, responses)
@@ -203,7 +223,7 @@ class ExperienceMaker:
         cfg = self.cfg
         formatted = format_prompts(prompts, self.tokenizer, cfg.model.chat_template, cfg.model.system_prompt)
         seeds = rng_keys if cfg.trainer.seed_per_prompt else None
-        return self.engine.generate(formatted, group_size, seeds=seeds)
+        return self.engine.generate(formatted, group_size, seeds=seeds, settings=self.settings)
 
     def sample_and_score(self, prompts: list[str], group_size: int, timer: StepTimer, names: list[str],
                          rng_keys: list[int] | None = None) -> tuple[Rollout, list[str], Tensor]:
@@ -224,45 +244,6 @@ class ExperienceMaker:
         rollout.scores = scores.to(self.device).float()
         rollout.extras = {f"reward/{k}": v.to(self.device).float() for k, v in output.components.items()}
         return rollout, responses, valid
-
-    def reference(self, rollout: Rollout, timer: StepTimer) -> None:
-        """Fill ``ref_logprobs``, ``kl_estimate``, ``kl_exact`` (and ``ref_logits``) from the reference: the
-        adapter-disabled policy under LoRA, else the frozen copy (on the CPU between passes with
-        ``trainer.offload_reference``)."""
-        model = self.models.reference_model()
-        offload = self.cfg.trainer.offload_reference and self.models.reference is not None
-        chunk = self.cfg.trainer.logprob_chunk
-        with timer.phase("reference"), torch.no_grad(), self.models.reference_context(), self.precision.autocast(), \
-                self.hardware.scoring(model, self.device):
-            if offload:
-                model.to(self.device)
-            if not chunk or chunk >= rollout.batch_size:
-                ref_logits, _ = response_logits(model, rollout.input_ids, rollout.attention_mask,
-                                                rollout.prompt_width, self.cfg.trainer.temperature,
-                                                float32=self.logits_float32)
-                rollout.ref_logprobs = gather_logprobs(ref_logits, rollout.response_ids) * rollout.response_mask
-                rollout.ref_logits = ref_logits
-                rollout.kl_estimate, rollout.kl_exact = self.kl.sampled_terms(rollout)
-            else:
-                self._reference_in_chunks(model, rollout, chunk)
-            if offload:
-                model.to("cpu")
-
-    def _reference_in_chunks(self, model: nn.Module, rollout: Rollout, chunk: int) -> None:
-        """The reference pass over ``chunk`` rows at a time; each chunk's logits die with it."""
-        pieces: dict[str, list[Tensor]] = {"ref_logprobs": [], "kl_estimate": [], "kl_exact": [], "ref_logits": []}
-        for start in range(0, rollout.batch_size, chunk):
-            part = rollout.select(torch.arange(start, min(start + chunk, rollout.batch_size)))
-            part.ref_logits, _ = response_logits(model, part.input_ids, part.attention_mask, part.prompt_width,
-                                                 self.cfg.trainer.temperature, float32=self.logits_float32)
-            part.ref_logprobs = gather_logprobs(part.ref_logits, part.response_ids) * part.response_mask
-            part.kl_estimate, part.kl_exact = self.kl.sampled_terms(part)
-            for key in ("ref_logprobs", "kl_estimate", "kl_exact"):
-                pieces[key].append(getattr(part, key))
-            if self.update_needs_ref_logits:
-                pieces["ref_logits"].append(part.ref_logits)
-        for key, values in pieces.items():
-            setattr(rollout, key, torch.cat(values) if values else None)
 
 
 def _select_groups(experience: Experience, groups: list[int], group_size: int) -> Experience:

@@ -26,7 +26,7 @@ from rlhf_lab.models.loading import build_policy, enable_activation_checkpointin
 from rlhf_lab.registry import get
 from rlhf_lab.rewards.base import build_reward
 from rlhf_lab.runtime import distributed
-from rlhf_lab.runtime.console import progress_label, say
+from rlhf_lab.runtime.console import progress_bar, say
 from rlhf_lab.runtime.precision import Precision
 from rlhf_lab.testbed.metrics import exact_step_metrics
 from rlhf_lab.trackers.jsonl import repair_jsonl
@@ -36,9 +36,11 @@ from rlhf_lab.training import resume_contract
 from rlhf_lab.training.budget import TrainingClock
 from rlhf_lab.training.evaluation import Evaluation, rng_key
 from rlhf_lab.training.experience import ExperienceMaker
-from rlhf_lab.training.records import Records, StepTimer, run_summary, sample_columns
+from rlhf_lab.training.records import Records, StepTimer, run_summary, sample_columns, synchronize
 from rlhf_lab.training.sampling import refill_indices
+from rlhf_lab.training.scoring_pass import sampler_metrics
 from rlhf_lab.training.setup import configure_process, resolve_device, seed_everything
+from rlhf_lab.training.state_encoding import rank_rng_state, set_rank_rng_state
 from rlhf_lab.training.step_metrics import rollout_metrics, sampling_metrics
 from rlhf_lab.training.update import Updater
 
@@ -79,21 +81,22 @@ class Trainer:
         check_model_prompts(self.prompts, self.tokenizer, self.models.policy, cfg)
         if cfg.trainer.gradient_checkpointing:
             enable_activation_checkpointing(self.models.policy)
-        policy = self.models.policy.to(self.device)
-        if self.models.reference is not None:
-            self.models.reference.to("cpu" if cfg.trainer.offload_reference else self.device)
-        self.precision.store_frozen_weights(self.models.reference_model())  # the reference copy, LoRA's base
+        fsdp = self.strategy == "fsdp"
+        # Under FSDP the policy stays on the CPU until it is sharded (below): each block moves its shard only.
+        policy = self.models.policy if fsdp else self.models.policy.to(self.device)
+        self.place_reference(fsdp)
 
         self.algorithm = get("algorithm", cfg.algorithm.name)(cfg.algorithm)
         self.algorithm.setup(policy)
         for module in self.algorithm.modules().values():
             module.to(self.device)
         # Under ddp/fsdp the policy and the algorithm's own modules train wrapped; generation uses the module.
-        self.policy = distributed.wrap(policy, self.strategy, self.device)
+        compute_dtype = self.precision.compute_dtype
+        self.policy = distributed.wrap(policy, self.strategy, self.device, compute_dtype)
         sync_modules = [self.policy]
 
         def wrap(module: torch.nn.Module) -> torch.nn.Module:
-            sync_modules.append(distributed.wrap(module, self.strategy, self.device))
+            sync_modules.append(distributed.wrap(module, self.strategy, self.device, compute_dtype))
             return sync_modules[-1]
 
         self.algorithm.wrap_modules(wrap)
@@ -123,6 +126,18 @@ class Trainer:
         self._maybe_resume()
         self.records = Records(self.run_dir, tracker, cfg.logger.samples_every)
 
+    def place_reference(self, fsdp: bool) -> None:
+        """The frozen reference where its passes run: sharded like the policy under FSDP (never a whole copy per
+        rank), on the CPU between passes with ``trainer.offload_reference``, else on the device. Under a mixed
+        precision its matrices are kept in the compute dtype (LoRA's base weights: the reference is the policy)."""
+        reference, offload = self.models.reference, self.cfg.trainer.offload_reference
+        if reference is not None and fsdp and not offload:
+            distributed.shard(reference, self.precision.compute_dtype)
+        elif reference is not None:
+            reference.to("cpu" if offload else self.device)
+        if not fsdp:  # under FSDP its MixedPrecisionPolicy gathers the weights in the compute dtype
+            self.precision.store_frozen_weights(self.models.reference_model())
+
     # ----------------------------------------------------------------- resume and checkpoints
     def _maybe_resume(self) -> None:
         folder = self.resume_from
@@ -137,8 +152,9 @@ class Trainer:
         updater.load_state_dict(state)
         resume_contract.apply_changes(self.resume_changes, self.cfg, updater, self.kl_controller, fresh_base_lrs)
         rank_rng = state.get("rank_rng")
-        if rank_rng and len(rank_rng) == distributed.world_size():  # every rank's own generator
-            torch.set_rng_state(torch.tensor(rank_rng[distributed.rank()], dtype=torch.uint8))
+        if rank_rng and len(rank_rng) == distributed.world_size():  # every rank's own generators
+            set_rank_rng_state(rank_rng[distributed.rank()])
+        self.experience.engine.sync_weights(distributed.unwrap(self.policy))  # built before the weights loaded
         self.first_eval = state.get("first_eval")
         self.clock.load_state_dict(state)
         self.start_step = state["step"] + 1
@@ -153,26 +169,34 @@ class Trainer:
         return load_prompts(self.cfg.data, seed=self.cfg.seed)
 
     def save(self, step: int) -> Path | None:
-        """Write a checkpoint of ``step``: rank 0 writes, after gathering what other ranks hold (FSDP shards,
-        every rank's generator). Returns its folder (None on other ranks)."""
+        """Write a checkpoint of ``step``: under FSDP every rank writes its shards (``sharded/``, DCP) and the
+        whole weights are gathered for ``model/``; rank 0 writes the rest while the other ranks wait at a barrier
+        (not in a collective of the next step). Returns its folder (None on other ranks)."""
         updater, modules = self.updater, self.algorithm.modules()
         policy = distributed.unwrap(self.policy)
         whole: dict[str, Any] = {}
         if self.strategy == "fsdp":  # collectives: every rank takes part
-            whole = {"model_state": distributed.full_model_state(policy),
-                     "module_states": {name: distributed.full_model_state(m) for name, m in modules.items()},
-                     "optimizer_state": distributed.full_optimizer_state({"policy": policy, **modules},
-                                                                         updater.optimizer)}
-        rank_rng = distributed.gather_objects([torch.get_rng_state().tolist()])
-        if not distributed.is_main_process():
-            return None  # one writer: rank 0
-        trainer_state = {"kl_controller": self.kl_controller.state_dict(), **updater.state_dict(),
-                         "first_eval": self.first_eval, **self.clock.state_dict(), "precision": self.precision.name}
-        if distributed.world_size() > 1:
-            trainer_state["rank_rng"] = rank_rng
-        return ckpt.save_checkpoint(self.checkpoint_root, step, policy, self.tokenizer, modules, updater.optimizer,
-                                    updater.scheduler, trainer_state, keep_last_n=self.cfg.trainer.keep_last_n,
-                                    config=OmegaConf.to_container(self.cfg, resolve=True), **whole)
+            staged = ckpt.staging_folder(self.checkpoint_root, step)
+            if distributed.is_main_process():
+                ckpt.prepare_staging(self.checkpoint_root, step)
+            distributed.barrier()
+            ckpt.save_sharded(staged, policy, modules, updater.optimizer)
+            whole = {"model_state": distributed.full_model_state(policy), "staged": staged,
+                     "module_states": {name: distributed.full_model_state(m) for name, m in modules.items()}}
+        rank_rng = distributed.gather_objects([rank_rng_state()])
+        folder = None
+        if distributed.is_main_process():  # one writer: rank 0
+            trainer_state = {"kl_controller": self.kl_controller.state_dict(), **updater.state_dict(),
+                             "first_eval": self.first_eval, **self.clock.state_dict(),
+                             "precision": self.precision.name}
+            if distributed.world_size() > 1:
+                trainer_state["rank_rng"] = rank_rng
+            folder = ckpt.save_checkpoint(self.checkpoint_root, step, policy, self.tokenizer, modules,
+                                          updater.optimizer, updater.scheduler, trainer_state,
+                                          keep_last_n=self.cfg.trainer.keep_last_n,
+                                          config=OmegaConf.to_container(self.cfg, resolve=True), **whole)
+        distributed.barrier()
+        return folder
 
     # ----------------------------------------------------------------- one step
     def train_step(self, step: int) -> dict[str, Any]:
@@ -180,6 +204,7 @@ class Trainer:
         cfg = self.cfg
         self.step = step  # the step being trained (read by hooks in tests and tools)
         timer = StepTimer()
+        synchronize()
         start = time.perf_counter()
         indices = prompt_indices(step, cfg.trainer.prompts_per_step, len(self.prompts.train), cfg.seed,
                                  rank=distributed.rank(), world_size=distributed.world_size())
@@ -204,13 +229,19 @@ class Trainer:
         if not self.experience.update_needs_ref_logits:
             rollout.ref_logits = None
         update_stats = self.updater.update(rollout, coef, step, timer)
+        with timer.phase("sync_weights"):  # the engine samples the next step with the updated weights
+            self.experience.engine.sync_weights(distributed.unwrap(self.policy))
         # Batch statistics over every rank's samples (each rank holds whole prompt groups, in rank order).
-        exact_per_sequence = distributed.gather_rows(masked_sum(rollout.kl_exact, mask, dim=-1))
-        self.kl_controller.update(float(exact_per_sequence.mean()), len(exact_per_sequence))
+        # The controller follows the exact KL per sequence where it is computed (kl.exact=step), else the estimate.
+        measured = rollout.kl_exact if rollout.kl_exact is not None else rollout.kl_estimate
+        kl_per_sequence = distributed.gather_rows(masked_sum(measured, mask, dim=-1))
+        self.kl_controller.update(float(kl_per_sequence.mean()), len(kl_per_sequence))
         self.updater.scheduler.step()
 
+        synchronize()
         elapsed = time.perf_counter() - start
-        metrics: dict[str, Any] = {"step": step, **rollout_metrics(rollout, valid, coef, exact_per_sequence),
+        metrics: dict[str, Any] = {"step": step, **rollout_metrics(rollout, valid, coef, kl_per_sequence),
+                                   **sampler_metrics(rollout),
                                    "lr": self.updater.scheduler.get_last_lr()[0],
                                    "optim/grad_norm": self.updater.last_grad_norm, "time/step_s": elapsed,
                                    "throughput/tokens_per_s": float(distributed.all_reduce_sum(
@@ -263,8 +294,10 @@ class Trainer:
         return metrics
 
     def _experience_maker(self, cfg: Any, policy: torch.nn.Module) -> ExperienceMaker:
+        # The policy's own engine, shared; the reference's (win rate) gets one of its own.
+        engine = self.experience.engine if policy is self.experience.policy else None
         return ExperienceMaker(cfg, self.tokenizer, self.models, policy, self.reward, self.kl, self.device,
-                               self.precision, hardware=self.hardware)
+                               self.precision, hardware=self.hardware, engine=engine)
 
     def loss_kl(self) -> KLPenalty | None:
         """The KL penalty whose loss-placed term the updater adds (the offline stages: none)."""
@@ -299,7 +332,8 @@ class Trainer:
         return exact_step_metrics(self, step)
 
     def progress_postfix(self, metrics: dict[str, Any]) -> dict[str, str]:
-        return {"reward": f"{metrics['reward/mean']:.3f}", "kl": f"{metrics['kl/exact']:.4f}"}
+        kl = metrics.get("kl/exact", metrics["kl/estimate"])
+        return {"reward": f"{metrics['reward/mean']:.3f}", "kl": f"{kl:.4f}"}
 
     def summarize(self, history: list[dict[str, Any]], done: int, final_eval: dict[str, Any]) -> dict[str, Any]:
         """``summary.json`` once the steps are done (before the clock's and the precision's entries)."""
@@ -320,7 +354,7 @@ class Trainer:
             signal.signal(s, self._handle_signal)
         history: list[dict[str, Any]] = []
         last = self.start_step if self.clock.reached(self.device) else steps  # a resume past its budget: no step
-        progress = _progress(range(self.start_step, last), cfg.trainer.progress_bar, self.start_step, steps)
+        progress = progress_bar(range(self.start_step, last), cfg.trainer.progress_bar, self.start_step, steps)
         try:
             if self.start_step == 0 and cfg.trainer.eval_prompts > 0:
                 self.first_eval = self.evaluate(0)  # saved with checkpoints: a resumed run's summary keeps it
@@ -362,11 +396,3 @@ class Trainer:
             for s, handler in previous.items():
                 signal.signal(s, handler)
             self.records.close()
-
-
-def _progress(iterable: range, enabled: bool, initial: int, total: int):
-    if not enabled:
-        return iterable
-    from tqdm.auto import tqdm
-
-    return tqdm(iterable, initial=initial, total=total, desc=progress_label(), dynamic_ncols=True)

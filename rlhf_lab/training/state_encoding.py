@@ -78,3 +78,19 @@ def set_rng_state(tensors: dict[str, torch.Tensor], plain: dict[str, Any]) -> No
     random.setstate((version, tuple(state), gauss))
     kind, keys, pos, has_gauss, cached = plain["numpy"]
     np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+def rank_rng_state() -> dict[str, list[int] | None]:
+    """This rank's own torch generators, as JSON: the CPU one, and its GPU's (None without CUDA). Every rank's
+    are saved with a multi-process checkpoint, so each resumes its own draws."""
+    cuda = torch.cuda.get_rng_state().tolist() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return {"cpu": torch.get_rng_state().tolist(), "cuda": cuda}
+
+
+def set_rank_rng_state(state: dict[str, list[int] | None] | list[int]) -> None:
+    """Restore :func:`rank_rng_state`'s generators (a list: a checkpoint that kept the CPU one only)."""
+    if isinstance(state, list):
+        state = {"cpu": state, "cuda": None}
+    torch.set_rng_state(torch.tensor(state["cpu"], dtype=torch.uint8))
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8))

@@ -16,10 +16,10 @@ from rlhf_lab.masked import masked_mean
 from rlhf_lab.runtime import distributed
 
 
-def rollout_metrics(rollout: Rollout, valid: Tensor, coef: float, exact_per_sequence: Tensor) -> dict[str, Any]:
-    """Rewards of the valid samples, the KL estimate and the exact KL beside it, entropy, lengths, and each
-    reward component (``rollout.extras``); ``exact_per_sequence`` [every rank's B] is the exact KL summed over
-    each response."""
+def rollout_metrics(rollout: Rollout, valid: Tensor, coef: float, kl_per_sequence: Tensor) -> dict[str, Any]:
+    """Rewards of the valid samples, the KL estimate and the exact KL beside it (where ``kl.exact=step`` computed
+    it), entropy, lengths, and each reward component (``rollout.extras``); ``kl_per_sequence`` [every rank's B] is
+    the exact KL (else the estimate) summed over each response."""
     mask = rollout.response_mask
     scores, all_valid = distributed.gather_rows(rollout.scores), distributed.gather_rows(valid)
     metrics: dict[str, Any] = {
@@ -27,12 +27,13 @@ def rollout_metrics(rollout: Rollout, valid: Tensor, coef: float, exact_per_sequ
         "reward/std": scores[all_valid].std().item() if int(all_valid.sum()) > 1 else 0.0,
         "reward/dropped": int((~all_valid).sum()),
         "kl/estimate": masked_mean(rollout.kl_estimate, mask, across_ranks=True).item(),
-        "kl/exact": masked_mean(rollout.kl_exact, mask, across_ranks=True).item(),
-        "kl/exact_sequence": exact_per_sequence.mean().item(),
         "kl/coef": coef,
         "policy/entropy": masked_mean(rollout.entropy, mask, across_ranks=True).item(),
         "response/length_mean": distributed.gather_rows(mask.sum(-1)).mean().item(),
     }
+    if rollout.kl_exact is not None:
+        metrics["kl/exact"] = masked_mean(rollout.kl_exact, mask, across_ranks=True).item()
+        metrics["kl/exact_sequence"] = kl_per_sequence.mean().item()
     for key, value in rollout.extras.items():
         metrics[key] = distributed.gather_rows(value)[all_valid].mean().item()
     return metrics

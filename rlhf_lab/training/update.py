@@ -111,8 +111,6 @@ class Updater:
         self.logits_float32 = needs_float32_logits(
             trainer.temperature, getattr(algorithm, "reads_policy_logits", True),
             kl is not None and kl.in_loss and kl.reads_logits)
-        self.embedding_rows = self.hardware.embedding_plan(
-            policy, autocast=self.precision.autocasts, single_process=strategy == "single" and self.world_size == 1)
         if strategy != "fsdp":  # FSDP2's shards get their state at the first step
             self.hardware.prepare_optimizer(self.optimizer)
         self.consecutive_skips = 0
@@ -134,7 +132,7 @@ class Updater:
         Rows sharing a prompt share its prefill, except under gradient checkpointing (which turns the
         key/value cache off in training).
         """
-        with self.precision.autocast(), self.hardware.scoring(self.policy, self.device):
+        with self.precision.autocast():
             logits, hidden = response_logits(
                 self.policy, batch.input_ids, batch.attention_mask, batch.prompt_width,
                 self.cfg.trainer.temperature, output_hidden_states=self.algorithm.needs_hidden_states,
@@ -193,30 +191,44 @@ class Updater:
         tokens, rows = distributed.all_reduce_sum(local).tolist()
         context = LossContext(tokens, int(rows), self.cfg.trainer.max_new_tokens)
         self.optimizer.zero_grad(set_to_none=True)
-        stats: dict[str, float] = {}
-        extrema: dict[str, float] = {}
-        veto: float | None = None
-        loss_finite = True
+        # Accumulated on the device and read once per mini-batch (one host sync, not one per statistic and micro-batch).
+        sums: dict[str, Tensor] = {}
+        extremes: dict[str, Tensor] = {}
+        veto_sum: Tensor | None = None
+        finite: Tensor | None = None
         starts = range(0, minibatch.batch_size, micro)
         with timer.phase("policy_forward_backward"):
             for micro_start in starts:
                 rows_index = torch.arange(micro_start, min(micro_start + micro, minibatch.batch_size))
                 # DDP all-reduces the gradients once, in the mini-batch's last backward.
-                with distributed.no_sync(self.sync_modules, skip=micro_start != starts[-1]), \
-                        self.hardware.training_pass(self.embedding_rows):
+                with distributed.no_sync(self.sync_modules, skip=micro_start != starts[-1]):
                     result = self.micro_loss(minibatch.select(rows_index), context, coef)
-                    loss_finite = loss_finite and bool(torch.isfinite(result.loss.detach()))
+                    loss_is_finite = torch.isfinite(result.loss.detach())
+                    finite = loss_is_finite if finite is None else finite & loss_is_finite
                     self.backward(result.loss)
                 for key, value in result.stats.items():
-                    stats[key] = stats.get(key, 0.0) + float(value)
+                    value = torch.as_tensor(value).detach().double()
+                    sums[key] = sums[key] + value if key in sums else value
                 for key, value in result.extrema.items():
-                    extrema[key] = combine_extremum(key, extrema.get(key), float(value))
+                    value = torch.as_tensor(value).detach().double()
+                    pick = torch.maximum if key.endswith("_max") else torch.minimum
+                    extremes[key] = pick(extremes[key], value) if key in extremes else value
                 if result.veto is not None:
-                    veto = (veto or 0.0) + float(result.veto)
+                    veto = torch.as_tensor(result.veto).detach().double()
+                    veto_sum = veto if veto_sum is None else veto_sum + veto
+        stat_keys, extreme_keys = sorted(sums), sorted(extremes)
+        values = torch.stack([sums[k].cpu() for k in stat_keys] + [extremes[k].cpu() for k in extreme_keys]
+                             + [finite.double().cpu(), veto_sum.cpu() if veto_sum is not None else torch.zeros((),
+                                                                                  dtype=torch.float64)]).tolist()
+        stats = dict(zip(stat_keys, values))
+        extrema = dict(zip(extreme_keys, values[len(stat_keys):]))  # ±inf where this rank had no valid token
+        loss_finite, veto = values[-2] == 1.0, values[-1] if veto_sum is not None else None
         stats = distributed.sum_dict(stats)
-        for key, value in extrema.items():  # over every rank's tokens
-            stats[key] = distributed.maximum(torch.tensor(value)) if key.endswith("_max") else \
+        for key, value in extrema.items():  # over every rank's tokens; none anywhere: left out
+            value = distributed.maximum(torch.tensor(value)) if key.endswith("_max") else \
                 distributed.minimum(torch.tensor(value))
+            if math.isfinite(value):
+                stats[key] = value
         loss_finite = distributed.all_reduce_flags(loss_finite)
         with timer.phase("optimizer"):
             if veto is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -84,3 +85,34 @@ def damage(folder: Path, state_file: str) -> str | None:
         except OSError as error:
             return f"{relative} is {'missing' if isinstance(error, FileNotFoundError) else 'unreadable'}"
     return None
+
+
+# ----------------------------------------------------------------------------- writing to disk
+def fsync_tree(folder: Path) -> None:
+    """Flush every file (and folder entry) under ``folder`` to disk, so a rename never outlives the data."""
+    for path in sorted(folder.rglob("*"), reverse=True):
+        fsync(path)
+    fsync(folder)
+
+
+def fsync(path: Path) -> None:
+    """Flush one file or folder entry to disk (where the filesystem allows it)."""
+    try:
+        descriptor = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(descriptor)
+    except OSError:
+        pass  # some filesystems refuse fsync on folders
+    finally:
+        os.close(descriptor)
+
+
+def manifest(folder: Path, skip: str) -> dict[str, int]:
+    """Every file under ``folder`` but ``skip`` (the state file that holds this manifest) with its size."""
+    return {
+        path.relative_to(folder).as_posix(): path.stat().st_size
+        for path in sorted(folder.rglob("*"))
+        if path.is_file() and path.name != skip
+    }

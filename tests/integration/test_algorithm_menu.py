@@ -52,8 +52,9 @@ def test_dual_clip_and_tis_log_their_shares(compose, tiny_overrides, tmp_path: P
                   "algorithm.tis_cap=2.0", "trainer.precision=bf16-mixed")
     for line in lines:
         assert 0.0 <= line["policy/dual_clipped_frac"] <= 1.0
-        assert 0.0 < line["tis/weight_mean"] <= 2.0
-        assert 0.0 <= line["tis/capped_frac"] <= 1.0
+        assert 0.0 < line["rollout/is_weight_mean"] <= 2.0
+        assert 0.0 <= line["rollout/is_capped_frac"] <= 1.0
+        assert 0.0 <= line["rollout/logprob_diff_mean"] <= line["rollout/logprob_diff_max"]
 
 
 @pytest.mark.parametrize(("overrides", "message"), [

@@ -10,6 +10,7 @@ import torch
 
 from rlhf_lab.errors import RewardError
 from rlhf_lab.kl import exact_kl
+from rlhf_lab.scoring.forward import response_logits
 from rlhf_lab.training.experience import screen_scores
 from rlhf_lab.training.loop import Trainer
 from rlhf_lab.training.records import StepTimer
@@ -43,10 +44,16 @@ def test_make_keeps_scores_and_kl_terms_apart(compose, tiny_overrides, tmp_path:
     rollout, mask = experience.rollout, experience.rollout.response_mask
     assert len(experience.prompts) == len(experience.responses) == rollout.batch_size == 4
     assert experience.prompts[:2] == [trainer.prompts.train[0]] * 2
-    assert set(timer.times) == {"generate", "reward", "reference"}
+    assert set(timer.times) == {"generate", "reward", "reference", "kl"}
     # k1 per token is log π − log π_ref of the sampled token; the exact KL comes from the full logits.
     torch.testing.assert_close(rollout.kl_estimate, (rollout.logprobs - rollout.ref_logprobs) * mask)
-    torch.testing.assert_close(rollout.kl_exact, exact_kl(rollout.policy_logits, rollout.ref_logits) * mask)
+    with torch.no_grad():
+        logits, _ = response_logits(trainer.policy, rollout.input_ids, rollout.attention_mask, rollout.prompt_width,
+                                    1.0)
+        ref_logits, _ = response_logits(trainer.models.reference, rollout.input_ids, rollout.attention_mask,
+                                        rollout.prompt_width, 1.0)
+    torch.testing.assert_close(rollout.kl_exact, exact_kl(logits, ref_logits) * mask, rtol=1e-4, atol=1e-6)
+    assert rollout.policy_logits is None  # the [B, T, V] logits died with the scoring pass
     assert float(rollout.kl_exact.abs().sum()) > 0
     expected_penalty = 0.5 * rollout.kl_estimate if placement == "reward" else torch.zeros_like(mask)
     torch.testing.assert_close(rollout.kl_penalty, expected_penalty)
@@ -84,14 +91,11 @@ def test_bf16_policy_and_reference_logits_give_the_float32_ones_kl_terms(compose
             parameter.add_(0.05 * torch.randn_like(parameter))
     rollouts = {}
     for float32 in (False, True):
-        maker.logits_float32 = maker.engine.logits_float32 = float32
+        maker.logits_float32 = maker.engine.logits_float32 = maker.scoring.logits_float32 = float32
         torch.manual_seed(3)
         rollouts[float32] = maker.make(trainer.prompts.train[:2], 3, StepTimer(), ["a", "b"], kl_coef=0.1).rollout
     narrow, wide = rollouts[False], rollouts[True]
-    assert narrow.policy_logits.dtype == torch.bfloat16 and wide.policy_logits.dtype == torch.float32
-    assert torch.equal(narrow.policy_logits.float(), wide.policy_logits)
-    if not chunk:  # kept whole (in chunks only when the update reads them)
-        assert narrow.ref_logits.dtype == torch.bfloat16 and torch.equal(narrow.ref_logits.float(), wide.ref_logits)
+    assert narrow.policy_logits is None and narrow.ref_logits is None  # every chunk's logits died with it
     assert float(narrow.kl_exact.abs().sum()) > 0
     for key in ("response_ids", "logprobs", "entropy", "ref_logprobs", "kl_estimate", "kl_exact"):
         assert torch.equal(getattr(narrow, key), getattr(wide, key)), key

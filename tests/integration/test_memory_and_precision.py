@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import rlhf_lab.training.experience as experience_module
+import rlhf_lab.training.scoring_pass as scoring_module
 from rlhf_lab.training.loop import Trainer
 from rlhf_lab.training.records import StepTimer
 
@@ -30,6 +30,14 @@ def scored_rollout(trainer: Trainer):
     torch.manual_seed(0)
     experience = trainer.experience.make(trainer.prompts.train[:2], 4, StepTimer(), ["a", "b"], kl_coef=0.05)
     return experience.rollout
+
+
+def sampled_rollout(trainer: Trainer):
+    """Sampled and rewarded, before the scoring pass (the engine keeping its logits for the exact KL)."""
+    torch.manual_seed(0)
+    trainer.experience.engine.keep_logits = True
+    rollout, _, _ = trainer.experience.sample_and_score(trainer.prompts.train[:2], 4, StepTimer(), ["a", "b"])
+    return rollout
 
 
 def saved_bytes_and_grads(trainer: Trainer, rollout) -> tuple[int, list[torch.Tensor]]:
@@ -82,20 +90,20 @@ def test_the_default_recomputation_keeps_less_for_backward_and_the_same_gradient
 def test_chunked_reference_bounds_the_logits_and_gives_the_same_terms(compose, tiny_overrides, tmp_path,
                                                                         monkeypatch):
     trainer = make_trainer(compose, tiny_overrides, tmp_path / "run", "kl=mse", "kl.placement=reward")
-    rollout = scored_rollout(trainer)
+    rollout = sampled_rollout(trainer)
     sizes = []
-    original = experience_module.response_logits
+    original = scoring_module.response_logits
 
     def recording(*args, **kwargs):
         logits, hidden = original(*args, **kwargs)
         sizes.append(logits.numel())
         return logits, hidden
 
-    monkeypatch.setattr(experience_module, "response_logits", recording)
+    monkeypatch.setattr(scoring_module, "response_logits", recording)
     whole, chunked = copy.deepcopy(rollout), copy.deepcopy(rollout)
-    trainer.experience.reference(whole, StepTimer())
+    trainer.experience.scoring(whole, StepTimer(), exact=True)
     trainer.cfg.trainer.logprob_chunk = 2
-    trainer.experience.reference(chunked, StepTimer())
+    trainer.experience.scoring(chunked, StepTimer(), exact=True)
     assert sizes[0] == 4 * max(sizes[1:])  # 8 rows at once, then 2 at a time
     assert len(sizes) == 1 + 4
     for key in ("ref_logprobs", "kl_estimate", "kl_exact"):
@@ -115,10 +123,10 @@ def test_offloaded_reference_visits_the_device_only_for_its_pass(compose, tiny_o
         return move(*args, **kwargs)
 
     reference.to = recording_to
-    rollout = scored_rollout(plain)
+    rollout = sampled_rollout(plain)
     a, b = copy.deepcopy(rollout), copy.deepcopy(rollout)
-    plain.experience.reference(a, StepTimer())
-    offloaded.experience.reference(b, StepTimer())
+    plain.experience.scoring(a, StepTimer(), exact=True)
+    offloaded.experience.scoring(b, StepTimer(), exact=True)
     assert moves == [str(offloaded.device), "cpu"]
     assert all(p.device.type == "cpu" for p in reference.parameters())
     for key in ("ref_logprobs", "kl_estimate", "kl_exact"):

@@ -108,25 +108,84 @@ def test_fsdp_in_one_process_equals_the_plain_run(one_process, tmp_path: Path) -
     assert_same_run(one_process["grpo"], run)
 
 
-def test_checkpoints_load_across_process_counts(tmp_path: Path) -> None:
-    """A 2-process DDP checkpoint continues in one process, and a 1-process one under 2-process FSDP; both
-    continuations equal the 1-process run straight to step 4."""
-    straight = tmp_path / "straight"
-    train(straight, 1, *ALGORITHMS["grpo"], "trainer.steps=4", "trainer.checkpoint_every=1", "trainer.keep_last_n=5")
-    for first, then, name in ((2, 1, "ddp_then_one"), (1, 2, "one_then_fsdp")):
-        run = tmp_path / name
-        strategy = {1: "auto", 2: "ddp" if first == 2 else "fsdp"}
-        train(run, first, *ALGORITHMS["grpo"], "trainer.steps=4", "trainer.checkpoint_every=1",
-              "trainer.keep_last_n=5", f"trainer.strategy={strategy[first]}")
-        # Back to step 1's checkpoint, as if the run had died there, and continue with the other process count.
-        for late in ("step_2", "step_3"):
-            subprocess.run(["rm", "-rf", str(run / "checkpoints" / late)], check=True)
-        (run / "checkpoints" / "latest").write_text("step_1")
-        continued = train(run, then, *ALGORITHMS["grpo"], "trainer.steps=4", "trainer.checkpoint_every=1",
-                          "trainer.keep_last_n=5", "trainer.resume=auto",
-                          f"trainer.strategy={'fsdp' if then == 2 else 'auto'}")
-        assert "resumed from" in continued.stdout + continued.stderr
-        assert_same_run(straight, run)
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> Path:
+    """The 1-process run straight to step 4, a checkpoint every step (shared by the tests below)."""
+    run = tmp_path_factory.mktemp("straight") / "run"
+    train(run, 1, *ALGORITHMS["grpo"], "trainer.steps=4", "trainer.checkpoint_every=1", "trainer.keep_last_n=5")
+    return run
+
+
+@pytest.mark.parametrize(("first", "first_strategy", "then", "then_strategy"), [
+    (2, "ddp", 1, "auto"), (1, "auto", 2, "fsdp"), (2, "fsdp", 1, "auto"), (2, "fsdp", 2, "fsdp")])
+def test_checkpoints_load_across_process_counts(straight: Path, tmp_path: Path, first: int, first_strategy: str,
+                                                then: int, then_strategy: str) -> None:
+    """A checkpoint continues under another process count or strategy, and the continuation equals the 1-process
+    run straight to step 4. An FSDP run's checkpoint holds its sharded state (``sharded/``, written by every rank
+    through torch.distributed.checkpoint, each rank reading back its own part)."""
+    run = tmp_path / "run"
+    train(run, first, *ALGORITHMS["grpo"], "trainer.steps=4", "trainer.checkpoint_every=1",
+          "trainer.keep_last_n=5", f"trainer.strategy={first_strategy}")
+    assert (run / "checkpoints" / "step_1" / "sharded").is_dir() == (first_strategy == "fsdp")
+    # Back to step 1's checkpoint, as if the run had died there, and continue with the other process count.
+    for late in ("step_2", "step_3"):
+        subprocess.run(["rm", "-rf", str(run / "checkpoints" / late)], check=True)
+    (run / "checkpoints" / "latest").write_text("step_1")
+    continued = train(run, then, *ALGORITHMS["grpo"], "trainer.steps=4", "trainer.checkpoint_every=1",
+                      "trainer.keep_last_n=5", "trainer.resume=auto", f"trainer.strategy={then_strategy}")
+    assert "resumed from" in continued.stdout + continued.stderr
+    assert_same_run(straight, run)
+
+
+def test_fsdp_ranks_with_uneven_evaluation_shards_stay_in_step(tmp_path: Path) -> None:
+    """Three held-out prompts over two FSDP ranks: rank 0 has two, rank 1 one. Every FSDP forward pass is a
+    collective, so rank 1 generates a padding prompt too (dropped); the evaluation equals the 1-process one."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    train(one, 1, *ALGORITHMS["grpo"], "trainer.eval_prompts=3", "trainer.steps=1")
+    train(two, 2, *ALGORITHMS["grpo"], "trainer.eval_prompts=3", "trainer.steps=1", "trainer.strategy=fsdp")
+    evaluations = [[line for line in metrics(run) if "eval/reward/mean" in line] for run in (one, two)]
+    assert len(evaluations[0]) == len(evaluations[1]) == 2  # before and after training
+    for want, have in zip(*evaluations):
+        for key, value in want.items():
+            assert have[key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
+
+
+LOCKSTEP = """
+import os, sys, torch, torch.distributed as dist
+from rlhf_lab.generation.hf import generate
+from rlhf_lab.models import loading
+from rlhf_lab.runtime import distributed
+from types import SimpleNamespace
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+tokenizer = loading.load_tokenizer(SimpleNamespace(name="tiny", name_or_path=None))
+dims = SimpleNamespace(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2)
+model = distributed.shard(loading.build_tiny_llama(tokenizer, dims, seed=0))
+eos = tokenizer.eos_token_id
+def sample(probs):  # rank 0's rows end at their second token; rank 1's never do
+    step = sample.calls = getattr(sample, "calls", 0) + 1
+    token = eos if rank == 0 and step == 2 else 100
+    return torch.full((probs.shape[0],), token, dtype=torch.long)
+rollout = generate(model, tokenizer, ["Hi there", "Tell me more"], 2, 6, 1.0, 1.0, 0, 64, keep_logits=False,
+                   sample=sample)
+with open(os.path.join(os.path.dirname(sys.argv[0]), f"result_{rank}.txt"), "w") as out:
+    out.write(f"{rank} {sample.calls} {rollout.response_mask.sum(-1).tolist()}")
+dist.destroy_process_group()
+"""
+
+
+def test_fsdp_ranks_decode_in_lock_step_until_every_rank_is_done(tmp_path: Path) -> None:
+    """Rank 0's responses end after two tokens, rank 1's run to the limit: under FSDP every decode step gathers
+    the weights from every rank, so rank 0 keeps stepping (padding) until rank 1 is done instead of leaving it
+    waiting in a collective for ever. Its own responses still end where they ended."""
+    script = tmp_path / "lockstep.py"
+    script.write_text(LOCKSTEP)
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             str(script)], capture_output=True, text=True, timeout=120, env=environment())
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [(tmp_path / f"result_{rank}.txt").read_text() for rank in (0, 1)]
+    assert lines == ["0 6 [2.0, 2.0, 2.0, 2.0]", "1 6 [6.0, 6.0, 6.0, 6.0]"]
 
 
 def test_exact_resume_after_sigkill_of_every_rank(tmp_path: Path) -> None:

@@ -68,3 +68,53 @@ def test_sharded_tells_a_tensor_subclass_from_plain_tensors_and_parameters() -> 
     plain = torch.zeros(2, 3)
     assert not distributed.sharded(plain) and not distributed.sharded(torch.nn.Parameter(plain))
     assert distributed.sharded(plain.as_subclass(Shard))
+
+
+class Reached(Exception):
+    """Raised by the fake collectives once they have seen their tensors."""
+
+
+def test_every_reduction_hands_its_collective_tensors_on_the_collective_device(monkeypatch) -> None:
+    """NCCL takes only tensors on the process's GPU: every reduction moves its tensors to ``collective_device()``
+    before the collective (here a stand-in device, ``meta``, that no input lives on)."""
+    seen: list[set[str]] = []
+
+    def collective(first, *args, **kwargs):
+        tensors = [*(first if isinstance(first, list) else [first]), *(a for a in args if isinstance(a, torch.Tensor))]
+        seen.append({tensor.device.type for tensor in tensors})
+        raise Reached
+
+    monkeypatch.setattr(distributed, "is_distributed", lambda: True)
+    monkeypatch.setattr(distributed, "world_size", lambda: 2)
+    monkeypatch.setattr(distributed, "collective_device", lambda: torch.device("meta"))
+    monkeypatch.setattr(distributed.dist, "all_reduce", collective)
+    monkeypatch.setattr(distributed.dist, "all_gather", collective)
+    values, mask = torch.ones(2, 3), torch.ones(2, 3)
+    calls = [
+        lambda: distributed.all_reduce_sum(values), lambda: distributed.all_reduce_flags(True),
+        lambda: distributed.any_rank(False), lambda: distributed.sum_dict({"loss": 1.0}),
+        lambda: distributed.gather_rows(values), lambda: distributed.mean(values),
+        lambda: distributed.maximum(torch.tensor(2.0)), lambda: distributed.minimum(torch.tensor(2.0)),
+        lambda: distributed.mean_across_ranks({"reward": 1.0}),
+        lambda: masked.masked_mean(values, mask, across_ranks=True),
+        lambda: masked.masked_var(values, mask, across_ranks=True),
+        lambda: masked.masked_whiten(values, mask, across_ranks=True),
+    ]
+    for call in calls:
+        with pytest.raises(Reached):
+            call()
+    assert seen == [{"meta"}] * len(calls)
+
+
+def test_the_package_calls_collectives_only_through_the_distributed_helpers() -> None:
+    import re
+    from pathlib import Path
+
+    import rlhf_lab
+
+    root = Path(rlhf_lab.__file__).parent
+    direct = re.compile(r"\bdist\.(all_reduce|all_gather|all_gather_into_tensor|reduce_scatter|broadcast|reduce|gather|"
+                        r"scatter|all_to_all)\(")
+    offenders = [str(path.relative_to(root)) for path in root.rglob("*.py")
+                 if path.name != "distributed.py" and direct.search(path.read_text())]
+    assert offenders == []

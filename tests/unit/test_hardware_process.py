@@ -1,5 +1,5 @@
-"""Process settings: nothing at import; what a run's hardware profile asks for (PyTorch's huge-page allocator
-switch, oneDNN's per-shape cache at one entry, glibc's heap kept between steps), only for that run."""
+"""Process settings: nothing at import; what a run's hardware profile asks for (glibc's heap kept between steps),
+only for that run."""
 
 from __future__ import annotations
 
@@ -10,9 +10,8 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
-from rlhf_lab.hardware import HUGE_PAGES, ONEDNN_CACHE, HardwareProfile, allocator
+from rlhf_lab.hardware import HardwareProfile, allocator
 
 GLIBC = sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
 MALLINFO = """
@@ -26,7 +25,7 @@ class MallInfo2(ctypes.Structure):
 libc.mallinfo2.restype = MallInfo2
 """
 
-THP, LRU = HUGE_PAGES, ONEDNN_CACHE
+THP, LRU = "THP_MEM_ALLOC_ENABLE", "LRU_CACHE_CAPACITY"  # what an import once set
 IMPORT_ALL = """
 import importlib, json, os, pkgutil, sys
 import torch, torch._dynamo, transformers, peft, hydra, omegaconf, datasets  # what the libraries do at import
@@ -72,49 +71,6 @@ libc.malloc(24 << 20)
 print(libc.mallinfo2().hblkhd - before)
 """
     assert int(_probe(code, _without_heap_switches()).strip().splitlines()[-1]) >= 24 << 20
-
-
-def test_the_cpu_profile_sets_its_switches_unless_the_environment_has_them(monkeypatch) -> None:
-    monkeypatch.delenv(THP, raising=False)
-    monkeypatch.delenv(LRU, raising=False)
-    assert HardwareProfile().apply_process_settings() == {}  # the plain path sets nothing
-    assert THP not in os.environ and LRU not in os.environ
-    profile = HardwareProfile(huge_pages=True, onednn_cache_capacity=1)
-    assert profile.apply_process_settings() == {THP: True, LRU: True}
-    assert (os.environ[THP], os.environ[LRU]) == ("1", "1")
-    monkeypatch.setenv(THP, "0")  # the user's value stands
-    monkeypatch.setenv(LRU, "64")
-    assert profile.apply_process_settings() == {THP: False, LRU: False}
-    assert (os.environ[THP], os.environ[LRU]) == ("0", "64")
-
-
-def test_the_one_entry_cache_keeps_less_of_each_new_shape() -> None:
-    """Products of ever new shapes (as every step's new prompt and response lengths make) leave their set-ups and
-    buffers in PyTorch's per-shape oneDNN cache; at rlhf_lab's one entry the heap keeps about half as much (the
-    rest is oneDNN's own cache of compiled kernels, which the decode loop needs)."""
-    code = MALLINFO + """
-import torch
-torch.set_num_threads(1)
-weight = torch.randn(576, 1536, requires_grad=True)
-def run(rows):
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        torch.nn.functional.linear(torch.randn(rows, 1536), weight)
-for rows in range(64, 70):
-    run(rows)
-before = libc.mallinfo2().uordblks
-for rows in range(70, 110):
-    run(rows)
-print(libc.mallinfo2().uordblks - before)
-"""
-    if not (GLIBC and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
-        pytest.skip("oneDNN's bf16 products on glibc only")
-    env = {k: v for k, v in os.environ.items() if k != LRU}
-
-    def growth(capacity: str) -> int:
-        return int(_probe(code, {**env, LRU: capacity}))
-
-    kept_one, kept_default = growth("1"), growth("1024")
-    assert kept_one < 0.75 * kept_default, (kept_one, kept_default)  # measured here: 12.6 vs 23.4 MiB for 40 shapes
 
 
 HEAP_PROBE = MALLINFO + """

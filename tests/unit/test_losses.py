@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import rlhf_lab.components  # noqa: F401
-from rlhf_lab.algorithms.losses import ClipRange, truncated_importance_weights
+from rlhf_lab.algorithms.losses import ClipRange, sampler_correction, truncated_importance_weights
 from rlhf_lab.registry import get
 
 MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]], dtype=torch.float64)
@@ -146,3 +146,19 @@ def test_each_loss_matches_its_reference_on_random_ragged_batches(seed: int, nam
     result = loss_fn(name)(new * mask, old * mask, adv * mask, mask, ClipRange(0.1, 0.15))
     expected = reference(new * mask, old * mask, adv * mask, mask, 0.1, 0.15)
     torch.testing.assert_close(result.per_token, expected, rtol=0, atol=1e-6)
+
+
+def test_sampler_corrections_by_hand() -> None:
+    """Token ratios r = [2, 0.5, 4] (log-ratios ln 2, −ln 2, ln 4), cap 3; the sequence's ratio is 2·0.5·4 = 4."""
+    sampler = torch.zeros(1, 3)
+    train = torch.tensor([[math.log(2.0), -math.log(2.0), math.log(4.0)]])
+    mask = torch.ones(1, 3)
+    close(sampler_correction(train, sampler, mask, 3.0, "token_truncate"), [[2.0, 0.5, 3.0]])
+    close(sampler_correction(train, sampler, mask, 3.0, "token_mask"), [[2.0, 0.5, 0.0]])
+    close(sampler_correction(train, sampler, mask, 3.0, "sequence_truncate"), [[3.0, 3.0, 3.0]])
+    close(sampler_correction(train, sampler, mask, 3.0, "sequence_mask"), [[0.0, 0.0, 0.0]])
+    close(sampler_correction(train, sampler, mask, 5.0, "sequence_mask"), [[4.0, 4.0, 4.0]])
+    padded = torch.tensor([[1.0, 1.0, 0.0]])  # the third token is padding: out of the product, weight 0
+    close(sampler_correction(train, sampler, padded, 3.0, "sequence_truncate"), [[1.0, 1.0, 0.0]])
+    with pytest.raises(ValueError, match="algorithm.tis_mode='tokens'; valid: token_truncate, token_mask"):
+        sampler_correction(train, sampler, mask, 3.0, "tokens")

@@ -1,0 +1,135 @@
+"""The scoring pass over a rollout's sampled tokens: the reference's log-probs, the trainer's own π_old, the KL terms.
+
+The engine that sampled the tokens reports its own log-probs. Where those are not the numbers the training pass
+will compute (another engine, another precision, a decode that rounds otherwise) the PPO ratio would be off from
+the first step: under bfloat16 clipping fires at step 0 (GSPO's ε = 3e-4 clips nearly everything). So wherever
+the engine's log-probs are not the trainer's (``generation.logprobs``: ``auto`` = an engine other than ``hf`` or a
+precision other than ``fp32``, and always for an engine that reports no entropies; ``trainer``; ``sampler``)
+one no-grad pass of the training model gives π_old, the entropy and the hidden states PPO's shared critic reads;
+the engine's log-probs stay as ``sampler_logprobs`` for the sampler–trainer correction (``algorithm.tis_cap``) and
+the ``rollout/logprob_diff_*`` metrics.
+
+Everything runs over row chunks of ``trainer.logprob_chunk`` rows (0: the whole batch): the [rows, T, V] logits of
+a chunk die with it. The exact KL from full logits (``kl.exact``: ``step``, ``eval``, ``off``) is computed per
+chunk from the policy's and the reference's logits, so no [B, T, V] tensor is kept for it; the reference's logits
+are kept only where the loss-placed estimator reads them (``full`` in the loss).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from rlhf_lab.generation.rollout import Rollout
+from rlhf_lab.kl.placements import KLPenalty
+from rlhf_lab.masked import masked_mean
+from rlhf_lab.models.loading import PolicyAndReference
+from rlhf_lab.runtime import distributed
+from rlhf_lab.runtime.precision import Precision
+from rlhf_lab.scoring.forward import response_logits
+from rlhf_lab.scoring.logprobs import entropy_from_logits, gather_logprobs
+from rlhf_lab.training.records import StepTimer
+
+
+def sampler_differs(cfg: Any, precision: Precision) -> bool:
+    """Whether the engine's log-probs may not be the trainer's: an engine other than ``hf``, or a precision other
+    than ``fp32`` (the decode and the training pass round otherwise)."""
+    engine = cfg.generation.get("name", "hf") if cfg.get("generation") else "hf"
+    return engine != "hf" or precision.name != "fp32"
+
+
+def single_update(cfg: Any) -> bool:
+    """Whether each rollout gets exactly one optimizer step (one epoch, one mini-batch): π_old is then π_θ itself
+    at the training pass, and that pass's own log-probs (detached) are π_old, with no pass of their own."""
+    algorithm, samples = cfg.algorithm, cfg.trainer.prompts_per_step * cfg.algorithm.group_size
+    return algorithm.epochs == 1 and (algorithm.mini_batch_size == 0 or algorithm.mini_batch_size >= samples)
+
+
+def rescores(cfg: Any, precision: Precision) -> bool:
+    """Whether π_old comes from a scoring pass of the training model (``generation.logprobs``): ``trainer``, and
+    always under ``algorithm.tis_cap`` (which corrects for the difference); ``sampler``: never; ``auto``: where
+    the engine's numbers may not be the trainer's and the rollout gets more than one update (with a single update
+    the training pass's own detached log-probs are π_old, :func:`single_update`)."""
+    source = cfg.generation.get("logprobs", "auto") if cfg.get("generation") else "auto"
+    if source == "trainer" or cfg.algorithm.get("tis_cap") is not None:
+        return True
+    if source == "sampler":
+        return False
+    return sampler_differs(cfg, precision) and not single_update(cfg)
+
+
+class ScoringPass:
+    """Fills a rollout's ``ref_logprobs``, ``kl_estimate`` and ``kl_exact`` (and, with ``rescore``, ``logprobs``,
+    ``entropy`` and ``hidden`` from the training model, the engine's log-probs moved to ``sampler_logprobs``)."""
+
+    def __init__(self, cfg: Any, models: PolicyAndReference, policy: nn.Module, kl: KLPenalty,
+                 device: torch.device, precision: Precision, rescore: bool,
+                 keep_hidden: bool, logits_float32: bool) -> None:
+        self.cfg, self.models, self.policy, self.kl, self.device = cfg, models, policy, kl, device
+        self.precision = precision
+        self.rescore, self.keep_hidden, self.logits_float32 = rescore, keep_hidden, logits_float32
+
+    def __call__(self, rollout: Rollout, timer: StepTimer, exact: bool) -> None:
+        """Score ``rollout`` in place; ``exact``: compute ``kl_exact`` (else it stays None)."""
+        chunk = self.cfg.trainer.logprob_chunk or rollout.batch_size
+        sampler_logprobs = rollout.logprobs  # the engine's (the pass below may put the trainer's in their place)
+        pieces: dict[str, list[Tensor]] = {}
+        for start in range(0, rollout.batch_size, chunk):
+            rows = torch.arange(start, min(start + chunk, rollout.batch_size), device=rollout.input_ids.device)
+            part = rollout if chunk >= rollout.batch_size else rollout.select(rows)
+            if self.rescore:
+                self._policy_pass(part, timer)
+            self._reference_pass(part, timer)
+            with timer.phase("kl"):
+                part.kl_estimate, part.kl_exact = self.kl.sampled_terms(part, exact=exact)
+            keep = ["ref_logprobs", "kl_estimate", "kl_exact"]
+            keep += ["logprobs", "entropy", "hidden"] if self.rescore else []
+            keep += ["ref_logits"] if self.kl.loss_reads_ref_logits else []
+            for key in keep:
+                pieces.setdefault(key, []).append(getattr(part, key))
+            part.policy_logits = None  # the chunk's [rows, T, V] logits die here
+            if not self.kl.loss_reads_ref_logits:
+                part.ref_logits = None
+        for key, values in pieces.items():
+            setattr(rollout, key, None if values[0] is None else values[0] if len(values) == 1 else torch.cat(values))
+        if self.rescore:
+            rollout.sampler_logprobs = sampler_logprobs
+        rollout.policy_logits = None
+
+    def _policy_pass(self, part: Rollout, timer: StepTimer) -> None:
+        """The training model's own log-probs (π_old), entropy and hidden states of the sampled tokens."""
+        mask = part.response_mask
+        with timer.phase("policy_logprobs"), torch.no_grad(), self.precision.autocast():
+            logits, hidden = response_logits(self.policy, part.input_ids, part.attention_mask, part.prompt_width,
+                                             self.cfg.trainer.temperature, output_hidden_states=self.keep_hidden,
+                                             float32=self.logits_float32)
+            part.logprobs = gather_logprobs(logits, part.response_ids) * mask
+            part.entropy = entropy_from_logits(logits) * mask
+        part.policy_logits, part.hidden = logits, hidden
+
+    def _reference_pass(self, part: Rollout, timer: StepTimer) -> None:
+        """The reference's log-probs: the adapter-disabled policy under LoRA, else the frozen copy (on the CPU
+        between passes with ``trainer.offload_reference``)."""
+        model = self.models.reference_model()
+        offload = self.cfg.trainer.offload_reference and self.models.reference is not None
+        with timer.phase("reference"), torch.no_grad(), self.models.reference_context(), self.precision.autocast():
+            if offload:
+                model.to(self.device)
+            part.ref_logits, _ = response_logits(model, part.input_ids, part.attention_mask, part.prompt_width,
+                                                 self.cfg.trainer.temperature, float32=self.logits_float32)
+            part.ref_logprobs = gather_logprobs(part.ref_logits, part.response_ids) * part.response_mask
+            if offload:
+                model.to("cpu")
+
+
+def sampler_metrics(rollout: Rollout) -> dict[str, float]:
+    """How far the engine's log-probs are from the trainer's, over every rank's tokens: the mean and largest
+    |log π_trainer − log π_sampler| (``rollout/logprob_diff_mean|max``); {} where nothing was rescored."""
+    if rollout.sampler_logprobs is None:
+        return {}
+    mask = rollout.response_mask
+    difference = (rollout.logprobs - rollout.sampler_logprobs).abs() * mask
+    return {"rollout/logprob_diff_mean": masked_mean(difference, mask, across_ranks=True).item(),
+            "rollout/logprob_diff_max": distributed.maximum(difference.max())}

@@ -1,0 +1,110 @@
+"""GPU checks (``make test-gpu``): skipped where no CUDA device is. In-process random-init models only (a GPU
+machine may have no network and no embedded model), the tiny Llama and a ~1B one.
+
+- the NCCL collectives of every reduction take the tensors where NCCL wants them (a group of one rank);
+- a 1-GPU ``torchrun`` run under DDP (its NCCL collectives run), bf16-mixed, and FSDP2 on one rank;
+- the step timer's phases cover their kernels (they synchronise);
+- memory after ``Trainer.__init__`` for a ~1B Llama under FSDP2 and bf16-mixed, printed with the figures.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
+
+TINY = ["model=tiny", "trainer.steps=2", "trainer.prompts_per_step=2", "algorithm.group_size=2",
+        "trainer.max_new_tokens=8", "trainer.eval_prompts=2", "trainer.progress_bar=false", "reward=length",
+        "trainer.device=cuda", "trainer.seed_per_prompt=true"]
+
+
+def environment() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    env.update(HF_HUB_OFFLINE="1", WANDB_MODE="disabled", TOKENIZERS_PARALLELISM="false")
+    return env
+
+
+def run(tmp_path: Path, *overrides: str, processes: int = 1) -> list[dict]:
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
+                "-m", "rlhf_lab"]
+    result = subprocess.run([*launcher, *TINY, *overrides, f"trainer.output_dir={tmp_path / 'run'}"],
+                            capture_output=True, text=True, timeout=600, env=environment())
+    assert result.returncode == 0, result.stderr[-4000:]
+    return [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_every_reduction_runs_on_nccl(tmp_path: Path) -> None:
+    import torch.distributed as dist
+
+    from rlhf_lab import masked
+    from rlhf_lab.runtime import distributed
+
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        values, mask = torch.ones(2, 3), torch.ones(2, 3)  # CPU tensors: the helpers move them
+        assert distributed.collective_device() == torch.device("cuda", 0)
+        assert torch.equal(distributed.all_reduce_sum(values), values)
+        assert distributed.all_reduce_flags(True) and distributed.any_rank(True)
+        assert distributed.sum_dict({"loss": 2.0}) == {"loss": 2.0}
+        assert torch.equal(distributed.gather_rows(values), values)
+        assert distributed.maximum(torch.tensor(3.0)) == 3.0 and distributed.minimum(torch.tensor(3.0)) == 3.0
+        assert float(masked.masked_mean(values, mask, across_ranks=True)) == 1.0
+        assert distributed.gather_objects(["a"]) == ["a"]
+        distributed.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_one_gpu_torchrun_run_trains_in_bf16_mixed(tmp_path: Path, strategy: str) -> None:
+    lines = run(tmp_path, f"trainer.strategy={strategy}", "trainer.precision=bf16-mixed")
+    steps = [line for line in lines if "reward/mean" in line]
+    assert [line["step"] for line in steps] == [0, 1]
+    assert all(line["time/step_s"] > 0 and "rollout/logprob_diff_mean" in line for line in steps)
+    assert (tmp_path / "run" / "checkpoints" / "step_1" / ("sharded" if strategy == "fsdp" else "model")).is_dir()
+
+
+def test_the_step_timer_covers_its_kernels() -> None:
+    from rlhf_lab.training.records import StepTimer
+
+    timer = StepTimer()
+    x = torch.randn(4096, 4096, device="cuda")
+    with timer.phase("matmul"):
+        for _ in range(20):
+            x = x @ x / 4096
+    queued_only = StepTimer()
+    with queued_only.phase("launch"):
+        pass
+    assert timer.times["matmul"] > 10 * queued_only.times["launch"]
+
+
+def test_memory_after_init_of_a_1b_llama_under_fsdp(tmp_path: Path) -> None:
+    """A ~1B random-init Llama (16 layers × 2048): the policy's float32 shards, the reference's shards, nothing
+    whole per rank. Prints the figures for the benchmark page."""
+    from rlhf_lab.config import compose
+    from rlhf_lab.runtime import distributed
+    from rlhf_lab.training.loop import Trainer
+
+    dims = ["model.tiny.hidden_size=2048", "model.tiny.num_hidden_layers=16", "model.tiny.num_attention_heads=16",
+            "model.tiny.num_key_value_heads=8", "model.tiny.intermediate_size=5632"]
+    cfg = compose([*TINY, *dims, "trainer.strategy=fsdp", "trainer.precision=bf16-mixed",
+                   f"trainer.output_dir={tmp_path / 'run'}"])
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        trainer = Trainer(cfg, tmp_path / "run")
+        parameters = sum(p.numel() for p in trainer.models.policy.parameters())
+        allocated, peak = torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()
+        print(f"1B-class Llama: {parameters / 1e9:.2f} B parameters; after Trainer.__init__ {allocated / 2**30:.2f} "
+              f"GiB allocated, peak {peak / 2**30:.2f} GiB")
+        # One rank holds everything here: policy (fp32) + reference (fp32 shards) + AdamW state made lazily.
+        assert allocated < parameters * 4 * 2.2
+    finally:
+        distributed.teardown()

@@ -1,0 +1,80 @@
+"""The scoring pass: π_old from the training model where the engine's log-probs are not the trainer's, the
+sampler-trainer gap logged, and the exact KL every step, at evaluation only, or never, with no [B, T, V] kept."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlhf_lab.training.loop import Trainer
+from rlhf_lab.training.records import StepTimer
+
+BASE = ["trainer.eval_prompts=2", "reward=length", "trainer.lr=1e-3"]
+
+
+def lines(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("epochs", [1, 2])
+def test_under_bf16_nothing_clips_at_the_first_update(compose, tiny_overrides, tmp_path: Path, epochs: int) -> None:
+    """GSPO's ε = 3e-4 clips nearly every token when π_old is the bf16 decode's and π_θ the training pass's. With one
+    update per rollout π_old is the training pass's own (detached) log-probs; with more, a scoring pass of the
+    training model gives π_old (``generation.logprobs=auto``), the engine's kept beside them. Either way the first
+    update clips nothing."""
+    cfg = compose([*tiny_overrides(tmp_path), *BASE, "algorithm=gspo", "trainer.precision=bf16-mixed",
+                   "trainer.steps=1", f"algorithm.epochs={epochs}"])
+    trainer = Trainer(cfg, tmp_path / "run")
+    maker = trainer.experience
+    assert (maker.rescore, maker.old_from_update) == (epochs > 1, epochs == 1)
+    experience = maker.make(trainer.prompts.train[:2], 2, StepTimer(), ["a", "b"], 0.05, train=True)
+    rollout = experience.rollout
+    assert rollout.policy_logits is None  # no [B, T, V] kept
+    if epochs > 1:
+        gap = ((rollout.logprobs - rollout.sampler_logprobs).abs() * rollout.response_mask).max()
+        assert 0 < float(gap) < 0.1  # bf16 decode vs bf16 training pass: close, not equal
+    updates = []
+    minibatch_update = trainer.updater.minibatch_update
+    trainer.updater.minibatch_update = lambda *args: updates.append(minibatch_update(*args)) or updates[-1]
+    trainer.train()
+    assert len(updates) == epochs and updates[0]["policy/clipfrac"] == 0.0  # the first update, before any move
+    if epochs > 1:
+        line = next(line for line in lines(tmp_path / "run") if "reward/mean" in line)
+        assert 0.0 < line["rollout/logprob_diff_mean"] <= line["rollout/logprob_diff_max"]
+
+
+def test_in_fp32_the_hf_engine_s_log_probs_are_the_trainer_s(compose, tiny_overrides, tmp_path: Path) -> None:
+    cfg = compose([*tiny_overrides(tmp_path), *BASE, "trainer.steps=1"])
+    trainer = Trainer(cfg, tmp_path / "run")
+    assert not trainer.experience.rescore  # auto: the hf engine in fp32 samples with the trainer's numbers
+    forced = compose([*tiny_overrides(tmp_path / "forced"), *BASE, "generation.logprobs=trainer"])
+    maker = Trainer(forced, tmp_path / "forced" / "run").experience
+    torch.manual_seed(0)
+    rollout = maker.make(trainer.prompts.train[:2], 2, StepTimer(), ["a", "b"], 0.05).rollout
+    gap = ((rollout.logprobs - rollout.sampler_logprobs).abs() * rollout.response_mask).max()
+    assert float(gap) < 1e-4  # the decode's logits and the scoring pass's agree to float32 rounding
+
+
+@pytest.mark.parametrize("mode", ["step", "eval", "off"])
+def test_the_exact_kl_every_step_at_evaluation_only_or_never(compose, tiny_overrides, tmp_path: Path,
+                                                             mode: str) -> None:
+    cfg = compose([*tiny_overrides(tmp_path), *BASE, f"kl.exact={mode}"])
+    trainer = Trainer(cfg, tmp_path / "run")
+    trainer.train()
+    steps = [line for line in lines(tmp_path / "run") if "reward/mean" in line]
+    evaluations = [line for line in lines(tmp_path / "run") if "eval/reward/mean" in line]
+    assert all(("kl/exact" in line) == (mode == "step") for line in steps)
+    assert all(("eval/kl/exact" in line) == (mode != "off") for line in evaluations)
+    assert all("kl/estimate" in line for line in steps)
+
+
+def test_a_sampler_without_the_trainer_s_numbers_cannot_be_corrected(compose, tiny_overrides) -> None:
+    from rlhf_lab.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^algorithm.tis_cap=2.0 corrects the sampler's log-probs"):
+        compose([*tiny_overrides(None), "generation.logprobs=sampler", "algorithm.tis_cap=2.0"])
+    with pytest.raises(ConfigError, match=r"^kl.exact='always' is not valid; choose from: step, eval, off"):
+        compose([*tiny_overrides(None), "kl.exact=always"])
