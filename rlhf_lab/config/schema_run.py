@@ -100,9 +100,13 @@ class GenerationConfig:
 
     name: str = "hf"
     # Where π_old comes from (rlhf_lab/training/scoring_pass.py): trainer (a no-grad pass of the training model) |
-    # sampler (the engine's own log-probs) | auto (trainer unless the engine is hf and the precision fp32)
+    # sampler (the engine's own log-probs) | auto (trainer unless the engine is hf and the precision fp32, and
+    # under max_staleness=1)
     logprobs: str = "auto"
     stop: list[str] = field(default_factory=list)  # stop strings: a response ends once its text ends with one
+    # 0: a step samples with the weights it trains; 1: the next step's batch is sampled while this one trains, one
+    # update behind (rlhf_lab/training/ahead.py; algorithm.tis_cap corrects for it)
+    max_staleness: int = 0
 
 
 @dataclass
@@ -123,4 +127,9 @@ class VLLMServerGenerationConfig(GenerationConfig):
 
     name: str = "vllm_server"
     url: str = "http://127.0.0.1:8765"
+    # folder: through sync_folder | collective: broadcast over a process group of the trainer's rank 0 and the
+    # server (NCCL between GPUs, else gloo), at group_host:group_port (rank 0's address); LoRA adapters: the folder
+    weight_sync: str = "folder"
     sync_folder: str | None = None  # a folder the trainer and the server both read: weights go through it
+    group_host: str = "127.0.0.1"
+    group_port: int = 29650

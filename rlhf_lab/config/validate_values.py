@@ -17,7 +17,16 @@ import rlhf_lab.components  # noqa: F401  (registers the built-in parts, whose n
 from rlhf_lab.algorithms.base import WEIGHT_SOURCES
 from rlhf_lab.algorithms.losses import CORRECTIONS
 from rlhf_lab.algorithms.ppo import CRITICS
-from rlhf_lab.config.choices import DEVICES, EXACT_KL, LOGPROB_SOURCES, LR_SCHEDULES, ON_NONFINITE
+from rlhf_lab.config.choices import (
+    DEVICES,
+    EXACT_KL,
+    LOGPROB_SOURCES,
+    LR_SCHEDULES,
+    ON_NONFINITE,
+    STALENESS,
+    WEIGHT_SYNC,
+    sync_folder_needed,
+)
 from rlhf_lab.errors import ConfigError
 from rlhf_lab.registry import get, names
 from rlhf_lab.rewards.classifier import OUTPUTS
@@ -59,15 +68,23 @@ def check_choices(cfg: Any) -> None:
     if cfg.generation.name == "vllm" and importlib.util.find_spec("vllm") is None:
         raise ConfigError("generation=vllm needs vLLM, which is not installed: pip install -r requirements-vllm.txt "
                           "(or make install-vllm); generation=hf needs nothing more")
-    if cfg.generation.name == "vllm_server" and not cfg.generation.get("sync_folder"):
-        raise ConfigError("generation=vllm_server needs generation.sync_folder: a folder the trainer and the server "
-                          "both read (the policy's weights go through it after every update)")
+    if cfg.generation.name == "vllm_server":
+        choice("generation.weight_sync", cfg.generation.weight_sync, WEIGHT_SYNC)
+        lora = bool(cfg.model.get("lora", {}).get("enabled", False))
+        if not cfg.generation.get("sync_folder") and (cfg.generation.weight_sync == "folder" or lora):
+            raise ConfigError(sync_folder_needed(lora))
     choice("generation.logprobs", cfg.generation.get("logprobs", "auto"), LOGPROB_SOURCES)
     if cfg.generation.get("logprobs") == "sampler" and algorithm.get("tis_cap") is not None:
         raise ConfigError(f"algorithm.tis_cap={algorithm.tis_cap} corrects the sampler's log-probs towards the "
                           "trainer's, which generation.logprobs=sampler does not compute: use generation.logprobs="
                           "auto or trainer, or algorithm.tis_cap=null")
     choice("kl.exact", kl.get("exact", "step"), EXACT_KL)
+    staleness = cfg.generation.get("max_staleness", 0)
+    choice("generation.max_staleness", staleness, STALENESS)
+    if staleness and algorithm.get("dynamic_sampling"):
+        raise ConfigError("generation.max_staleness=1 samples each batch during the step before it, and "
+                          "algorithm.dynamic_sampling=true refills a batch by sampling within its own step: use one "
+                          "of them (generation.max_staleness=0, or algorithm.dynamic_sampling=false)")
     has_critic = "critic" in algorithm
     if has_critic and algorithm.advantage != "gae":
         raise ConfigError(f"algorithm.advantage={algorithm.advantage!r} does not fit algorithm={algorithm.name}, "

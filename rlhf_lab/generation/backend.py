@@ -9,6 +9,9 @@ policy, the tokenizer and the sampling settings, and then:
   sampler's own per-token log-probs (π_old); ``seeds`` gives each prompt group its own generator, so samples do not
   depend on batching or on ranks; ``greedy`` decodes the most likely token (ReMax's baseline); ``settings``
   replaces the engine's sampling settings for this call (an evaluation's own temperature, say);
+- ``submit(prompts, group_size, seeds=None, settings=None) -> claim``: the same batch started now, and returned
+  by ``claim()`` (``generation.max_staleness=1``): an engine on devices of its own samples it while the trainer
+  trains; one in the trainer's process samples it at once (:class:`SamplesInPlace`);
 - ``sync_weights(policy)``: the policy's current weights become the ones it samples with (after each update);
 - ``sleep()`` / ``wake_up()``: give back and take again the memory it holds between generations.
 
@@ -18,6 +21,7 @@ the policy's, so ``sync_weights``, ``sleep`` and ``wake_up`` have nothing to do.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -51,8 +55,21 @@ class GenerationBackend(Protocol):
     def generate(self, prompts: list[str], group_size: int, seeds: list[int] | None = None,
                  greedy: bool = False, settings: SamplingSettings | None = None) -> Rollout: ...
 
+    def submit(self, prompts: list[str], group_size: int, seeds: list[int] | None = None,
+               settings: SamplingSettings | None = None) -> Callable[[], Rollout]: ...
+
     def sync_weights(self, policy: nn.Module) -> None: ...
 
     def sleep(self) -> None: ...
 
     def wake_up(self) -> None: ...
+
+
+class SamplesInPlace:
+    """``submit`` for an engine that samples in the trainer's own process (it would compete with the training
+    passes for the same device): the batch is sampled at once, and the claim returns it."""
+
+    def submit(self, prompts: list[str], group_size: int, seeds: list[int] | None = None,
+               settings: SamplingSettings | None = None) -> Callable[[], Rollout]:
+        rollout = self.generate(prompts, group_size, seeds=seeds, settings=settings)  # type: ignore[attr-defined]
+        return lambda: rollout

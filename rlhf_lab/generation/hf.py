@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 from transformers import StopStringCriteria
 
-from rlhf_lab.generation.backend import SamplingSettings
+from rlhf_lab.generation.backend import SamplesInPlace, SamplingSettings
 from rlhf_lab.generation.decode import decode, multinomial
 from rlhf_lab.generation.kv_cache import decode_cache
 from rlhf_lab.generation.rollout import Rollout, concat_rollouts
@@ -119,7 +119,7 @@ def stop_strings(tokenizer: Any, stop: tuple[str, ...], prompt_width: int) -> Ca
 
 
 @register("generation", "hf")
-class HFGeneration:
+class HFGeneration(SamplesInPlace):
     """The :class:`~rlhf_lab.generation.backend.GenerationBackend` that decodes with the policy itself.
 
     ``keep_logits`` keeps the sampling policy's [B, T, V] logits on the rollout (the exact-KL diagnostic and the

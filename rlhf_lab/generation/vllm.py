@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from rlhf_lab.errors import ConfigError
-from rlhf_lab.generation.backend import SamplingSettings
+from rlhf_lab.generation.backend import SamplesInPlace, SamplingSettings
 from rlhf_lab.generation.rollout import Rollout, response_mask_from_tokens
 from rlhf_lab.registry import register
 from rlhf_lab.runtime import distributed
@@ -58,7 +58,7 @@ def hf_name(name: str) -> str:
 
 
 @register("generation", "vllm")
-class VLLMGeneration:
+class VLLMGeneration(SamplesInPlace):
     """A :class:`~rlhf_lab.generation.backend.GenerationBackend` on a colocated vLLM engine (see the module)."""
 
     reports_entropy = False  # vLLM returns the sampled tokens' log-probs, not full distributions

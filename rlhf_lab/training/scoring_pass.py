@@ -51,13 +51,15 @@ def rescores(cfg: Any, precision: Precision) -> bool:
     """Whether π_old comes from a scoring pass of the training model (``generation.logprobs``): ``trainer``, and
     always under ``algorithm.tis_cap`` (which corrects for the difference); ``sampler``: never; ``auto``: where
     the engine's numbers may not be the trainer's and the rollout gets more than one update (with a single update
-    the training pass's own detached log-probs are π_old, :func:`single_update`)."""
+    the training pass's own detached log-probs are π_old, :func:`single_update`), and always under
+    ``generation.max_staleness=1`` (the sampler's numbers, entropies and exact KL are then a past policy's)."""
     source = cfg.generation.get("logprobs", "auto") if cfg.get("generation") else "auto"
     if source == "trainer" or cfg.algorithm.get("tis_cap") is not None:
         return True
     if source == "sampler":
         return False
-    return sampler_differs(cfg, precision) and not single_update(cfg)
+    stale = int((cfg.get("generation") or {}).get("max_staleness", 0)) > 0  # the sampler is one update behind
+    return stale or (sampler_differs(cfg, precision) and not single_update(cfg))
 
 
 class ScoringPass:

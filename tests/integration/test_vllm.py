@@ -136,7 +136,9 @@ def free_port() -> int:
 def test_two_trainer_ranks_share_one_server_and_sync_its_weights(tmp_path: Path) -> None:
     """``rlhf-lab serve`` on localhost; a 2-process DDP run (gloo) generates on it. After each update rank 0
     writes the weights to the sync folder and the server loads them: the server's log-probs at step 1 are the
-    updated policy's (the trainer rescores them: ``rollout/logprob_diff_max`` stays at float rounding)."""
+    updated policy's (the trainer rescores them: ``rollout/logprob_diff_max`` stays at float rounding). Then a
+    run with ``generation.max_staleness=1`` on the same server: its later batches are one update behind; and one
+    with ``generation.weight_sync=collective``: the weights go over a process group of rank 0 and the server."""
     import os
     import subprocess
     import sys
@@ -174,12 +176,37 @@ def test_two_trainer_ranks_share_one_server_and_sync_its_weights(tmp_path: Path)
                    f"generation.sync_folder={tmp_path / 'sync'}", f"trainer.output_dir={run}"]
         result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
         assert result.returncode == 0, result.stderr[-3000:]
+        # One step off-policy on the same server: each batch is requested before the update it trails.
+        stale = tmp_path / "stale"
+        changed = {"trainer.steps": "3", "trainer.max_new_tokens": "8", "trainer.output_dir": str(stale)}
+        kept = [arg for arg in command[command.index("rlhf_lab") + 1:] if arg.split("=")[0] not in changed]
+        command = [sys.executable, "-m", "rlhf_lab", *kept, *(f"{k}={v}" for k, v in changed.items()),
+                   "generation.max_staleness=1"]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+        assert result.returncode == 0, result.stderr[-3000:]
+        # The weights over a process group of rank 0 and the server (gloo here), no folder.
+        collective = tmp_path / "collective"
+        changed = {"trainer.steps": "2", "trainer.output_dir": str(collective), "generation.max_staleness": "0"}
+        kept = [arg for arg in command[3:] if arg.split("=")[0] not in changed and "sync_folder" not in arg]
+        command = [sys.executable, "-m", "rlhf_lab", *kept, *(f"{k}={v}" for k, v in changed.items()),
+                   "generation.weight_sync=collective", f"generation.group_port={free_port()}"]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+        assert result.returncode == 0, result.stderr[-3000:]
     finally:
         server.terminate()
         server.wait(timeout=30)
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [line for line in lines if "reward/mean" in line]
     assert [line["step"] for line in steps] == [0, 1]
+    assert all(line["rollout/logprob_diff_max"] < 1e-3 for line in steps), steps
+    # Staleness 1: the batch of step 0 from the weights it trains, those of steps 1 and 2 an update behind.
+    lines = [json.loads(line) for line in (stale / "metrics.jsonl").read_text().splitlines()]
+    diffs = [line["rollout/logprob_diff_max"] for line in lines if "reward/mean" in line]
+    assert len(diffs) == 3 and diffs[0] < 1e-3 and min(diffs[1:]) > 1e-3, diffs
+    # Over the group: the server samples step 1 with the updated weights, as through the folder.
+    lines = [json.loads(line) for line in (collective / "metrics.jsonl").read_text().splitlines()]
+    steps = [line for line in lines if "reward/mean" in line]
+    assert [line["step"] for line in steps] == [0, 1] and steps[1]["optim/grad_norm"] > 0
     assert all(line["rollout/logprob_diff_max"] < 1e-3 for line in steps), steps
 
 
