@@ -60,6 +60,7 @@ class Rollout:
     sampler_logprobs: Tensor | None = None  # [B, T] the engine's own log-probs where ``logprobs`` are the trainer's
     tis_weights: Tensor | None = None  # [B, T] the sampler-trainer correction's weights (algorithm.tis_cap)
     old_from_update: bool = False  # π_old is the training pass's own detached log-probs (one update per rollout)
+    entropy_from_update: bool = False  # ``entropy`` is filled by the training pass (an engine with no logits)
     baseline_scores: Tensor | None = None  # [B] the greedy response's score of each sample's prompt (ReMax)
     extras: dict[str, Tensor] = field(default_factory=dict)
 

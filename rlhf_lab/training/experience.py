@@ -92,10 +92,13 @@ class ExperienceMaker:
         self.update_needs_ref_logits = kl.loss_reads_ref_logits
         # The sampling policy's and the reference's full logits: float32 for a temperature or an estimator reading them.
         self.logits_float32 = needs_float32_logits(cfg.trainer.temperature, kl.reads_logits)
-        # π_old from a pass of the training model where the engine's log-probs are not the trainer's (scoring_pass.py),
-        # or where the engine reports no entropies or logits (vLLM).
+        # π_old from a pass of the training model where the engine's log-probs are not the trainer's (scoring_pass.py).
         engine_class = get("generation", cfg.generation.name)
-        self.rescore = rescores(cfg, self.precision) or not getattr(engine_class, "reports_entropy", True)
+        self.rescore = rescores(cfg, self.precision)
+        # An engine that reports no entropies, logits or hidden states (vLLM): the scoring pass runs wherever a batch
+        # needs them (:meth:`rescores_batch`); elsewhere the training pass measures the entropy.
+        self.engine_reports_logits = getattr(engine_class, "reports_entropy", True)
+        self.keep_hidden = keep_hidden
         # One update per rollout with numbers that may differ: the training pass's own log-probs are π_old.
         self.old_from_update = not self.rescore and sampler_differs(cfg, self.precision) and single_update(cfg)
         self.exact_kl = cfg.kl.get("exact", "step")  # kl.exact: step | eval | off
@@ -106,8 +109,7 @@ class ExperienceMaker:
         self.engine: GenerationBackend = engine or engine_class(
             policy, tokenizer, self.settings, self.precision, self.hardware, options=cfg.generation, keep_logits=False,
             keep_hidden=keep_hidden and not self.rescore, logits_float32=self.logits_float32)
-        self.scoring = ScoringPass(cfg, models, policy, kl, device, self.precision, self.rescore, keep_hidden,
-                                   self.logits_float32)
+        self.scoring = ScoringPass(cfg, models, policy, kl, device, self.precision, keep_hidden, self.logits_float32)
         self.rules = SamplingRules.from_config(cfg.algorithm)
         # ReMax's advantage subtracts the greedy response's score: one extra greedy generation per prompt.
         advantage = cfg.algorithm.get("advantage")
@@ -128,7 +130,8 @@ class ExperienceMaker:
         passes (the next step's generation starts there under ``generation.max_staleness=1``).
         """
         exact = self.exact_kl == "step" if train else self.exact_kl != "off"
-        if not self.rescore:  # the exact KL (and a logits-reading estimator) read the sampler's own logits
+        rescore = self.rescores_batch(exact, train)
+        if not rescore:  # the exact KL (and a logits-reading estimator) read the sampler's own logits
             self.engine.keep_logits = exact or self.kl.reads_logits
         if not train:
             rollout, responses, valid = self.sample_and_score(prompts, group_size, timer, names, rng_keys)
@@ -140,10 +143,23 @@ class ExperienceMaker:
                 self._greedy_baseline(experience, group_size, timer, names)
         if then is not None:
             then()
-        self.scoring(experience.rollout, timer, exact)
+        self.scoring(experience.rollout, timer, exact, rescore)
         self.kl.score_rollout(experience.rollout, kl_coef)
-        experience.rollout.old_from_update = self.old_from_update
+        rollout = experience.rollout
+        rollout.old_from_update = self.old_from_update and not rescore
+        rollout.entropy_from_update = train and not rescore and not self.engine_reports_logits
         return experience
+
+    def rescores_batch(self, exact: bool, train: bool) -> bool:
+        """Whether this batch gets the scoring pass of the training model: where the config asks for it
+        (:func:`.scoring_pass.rescores`), and, for an engine that reports no logits (vLLM), where the batch reads
+        the policy's logits (``exact``: the exact KL; an estimator of full logits), PPO's sampling-time hidden
+        states, or gets more than one update. A training batch with one update and none of these skips it: its
+        training pass gives π_old and the entropy (``Rollout.entropy_from_update``)."""
+        if self.rescore or self.engine_reports_logits:
+            return self.rescore
+        reads_logits = exact or self.kl.reads_logits
+        return reads_logits or not train or self.keep_hidden or not single_update(self.cfg)
 
     def _shaped(self, prompts: list[str], group_size: int, timer: StepTimer, names: list[str],
                 rng_keys: list[int] | None) -> Experience:

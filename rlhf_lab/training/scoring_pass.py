@@ -4,10 +4,10 @@ The engine that sampled the tokens reports its own log-probs. Where those are no
 will compute (another engine, another precision, a decode that rounds otherwise) the PPO ratio would be off from
 the first step: under bfloat16 clipping fires at step 0 (GSPO's ε = 3e-4 clips nearly everything). So wherever
 the engine's log-probs are not the trainer's (``generation.logprobs``: ``auto`` = an engine other than ``hf`` or a
-precision other than ``fp32``, and always for an engine that reports no entropies; ``trainer``; ``sampler``)
-one no-grad pass of the training model gives π_old, the entropy and the hidden states PPO's shared critic reads;
-the engine's log-probs stay as ``sampler_logprobs`` for the sampler–trainer correction (``algorithm.tis_cap``) and
-the ``rollout/logprob_diff_*`` metrics.
+precision other than ``fp32``; ``trainer``; ``sampler``; and, for an engine that reports no logits, wherever a batch
+reads them: ``ExperienceMaker.rescores_batch``) one no-grad pass of the training model gives π_old, the entropy
+and the hidden states PPO's shared critic reads; the engine's log-probs stay as ``sampler_logprobs`` for the
+sampler–trainer correction (``algorithm.tis_cap``) and the ``rollout/logprob_diff_*`` metrics.
 
 Everything runs over row chunks of ``trainer.logprob_chunk`` rows (0: the whole batch): the [rows, T, V] logits of
 a chunk die with it. The exact KL from full logits (``kl.exact``: ``step``, ``eval``, ``off``) is computed per
@@ -67,27 +67,27 @@ class ScoringPass:
     ``entropy`` and ``hidden`` from the training model, the engine's log-probs moved to ``sampler_logprobs``)."""
 
     def __init__(self, cfg: Any, models: PolicyAndReference, policy: nn.Module, kl: KLPenalty,
-                 device: torch.device, precision: Precision, rescore: bool,
-                 keep_hidden: bool, logits_float32: bool) -> None:
+                 device: torch.device, precision: Precision, keep_hidden: bool, logits_float32: bool) -> None:
         self.cfg, self.models, self.policy, self.kl, self.device = cfg, models, policy, kl, device
         self.precision = precision
-        self.rescore, self.keep_hidden, self.logits_float32 = rescore, keep_hidden, logits_float32
+        self.keep_hidden, self.logits_float32 = keep_hidden, logits_float32
 
-    def __call__(self, rollout: Rollout, timer: StepTimer, exact: bool) -> None:
-        """Score ``rollout`` in place; ``exact``: compute ``kl_exact`` (else it stays None)."""
+    def __call__(self, rollout: Rollout, timer: StepTimer, exact: bool, rescore: bool) -> None:
+        """Score ``rollout`` in place; ``exact``: compute ``kl_exact`` (else it stays None); ``rescore``: the
+        training model's pass too."""
         chunk = self.cfg.trainer.logprob_chunk or rollout.batch_size
         sampler_logprobs = rollout.logprobs  # the engine's (the pass below may put the trainer's in their place)
         pieces: dict[str, list[Tensor]] = {}
         for start in range(0, rollout.batch_size, chunk):
             rows = torch.arange(start, min(start + chunk, rollout.batch_size), device=rollout.input_ids.device)
             part = rollout if chunk >= rollout.batch_size else rollout.select(rows)
-            if self.rescore:
+            if rescore:
                 self._policy_pass(part, timer)
             self._reference_pass(part, timer)
             with timer.phase("kl"):
                 part.kl_estimate, part.kl_exact = self.kl.sampled_terms(part, exact=exact)
             keep = ["ref_logprobs", "kl_estimate", "kl_exact"]
-            keep += ["logprobs", "entropy", "hidden"] if self.rescore else []
+            keep += ["logprobs", "entropy", "hidden"] if rescore else []
             keep += ["ref_logits"] if self.kl.loss_reads_ref_logits else []
             for key in keep:
                 pieces.setdefault(key, []).append(getattr(part, key))
@@ -96,7 +96,7 @@ class ScoringPass:
                 part.ref_logits = None
         for key, values in pieces.items():
             setattr(rollout, key, None if values[0] is None else values[0] if len(values) == 1 else torch.cat(values))
-        if self.rescore:
+        if rescore:
             rollout.sampler_logprobs = sampler_logprobs
         rollout.policy_logits = None
 

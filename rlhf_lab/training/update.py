@@ -30,7 +30,7 @@ from rlhf_lab.models.recompute import recompute_modules, recomputing
 from rlhf_lab.runtime import distributed
 from rlhf_lab.runtime.precision import Precision
 from rlhf_lab.scoring.forward import response_logits
-from rlhf_lab.scoring.logprobs import gather_logprobs, needs_float32_logits
+from rlhf_lab.scoring.logprobs import entropy_from_logits, gather_logprobs, needs_float32_logits
 from rlhf_lab.training.records import StepTimer
 
 
@@ -145,6 +145,9 @@ class Updater:
         """The algorithm's loss of a micro-batch plus the loss-placed KL term; ``loss/total`` in the stats."""
         with recomputing(self.recompute):
             output = self.forward(batch)
+        if batch.entropy_from_update:  # an engine with no logits, one update: the entropy of this very pass
+            with torch.no_grad():
+                batch.entropy = entropy_from_logits(output.logits.detach()) * batch.response_mask
         with self.precision.autocast():  # the algorithm's own networks (a separate critic's trunk)
             result = self.algorithm.loss(batch, output, context)
         loss, stats = result.loss, result.stats
@@ -197,12 +200,15 @@ class Updater:
         veto_sum: Tensor | None = None
         finite: Tensor | None = None
         starts = range(0, minibatch.batch_size, micro)
+        entropies: list[Tensor] = []  # the micro-batches' entropies where the training pass measures them
         with timer.phase("policy_forward_backward"):
             for micro_start in starts:
                 rows_index = torch.arange(micro_start, min(micro_start + micro, minibatch.batch_size))
                 # DDP all-reduces the gradients once, in the mini-batch's last backward.
                 with distributed.no_sync(self.sync_modules, skip=micro_start != starts[-1]):
-                    result = self.micro_loss(minibatch.select(rows_index), context, coef)
+                    micro_batch = minibatch.select(rows_index)
+                    result = self.micro_loss(micro_batch, context, coef)
+                    entropies += [micro_batch.entropy] if minibatch.entropy_from_update else []
                     loss_is_finite = torch.isfinite(result.loss.detach())
                     finite = loss_is_finite if finite is None else finite & loss_is_finite
                     self.backward(result.loss)
@@ -241,6 +247,8 @@ class Updater:
         if veto is not None:
             stats["optim/vetoed"] = float(veto > 0)
         stats["optim/skipped"] = 0.0 if applied else 1.0
+        if entropies:
+            minibatch.entropy = torch.cat(entropies)
         return stats
 
     def backward(self, loss: Tensor) -> None:
@@ -265,7 +273,10 @@ class Updater:
             order = torch.randperm(batch_size, generator=generator) if mini < batch_size else torch.arange(batch_size)
             epoch_stats: dict[str, float] = {}
             for start in range(0, batch_size, mini):
-                stats = self.minibatch_update(rollout.select(order[start : start + mini]), coef, timer)
+                minibatch = rollout.select(order[start : start + mini])
+                stats = self.minibatch_update(minibatch, coef, timer)
+                if rollout.entropy_from_update:  # the sampling policy's entropy is this first pass's (one update)
+                    rollout.entropy[order[start : start + mini]] = minibatch.entropy.to(rollout.entropy.dtype)
                 updates += 1
                 for key, value in stats.items():
                     if key.endswith(EXTREMA):

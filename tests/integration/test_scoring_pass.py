@@ -78,3 +78,66 @@ def test_a_sampler_without_the_trainer_s_numbers_cannot_be_corrected(compose, ti
         compose([*tiny_overrides(None), "generation.logprobs=sampler", "algorithm.tis_cap=2.0"])
     with pytest.raises(ConfigError, match=r"^kl.exact='always' is not valid; choose from: step, eval, off"):
         compose([*tiny_overrides(None), "kl.exact=always"])
+
+
+def _without_logits(monkeypatch) -> list[bool]:
+    """The hf engine as an engine that reports no logits or entropies (as vLLM): zeros for the entropy, logits
+    never kept. Returns the list that records the scoring pass's policy passes."""
+    from rlhf_lab.generation.hf import HFGeneration
+    from rlhf_lab.training.scoring_pass import ScoringPass
+
+    generate, policy_pass, passes = HFGeneration.generate, ScoringPass._policy_pass, []
+
+    def engine_generate(self, *args, **kwargs):
+        self.keep_logits = False
+        rollout = generate(self, *args, **kwargs)
+        rollout.entropy = torch.zeros_like(rollout.entropy)
+        return rollout
+
+    def recorded_pass(self, part, timer):
+        passes.append(True)
+        return policy_pass(self, part, timer)
+
+    monkeypatch.setattr(HFGeneration, "reports_entropy", False, raising=False)
+    monkeypatch.setattr(HFGeneration, "generate", engine_generate)
+    monkeypatch.setattr(ScoringPass, "_policy_pass", recorded_pass)
+    return passes
+
+
+def test_an_engine_without_logits_gets_the_entropy_from_the_training_pass(compose, tiny_overrides, tmp_path,
+                                                                          monkeypatch) -> None:
+    """One update per rollout, the exact KL at evaluation only: an engine that reports no logits (vLLM) needs no
+    scoring pass of the training model for its training batches. π_old and the entropy come from the training
+    pass, and the logged ``policy/entropy`` is the one the hf engine's decode reports for the same samples (fp32:
+    the same numbers to rounding). Evaluation, which reads the exact KL, still gets the pass."""
+    settings = [*BASE, "trainer.steps=2", "trainer.eval_every=1", "kl.exact=eval", "trainer.seed_per_prompt=true"]
+    Trainer(compose([*tiny_overrides(tmp_path / "hf"), *settings]), tmp_path / "hf" / "run").train()
+    passes = _without_logits(monkeypatch)
+    trainer = Trainer(compose([*tiny_overrides(tmp_path / "engine"), *settings]), tmp_path / "engine" / "run")
+    evaluations = []
+    evaluate = trainer.evaluate
+    trainer.evaluate = lambda step: evaluations.append(len(passes)) or evaluate(step)
+    trainer.train()
+    expected, measured = (
+        [line for line in lines(tmp_path / name / "run") if "reward/mean" in line] for name in ("hf", "engine"))
+    assert len(measured) == 2
+    for want, got in zip(expected, measured, strict=True):
+        assert got["policy/entropy"] > 0.1
+        assert got["policy/entropy"] == pytest.approx(want["policy/entropy"], rel=1e-5)
+        assert got["reward/mean"] == want["reward/mean"] and got["loss/policy"] == pytest.approx(want["loss/policy"])
+    # Every policy pass ran inside an evaluation (each evaluation's batch rescored), none for a training batch.
+    assert passes and len(passes) == sum(1 for line in lines(tmp_path / "engine" / "run") if "eval/kl/exact" in line)
+    assert evaluations == sorted(evaluations) and evaluations[0] == 0
+
+
+@pytest.mark.parametrize("setting", ["kl.exact=step", "algorithm.epochs=2", "kl=full"])
+def test_an_engine_without_logits_is_rescored_where_a_batch_reads_them(compose, tiny_overrides, tmp_path,
+                                                                       monkeypatch, setting: str) -> None:
+    """The exact KL every step, a second update (π_old must stay the sampling policy's) or an estimator of full
+    logits: the training batch gets the scoring pass, its entropy from there."""
+    passes = _without_logits(monkeypatch)
+    cfg = compose([*tiny_overrides(tmp_path), *BASE, "trainer.eval_prompts=0", "kl.exact=off", setting])
+    maker = Trainer(cfg, tmp_path / "run").experience
+    rollout = maker.make(["a b", "c d"], 2, StepTimer(), ["a", "b"], 0.05, train=True).rollout
+    assert len(passes) == 1 and not rollout.entropy_from_update and not rollout.old_from_update
+    assert float((rollout.entropy * rollout.response_mask).sum()) > 0.1

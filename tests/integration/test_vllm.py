@@ -125,6 +125,23 @@ def test_a_grpo_run_on_vllm_learns_like_one_on_hf(compose, tmp_path: Path) -> No
     assert 1 / 1.5 < gaps["vllm"][1] / gaps["hf"][1] < 1.5, gaps
 
 
+def test_a_single_update_run_needs_no_scoring_pass(compose, tmp_path: Path) -> None:
+    """vLLM reports no entropies or logits. With one update per rollout and the exact KL off, a training step runs
+    no pass of the training model before the update (no ``time/policy_logprobs_s``): the update's own pass gives
+    π_old and the logged entropy. The exact KL every step brings the pass back."""
+    from rlhf_lab.training.loop import Trainer
+
+    for exact in ("off", "step"):
+        cfg = compose(["model=tiny", "trainer.precision=fp32", *DIMS, "reward=length", "trainer.steps=1",
+                       "trainer.eval_prompts=0", "generation=vllm", f"kl.exact={exact}",
+                       f"trainer.output_dir={tmp_path / exact}"])
+        Trainer(cfg, tmp_path / exact).train()
+        line = next(json.loads(text) for text in (tmp_path / exact / "metrics.jsonl").read_text().splitlines()
+                    if "reward/mean" in text)
+        assert ("time/policy_logprobs_s" in line) == (exact == "step"), line
+        assert line["policy/entropy"] > 0.1  # the tiny random policy is near uniform over its vocabulary
+
+
 def free_port() -> int:
     import socket
 
