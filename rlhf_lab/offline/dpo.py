@@ -49,7 +49,7 @@ class DPO(OfflineStage):
         models = trainer.models
         with models.reference_context(), trainer.precision.autocast():
             logits, _ = response_logits(models.reference_model(), batch.input_ids, batch.attention_mask,
-                                        batch.prompt_width, trainer.cfg.trainer.temperature)
+                                        batch.prompt_width, trainer.updater.temperature(trainer.cfg))
         batch.ref_logprobs = gather_logprobs(logits, batch.response_ids) * batch.response_mask
 
     def pair_loss(self, logps: PairLogps) -> torch.Tensor:

@@ -58,11 +58,17 @@ class OfflineUpdater(Updater):
     """The updater of the offline stages: packed rows (``algorithm.packing``) take their block-diagonal forward
     pass (:mod:`rlhf_lab.offline.packing`), other batches the usual one."""
 
+    @staticmethod
+    def temperature(cfg: Any) -> float:
+        """1: SFT, DPO and reward-model losses are the model's own distribution (as TRL's); ``trainer.temperature``
+        is only the evaluation's sampling temperature."""
+        return 1.0
+
     def forward(self, batch: Rollout) -> PolicyOutput:
         if not isinstance(batch, PackedRows):
             return super().forward(batch)
         with self.precision.autocast():
-            logits = packed_logits(self.policy, batch, self.cfg.trainer.temperature)
+            logits = packed_logits(self.policy, batch, 1.0)
         logprobs = gather_logprobs(logits, batch.response_ids) * batch.response_mask
         return PolicyOutput(logprobs=logprobs, logits=logits, hidden=None)
 

@@ -109,7 +109,7 @@ class Updater:
         # The training pass's logits: float32 for an algorithm, or an estimator in the loss, that reads them (the
         # log-prob gather's gradients are the same bit for bit from the LM head's bf16 logits).
         self.logits_float32 = needs_float32_logits(
-            trainer.temperature, getattr(algorithm, "reads_policy_logits", True),
+            self.temperature(cfg), getattr(algorithm, "reads_policy_logits", True),
             kl is not None and kl.in_loss and kl.reads_logits)
         if strategy != "fsdp":  # FSDP2's shards get their state at the first step
             self.hardware.prepare_optimizer(self.optimizer)
@@ -126,6 +126,12 @@ class Updater:
         self.consecutive_skips = state.get("consecutive_skips", 0)
 
     # ------------------------------------------------------------------ units
+    @staticmethod
+    def temperature(cfg: Any) -> float:
+        """The temperature of the training pass's logits: the sampling temperature, so that π_θ is the policy
+        that sampled the rollout (as π_old and the reference's log-probs are)."""
+        return cfg.trainer.temperature
+
     def forward(self, batch: Rollout) -> PolicyOutput:
         """The policy's training forward pass over ``batch``: log-probs, logits (and hidden states if needed).
 
@@ -135,7 +141,7 @@ class Updater:
         with self.precision.autocast():
             logits, hidden = response_logits(
                 self.policy, batch.input_ids, batch.attention_mask, batch.prompt_width,
-                self.cfg.trainer.temperature, output_hidden_states=self.algorithm.needs_hidden_states,
+                self.temperature(self.cfg), output_hidden_states=self.algorithm.needs_hidden_states,
                 share_prompts=not self.cfg.trainer.gradient_checkpointing, float32=self.logits_float32,
             )
         logprobs = gather_logprobs(logits, batch.response_ids) * batch.response_mask

@@ -105,6 +105,48 @@ def test_dpo_variants_train_with_and_without_lora(compose, tiny_overrides, pair_
     assert (tmp_path / "run" / "model" / "config.json").is_file()  # merged under LoRA
 
 
+
+@pytest.mark.parametrize("name", ["sft", "dpo", "sft_packed"])
+def test_offline_losses_are_the_model_s_own_distribution_at_any_sampling_temperature(
+        compose, tiny_overrides, pair_folder, demo_file, tmp_path, name):
+    """``trainer.temperature`` is the evaluation's sampling temperature; SFT's NLL and DPO's log-probs (policy and
+    reference) are the unscaled model's, as TRL's: a run at 0.7 logs the numbers of a run at 1.0, and both equal
+    a plain forward's log-softmax by hand (DPO's step-0 chosen log-probs)."""
+    data = {"dpo": ["algorithm=dpo", "data=preferences", f"data.path={pair_folder}"],
+            "sft": ["algorithm=sft", "data=demonstrations", f"data.path={demo_file}", "data.eval_fraction=0"]}
+    overrides = [*data[name.split("_")[0]], *(["algorithm.packing=true"] if name == "sft_packed" else []),
+                 "trainer.eval_prompts=0", "trainer.steps=1", "trainer.micro_batch_size=0"]
+    runs = {}
+    for temperature in (1.0, 0.7):
+        out = tmp_path / str(temperature)
+        stage(compose, tiny_overrides, out, *overrides, f"trainer.temperature={temperature}")
+        runs[temperature] = train_lines(out)[0]
+    keys = ["loss/total", *(["logps/chosen", "logps/rejected", "rewards/margins"] if name == "dpo" else [])]
+    for key in keys:
+        assert runs[0.7][key] == pytest.approx(runs[1.0][key], rel=1e-6, abs=1e-7), key
+    if name != "dpo":
+        return
+    # By hand: the step's pairs through a plain forward of the initial weights, Σ log softmax of the chosen tokens.
+    from rlhf_lab.data.prompts import prompt_indices
+    from rlhf_lab.models.loading import build_tiny_llama, load_tokenizer
+    from rlhf_lab.offline.batch import Collator
+    from rlhf_lab.offline.data import load_examples
+
+    cfg = compose([*tiny_overrides(None), *overrides])
+    tokenizer = load_tokenizer(cfg.model)
+    model = build_tiny_llama(tokenizer, cfg.model.tiny, seed=cfg.seed)
+    examples = load_examples(cfg.data, seed=cfg.seed, pairs=True).train
+    indices = prompt_indices(0, cfg.trainer.prompts_per_step, len(examples), cfg.seed)
+    rows = Collator(tokenizer, cfg.model, cfg.data).pairs([examples[i] for i in indices])
+    with torch.no_grad():
+        logprobs = model(input_ids=rows.input_ids, attention_mask=rows.attention_mask).logits.log_softmax(-1)
+    chosen = []
+    for row in range(0, rows.batch_size, 2):
+        positions = rows.prompt_width + torch.arange(int(rows.response_mask[row].sum()))
+        chosen.append(float(logprobs[row, positions - 1, rows.input_ids[row, positions]].sum()))
+    assert runs[0.7]["logps/chosen"] == pytest.approx(sum(chosen) / len(chosen), rel=1e-4)
+
+
 # ----------------------------------------------------------------------------------------------------- SFT
 def test_sft_loss_falls_and_eos_is_learned(compose, tiny_overrides, demo_file, tmp_path):
     from rlhf_lab.models.loading import build_tiny_llama, load_causal_lm, load_tokenizer
