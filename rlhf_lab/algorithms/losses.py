@@ -38,18 +38,18 @@ class PolicyLoss:
 
 
 def _ppo_clip(ratio: Tensor, advantages: Tensor, mask: Tensor, clip: ClipRange) -> PolicyLoss:
-    """max(−A·r, −A·clip(r)) (and Dual-clip's bound), with where each clip binds."""
-    unclipped = -advantages * ratio
-    if clip.low is None and clip.high is None:
-        return PolicyLoss(unclipped * mask, ratio.detach(), {})
-    low, high = clip.bounds()
-    clipped = -advantages * ratio.clamp(low, high)
-    loss = torch.maximum(unclipped, clipped)
-    binds = clipped > unclipped
+    """max(−A·r, −A·clip(r)) (−A·r with no clip range), then Dual-clip's bound, with where each rule binds."""
+    loss = -advantages * ratio
     detached = ratio.detach()
-    events = {"clipped_low": (binds & (detached < 1)).float() * mask,
-              "clipped_high": (binds & (detached > 1)).float() * mask}
-    if clip.dual is not None:
+    events: dict[str, Tensor] = {}
+    if clip.low is not None or clip.high is not None:
+        low, high = clip.bounds()
+        clipped = -advantages * ratio.clamp(low, high)
+        binds = clipped > loss
+        loss = torch.maximum(loss, clipped)
+        events = {"clipped_low": (binds & (detached < 1)).float() * mask,
+                  "clipped_high": (binds & (detached > 1)).float() * mask}
+    if clip.dual is not None:  # with or without the clip range: a negative-advantage token's loss ≤ −c·A
         bound = -clip.dual * advantages
         dual = (advantages < 0) & (loss > bound)
         loss = torch.where(dual, bound, loss)
@@ -63,7 +63,7 @@ def clip_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: 
     """PPO's clipped surrogate (Schulman et al. 2017), per token: r = π/π_old,
     loss = max(−A·r, −A·clip(r, 1−ε_low, 1+ε_high)); separate ε_low/ε_high is DAPO's clip-higher (Yu et al.
     2025); with Dual-clip c, negative-advantage tokens' loss is at most −c·A. No clip: −A·r, whose gradient at
-    r = 1 is REINFORCE's."""
+    r = 1 is REINFORCE's (Dual-clip still bounds it: r counts at most c where A < 0)."""
     return _ppo_clip(torch.exp(logprobs - old_logprobs), advantages, mask, clip)
 
 

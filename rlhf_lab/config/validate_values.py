@@ -108,6 +108,10 @@ def check_choices(cfg: Any) -> None:
         raise ConfigError(f"trainer.device={trainer.device!r} is not valid; choose from: auto, cpu, cuda, cuda:N")
 
 
+# Policy losses with no −A·r term for Dual-clip to bound: REINFORCE's −A·log π, CISPO's −sg(clip(r))·A·log π.
+NO_DUAL_CLIP = ("reinforce", "cispo")
+
+
 def check_ranges(cfg: Any) -> None:
     algorithm, kl, trainer = cfg.algorithm, cfg.kl, cfg.trainer
     at_least("kl.coef", kl.coef, 0.0)
@@ -139,6 +143,11 @@ def check_ranges(cfg: Any) -> None:
     if algorithm.clip_eps_high is not None:
         at_least("algorithm.clip_eps_high", algorithm.clip_eps_high, 0.0, strict=True)
     at_least("algorithm.clip_ratio_c", algorithm.clip_ratio_c, 1.0, strict=True)
+    if algorithm.clip_ratio_c is not None and algorithm.get("policy_loss") in NO_DUAL_CLIP:
+        raise ConfigError(
+            f"algorithm.clip_ratio_c={algorithm.clip_ratio_c!r} bounds the ratio term −A·r of a ratio loss, and "
+            f"algorithm.policy_loss={algorithm.policy_loss!r} has none; use policy_loss clip or gspo, or "
+            "clip_ratio_c=null")
     at_least("algorithm.tis_cap", algorithm.tis_cap, 0.0, strict=True)
     at_least("algorithm.max_refill_rounds", algorithm.max_refill_rounds, 0)
     at_least("algorithm.overlong_penalty", algorithm.overlong_penalty, 0.0)

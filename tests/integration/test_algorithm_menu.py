@@ -66,6 +66,12 @@ def test_dual_clip_and_tis_log_their_shares(compose, tiny_overrides, tmp_path: P
     (["algorithm.policy_loss=ppo2"], "algorithm.policy_loss='ppo2' is not valid; choose from: cispo, clip, gspo, "
                                      "reinforce"),
     (["algorithm.clip_ratio_c=0.5"], "algorithm.clip_ratio_c=0.5 is out of range; must be > 1.0"),
+    (["algorithm=cispo", "algorithm.clip_ratio_c=1.5"],
+     "algorithm.clip_ratio_c=1.5 bounds the ratio term −A·r of a ratio loss, and algorithm.policy_loss='cispo' "
+     "has none; use policy_loss clip or gspo, or clip_ratio_c=null"),
+    (["algorithm=grpo", "algorithm.policy_loss=reinforce", "algorithm.clip_ratio_c=3"],
+     "algorithm.clip_ratio_c=3.0 bounds the ratio term −A·r of a ratio loss, and algorithm.policy_loss='reinforce' "
+     "has none; use policy_loss clip or gspo, or clip_ratio_c=null"),
 ])
 def test_axis_mistakes_are_one_line_errors(compose, overrides: list[str], message: str) -> None:
     from rlhf_lab.errors import UserError

@@ -52,6 +52,25 @@ def test_dual_clip_bounds_negative_advantage_losses() -> None:
     close(new.grad, [[0.0, 2.0, 0.0]])
 
 
+
+def test_dual_clip_bounds_the_unclipped_ratio_loss_too() -> None:
+    # clip_eps null (the reinforce and rloo presets): loss −A·r. A = −1 at ratio e^{1.5} = 4.48 is capped at c = 3
+    # (no gradient); A = −1 at ratio 2 keeps −A·r = 2 and its gradient r·(−A) = 2; A = 1 at 4.48 is never bounded.
+    old = torch.zeros(1, 3, dtype=torch.float64)
+    new = torch.tensor([[1.5, math.log(2.0), 1.5]], dtype=torch.float64, requires_grad=True)
+    advantages = torch.tensor([[-1.0, -1.0, 1.0]], dtype=torch.float64)
+    result = loss_fn("clip")(new, old, advantages, torch.ones(1, 3, dtype=torch.float64), ClipRange(None, None, 3.0))
+    close(result.per_token, [[3.0, 2.0, -math.exp(1.5)]])
+    assert result.events == {"dual_clipped": result.events["dual_clipped"]}
+    assert result.events["dual_clipped"].tolist() == [[1.0, 0.0, 0.0]]
+    result.per_token.sum().backward()
+    close(new.grad, [[0.0, 2.0, -math.exp(1.5)]])
+    # Without c the same inputs give −A·r everywhere.
+    plain = loss_fn("clip")(new, old, advantages, torch.ones(1, 3, dtype=torch.float64), ClipRange(None, None))
+    close(plain.per_token, [[math.exp(1.5), 2.0, -math.exp(1.5)]])
+    assert plain.events == {}
+
+
 def test_gspo_uses_the_length_normalised_sequence_ratio() -> None:
     # Row 0: log-ratios [0.3, 0.1, −0.1] -> mean 0.1, s = e^{0.1} = 1.10517 for every token (ε 0.2: unclipped);
     # row 1: one token, log-ratio 0.5 -> s = 1.6487, clipped at 1.2 with A = 1.
