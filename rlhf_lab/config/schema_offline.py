@@ -36,8 +36,10 @@ class DPOConfig(OfflineAlgorithmConfig):
 
     beta: float = 0.1
     loss_type: str = "sigmoid"  # registered kind `preference_loss`: sigmoid | ipo | hinge | robust | simpo
-    label_smoothing: float = 0.0  # sigmoid: cDPO's ε; robust: the label-noise rate ε (< 0.5)
+    label_smoothing: float = 0.0  # sigmoid, simpo: cDPO's ε; robust: the label-noise rate ε (< 0.5)
     gamma: float = 0.5  # simpo: the target reward margin γ
+    ipo_normalize: str = "sum"  # ipo: sum (the paper's eq. 17) | mean (per-token log-ratios, TRL's)
+    nll_weight: float = 0.0  # + α · the chosen response's mean token NLL (SimPO's sft_weight, TRL's cpo/rpo_alpha)
 
 
 @dataclass

@@ -8,6 +8,7 @@ from typing import Any
 from rlhf_lab.config.validate_values import at_least, choice
 from rlhf_lab.errors import ConfigError
 from rlhf_lab.offline.data import FORMATS, ON_INVALID
+from rlhf_lab.offline.losses import IPO_NORMALIZE, smoothed_losses
 from rlhf_lab.offline.reward_model import POOLINGS
 from rlhf_lab.registry import get, names
 from rlhf_lab.runtime import distributed
@@ -53,6 +54,12 @@ def check_offline(cfg: Any) -> None:
         at_least("algorithm.beta", algorithm.beta, 0.0, strict=True)
         if not 0.0 <= algorithm.label_smoothing < 0.5:
             raise ConfigError(f"algorithm.label_smoothing={algorithm.label_smoothing!r} is out of range; must be in [0, 0.5)")
+        smoothed = smoothed_losses()
+        if algorithm.label_smoothing > 0 and algorithm.loss_type not in smoothed:
+            raise ConfigError(f"algorithm.label_smoothing={algorithm.label_smoothing!r} has no meaning for "
+                              f"algorithm.loss_type={algorithm.loss_type}; it applies to {', '.join(smoothed)}")
+        choice("algorithm.ipo_normalize", algorithm.ipo_normalize, IPO_NORMALIZE)
+        at_least("algorithm.nll_weight", algorithm.nll_weight, 0.0)
     if "packing_length" in algorithm:
         at_least("algorithm.packing_length", algorithm.packing_length, 2)  # null: the longest unpacked row
     if "pooling" in algorithm:

@@ -16,7 +16,7 @@ from rlhf_lab.algorithms.base import LossContext, LossResult, PolicyOutput
 from rlhf_lab.generation.rollout import Rollout
 from rlhf_lab.masked import masked_sum
 from rlhf_lab.offline.data import Example
-from rlhf_lab.offline.losses import PairLogps, is_reference_free, preference_loss, preference_metrics
+from rlhf_lab.offline.losses import PairLogps, chosen_nll, is_reference_free, preference_loss, preference_metrics
 from rlhf_lab.offline.stage import OfflineStage, chunks, to_device
 from rlhf_lab.registry import register
 from rlhf_lab.scoring.forward import response_logits
@@ -54,7 +54,8 @@ class DPO(OfflineStage):
 
     def pair_loss(self, logps: PairLogps) -> torch.Tensor:
         cfg = self.cfg
-        return preference_loss(cfg.loss_type, logps, cfg.beta, cfg.label_smoothing, cfg.gamma)
+        return preference_loss(cfg.loss_type, logps, cfg.beta, cfg.label_smoothing, cfg.gamma, cfg.ipo_normalize,
+                               cfg.nll_weight)
 
     def loss(self, batch: Rollout, output: PolicyOutput, context: LossContext) -> LossResult:
         """This micro-batch's share of the mean loss over the mini-batch's pairs, and of its metrics."""
@@ -63,6 +64,8 @@ class DPO(OfflineStage):
         loss = self.pair_loss(logps).sum() / pairs
         stats = {key: value / pairs for key, value in preference_metrics(self.cfg.loss_type, logps, self.cfg.beta).items()}
         stats["loss/dpo"] = loss.detach()
+        if self.cfg.nll_weight > 0:  # the behaviour-cloning term's share, inside loss/dpo
+            stats["loss/nll"] = chosen_nll(logps).detach().sum() / pairs
         return LossResult(loss, stats)
 
     @torch.no_grad()

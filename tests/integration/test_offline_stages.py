@@ -98,10 +98,14 @@ def test_dpo_contract_metrics_and_exact_resume(compose, tiny_overrides, pair_fol
 def test_dpo_variants_train_with_and_without_lora(compose, tiny_overrides, pair_folder, tmp_path, loss_type, lora):
     overrides = ["algorithm=dpo", f"algorithm.loss_type={loss_type}", "data=preferences", f"data.path={pair_folder}",
                  f"model.lora.enabled={str(lora).lower()}", "trainer.eval_prompts=0", "trainer.micro_batch_size=2"]
-    if loss_type == "robust":
+    if loss_type in ("robust", "simpo"):
         overrides.append("algorithm.label_smoothing=0.1")
+    if loss_type in ("ipo", "simpo"):  # the per-token IPO (TRL's), the chosen response's NLL beside SimPO (CPO's)
+        overrides += ["algorithm.ipo_normalize=mean"] if loss_type == "ipo" else ["algorithm.nll_weight=0.5"]
     summary = stage(compose, tiny_overrides, tmp_path / "run", *overrides)
     assert summary["loss/final"] == summary["loss/final"]  # finite
+    nll = [line.get("loss/nll") for line in train_lines(tmp_path / "run")]
+    assert all(value > 0 for value in nll) if loss_type == "simpo" else nll == [None] * len(nll)
     assert (tmp_path / "run" / "model" / "config.json").is_file()  # merged under LoRA
 
 

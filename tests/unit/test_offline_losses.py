@@ -11,6 +11,7 @@ import rlhf_lab.components  # noqa: F401
 from rlhf_lab.offline.losses import (
     PairLogps,
     bradley_terry_loss,
+    chosen_nll,
     implicit_rewards,
     preference_loss,
     preference_metrics,
@@ -62,6 +63,49 @@ def test_simpo_is_length_normalised_and_reference_free():
     chosen, rejected = implicit_rewards("simpo", LOGPS, BETA)
     torch.testing.assert_close(chosen, BETA * torch.tensor(chosen_mean))
     torch.testing.assert_close(rejected, BETA * torch.tensor(rejected_mean))
+
+
+
+def test_ipo_from_summed_or_per_token_log_ratios():
+    """``sum`` is eq. 17 as written (h above); ``mean`` divides each response's log-ratio by its token count, as
+    TRL's ipo: pair 0 (1/5 − (−0.5)/4) = 0.325, pair 1 (0.5/2 − (−1)/3) = 0.58333."""
+    per_token = [(-10 + 11) / 5 - (-12 + 11.5) / 4, (-4 + 4.5) / 2 - (-3 + 2) / 3]
+    assert per_token == pytest.approx([0.325, 0.5833333])
+    torch.testing.assert_close(preference_loss("ipo", LOGPS, BETA, ipo_normalize="mean"),
+                               torch.tensor([(h - 1 / (2 * BETA)) ** 2 for h in per_token]))
+    torch.testing.assert_close(preference_loss("ipo", LOGPS, BETA, ipo_normalize="sum"),
+                               torch.tensor([(h - 1 / (2 * BETA)) ** 2 for h in H]))
+
+
+def test_simpo_takes_label_smoothing_as_cdpo():
+    gamma, eps = 0.3, 0.2
+    z = [BETA * (c - r) - gamma for c, r in zip([-10 / 5, -4 / 2], [-12 / 4, -3 / 3])]
+    expected = [-(1 - eps) * log_sigmoid(v) - eps * log_sigmoid(-v) for v in z]
+    torch.testing.assert_close(preference_loss("simpo", LOGPS, BETA, eps, gamma), torch.tensor(expected))
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "simpo"])
+def test_the_chosen_nll_adds_weight_times_the_mean_token_nll(loss_type):
+    """α · (−log π(y_w) / |y_w|): 2.0 and 2.0 for the two pairs (−10 over 5 tokens, −4 over 2)."""
+    alpha = 0.7
+    torch.testing.assert_close(chosen_nll(LOGPS), torch.tensor([2.0, 2.0]))
+    torch.testing.assert_close(preference_loss(loss_type, LOGPS, BETA, nll_weight=alpha),
+                               preference_loss(loss_type, LOGPS, BETA) + alpha * 2.0)
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["algorithm.loss_type=hinge", "algorithm.label_smoothing=0.1"],
+     "algorithm.label_smoothing=0.1 has no meaning for algorithm.loss_type=hinge; it applies to robust, sigmoid, "
+     "simpo"),
+    (["algorithm.ipo_normalize=token"], "algorithm.ipo_normalize='token' is not valid; choose from: sum, mean"),
+    (["algorithm.nll_weight=-1"], "algorithm.nll_weight=-1.0 is out of range; must be >= 0.0"),
+])
+def test_preference_options_refuse_what_they_cannot_mean(compose, overrides, message):
+    from rlhf_lab.errors import ConfigError
+
+    with pytest.raises(ConfigError) as raised:
+        compose(["algorithm=dpo", "data=preferences", "data.path=x.jsonl", "model=tiny", *overrides])
+    assert str(raised.value) == message
 
 
 def test_metrics_carry_trl_names_and_values():
