@@ -81,9 +81,10 @@ def per_token(sequence_advantages: Tensor, mask: Tensor) -> Tensor:
 
 @register("advantage", "grpo")
 def grpo(token_rewards: Tensor, mask: Tensor, group_size: int, cfg: Any) -> Tensor:
-    """GRPO (Shao et al. 2024): (R − mean_group) / (std_group + 1e-4); ``algorithm.scale_by_std=false`` skips
-    the division."""
-    return per_token(group_advantages(sequence_returns(token_rewards, mask), group_size, cfg.scale_by_std), mask)
+    """GRPO (Shao et al. 2024): (R − mean_group) / (std_group + ε), ε = ``algorithm.std_eps`` (1e-4, TRL's;
+    verl's is 1e-6); ``algorithm.scale_by_std=false`` skips the division."""
+    returns = sequence_returns(token_rewards, mask)
+    return per_token(group_advantages(returns, group_size, cfg.scale_by_std, getattr(cfg, "std_eps", 1e-4)), mask)
 
 
 @register("advantage", "dr_grpo")
@@ -118,14 +119,25 @@ def reinforce_pp_baseline(token_rewards: Tensor, mask: Tensor, group_size: int, 
     return masked_whiten(per_token(centred, mask), mask, across_ranks=True)
 
 
+REMAX_RETURNS = ("total", "to_go")  # algorithm.remax_return
+
+
 @register("advantage", "remax")
 def remax(token_rewards: Tensor, mask: Tensor, group_size: int, cfg: Any,
           baseline_scores: Tensor | None = None) -> Tensor:
     """ReMax (Li et al. 2024, "ReMax: A Simple, Effective, and Efficient Reinforcement Learning Method for
-    Aligning Large Language Models"): R_i − r(x, ȳ), the baseline being the reward of the prompt's greedy
-    response ȳ (``baseline_scores`` [B], one extra greedy generation per prompt, made by the experience step)."""
+    Aligning Large Language Models"): return − r(x, ȳ), the baseline being the reward of the prompt's greedy
+    response ȳ (``baseline_scores`` [B], one extra greedy generation per prompt, made by the experience step).
+
+    ``algorithm.remax_return``: ``total`` puts the whole return R_i on every token, as every other sequence
+    estimator here (GRPO, RLOO, REINFORCE), so under a reward-placed KL the arms differ by their baseline only;
+    ``to_go`` puts token t's reward-to-go Σ_{t' ≥ t} r_t' there (verl's ``compute_remax_outcome_advantage``),
+    which leaves out the KL terms of earlier tokens, which token t cannot change. Both are unbiased; they are the
+    same without a reward-placed KL (the only reward is the score on the last token)."""
     if baseline_scores is None:
         raise ValueError("algorithm.advantage=remax needs the greedy responses' scores (baseline_scores)")
+    if getattr(cfg, "remax_return", "total") == "to_go":
+        return (rewards_to_go(token_rewards, mask) - baseline_scores[:, None]) * mask
     return per_token(sequence_returns(token_rewards, mask) - baseline_scores, mask)
 
 

@@ -65,6 +65,8 @@ class CriticFreeConfig(AlgorithmConfig):
     weight_by: str = "advantage"  # rlhf_lab.algorithms.base.WEIGHT_SOURCES (TapeAgents rl_step option)
     clamp_negative_weights: bool = False  # weights below zero become zero
     scale_by_std: bool = True  # advantage=grpo: divide by the group std (false: Dr. GRPO's centring only)
+    std_eps: float = 1e-4  # advantage=grpo: A = (R − mean) / (std + std_eps); TRL's 1e-4 (verl: 1e-6)
+    remax_return: str = "total"  # advantage=remax: total (R on every token) | to_go (reward-to-go, as verl)
     baseline: str = "batch_mean"  # advantage=reinforce: registered kind `baseline` (none | batch_mean | loo)
 
 

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import rlhf_lab.components  # noqa: F401  (registers the built-in parts, whose names are the valid choices)
+from rlhf_lab.algorithms.advantages import REMAX_RETURNS
 from rlhf_lab.algorithms.base import WEIGHT_SOURCES
 from rlhf_lab.algorithms.losses import CORRECTIONS
 from rlhf_lab.algorithms.ppo import CRITICS
@@ -96,6 +97,8 @@ def check_choices(cfg: Any) -> None:
         choice("algorithm.baseline", algorithm.baseline, names("baseline"))
     if "weight_by" in algorithm:
         choice("algorithm.weight_by", algorithm.weight_by, WEIGHT_SOURCES)
+        choice("algorithm.remax_return", algorithm.remax_return, REMAX_RETURNS)
+        at_least("algorithm.std_eps", algorithm.std_eps, 0.0, strict=True)
     if "critic" in algorithm:
         choice("algorithm.critic", algorithm.critic, CRITICS)
     choice("trainer.lr_schedule", trainer.lr_schedule, LR_SCHEDULES)

@@ -47,8 +47,14 @@ def needs_float32_logits(temperature: float, *read_by: bool) -> bool:
     """
     return temperature != 1.0 or any(read_by)
 
+def upcast(tensor: Tensor) -> Tensor:
+    """``tensor`` in float32 at least: half-precision logits are upcast, float64 ones stay float64 (a run in
+    float64 keeps its precision through the log-softmax and the entropy)."""
+    return tensor.to(torch.promote_types(tensor.dtype, torch.float32))
+
+
 def scale_logits(logits: Tensor, temperature: float, float32: bool = True) -> Tensor:
-    """``logits`` in float32 divided by ``temperature``: the policy's distribution is their softmax.
+    """``logits`` in float32 (float64 stays float64) divided by ``temperature``: the policy's distribution is their softmax.
 
     At temperature 1 the division is skipped (x / 1 is x exactly): on [B, T, V] logits it would allocate
     another full tensor in the forward pass and again in the backward pass, for the same numbers. With
@@ -57,7 +63,7 @@ def scale_logits(logits: Tensor, temperature: float, float32: bool = True) -> Te
     """
     if not float32 and temperature == 1.0:
         return logits
-    logits = logits.float()
+    logits = upcast(logits)
     return logits if temperature == 1.0 else logits / temperature
 
 class _GatherLogprobs(torch.autograd.Function):
@@ -75,7 +81,7 @@ class _GatherLogprobs(torch.autograd.Function):
         flat_tokens = tokens.reshape(-1)
         pieces, sums = [], []
         for start in range(0, flat_logits.shape[0], chunk_size):
-            rows = flat_logits[start : start + chunk_size].float()
+            rows = upcast(flat_logits[start : start + chunk_size])
             picked = rows.gather(-1, flat_tokens[start : start + chunk_size, None]).squeeze(-1)
             sums.append(torch.logsumexp(rows, dim=-1))
             pieces.append(picked - sums[-1])
@@ -94,7 +100,7 @@ class _GatherLogprobs(torch.autograd.Function):
         in_place = grad.dtype == log_sums.dtype  # else each chunk is made in float32, then written in grad's dtype
         for start in range(0, flat_logits.shape[0], ctx.chunk_size):
             stop = start + ctx.chunk_size
-            rows = flat_logits[start:stop].float()
+            rows = upcast(flat_logits[start:stop])
             block = grad[start:stop] if in_place else torch.empty_like(rows)
             torch.sub(rows, log_sums[start:stop, None], out=block)
             block.exp_().mul_(-upstream[start:stop])  # the logsumexp term: −g·exp(z − lse)
@@ -119,6 +125,6 @@ def entropy_from_logits(logits: Tensor, chunk_size: int | None = None) -> Tensor
     flat_logits = logits.reshape(-1, logits.shape[-1])
     pieces = []
     for start in range(0, flat_logits.shape[0], chunk_size):
-        log_p = flat_logits[start : start + chunk_size].float().log_softmax(-1)
+        log_p = upcast(flat_logits[start : start + chunk_size]).log_softmax(-1)
         pieces.append(-(log_p.exp() * log_p).sum(-1))
     return torch.cat(pieces).reshape(logits.shape[:-1])

@@ -66,6 +66,9 @@ def test_dual_clip_and_tis_log_their_shares(compose, tiny_overrides, tmp_path: P
     (["algorithm.policy_loss=ppo2"], "algorithm.policy_loss='ppo2' is not valid; choose from: cispo, clip, gspo, "
                                      "reinforce"),
     (["algorithm.clip_ratio_c=0.5"], "algorithm.clip_ratio_c=0.5 is out of range; must be > 1.0"),
+    (["algorithm=remax", "algorithm.remax_return=suffix"],
+     "algorithm.remax_return='suffix' is not valid; choose from: total, to_go"),
+    (["algorithm=grpo", "algorithm.std_eps=0"], "algorithm.std_eps=0.0 is out of range; must be > 0.0"),
     (["algorithm=cispo", "algorithm.clip_ratio_c=1.5"],
      "algorithm.clip_ratio_c=1.5 bounds the ratio term −A·r of a ratio loss, and algorithm.policy_loss='cispo' "
      "has none; use policy_loss clip or gspo, or clip_ratio_c=null"),

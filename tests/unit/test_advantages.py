@@ -89,6 +89,33 @@ def test_remax_by_hand_on_the_ragged_batch() -> None:
     torch.testing.assert_close(got, expected)
 
 
+
+def test_remax_reward_to_go_by_hand() -> None:
+    """``remax_return=to_go`` (verl's): token t's reward-to-go minus the greedy score. Rewards-to-go
+    [[.7, .8, .9], [1.9], [−.2, −.1], [3.7, 3.8, 3.9]] minus [1, 1, .5, .5]; the last token's advantage is the
+    score minus the last KL term minus the baseline, as in ``total`` only at the first token."""
+    baseline = torch.tensor([1.0, 1.0, 0.5, 0.5], dtype=torch.float64)
+    cfg = OmegaConf.merge(CFG, {"remax_return": "to_go"})
+    got = get("advantage", "remax")(token_rewards(), MASK, 2, cfg, baseline_scores=baseline)
+    expected = torch.tensor([[-0.3, -0.2, -0.1], [0.9, 0, 0], [-0.7, -0.6, 0], [3.2, 3.3, 3.4]], dtype=torch.float64)
+    torch.testing.assert_close(got, expected)
+    total = get("advantage", "remax")(token_rewards(), MASK, 2, CFG, baseline_scores=baseline)
+    torch.testing.assert_close(got[:, 0], total[:, 0])
+    # Without a reward-placed KL (the score on the last token only) the two are the same.
+    scores_only = token_rewards() + 0.1 * MASK
+    torch.testing.assert_close(get("advantage", "remax")(scores_only, MASK, 2, cfg, baseline_scores=baseline),
+                               get("advantage", "remax")(scores_only, MASK, 2, CFG, baseline_scores=baseline))
+
+
+@pytest.mark.parametrize("eps", [1e-4, 1e-6])
+def test_grpo_std_eps_is_the_configured_one(eps: float) -> None:
+    # Group [.7, 1.9]: deviations ∓0.6, Bessel std 0.6·√2; group [−.2, 3.7]: ∓1.95, std 1.95·√2.
+    got = advantages("grpo", OmegaConf.merge(CFG, {"std_eps": eps}))[:, 0]
+    expected = [-0.6 / (0.6 * 2 ** 0.5 + eps), 0.6 / (0.6 * 2 ** 0.5 + eps),
+                -1.95 / (1.95 * 2 ** 0.5 + eps), 1.95 / (1.95 * 2 ** 0.5 + eps)]
+    torch.testing.assert_close(got, torch.tensor(expected, dtype=torch.float64))
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_remax_against_a_loop_reference(seed: int) -> None:
     generator = torch.Generator().manual_seed(seed)
