@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from rlhf_lab.masked import masked_sum, masked_whiten
@@ -72,6 +73,48 @@ def leave_one_out_baseline(returns: Tensor, group_size: int) -> Tensor:
 def baseline_advantages(returns: Tensor, group_size: int, baseline: str) -> Tensor:
     """A_i = R_i − b_i with the registered ``baseline``, returns [B] -> [B]."""
     return get("baseline", baseline)(returns, group_size)
+
+
+# ---------------------------------------------------------------------- the scale of a loss-placed KL
+# What an estimator's advantages do to the task reward's expected gradient, per sample [B], so a loss-placed KL
+# term can be given the same factor (``kl.loss_scale=advantage``). REINFORCE's R (or R minus a baseline that does
+# not depend on the sample: leave-one-out, ReMax's greedy score) is exact: 1. A mean baseline that includes the
+# sample scales it by (1 − 1/n). GRPO also divides a group by (std + ε): its samples get (1 − 1/G) / (std + ε), and
+# a group whose returns are all equal the mean factor of the others. Estimators without a factor here (REINFORCE++'s
+# whitening, GAE) refuse the option.
+def _exact_scale(returns: Tensor, group_size: int, cfg: Any) -> Tensor:
+    return torch.ones_like(returns)
+
+
+def _group_mean_scale(returns: Tensor, group_size: int, cfg: Any) -> Tensor:
+    return torch.full_like(returns, 1 - 1 / group_size)
+
+
+def _grpo_scale(returns: Tensor, group_size: int, cfg: Any) -> Tensor:
+    if not getattr(cfg, "scale_by_std", True):
+        return _group_mean_scale(returns, group_size, cfg)
+    groups = returns.reshape(-1, group_size)
+    std = groups.std(dim=1, keepdim=True)
+    factor = (1 - 1 / group_size) / (std + getattr(cfg, "std_eps", 1e-4))
+    untied = std > 0
+    # A group of equal returns has no advantage to match (and 1/ε would be its factor): it takes the mean factor of
+    # every rank's other groups, so the KL keeps its weight where the policy has stopped exploring.
+    total, count = distributed.all_reduce_sum(torch.stack([factor[untied].sum(), untied.sum().to(factor.dtype)]))
+    fill = total / count if count > 0 else factor.new_tensor(1 - 1 / group_size)
+    return torch.where(untied, factor, fill).expand_as(groups).reshape(-1)
+
+
+def _reinforce_scale(returns: Tensor, group_size: int, cfg: Any) -> Tensor:
+    if cfg.baseline == "batch_mean":  # the mean over every rank's samples includes the sample itself
+        return torch.full_like(returns, 1 - 1 / (returns.numel() * distributed.world_size()))
+    return _exact_scale(returns, group_size, cfg)
+
+
+def kl_loss_scale(advantage: str, returns: Tensor, group_size: int, cfg: Any) -> Tensor | None:
+    """The factor [B] the estimator ``advantage`` gives each sample's task-reward gradient; None where it has
+    none (see the comment above)."""
+    scale = getattr(get("advantage", advantage), "kl_loss_scale", None)
+    return None if scale is None else scale(returns, group_size, cfg)
 
 
 # ---------------------------------------------------------------------------------------- estimators
@@ -142,6 +185,9 @@ def remax(token_rewards: Tensor, mask: Tensor, group_size: int, cfg: Any,
 
 
 remax.needs_greedy_baseline = True  # type: ignore[attr-defined]  (read by the experience step)
+for _estimator, _scale in ((grpo, _grpo_scale), (dr_grpo, _group_mean_scale), (rloo, _exact_scale),
+                           (reinforce, _reinforce_scale), (remax, _exact_scale)):
+    _estimator.kl_loss_scale = _scale  # type: ignore[attr-defined]
 
 
 @register("advantage", "gae")

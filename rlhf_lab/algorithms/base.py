@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from rlhf_lab.algorithms.advantages import GROUP_ADVANTAGES, sequence_returns
+from rlhf_lab.algorithms.advantages import GROUP_ADVANTAGES, kl_loss_scale, sequence_returns
 from rlhf_lab.algorithms.losses import ClipRange, sampler_correction
 from rlhf_lab.generation.rollout import Rollout, scores_to_token_rewards
 from rlhf_lab.masked import masked_mean, masked_sum, masked_whiten
@@ -185,6 +185,8 @@ class Algorithm:
                                        self.cfg.whiten_advantages, self.cfg.clamp_negative_weights)
         rollout.advantages = token_weights
         rollout.returns = returns[:, None] * mask
+        # The factor the advantages gave each sample's task reward (read by kl.loss_scale=advantage).
+        rollout.kl_loss_scale = kl_loss_scale(self.cfg.advantage, returns, rollout.group_size, self.cfg)
         stats = {"advantages/mean": masked_mean(token_weights, mask, across_ranks=True).item(),
                  "returns/mean": distributed.mean(returns).item()}
         if rollout.baseline_scores is not None:

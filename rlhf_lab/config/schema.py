@@ -113,6 +113,7 @@ class KLConfig:
     clamp_log_ratio: float | None = None  # bound log r to [-c, c] before the estimator (verl: 20)
     clamp_value: float | None = None  # bound the estimate to [-c, c] (verl clamps k3 to 10)
     importance_weight: bool = False  # weight the estimate by sg(pi_theta / pi_old) (off-policy epochs/mini-batches)
+    loss_scale: str = "none"  # none | advantage: the loss-placed term scaled as the advantages scale the reward
     exact: str = "step"  # the exact KL from full logits (kl/exact): every step | eval only | off
 
 

@@ -15,9 +15,10 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from rlhf_lab.config.validate_values import at_least
+from rlhf_lab.config.validate_values import at_least, choice
 from rlhf_lab.errors import ConfigError
 from rlhf_lab.kl import zero_gradient_warning
+from rlhf_lab.registry import get, names
 from rlhf_lab.testbed.task import MAX_SEQUENCES
 
 _WARNED: set[str] = set()  # warnings already printed by this process (the CLI validates before each job)
@@ -32,6 +33,29 @@ def check_kl_options(kl: Any) -> None:
         if kl[key] not in (None, False):
             raise ConfigError(f"kl.{key}={kl[key]!r} acts on the loss-placed KL term; with "
                               f"kl.placement={kl.placement} it would do nothing: use kl.placement=loss or drop it")
+
+
+LOSS_SCALES = ("none", "advantage")  # kl.loss_scale
+
+
+def check_loss_scale(cfg: Any) -> None:
+    """``kl.loss_scale=advantage`` needs a loss-placed term and advantages whose factor on the task reward is
+    known (``kl_loss_scale`` of the estimator), used as they are (no whitening, no weighting by the reward)."""
+    kl, algorithm = cfg.kl, cfg.algorithm
+    choice("kl.loss_scale", kl.loss_scale, LOSS_SCALES)
+    if kl.loss_scale == "none":
+        return
+    if kl.placement != "loss":
+        raise ConfigError(f"kl.loss_scale={kl.loss_scale} scales the loss-placed KL term; with "
+                          f"kl.placement={kl.placement} the advantages already carry the penalty: drop it")
+    advantage = algorithm.get("advantage")
+    scaled = [name for name in names("advantage") if getattr(get("advantage", name), "kl_loss_scale", None)]
+    if advantage not in scaled:
+        raise ConfigError(f"kl.loss_scale=advantage needs an advantage estimator whose factor on the task reward is "
+                          f"known; algorithm.advantage={advantage} has none: use one of {', '.join(sorted(scaled))}")
+    if algorithm.get("whiten_advantages") or algorithm.get("weight_by", "advantage") != "advantage":
+        raise ConfigError("kl.loss_scale=advantage matches the advantages as the estimator makes them; "
+                          "algorithm.whiten_advantages=true or algorithm.weight_by=reward rescale them: drop one")
 
 
 def warn_zero_gradient(kl: Any) -> None:
@@ -69,5 +93,6 @@ def check_exact_task(cfg: Any) -> None:
 def check_kl(cfg: Any) -> None:
     """The KL options' cross-field rules, the zero-gradient warning, and the exact task's requirements."""
     check_kl_options(cfg.kl)
+    check_loss_scale(cfg)
     check_exact_task(cfg)
     warn_zero_gradient(cfg.kl)

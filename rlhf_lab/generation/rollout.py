@@ -59,6 +59,7 @@ class Rollout:
     values: Tensor | None = None  # [B, T] (critic estimates at sampling time)
     sampler_logprobs: Tensor | None = None  # [B, T] the engine's own log-probs where ``logprobs`` are the trainer's
     tis_weights: Tensor | None = None  # [B, T] the sampler-trainer correction's weights (algorithm.tis_cap)
+    kl_loss_scale: Tensor | None = None  # [B] the factor the advantages gave each sample's task reward
     old_from_update: bool = False  # π_old is the training pass's own detached log-probs (one update per rollout)
     entropy_from_update: bool = False  # ``entropy`` is filled by the training pass (an engine with no logits)
     baseline_scores: Tensor | None = None  # [B] the greedy response's score of each sample's prompt (ReMax)

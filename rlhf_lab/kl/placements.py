@@ -84,6 +84,7 @@ class KLPenalty:
         self.clamp_log_ratio = kl_cfg.get("clamp_log_ratio")
         self.clamp_value = kl_cfg.get("clamp_value")
         self.importance_weight = bool(kl_cfg.get("importance_weight", False))
+        self.scale_like_advantages = kl_cfg.get("loss_scale", "none") == "advantage"
 
     @property
     def reads_logits(self) -> bool:
@@ -127,11 +128,15 @@ class KLPenalty:
         """In a micro-batch's loss: coef × reduce(estimate) with gradient under ``kl.placement=loss`` (``reduce``
         is the policy loss's aggregation, so the two keep the ratio β); None under ``reward``. With
         ``importance_weight`` the estimate on samples of π_old (later epochs or mini-batches) is reweighted by
-        sg(π_θ/π_old), so its expectation is under π_θ."""
+        sg(π_θ/π_old), so its expectation is under π_θ. With ``loss_scale=advantage`` each sample's estimate is
+        multiplied by the factor its advantage gave the task reward (``Rollout.kl_loss_scale``): under GRPO's
+        std division the regulariser keeps its weight β against the task reward as the groups' spread shrinks."""
         if not self.in_loss:
             return None
         mask = batch.response_mask
         values = self.estimate(logprobs, batch.ref_logprobs, mask, logits, batch.ref_logits)
         if self.importance_weight:
             values = values * importance_weights(logprobs, batch.logprobs, mask)
+        if self.scale_like_advantages:  # each sample's term × the factor its advantage gave the task reward
+            values = values * batch.kl_loss_scale[:, None].to(values.dtype)
         return self.placement.loss_term(values, mask, coef, reduce=reduce)

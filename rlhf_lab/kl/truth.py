@@ -85,6 +85,23 @@ REWARD_KL_UNDER_ADVANTAGE: dict[str, str] = {
     "reinforce_pp_baseline": "turned",
 }
 
+# A task reward with a loss-placed KL beside it (k2, per-token unbiased), and ``kl.loss_scale``: what the expected
+# gradient of the whole loss is against ∇(E_π[R] − β KL(π‖π_ref)), by exact enumeration (one token, groups of
+# G = 2). "exact" — the gradient itself; "scaled" — (1 − 1/n) × it, the task reward and the KL scaled alike (the
+# optimum kept); "reweighted" — the KL weighted by the advantages' own per-group factor, which depends on the
+# samples: not proportional to the target, but its fixed point lies far closer to π* than without the option;
+# "mismatched" — the two terms scaled differently (the KL's effective weight not β): the fixed point moves.
+KL_LOSS_SCALE_UNDER_ADVANTAGE: dict[tuple[str, str], str] = {
+    ("rloo", "none"): "exact",
+    ("rloo", "advantage"): "exact",
+    ("dr_grpo", "none"): "mismatched",  # the reward × (1 − 1/G), the KL × 1: β acts as β·G/(G − 1)
+    ("dr_grpo", "advantage"): "scaled",
+    ("reinforce/batch_mean", "none"): "mismatched",
+    ("reinforce/batch_mean", "advantage"): "scaled",
+    ("grpo", "none"): "mismatched",  # the reward ÷ the group's std, the KL not: β → 0 as the std shrinks
+    ("grpo", "advantage"): "reweighted",
+}
+
 
 def zero_gradient_warning(estimator: str, placement: str) -> str | None:
     """The one-line warning for a pair whose expected gradient is zero, naming its table entry; else None."""

@@ -188,3 +188,135 @@ def test_advantage_estimator_with_reward_placed_k1(key: str) -> None:
     else:  # divided by a standard deviation of the returns: the direction turns
         assert 0.9 < cosine < 0.999, f"{key}: cosine {cosine:.4f}"
         assert not math.isclose(cosine, 1.0, abs_tol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------
+# A task reward with k2 in the loss beside it, and kl.loss_scale: groups of 2, every pair enumerated
+# ------------------------------------------------------------------------------------------------
+
+TASK = torch.tensor([1.0, 0.2, 0.6, 0.0, 0.9], dtype=DOUBLE)  # the task reward of each of the 5 symbols
+BETA = 0.2
+
+
+def regularised_gradient(theta: torch.Tensor, advantage: str, options: dict, loss_scale: str,
+                         batch_groups: int = 1, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """(exact E[∇ loss], ∇(E_π[R] − β KL(π‖π_ref))) with the trainer's advantage estimator, its factor
+    (``kl_loss_scale``) and ``mse`` (k2) placed in the loss through :class:`~rlhf_lab.kl.KLPenalty`.
+    ``batch_groups`` groups of ``group`` samples in a batch (the batch-mean baseline sees all of them)."""
+    from rlhf_lab.algorithms.advantages import kl_loss_scale
+    from rlhf_lab.kl import KLPenalty
+
+    cfg = SimpleNamespace(**{"scale_by_std": True, "baseline": "batch_mean", "std_eps": 1e-4, **options})
+    penalty = KLPenalty(SimpleNamespace(name="mse", placement="loss", get=lambda key, default=None: {
+        "loss_scale": loss_scale}.get(key, default)))
+    estimator = get("advantage", advantage)
+    theta = theta.clone().requires_grad_()
+    log_pi, log_ref = theta.log_softmax(-1), REF.log_softmax(-1)
+    rows = group * batch_groups
+    surrogate = torch.zeros((), dtype=DOUBLE)
+    mask = torch.ones(rows, 1, dtype=DOUBLE)
+    for sample in itertools.product(range(len(theta)), repeat=rows):
+        tokens = torch.tensor(sample)
+        rewards = TASK[tokens][:, None]
+        advantages = estimator(rewards, mask, group, cfg).detach()
+        batch = SimpleNamespace(response_mask=mask, ref_logprobs=log_ref[tokens][:, None], ref_logits=None,
+                                kl_loss_scale=kl_loss_scale(advantage, rewards[:, 0], group, cfg))
+        kl_term = penalty.loss_term(log_pi[tokens][:, None], None, batch, BETA, reduce=lambda v, m: (v * m).sum())
+        loss = (-(advantages[:, 0] * log_pi[tokens]).sum() + kl_term) / rows
+        surrogate = surrogate + log_pi[tokens].sum().exp().detach() * loss
+    (estimated,) = torch.autograd.grad(surrogate, theta, retain_graph=True)
+    (target,) = torch.autograd.grad(-(log_pi.exp() * (TASK - BETA * (log_pi - log_ref))).sum(), theta)
+    return estimated, target
+
+
+def every_group_gradient(theta: torch.Tensor, advantage: str, loss_scale: str, group: int) -> torch.Tensor:
+    """E[∇ loss] as :func:`regularised_gradient` for an estimator that works group by group: every one of the
+    5^G groups at once, as the rows of one batch, each group's loss weighted by its probability. GRPO's factor of
+    a group of equal returns is a batch mean, here its large-batch limit: the mean factor of the other groups
+    weighted by their probability."""
+    from rlhf_lab.algorithms.advantages import kl_loss_scale
+    from rlhf_lab.kl import KLPenalty
+
+    cfg = SimpleNamespace(scale_by_std=True, std_eps=1e-4)
+    penalty = KLPenalty(SimpleNamespace(name="mse", placement="loss", get=lambda key, default=None: {
+        "loss_scale": loss_scale}.get(key, default)))
+    theta = theta.clone().requires_grad_()
+    log_pi, log_ref = theta.log_softmax(-1), REF.log_softmax(-1)
+    tokens = torch.tensor(list(itertools.product(range(len(theta)), repeat=group))).reshape(-1)  # [5^G · G]
+    rewards, mask = TASK[tokens][:, None], torch.ones(len(tokens), 1, dtype=DOUBLE)
+    advantages = get("advantage", advantage)(rewards, mask, group, cfg).detach()[:, 0]
+    weights = log_pi[tokens].reshape(-1, group).sum(-1).exp().detach()  # each group's probability
+    scale = kl_loss_scale(advantage, rewards[:, 0], group, cfg).reshape(-1, group)
+    tied = rewards.reshape(-1, group).std(-1) == 0
+    if advantage == "grpo" and tied.any():
+        scale[tied] = float((weights[~tied] * scale[~tied, 0]).sum() / weights[~tied].sum())
+    batch = SimpleNamespace(response_mask=mask, ref_logprobs=log_ref[tokens][:, None], ref_logits=None,
+                            kl_loss_scale=scale.reshape(-1))
+    kl_rows = penalty.loss_term(log_pi[tokens][:, None], None, batch, BETA, reduce=lambda v, m: v[:, 0] * m[:, 0])
+    rows = -advantages * log_pi[tokens] + kl_rows
+    (gradient,) = torch.autograd.grad((weights * rows.reshape(-1, group).mean(-1)).sum(), theta)
+    return gradient
+
+
+def fixed_point_gap(advantage: str, loss_scale: str, steps: int = 400, group: int = 4) -> float:
+    """J* − J at the fixed point of the exact expected gradient (Adam from the reference), J = E[R] − β KL, with
+    groups of ``group`` (4, as the exact task's experiments)."""
+    theta = REF.clone().requires_grad_()
+    optimizer = torch.optim.Adam([theta], lr=0.05)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        theta.grad = every_group_gradient(theta.detach(), advantage, loss_scale, group)
+        optimizer.step()
+
+    def objective(logits: torch.Tensor) -> float:
+        log_pi, log_ref = logits.log_softmax(-1), REF.log_softmax(-1)
+        return float((log_pi.exp() * (TASK - BETA * (log_pi - log_ref))).sum())
+
+    optimum = REF.log_softmax(-1) + TASK / BETA  # π* ∝ π_ref · exp(R / β)
+    return objective(optimum) - objective(theta.detach())
+
+
+def test_every_group_at_once_is_the_enumeration_group_by_group() -> None:
+    for advantage, loss_scale in (("dr_grpo", "advantage"), ("grpo", "none"), ("rloo", "advantage")):
+        torch.testing.assert_close(every_group_gradient(THETA, advantage, loss_scale, GROUP),
+                                   regularised_gradient(THETA, advantage, {}, loss_scale)[0], rtol=0, atol=1e-12)
+
+
+SCALE_CASES = {"rloo": ("rloo", {}, 1), "dr_grpo": ("dr_grpo", {}, 1), "grpo": ("grpo", {}, 1),
+               "reinforce/batch_mean": ("reinforce", {"baseline": "batch_mean"}, 2)}
+
+
+def test_loss_scale_table_covers_the_cases_tested() -> None:
+    from rlhf_lab.kl import KL_LOSS_SCALE_UNDER_ADVANTAGE
+
+    assert set(KL_LOSS_SCALE_UNDER_ADVANTAGE) == {(key, scale) for key in SCALE_CASES for scale in ("none", "advantage")}
+
+
+@pytest.mark.parametrize("loss_scale", ["none", "advantage"])
+@pytest.mark.parametrize("key", sorted(SCALE_CASES))
+def test_a_loss_placed_kl_beside_the_task_reward(key: str, loss_scale: str) -> None:
+    from rlhf_lab.kl import KL_LOSS_SCALE_UNDER_ADVANTAGE
+
+    advantage, options, batch_groups = SCALE_CASES[key]
+    estimated, target = regularised_gradient(THETA, advantage, options, loss_scale, batch_groups)
+    verdict = KL_LOSS_SCALE_UNDER_ADVANTAGE[(key, loss_scale)]
+    rows = GROUP * batch_groups
+    if verdict == "exact":
+        torch.testing.assert_close(estimated, target, rtol=0, atol=1e-12)
+    elif verdict == "scaled":  # a mean baseline over n samples that include the sample itself: × (1 − 1/n)
+        n = GROUP if advantage == "dr_grpo" else rows
+        torch.testing.assert_close(estimated, (1 - 1 / n) * target, rtol=0, atol=1e-12)
+    else:  # the KL's weight against the task reward is not β: not proportional to the target
+        cosine, _ = cosine_and_error(estimated, target)
+        assert cosine < 0.999, f"{key}/{loss_scale}: cosine {cosine:.5f}"
+
+
+def test_under_grpo_the_scaled_kl_ends_far_closer_to_the_regularised_optimum() -> None:
+    """GRPO's std division makes the loss-placed KL's β act as β·(std + ε) of a group: the fixed point drifts to
+    the reward maximiser. Scaled like the advantages, the KL keeps most of its weight (the remaining gap: the
+    division by a sample-dependent std turns the direction, which no scalar factor undoes). RLOO, for contrast,
+    reaches π* (gap < 1e-5 after 400 steps)."""
+    plain, scaled, rloo = fixed_point_gap("grpo", "none"), fixed_point_gap("grpo", "advantage"), \
+        fixed_point_gap("rloo", "none")
+    assert rloo < 1e-5
+    assert plain > 0.1 and scaled < 0.3 * plain, (plain, scaled)  # measured: 0.164 and 0.038
