@@ -10,7 +10,8 @@ combinations are right.
   the run's penalty at both points of a step.
 - :mod:`~rlhf_lab.kl.truth`: the tables of which estimator × placement is unbiased for ∇KL(π‖π_ref), for one
   token and for sequences, the pairs with zero expected gradient, and the advantage estimators' effect (on a
-  reward-placed KL, and on a loss-placed one beside the task reward with ``kl.loss_scale``).
+  reward-placed KL, and on a loss-placed one beside the task reward with ``kl.loss_scale``), and the
+  sampler–trainer correction's reach.
 
 Sources: J. Schulman, "Approximating KL Divergence" (2020); "A Comedy of Estimators" (arXiv 2512.21852);
 "On a few pitfalls in KL divergence gradient estimation for RL" (arXiv 2506.09477); verl's ``kl_penalty``.
@@ -39,13 +40,15 @@ from rlhf_lab.kl.truth import (
     KL_LOSS_SCALE_UNDER_ADVANTAGE,
     REVERSE_KL_GRADIENT_UNBIASED,
     REWARD_KL_UNDER_ADVANTAGE,
+    SAMPLER_CORRECTION,
     SEQUENCE_KL_GRADIENT_UNBIASED,
     ZERO_KL_GRADIENT,
     zero_gradient_warning,
 )
 
 __all__ = [
-    "KL_LOSS_SCALE_UNDER_ADVANTAGE", "REVERSE_KL_GRADIENT_UNBIASED", "REWARD_KL_UNDER_ADVANTAGE", "SEQUENCE_KL_GRADIENT_UNBIASED", "ZERO_KL_GRADIENT",
+    "KL_LOSS_SCALE_UNDER_ADVANTAGE", "REVERSE_KL_GRADIENT_UNBIASED", "REWARD_KL_UNDER_ADVANTAGE", "SAMPLER_CORRECTION",
+    "SEQUENCE_KL_GRADIENT_UNBIASED", "ZERO_KL_GRADIENT",
     "AdaptiveKLController", "FixedKLController", "KLPenalty", "LossPlacement", "RewardPlacement", "absolute", "estimate",
     "exact_kl", "full", "importance_weights", "k1", "k1_plus", "k2", "k3", "k3_plus", "log_ratio", "no_kl",
     "sequence_full", "sequence_k1", "straight_through", "zero_gradient_warning",

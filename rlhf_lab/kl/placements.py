@@ -130,7 +130,9 @@ class KLPenalty:
         ``importance_weight`` the estimate on samples of π_old (later epochs or mini-batches) is reweighted by
         sg(π_θ/π_old), so its expectation is under π_θ. With ``loss_scale=advantage`` each sample's estimate is
         multiplied by the factor its advantage gave the task reward (``Rollout.kl_loss_scale``): under GRPO's
-        std division the regulariser keeps its weight β against the task reward as the groups' spread shrinks."""
+        std division the regulariser keeps its weight β against the task reward as the groups' spread shrinks.
+        Under ``algorithm.tis_cap`` the sampler–trainer correction weighs it as it weighs the policy loss: the
+        samples are the engine's, the KL is the trainer's policy's (``SAMPLER_CORRECTION`` in :mod:`.truth`)."""
         if not self.in_loss:
             return None
         mask = batch.response_mask
@@ -139,4 +141,6 @@ class KLPenalty:
             values = values * importance_weights(logprobs, batch.logprobs, mask)
         if self.scale_like_advantages:  # each sample's term × the factor its advantage gave the task reward
             values = values * batch.kl_loss_scale[:, None].to(values.dtype)
+        if getattr(batch, "tis_weights", None) is not None:  # samples of the engine, expectation under the trainer's
+            values = values * batch.tis_weights
         return self.placement.loss_term(values, mask, coef, reduce=reduce)

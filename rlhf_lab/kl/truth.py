@@ -102,6 +102,23 @@ KL_LOSS_SCALE_UNDER_ADVANTAGE: dict[tuple[str, str], str] = {
     ("grpo", "advantage"): "reweighted",
 }
 
+# Samples drawn by an engine whose numbers are not the trainer's (π_s ≠ π_t = π_old), and the sampler–trainer
+# correction (``algorithm.tis_cap``, ``tis_mode=token_truncate``): is the expected gradient of each term the one under
+# π_t? By exact enumeration, one token. The correction w = min(π_t/π_s, C) weighs the policy loss, so the task reward
+# and a reward-placed KL (it is in the return) are corrected; the loss-placed KL term is weighed by the same w. With
+# C above every ratio all three are exact; a binding cap truncates the largest ratios: biased (bounded variance).
+SAMPLER_CORRECTION: dict[tuple[str, str], bool] = {
+    ("task reward", "none"): False,
+    ("task reward", "uncapped"): True,
+    ("task reward", "binding cap"): False,
+    ("k1 in the reward", "none"): False,
+    ("k1 in the reward", "uncapped"): True,
+    ("k1 in the reward", "binding cap"): False,
+    ("k2 in the loss", "none"): False,
+    ("k2 in the loss", "uncapped"): True,
+    ("k2 in the loss", "binding cap"): False,
+}
+
 
 def zero_gradient_warning(estimator: str, placement: str) -> str | None:
     """The one-line warning for a pair whose expected gradient is zero, naming its table entry; else None."""

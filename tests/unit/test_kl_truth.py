@@ -19,6 +19,7 @@ import rlhf_lab.components  # noqa: F401  (registers estimators, placements, adv
 from rlhf_lab.kl import (
     REVERSE_KL_GRADIENT_UNBIASED,
     REWARD_KL_UNDER_ADVANTAGE,
+    SAMPLER_CORRECTION,
     SEQUENCE_KL_GRADIENT_UNBIASED,
     ZERO_KL_GRADIENT,
     estimate,
@@ -320,3 +321,49 @@ def test_under_grpo_the_scaled_kl_ends_far_closer_to_the_regularised_optimum() -
         fixed_point_gap("rloo", "none")
     assert rloo < 1e-5
     assert plain > 0.1 and scaled < 0.3 * plain, (plain, scaled)  # measured: 0.164 and 0.038
+
+
+# ------------------------------------------------------------------------------------------------
+# The sampler-trainer correction: samples of the engine's π_s, gradients wanted under the trainer's π_t
+# ------------------------------------------------------------------------------------------------
+
+SAMPLER_THETA = torch.tensor([0.6, 0.5, -0.9, 0.8, -0.7], dtype=DOUBLE)  # π_s: another engine's numbers
+
+
+def corrected_gradient(term: str, correction: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(exact E_{y ~ π_s}[∇ loss of y] with the trainer's pieces, the same term's gradient under π_t itself)."""
+    from rlhf_lab.algorithms.losses import ClipRange, sampler_correction
+    from rlhf_lab.kl import KLPenalty
+
+    theta = THETA.clone().requires_grad_()
+    log_pi, log_ref, log_sampler = theta.log_softmax(-1), REF.log_softmax(-1), SAMPLER_THETA.log_softmax(-1)
+    ratios = (log_pi - log_sampler).exp().detach()
+    cap = {"none": None, "uncapped": float(ratios.max()) * 2, "binding cap": float(ratios.max()) * 0.8}[correction]
+    penalty = KLPenalty(SimpleNamespace(name="mse", placement="loss", get=lambda key, default=None: default))
+    mask = torch.ones(1, 1, dtype=DOUBLE)
+
+    def loss(y: int, with_correction: bool) -> torch.Tensor:
+        logprob, old = log_pi[y].view(1, 1), log_pi[y].detach().view(1, 1)
+        weights = sampler_correction(old, log_sampler[y].view(1, 1), mask, cap) if with_correction and cap else None
+        if term == "k2 in the loss":
+            batch = SimpleNamespace(response_mask=mask, ref_logprobs=log_ref[y].view(1, 1), ref_logits=None,
+                                    tis_weights=weights)
+            return penalty.loss_term(logprob, None, batch, 1.0, reduce=lambda v, m: (v * m).sum())
+        advantage = TASK[y] if term == "task reward" else -(log_pi[y] - log_ref[y]).detach()  # k1 in the return
+        per_token = get("policy_loss", "clip")(logprob, old, advantage.view(1, 1), mask, ClipRange(None, None)).per_token
+        return (per_token * (weights if weights is not None else 1.0)).sum()
+
+    estimated = sum(log_sampler[y].exp() * loss(y, True) for y in range(len(THETA)))
+    target = sum(log_pi[y].exp().detach() * loss(y, False) for y in range(len(THETA)))
+    return (torch.autograd.grad(estimated, theta, retain_graph=True)[0],
+            torch.autograd.grad(target, theta, retain_graph=True)[0])
+
+
+@pytest.mark.parametrize(("term", "correction"), sorted(SAMPLER_CORRECTION))
+def test_the_sampler_correction_cell(term: str, correction: str) -> None:
+    estimated, target = corrected_gradient(term, correction)
+    _, error = cosine_and_error(estimated, target)
+    if SAMPLER_CORRECTION[(term, correction)]:
+        assert error < 1e-12, f"{term}/{correction}: relative error {error:.3g}"
+    else:
+        assert error > 0.01, f"{term}/{correction} is exact (relative error {error:.3g})"
