@@ -130,8 +130,9 @@ def test_group_options_are_yaml_files_not_stored_schemas() -> None:
     assert "grpo_schema.yaml" in stored and "ppo_schema.yaml" in stored
     assert group_options("algorithm") == sorted(SCHEMAS["algorithm"])
     assert {"dapo", "grpo", "ppo", "remax"} <= set(group_options("algorithm"))
-    assert group_options("experiment") == ["algo_comparison", "algo_comparison_exact", "exact", "kl_ablation",
-                                           "kl_ablation_exact", "smoke"]
+    assert group_options("experiment") == ["algo_comparison", "algo_comparison_exact", "exact", "grpo_kl_scale",
+                                           "kl_ablation", "kl_ablation_exact", "kl_placement_bias", "kl_to_go",
+                                           "smoke"]
 
 
 @pytest.mark.parametrize(
@@ -301,6 +302,6 @@ def test_unknown_option_lists_the_yaml_options() -> None:
         f"algorithm='grpo_schema' is not an option; choose from: {', '.join(sorted(SCHEMAS['algorithm']))}"
     )
     assert compose_error(["+experiment=nope"]) == (
-        "experiment='nope' is not an option; choose from: algo_comparison, algo_comparison_exact, exact, kl_ablation, "
-        "kl_ablation_exact, smoke"
+        "experiment='nope' is not an option; choose from: algo_comparison, algo_comparison_exact, exact, "
+        "grpo_kl_scale, kl_ablation, kl_ablation_exact, kl_placement_bias, kl_to_go, smoke"
     )

@@ -162,3 +162,4 @@ def test_every_ablation_arm_composes_to_its_estimator_and_placement(compose) -> 
         expected = ("none", "loss") if arm == "none" else (estimator, placement)
         assert (cfg.kl.name, cfg.kl.placement) == expected, arm
         assert cfg.kl.coef == 0.2 and cfg.model.name == "exact" and OmegaConf.select(cfg, "reward.symbols") == 4
+
