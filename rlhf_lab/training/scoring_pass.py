@@ -72,7 +72,7 @@ class ScoringPass:
         self.precision = precision
         self.keep_hidden, self.logits_float32 = keep_hidden, logits_float32
 
-    def __call__(self, rollout: Rollout, timer: StepTimer, exact: bool, rescore: bool) -> None:
+    def __call__(self, rollout: Rollout, timer: StepTimer, exact: bool, rescore: bool = False) -> None:
         """Score ``rollout`` in place; ``exact``: compute ``kl_exact`` (else it stays None); ``rescore``: the
         training model's pass too."""
         chunk = self.cfg.trainer.logprob_chunk or rollout.batch_size

@@ -4,6 +4,9 @@ The engine runs in process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), eager, in flo
 saved to a temporary folder. What must hold: the engine samples what the trainer would score (its log-probs are
 the policy's, to float tolerance), greedy decoding is the hf engine's, weights pushed after an update are the
 ones it samples with (full weights and a LoRA adapter), per-prompt seeds reproduce, and a GRPO run learns.
+
+The tests on the module's engine (``parts``) come first: a trainer's engine, once the trainer is gone, takes vLLM's
+process-wide parallel groups with it, and an older engine in the same process cannot sample after that.
 """
 
 from __future__ import annotations
@@ -86,6 +89,28 @@ def test_after_an_update_the_engine_samples_the_synced_weights(parts) -> None:
     engine.sync_weights(policy)
     fresh = engine.generate(PROMPTS, 2, seeds=[5, 6])
     assert float((trainer_logprobs(policy, fresh) - fresh.logprobs).abs().max()) < 1e-3
+
+
+def test_twenty_syncs_and_generations_leave_resident_memory_flat(parts) -> None:
+    """The loop a run makes: push the weights, sample. Twenty rounds of it hold no growing memory (on a CPU vLLM
+    has no sleep mode: ``sleep``/``wake_up`` do nothing there; on a GPU they give the engine's memory back)."""
+    import resource
+
+    policy, _, _, engine = parts
+
+    def peak_mib() -> float:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+    for _ in range(3):  # warm: the first rounds allocate what every later one reuses
+        engine.sync_weights(policy)
+        engine.generate(PROMPTS, 2, seeds=[1, 2])
+    settled = peak_mib()
+    for _ in range(20):
+        engine.sleep()
+        engine.wake_up()
+        engine.sync_weights(policy)
+        engine.generate(PROMPTS, 2, seeds=[1, 2])
+    assert peak_mib() - settled < 64, (settled, peak_mib())
 
 
 def test_a_lora_policy_sends_its_adapter(tmp_path: Path) -> None:
@@ -225,25 +250,3 @@ def test_two_trainer_ranks_share_one_server_and_sync_its_weights(tmp_path: Path)
     steps = [line for line in lines if "reward/mean" in line]
     assert [line["step"] for line in steps] == [0, 1] and steps[1]["optim/grad_norm"] > 0
     assert all(line["rollout/logprob_diff_max"] < 1e-3 for line in steps), steps
-
-
-def test_twenty_syncs_and_generations_leave_resident_memory_flat(parts) -> None:
-    """The loop a run makes: push the weights, sample. Twenty rounds of it hold no growing memory (on a CPU vLLM
-    has no sleep mode: ``sleep``/``wake_up`` do nothing there; on a GPU they give the engine's memory back)."""
-    import resource
-
-    policy, _, _, engine = parts
-
-    def peak_mib() -> float:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-    for _ in range(3):  # warm: the first rounds allocate what every later one reuses
-        engine.sync_weights(policy)
-        engine.generate(PROMPTS, 2, seeds=[1, 2])
-    settled = peak_mib()
-    for _ in range(20):
-        engine.sleep()
-        engine.wake_up()
-        engine.sync_weights(policy)
-        engine.generate(PROMPTS, 2, seeds=[1, 2])
-    assert peak_mib() - settled < 64, (settled, peak_mib())
