@@ -100,7 +100,7 @@ def _grpo_scale(returns: Tensor, group_size: int, cfg: Any) -> Tensor:
     # A group of equal returns has no advantage to match (and 1/ε would be its factor): it takes the mean factor of
     # every rank's other groups, so the KL keeps its weight where the policy has stopped exploring.
     total, count = distributed.all_reduce_sum(torch.stack([factor[untied].sum(), untied.sum().to(factor.dtype)]))
-    fill = total / count if count > 0 else factor.new_tensor(1 - 1 / group_size)
+    fill = torch.where(count > 0, total / count.clamp(min=1), 1 - 1 / group_size)  # on the device: no host sync
     return torch.where(untied, factor, fill).expand_as(groups).reshape(-1)
 
 

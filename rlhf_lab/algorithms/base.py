@@ -138,6 +138,8 @@ class Algorithm:
         bonus here; a subclass whose loss reads them otherwise says so, and gets them in float32."""
         return self.cfg.get("entropy_coef", 0.0) > 0
 
+    scales_kl = False  # fill Rollout.kl_loss_scale (the trainer sets it under kl.loss_scale=advantage)
+
     def __init__(self, cfg: Any) -> None:
         self.cfg = cfg
         self.clip_low = cfg.clip_eps_low if cfg.clip_eps_low is not None else cfg.clip_eps
@@ -185,8 +187,8 @@ class Algorithm:
                                        self.cfg.whiten_advantages, self.cfg.clamp_negative_weights)
         rollout.advantages = token_weights
         rollout.returns = returns[:, None] * mask
-        # The factor the advantages gave each sample's task reward (read by kl.loss_scale=advantage).
-        rollout.kl_loss_scale = kl_loss_scale(self.cfg.advantage, returns, rollout.group_size, self.cfg)
+        if self.scales_kl:  # the factor the advantages gave each sample's task reward (kl.loss_scale=advantage)
+            rollout.kl_loss_scale = kl_loss_scale(self.cfg.advantage, returns, rollout.group_size, self.cfg)
         stats = {"advantages/mean": masked_mean(token_weights, mask, across_ranks=True).item(),
                  "returns/mean": distributed.mean(returns).item()}
         if rollout.baseline_scores is not None:

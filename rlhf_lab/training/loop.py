@@ -87,6 +87,8 @@ class Trainer:
         self.place_reference(fsdp)
 
         self.algorithm = get("algorithm", cfg.algorithm.name)(cfg.algorithm)
+        # kl.loss_scale=advantage reads the factor the advantages gave each sample (Rollout.kl_loss_scale).
+        self.algorithm.scales_kl = cfg.kl.get("loss_scale", "none") == "advantage"
         self.algorithm.setup(policy)
         for module in self.algorithm.modules().values():
             module.to(self.device)

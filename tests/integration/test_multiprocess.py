@@ -29,6 +29,8 @@ TINY = [
 ALGORITHMS = {
     "grpo": ["algorithm=grpo", "kl=k3", "kl.placement=loss"],
     "ppo": ["algorithm=ppo", "algorithm.mini_batch_size=4", "kl=kl", "kl.placement=reward"],
+    # GRPO's KL factor: a group of equal rewards takes the mean factor of every rank's other groups
+    "grpo_kl_scaled": ["algorithm=grpo", "kl=k3", "kl.placement=loss", "kl.loss_scale=advantage"],
 }
 WALL_CLOCK = ("time/", "throughput/")
 TIMEOUT = 300
@@ -91,7 +93,8 @@ def one_process(tmp_path_factory) -> dict[str, Path]:
     return runs
 
 
-@pytest.mark.parametrize(("algorithm", "strategy"), [("grpo", "ddp"), ("ppo", "ddp"), ("grpo", "fsdp")])
+@pytest.mark.parametrize(("algorithm", "strategy"), [("grpo", "ddp"), ("ppo", "ddp"), ("grpo", "fsdp"),
+                                                   ("grpo_kl_scaled", "ddp")])
 def test_two_processes_equal_one(one_process, tmp_path: Path, algorithm: str, strategy: str) -> None:
     two = tmp_path / "two"
     train(two, 2, *ALGORITHMS[algorithm], f"trainer.strategy={strategy}")
