@@ -33,6 +33,13 @@ def prefill_shared(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, 
     output.past_key_values.batch_select_indices(rows)
     return output
 
+def cache_off(model: nn.Module) -> bool:
+    """Whether ``model``'s forward returns no key/value cache: transformers turns it off in training mode under its
+    activation checkpointing (``trainer.gradient_checkpointing``), where the layers recompute their forward."""
+    return model.training and any(getattr(module, "gradient_checkpointing", False) is True
+                                  for module in model.modules())
+
+
 def agreed(model: nn.Module, local: bool) -> bool:
     """``local``, where every rank agrees on it under sharded weights (FSDP: each forward pass is a collective,
     so every rank must take the same passes); else ``local``."""
@@ -57,6 +64,7 @@ def response_logits(model: nn.Module, input_ids: Tensor, attention_mask: Tensor,
     prompt_ids = input_ids[:, :prompt_width]
     unique_prompts, row_to_prompt = torch.unique(prompt_ids, dim=0, return_inverse=True)
     shared = share_prompts and unique_prompts.shape[0] < input_ids.shape[0] and input_ids.shape[1] > prompt_width
+    shared = shared and not cache_off(model)  # the shared prefill hands its cache on to the rows
     if not agreed(model, shared):
         return _plain_response_logits(model, input_ids, attention_mask, prompt_width, temperature,
                                       output_hidden_states, float32)
