@@ -18,11 +18,14 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+if TYPE_CHECKING:  # the model classes are imported where a model is built: importing them sets up torch's compiler
+    from transformers import LlamaForCausalLM
 
 from rlhf_lab.runtime.cache import cache_dir
 
@@ -73,6 +76,8 @@ def smollm2_model_path() -> Path:
     """Folder with a clean (unquantized-flag) SmolLM2-135M-Instruct checkpoint, built once from the GGUF."""
     folder = cache_dir() / "smollm2-135m-instruct"
     if not (folder / "config.json").is_file():
+        from transformers import AutoModelForCausalLM
+
         gguf = smollm2_gguf_path()
         quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         config = quantized.config
@@ -108,6 +113,8 @@ def load_tokenizer(model_cfg: Any) -> PreTrainedTokenizerBase:
 
 def build_tiny_llama(tokenizer: PreTrainedTokenizerBase, tiny_cfg: Any, seed: int = 0) -> LlamaForCausalLM:
     """A small random Llama over ``tokenizer``'s vocabulary, built in-process (no files)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=tiny_cfg.hidden_size,
@@ -135,6 +142,8 @@ def load_causal_lm(model_cfg: Any, tokenizer: PreTrainedTokenizerBase, dtype: st
         from rlhf_lab.testbed.task import build_model
 
         return build_model(tokenizer, model_cfg.exact).to(DTYPES[dtype])
+    from transformers import AutoModelForCausalLM
+
     path = model_cfg.name_or_path or str(smollm2_model_path())
     return AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
 

@@ -10,13 +10,14 @@ over the V symbols only, and the V^T responses carry the whole probability mass.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import string
 from typing import Any
 
 import torch
 from torch import Tensor
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
 PROMPT = "<bos>"  # the single prompt token
 SPECIAL_TOKENS = (PROMPT, "<pad>", "<unk>")  # ids 0, 1, 2; the symbols follow
@@ -45,31 +46,50 @@ def build_tokenizer(symbol_count: int) -> PreTrainedTokenizerFast:
                                    padding_side="left")
 
 
-class ExactTaskLM(LlamaForCausalLM):
-    """A ``LlamaForCausalLM`` whose special tokens have zero probability: their logits are set to −1e9 (a
-    fixed, non-trainable mask) in every forward pass, generation and scoring alike, LoRA-wrapped or not."""
+@functools.cache
+def _exact_task_lm() -> type:
+    """The model class, made on first use: importing ``transformers``' model classes sets up torch's compiler (it
+    writes ``TORCHINDUCTOR_CACHE_DIR``), which reading a config or scoring a response must not do."""
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    def __init__(self, config: LlamaConfig) -> None:
-        super().__init__(config)
-        special = torch.zeros(config.vocab_size, dtype=torch.bool)
-        special[: len(SPECIAL_TOKENS)] = True
-        self.register_buffer("special_tokens", special, persistent=False)
+    class ExactTaskLM(LlamaForCausalLM):
+        """A ``LlamaForCausalLM`` whose special tokens have zero probability: their logits are set to −1e9 (a
+        fixed, non-trainable mask) in every forward pass, generation and scoring alike, LoRA-wrapped or not."""
 
-    @property
-    def allowed_token_ids(self) -> list[int]:
-        """The symbols' ids: what an engine that samples outside this forward (vLLM) may draw."""
-        return (~self.special_tokens).nonzero().squeeze(-1).tolist()
+        def __init__(self, config: LlamaConfig) -> None:
+            super().__init__(config)
+            special = torch.zeros(config.vocab_size, dtype=torch.bool)
+            special[: len(SPECIAL_TOKENS)] = True
+            self.register_buffer("special_tokens", special, persistent=False)
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        output = super().forward(*args, **kwargs)
-        if output.logits is not None:
-            output.logits = output.logits.masked_fill(self.special_tokens, SPECIAL_LOGIT)
-        return output
+        @property
+        def allowed_token_ids(self) -> list[int]:
+            """The symbols' ids: what an engine that samples outside this forward (vLLM) may draw."""
+            return (~self.special_tokens).nonzero().squeeze(-1).tolist()
+
+        def forward(self, *args: Any, **kwargs: Any) -> Any:
+            output = super().forward(*args, **kwargs)
+            if output.logits is not None:
+                output.logits = output.logits.masked_fill(self.special_tokens, SPECIAL_LOGIT)
+            return output
+
+    ExactTaskLM.__qualname__ = "ExactTaskLM"  # as if defined at the top of the module (pickle, repr)
+    return ExactTaskLM
 
 
-def build_model(tokenizer: PreTrainedTokenizerFast, dims: Any) -> ExactTaskLM:
-    """The exact task's policy, initialised from ``dims.init_seed`` (so every run of the task starts from, and
-    is regularised towards, the same reference), with no EOS: generation always runs ``max_new_tokens``."""
+def __getattr__(name: str) -> Any:
+    """``ExactTaskLM`` (see :func:`_exact_task_lm`); ``pickle`` finds the class here by its name too."""
+    if name == "ExactTaskLM":
+        return _exact_task_lm()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def build_model(tokenizer: PreTrainedTokenizerFast, dims: Any) -> Any:
+    """The exact task's policy (an ``ExactTaskLM``), initialised from ``dims.init_seed`` (so every run of the task
+    starts from, and is regularised towards, the same reference), with no EOS: generation always runs
+    ``max_new_tokens``."""
+    from transformers import LlamaConfig
+
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=dims.hidden_size,
@@ -86,7 +106,7 @@ def build_model(tokenizer: PreTrainedTokenizerFast, dims: Any) -> ExactTaskLM:
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(dims.init_seed)
-        model = ExactTaskLM(config)
+        model = _exact_task_lm()(config)
     model.generation_config.eos_token_id = None
     return model
 
