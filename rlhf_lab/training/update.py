@@ -135,14 +135,14 @@ class Updater:
     def forward(self, batch: Rollout) -> PolicyOutput:
         """The policy's training forward pass over ``batch``: log-probs, logits (and hidden states if needed).
 
-        Rows sharing a prompt share its prefill, except under gradient checkpointing (which turns the
-        key/value cache off in training).
+        Rows sharing a prompt share its prefill, except where the model keeps no key/value cache (under gradient
+        checkpointing in training: :func:`~rlhf_lab.scoring.forward.cache_off`).
         """
         with self.precision.autocast():
             logits, hidden = response_logits(
                 self.policy, batch.input_ids, batch.attention_mask, batch.prompt_width,
                 self.temperature(self.cfg), output_hidden_states=self.algorithm.needs_hidden_states,
-                share_prompts=not self.cfg.trainer.gradient_checkpointing, float32=self.logits_float32,
+                float32=self.logits_float32,
             )
         logprobs = gather_logprobs(logits, batch.response_ids) * batch.response_mask
         return PolicyOutput(logprobs=logprobs, logits=logits, hidden=hidden)
