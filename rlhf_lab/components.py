@@ -8,6 +8,8 @@ import rlhf_lab.algorithms.advantages  # noqa: F401  (advantage estimators, base
 import rlhf_lab.algorithms.base  # noqa: F401  (the composed algorithms, loss aggregations)
 import rlhf_lab.algorithms.losses  # noqa: F401  (policy losses)
 import rlhf_lab.algorithms.ppo  # noqa: F401
+import rlhf_lab.envs.base  # noqa: F401  (environments: single_turn)
+import rlhf_lab.envs.builtin  # noqa: F401  (guess_number, calculator)
 import rlhf_lab.generation.hf  # noqa: F401  (generation engines; vllm imports vLLM only when a run uses it)
 import rlhf_lab.generation.server  # noqa: F401
 import rlhf_lab.generation.vllm  # noqa: F401
@@ -22,6 +24,7 @@ import rlhf_lab.rewards.length  # noqa: F401
 import rlhf_lab.rewards.python_function  # noqa: F401
 import rlhf_lab.rewards.reward_model  # noqa: F401
 import rlhf_lab.rewards.sentiment  # noqa: F401
+import rlhf_lab.testbed.two_turn  # noqa: F401  (env=exact_two_turn)
 import rlhf_lab.trackers.base  # noqa: F401
 import rlhf_lab.trackers.csv  # noqa: F401
 import rlhf_lab.trackers.mlflow  # noqa: F401  (imports mlflow only when a run uses it)

@@ -34,6 +34,11 @@ class RewardError(UserError, ValueError):
         self.sample = sample  # index in the scored batch, when known
 
 
+class EnvError(UserError, RuntimeError):
+    """An environment that raised, broke its contract or timed out; one line naming the environment, the turn
+    and the sample's prompt (``env.on_error=error``)."""
+
+
 class CheckpointError(UserError, ValueError):
     """A checkpoint or resume target that cannot be used; the message is one line naming it."""
 

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from rlhf_lab.algorithms.advantages import GROUP_ADVANTAGES, kl_loss_scale, sequence_returns
 from rlhf_lab.algorithms.losses import ClipRange, sampler_correction
-from rlhf_lab.generation.rollout import Rollout, scores_to_token_rewards
+from rlhf_lab.generation.rollout import Rollout, task_token_rewards
 from rlhf_lab.masked import masked_mean, masked_sum, masked_whiten
 from rlhf_lab.registry import get, register
 from rlhf_lab.runtime import distributed
@@ -63,9 +63,10 @@ class LossResult:
     extrema: dict[str, Tensor] = field(default_factory=dict)  # ``*_max`` / ``*_min``: reduced by max / min
 
 
-def build_token_rewards(scores: Tensor, kl_penalty: Tensor, mask: Tensor) -> Tensor:
-    """r_t = score·[t = last valid token] − kl_penalty_t: [B], [B, T] -> [B, T] (0 on padding)."""
-    return scores_to_token_rewards(scores, mask) - kl_penalty
+def build_token_rewards(rollout: Rollout, scores: Tensor) -> Tensor:
+    """r_t = score·[t = last valid token] − kl_penalty_t, [B, T] (0 on padding); a multi-turn trajectory's
+    turn rewards in place of the score (:func:`~rlhf_lab.generation.rollout.task_token_rewards`)."""
+    return task_token_rewards(rollout, scores) - rollout.kl_penalty
 
 
 # --------------------------------------------------------------------------------------------------
@@ -180,7 +181,7 @@ class Algorithm:
     def prepare(self, rollout: Rollout, forward: Any = None) -> dict[str, float]:
         """Build the token rewards, fill ``rollout.advantages`` ([B, T]) and ``returns``; return statistics."""
         mask = rollout.response_mask
-        rollout.token_rewards = build_token_rewards(rollout.scores, rollout.kl_penalty, mask)
+        rollout.token_rewards = build_token_rewards(rollout, rollout.scores)
         returns = sequence_returns(rollout.token_rewards, mask)
         advantages = self.advantages(rollout.token_rewards, mask, rollout.group_size, rollout.baseline_scores)
         token_weights = policy_weights(advantages, rollout.scores, mask, self.cfg.weight_by,

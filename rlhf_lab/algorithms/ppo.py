@@ -42,8 +42,11 @@ def gae_advantages(
     """Generalised advantage estimation (Schulman et al. 2016) over response tokens, [B, T] each.
 
     δ_t = r_t + γ·m_{t+1}·V_{t+1} − V_t,   A_t = δ_t + γλ·m_{t+1}·A_{t+1},   R_t = A_t + V_t,
-    with m the response mask (a prefix of ones per row) and m_T = 0: a response ends after its last valid
-    token and bootstraps with 0 there, however wide the batch. Returns (advantages, returns), 0 on padding.
+    with t running over the tokens where the response mask m is 1 (t+1 is the next of them) and m = 0 after the
+    last: a response ends after its last valid token and bootstraps with 0 there, however wide the batch. A
+    multi-turn trajectory's environment tokens (mask 0 between model turns) are skipped, so the recursion runs
+    over model tokens only and a turn's reward reaches the earlier turns through the next turn's values.
+    Returns (advantages, returns), 0 on padding and environment tokens.
     """
     rewards, values = token_rewards * mask, values * mask
     batch, length = rewards.shape
@@ -53,9 +56,12 @@ def gae_advantages(
     advantages_reversed = []
     for t in reversed(range(length)):
         delta = rewards[:, t] + gamma * next_mask * next_value - values[:, t]
-        next_advantage = delta + gamma * lam * next_mask * next_advantage
-        advantages_reversed.append(next_advantage)
-        next_value, next_mask = values[:, t], mask[:, t]
+        advantage = delta + gamma * lam * next_mask * next_advantage
+        advantages_reversed.append(advantage)
+        model_token = mask[:, t] > 0  # elsewhere the next model token's numbers carry over
+        next_advantage = torch.where(model_token, advantage, next_advantage)
+        next_value = torch.where(model_token, values[:, t], next_value)
+        next_mask = torch.where(model_token, mask[:, t], next_mask)
     advantages = torch.stack(advantages_reversed[::-1], dim=1) * mask
     return advantages, (advantages + values) * mask
 
@@ -173,7 +179,7 @@ class PPO(Algorithm):
         (whitened if asked) and returns for the rollout."""
         cfg, mask = self.cfg, rollout.response_mask
         scores = shape_scores(rollout.scores, cfg.reward_clip, cfg.normalize_scores)
-        rollout.token_rewards = build_token_rewards(scores, rollout.kl_penalty, mask)
+        rollout.token_rewards = build_token_rewards(rollout, scores)
         values = self.sampling_values(rollout, forward).float()
         advantages, returns = gae_advantages(rollout.token_rewards, values, mask, cfg.gamma, cfg.lam)
         rollout.values, rollout.returns = values, returns

@@ -40,7 +40,8 @@ from rlhf_lab.config.validate_sweep import (
 from rlhf_lab.errors import ConfigError
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
-GROUPS = ("algorithm", "kl", "reward", "model", "data", "logger", "hardware", "generation", "experiment", "hparams_search")
+GROUPS = ("algorithm", "kl", "reward", "model", "data", "logger", "hardware", "generation", "env", "experiment",
+          "hparams_search")
 HYDRA_PREFIXES = ("hydra.", "hydra/", "+hydra", "++hydra")
 # Overrides that can change the launcher or the sweeper: composing Hydra's own config checks them.
 SWEEP_SETTINGS = (*HYDRA_PREFIXES, "experiment=", "+experiment=", "hparams_search=", "+hparams_search=")

@@ -19,6 +19,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from rlhf_lab.config.schema_env import ENV_SCHEMAS, EnvConfig
 from rlhf_lab.config.schema_run import (
     EvalConfig,
     GenerationConfig,
@@ -306,6 +307,7 @@ class Config:
     logger: LoggerConfig = MISSING
     hardware: HardwareConfig = MISSING
     generation: GenerationConfig = MISSING
+    env: EnvConfig = MISSING
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     seed: int = 0
     experiment_name: str = "default"
@@ -336,6 +338,7 @@ OPTION_SCHEMAS: dict[str, dict[str, type]] = {
     "hardware": {"hardware_schema": HardwareConfig},
     "generation": {"generation_schema": GenerationConfig, "vllm_schema": VLLMGenerationConfig,
                    "vllm_server_schema": VLLMServerGenerationConfig},
+    "env": ENV_SCHEMAS,
     "logger": {"logger_schema": LoggerConfig, "wandb_schema": WandbLoggerConfig, "trackers_schema": WandbLoggerConfig},
 }
 

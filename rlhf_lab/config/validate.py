@@ -20,6 +20,7 @@ from typing import Any
 
 from rlhf_lab.app.plugins import load_plugins
 from rlhf_lab.config.validate_code import check_code
+from rlhf_lab.config.validate_env import check_env
 from rlhf_lab.config.validate_eval import check_eval
 from rlhf_lab.config.validate_keys import check_known_keys
 from rlhf_lab.config.validate_kl import check_kl
@@ -53,6 +54,7 @@ def validate(cfg: Any) -> None:
     check_eval(cfg)  # eval.*: sampling settings and the eval-only rewards
     check_numbers(cfg)
     check_kl(cfg)
+    check_env(cfg)
     check_offline(cfg)
     check_scale(cfg)
     check_paths(cfg)

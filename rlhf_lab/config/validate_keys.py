@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from rlhf_lab.config.schema import Config
 from rlhf_lab.errors import ConfigError
 
-OPTION_GROUPS = ("algorithm", "kl", "reward", "model", "data", "logger", "hardware", "generation")  # top-level nodes chosen as GROUP=NAME
+OPTION_GROUPS = ("algorithm", "kl", "reward", "model", "data", "logger", "hardware", "generation", "env")  # top-level nodes chosen as GROUP=NAME
 
 
 def schema_of(node: Any, fallback: type | None = None) -> type | None:

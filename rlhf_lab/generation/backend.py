@@ -4,8 +4,8 @@ The trainer asks an engine for samples and never how they are made. An engine is
 policy, the tokenizer and the sampling settings, and then:
 
 - ``generate(prompts, group_size, seeds=None, greedy=False, settings=None) -> Rollout``: ``group_size`` responses
-  per prompt
-  (``prompts`` already formatted, e.g. through the chat template), their token ids, the response mask and the
+  per prompt (``prompts`` already formatted, e.g. through the chat template, or token ids taken as they are: a
+  multi-turn context is never re-tokenised, see :mod:`rlhf_lab.envs`), their token ids, the response mask and the
   sampler's own per-token log-probs (π_old); ``seeds`` gives each prompt group its own generator, so samples do not
   depend on batching or on ranks; ``greedy`` decodes the most likely token (ReMax's baseline); ``settings``
   replaces the engine's sampling settings for this call (an evaluation's own temperature, say);
@@ -25,9 +25,24 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
 from rlhf_lab.generation.rollout import Rollout
+
+Prompt = str | list[int]  # formatted text (tokenised without special tokens), or token ids used as they are
+
+
+def encode_prompts(tokenizer: Any, prompts: list[Prompt]) -> list[list[int]]:
+    """Each prompt's token ids: text tokenised without added special tokens, id lists kept as they are."""
+    return [tokenizer(p, add_special_tokens=False)["input_ids"] if isinstance(p, str) else list(p) for p in prompts]
+
+
+def left_padded(ids: list[list[int]], pad_token_id: int) -> dict[str, Tensor]:
+    """Token id lists as one left-padded batch: ``input_ids`` and ``attention_mask`` [N, longest]."""
+    width = max(map(len, ids))
+    return {"input_ids": torch.tensor([[pad_token_id] * (width - len(row)) + row for row in ids], dtype=torch.long),
+            "attention_mask": torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in ids], dtype=torch.long)}
 
 
 @dataclass(frozen=True)
@@ -52,10 +67,10 @@ class SamplingSettings:
 class GenerationBackend(Protocol):
     """What the trainer needs of a generation engine (see the module's text)."""
 
-    def generate(self, prompts: list[str], group_size: int, seeds: list[int] | None = None,
+    def generate(self, prompts: list[Prompt], group_size: int, seeds: list[int] | None = None,
                  greedy: bool = False, settings: SamplingSettings | None = None) -> Rollout: ...
 
-    def submit(self, prompts: list[str], group_size: int, seeds: list[int] | None = None,
+    def submit(self, prompts: list[Prompt], group_size: int, seeds: list[int] | None = None,
                settings: SamplingSettings | None = None) -> Callable[[], Rollout]: ...
 
     def sync_weights(self, policy: nn.Module) -> None: ...
@@ -69,7 +84,7 @@ class SamplesInPlace:
     """``submit`` for an engine that samples in the trainer's own process (it would compete with the training
     passes for the same device): the batch is sampled at once, and the claim returns it."""
 
-    def submit(self, prompts: list[str], group_size: int, seeds: list[int] | None = None,
+    def submit(self, prompts: list[Prompt], group_size: int, seeds: list[int] | None = None,
                settings: SamplingSettings | None = None) -> Callable[[], Rollout]:
         rollout = self.generate(prompts, group_size, seeds=seeds, settings=settings)  # type: ignore[attr-defined]
         return lambda: rollout

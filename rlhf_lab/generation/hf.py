@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 from transformers import StopStringCriteria
 
-from rlhf_lab.generation.backend import SamplesInPlace, SamplingSettings
+from rlhf_lab.generation.backend import Prompt, SamplesInPlace, SamplingSettings, encode_prompts, left_padded
 from rlhf_lab.generation.decode import decode, multinomial
 from rlhf_lab.generation.kv_cache import decode_cache
 from rlhf_lab.generation.rollout import Rollout, concat_rollouts
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 def generate(
     model: nn.Module,
     tokenizer: Any,
-    prompts: list[str],
+    prompts: list[Prompt],
     group_size: int,
     max_new_tokens: int,
     temperature: float,
@@ -62,7 +62,7 @@ def generate(
     text ends with one of ``stop`` (transformers' ``StopStringCriteria``; the stop string stays in the response).
     """
     device = next(model.parameters()).device
-    encoded = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    encoded = left_padded(encode_prompts(tokenizer, prompts), tokenizer.pad_token_id)
     if encoded["input_ids"].shape[1] > max_prompt_tokens:
         lengths = encoded["attention_mask"].sum(-1)
         index = int(torch.argmax(lengths))
@@ -142,7 +142,7 @@ class HFGeneration(SamplesInPlace):
         self.hardware = hardware
         self.keep_logits, self.keep_hidden, self.logits_float32 = keep_logits, keep_hidden, logits_float32
 
-    def generate(self, prompts: list[str], group_size: int, seeds: list[int] | None = None,
+    def generate(self, prompts: list[Prompt], group_size: int, seeds: list[int] | None = None,
                  greedy: bool = False, settings: SamplingSettings | None = None) -> Rollout:
         """``group_size`` samples per prompt (see :class:`~rlhf_lab.generation.backend.GenerationBackend`)."""
         settings = settings or self.settings
@@ -157,7 +157,7 @@ class HFGeneration(SamplesInPlace):
                     parts.append(self._generate([prompt], group_size, greedy, settings))
         return concat_rollouts(parts, self.tokenizer.pad_token_id)
 
-    def _generate(self, prompts: list[str], group_size: int, greedy: bool, settings: SamplingSettings) -> Rollout:
+    def _generate(self, prompts: list[Prompt], group_size: int, greedy: bool, settings: SamplingSettings) -> Rollout:
         return generate(self.policy, self.tokenizer, prompts, group_size, settings.max_new_tokens,
                         settings.temperature, settings.top_p, settings.top_k, settings.max_prompt_tokens,
                         keep_logits=self.keep_logits and not greedy, greedy=greedy,

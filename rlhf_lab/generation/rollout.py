@@ -5,6 +5,11 @@ same width P for every row (left padding), the response part width T. ``response
 response tokens up to and including the first EOS, 0 after it; it is built from the first EOS of each
 response, never from ``token == pad_token_id`` (SmolLM2's pad token is its EOS token).
 
+A multi-turn trajectory (:mod:`rlhf_lab.envs`) is one row too: its response part holds every turn's sampled
+tokens and the environment's tokens between them, as they were produced. There ``response_mask`` is the loss
+mask, 1 on the model's tokens only (environment, tool and user tokens are context: attended to, never trained
+on), so it has holes; ``attention_mask`` is 1 on every token of the trajectory.
+
 The policy's distribution is ``softmax(logits / temperature)``: the one sampled from (before top-p/top-k
 truncation) and the one whose log-probabilities, entropies and KL the algorithms use.
 """
@@ -63,6 +68,9 @@ class Rollout:
     old_from_update: bool = False  # π_old is the training pass's own detached log-probs (one update per rollout)
     entropy_from_update: bool = False  # ``entropy`` is filled by the training pass (an engine with no logits)
     baseline_scores: Tensor | None = None  # [B] the greedy response's score of each sample's prompt (ReMax)
+    turn_rewards: Tensor | None = None  # [B, T] multi-turn: each turn's reward on its last model token (their
+    # sum is ``scores``); the token rewards start from these instead of the score on the last token
+    truncated: Tensor | None = None  # [B] bool, where the sampler knows it (multi-turn: the episode did not end)
     extras: dict[str, Tensor] = field(default_factory=dict)
 
     def old_logprobs(self, logprobs: Tensor) -> Tensor:
@@ -91,14 +99,23 @@ class Rollout:
         return Rollout(**values)
 
 def last_token_index(response_mask: Tensor) -> Tensor:
-    """Index of each row's last valid response token: [B] (0 for an empty row)."""
-    return (response_mask.sum(-1).long() - 1).clamp(min=0)
+    """Index of each row's last valid response token: [B] (0 for an empty row; a mask with holes, a multi-turn
+    trajectory's, counts its last model token)."""
+    positions = torch.arange(response_mask.shape[-1], device=response_mask.device)
+    return torch.where(response_mask > 0, positions, -1).max(-1).values.clamp(min=0)
 
 def scores_to_token_rewards(scores: Tensor, response_mask: Tensor) -> Tensor:
     """Place each sequence score on its last valid response token: [B] -> [B, T]."""
     token_rewards = torch.zeros_like(response_mask)
     token_rewards.scatter_(1, last_token_index(response_mask)[:, None], scores[:, None].to(token_rewards.dtype))
     return token_rewards * response_mask
+
+def task_token_rewards(rollout: Rollout, scores: Tensor) -> Tensor:
+    """The task's reward per token: each turn's reward on its last model token (multi-turn), else ``scores``
+    [B] on the last valid token: [B, T]."""
+    if rollout.turn_rewards is not None:
+        return rollout.turn_rewards * rollout.response_mask
+    return scores_to_token_rewards(scores, rollout.response_mask)
 
 def concat_rollouts(parts: list[Rollout], pad_token_id: int) -> Rollout:
     """Stack rollouts generated separately into one batch: prompts left-padded to the widest prompt, responses
@@ -116,7 +133,8 @@ def concat_rollouts(parts: list[Rollout], pad_token_id: int) -> Rollout:
         return torch.nn.functional.pad(tensor, (left, right), value=value)
 
     pieces: dict[str, list[Tensor]] = {key: [] for key in ("input_ids", "attention_mask", "response_mask",
-                                                           "logprobs", "entropy", "policy_logits", "hidden", "scores")}
+                                                           "logprobs", "entropy", "policy_logits", "hidden", "scores",
+                                                           "turn_rewards", "truncated")}
     for part in parts:
         left, right = prompt_width - part.prompt_width, response_width - part.response_mask.shape[1]
         prompt_ids, response_ids = part.input_ids[:, : part.prompt_width], part.response_ids
@@ -126,12 +144,13 @@ def concat_rollouts(parts: list[Rollout], pad_token_id: int) -> Rollout:
         pieces["attention_mask"].append(torch.cat([pad(prompt_mask, left, 0), pad(response_attention, 0, right)], dim=1))
         for key in ("response_mask", "logprobs", "entropy"):
             pieces[key].append(pad(getattr(part, key), 0, right))
-        for key in ("policy_logits", "hidden"):
+        for key in ("policy_logits", "hidden", "turn_rewards"):
             if getattr(part, key) is not None:
                 pieces[key].append(pad(getattr(part, key), 0, right))
-        if part.scores is not None:
-            pieces["scores"].append(part.scores)
-    optional = {key: pieces.pop(key) for key in ("policy_logits", "hidden", "scores")}
+        for key in ("scores", "truncated"):
+            if getattr(part, key) is not None:
+                pieces[key].append(getattr(part, key))
+    optional = {key: pieces.pop(key) for key in ("policy_logits", "hidden", "scores", "turn_rewards", "truncated")}
     optional = {key: torch.cat(values) if getattr(parts[0], key) is not None else None
                 for key, values in optional.items()}
     extras = {key: torch.cat([part.extras[key] for part in parts]) for key in parts[0].extras}

@@ -40,7 +40,7 @@ from torch import nn
 
 from rlhf_lab.config.choices import sync_folder_needed
 from rlhf_lab.errors import ConfigError
-from rlhf_lab.generation.backend import SamplingSettings
+from rlhf_lab.generation.backend import Prompt, SamplingSettings, encode_prompts
 from rlhf_lab.generation.rollout import Rollout
 from rlhf_lab.generation.vllm import (
     IN_PROCESS,
@@ -216,12 +216,12 @@ class VLLMServerGeneration:
         self.group = WeightGroup(host, port, 0, backend)
         joined.result()
 
-    def generate(self, prompts: list[str], group_size: int, seeds: list[int] | None = None,
+    def generate(self, prompts: list[Prompt], group_size: int, seeds: list[int] | None = None,
                  greedy: bool = False, settings: SamplingSettings | None = None) -> Rollout:
         encoded, body = self._request(prompts, group_size, seeds, greedy, settings)
         return self._rollout(encoded, _post(f"{self.url}/generate", body), group_size)
 
-    def submit(self, prompts: list[str], group_size: int, seeds: list[int] | None = None,
+    def submit(self, prompts: list[Prompt], group_size: int, seeds: list[int] | None = None,
                settings: SamplingSettings | None = None) -> Callable[[], Rollout]:
         """The request sent from a thread of its own: the server samples while the trainer trains, and the claim
         waits for its answer (the prompts are tokenised here, the rollout built by the claim, both in the
@@ -230,10 +230,10 @@ class VLLMServerGeneration:
         reply = self.requests.submit(_post, f"{self.url}/generate", body)
         return lambda: self._rollout(encoded, reply.result(), group_size)
 
-    def _request(self, prompts: list[str], group_size: int, seeds: list[int] | None, greedy: bool,
+    def _request(self, prompts: list[Prompt], group_size: int, seeds: list[int] | None, greedy: bool,
                  settings: SamplingSettings | None) -> tuple[list[list[int]], dict[str, Any]]:
         settings = settings or self.settings
-        encoded = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        encoded = encode_prompts(self.tokenizer, prompts)
         return encoded, {
             "prompt_ids": encoded, "group_size": group_size, "seeds": seeds, "greedy": greedy,
             "max_new_tokens": settings.max_new_tokens, "temperature": settings.temperature, "top_p": settings.top_p,

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from rlhf_lab.errors import ConfigError
-from rlhf_lab.generation.backend import SamplesInPlace, SamplingSettings
+from rlhf_lab.generation.backend import Prompt, SamplesInPlace, SamplingSettings, encode_prompts
 from rlhf_lab.generation.rollout import Rollout, response_mask_from_tokens
 from rlhf_lab.registry import register
 from rlhf_lab.runtime import distributed
@@ -137,11 +137,11 @@ class VLLMGeneration(SamplesInPlace):
             self.llm.wake_up()
 
     # ------------------------------------------------------------------ sampling
-    def generate(self, prompts: list[str], group_size: int, seeds: list[int] | None = None,
+    def generate(self, prompts: list[Prompt], group_size: int, seeds: list[int] | None = None,
                  greedy: bool = False, settings: SamplingSettings | None = None) -> Rollout:
         """``group_size`` samples per prompt with the engine's log-probs (see the backend interface)."""
         settings = settings or self.settings
-        encoded = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        encoded = encode_prompts(self.tokenizer, prompts)
         if max(map(len, encoded)) > settings.max_prompt_tokens:
             index = max(range(len(encoded)), key=lambda i: len(encoded[i]))
             raise ValueError(f"prompt {index} is {len(encoded[index])} tokens, over data.max_prompt_tokens="

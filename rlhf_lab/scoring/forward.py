@@ -63,7 +63,8 @@ def response_logits(model: nn.Module, input_ids: Tensor, attention_mask: Tensor,
     """
     prompt_ids = input_ids[:, :prompt_width]
     unique_prompts, row_to_prompt = torch.unique(prompt_ids, dim=0, return_inverse=True)
-    shared = share_prompts and unique_prompts.shape[0] < input_ids.shape[0] and input_ids.shape[1] > prompt_width
+    # (a response part of one token leaves nothing to continue with: the plain pass)
+    shared = share_prompts and unique_prompts.shape[0] < input_ids.shape[0] and input_ids.shape[1] > prompt_width + 1
     shared = shared and not cache_off(model)  # the shared prefill hands its cache on to the rows
     if not agreed(model, shared):
         return _plain_response_logits(model, input_ids, attention_mask, prompt_width, temperature,

@@ -99,35 +99,50 @@ def enumerate_logits(model: nn.Module, tokenizer: Any, responses: Tensor, temper
 
 
 class ExactEvaluator:
-    """A run's exact metrics: the responses, their rewards and the reference's logits are computed once (the
-    reference does not train); each call runs the policy over every response."""
+    """A run's exact metrics: the trajectories, their rewards and the reference's logits are computed once (the
+    reference does not train); each call runs the policy over every trajectory.
+
+    One-turn task: every response, scored by the run's own reward. Under an environment that can enumerate its
+    trajectories (``env=exact_two_turn``, :mod:`rlhf_lab.testbed.two_turn`): its sequences, with the environment's
+    tokens as context and the model's tokens alone counted, and its own rewards."""
 
     def __init__(self, trainer: Any) -> None:
         cfg = trainer.cfg
         self.trainer = trainer
         self.beta = float(cfg.kl.coef)
         self.temperature = float(cfg.trainer.temperature)
-        symbol_count = cfg.model.exact.symbols
-        self.responses = all_responses(symbol_count, cfg.trainer.max_new_tokens)  # [N, T]
-        self.response_ids = token_ids(self.responses).to(trainer.device)
-        # R(y) from the run's own reward on every decoded response (any deterministic reward works).
-        names = symbols(symbol_count)
-        texts = [" ".join(names[i] for i in row) for row in self.responses.tolist()]
-        self.rewards = trainer.reward([PROMPT] * len(texts), texts).scores.double()
+        env_cfg = cfg.get("env") or {"name": "single_turn"}
+        env = get("env", env_cfg["name"])(env_cfg)
+        if hasattr(env, "enumerate"):
+            self.sequences, self.positions, rewards = env.enumerate()
+        else:
+            symbol_count = cfg.model.exact.symbols
+            self.sequences = all_responses(symbol_count, cfg.trainer.max_new_tokens)  # [N, T]
+            self.positions = torch.arange(self.sequences.shape[1])
+            # R(y) from the run's own reward on every decoded response (any deterministic reward works).
+            names = symbols(symbol_count)
+            texts = [" ".join(names[i] for i in row) for row in self.sequences.tolist()]
+            rewards = trainer.reward([PROMPT] * len(texts), texts).scores
+        self.rewards = rewards.double()
+        self.response_ids = token_ids(self.sequences[:, self.positions]).to(trainer.device)
         self.estimator = get("kl", cfg.kl.name)
         models = trainer.models
         with torch.no_grad(), models.reference_context(), trainer.precision.autocast():
-            self.ref_logits = enumerate_logits(models.reference_model(), trainer.tokenizer, self.responses,
-                                               self.temperature)
+            self.ref_logits = self._model_logits(models.reference_model())
         self.ref_logprobs = gather_logprobs(self.ref_logits, self.response_ids)
+
+    def _model_logits(self, model: nn.Module) -> Tensor:
+        """Logits predicting each model token of every trajectory: [N, model tokens, vocabulary]."""
+        logits = enumerate_logits(model, self.trainer.tokenizer, self.sequences, self.temperature)
+        return logits[:, self.positions.to(logits.device)]
 
     @torch.no_grad()
     def policy(self) -> tuple[Tensor, Tensor]:
-        """The policy's logits [N, T, vocabulary] and per-token log-probs [N, T] on every response, now."""
+        """The policy's logits [N, T, vocabulary] and per-token log-probs [N, T] on every trajectory's model
+        tokens, now."""
         trainer = self.trainer
         with trainer.precision.autocast():
-            logits = enumerate_logits(distributed.unwrap(trainer.policy), trainer.tokenizer, self.responses,
-                                      self.temperature)
+            logits = self._model_logits(distributed.unwrap(trainer.policy))
         return logits, gather_logprobs(logits, self.response_ids)
 
     @torch.no_grad()

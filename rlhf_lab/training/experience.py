@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from rlhf_lab.data.prompts import format_prompts
+from rlhf_lab.envs.episodes import EpisodeRunner
 from rlhf_lab.errors import RewardError
 from rlhf_lab.generation.backend import GenerationBackend, SamplingSettings
 from rlhf_lab.generation.rollout import Rollout, concat_rollouts
@@ -94,7 +95,12 @@ class ExperienceMaker:
         self.logits_float32 = needs_float32_logits(cfg.trainer.temperature, kl.reads_logits)
         # π_old from a pass of the training model where the engine's log-probs are not the trainer's (scoring_pass.py).
         engine_class = get("generation", cfg.generation.name)
-        self.rescore = rescores(cfg, self.precision)
+        # A multi-turn environment (env=NAME, rlhf_lab/envs/): episodes instead of one response per sample; the
+        # scoring pass gives their π_old, entropies and logits (an engine samples their turns apart).
+        env_cfg = cfg.get("env") or {"name": "single_turn"}
+        env = get("env", env_cfg["name"])(env_cfg)
+        self.episodes = None if env.single_turn else EpisodeRunner(env, tokenizer, cfg)
+        self.rescore = rescores(cfg, self.precision) or self.episodes is not None
         # An engine that reports no entropies, logits or hidden states (vLLM): the scoring pass runs wherever a batch
         # needs them (:meth:`rescores_batch`); elsewhere the training pass measures the entropy.
         self.engine_reports_logits = getattr(engine_class, "reports_entropy", True)
@@ -167,7 +173,8 @@ class ExperienceMaker:
         rollout, responses, valid = self.sample_and_score(prompts, group_size, timer, names, rng_keys)
         rules, mask = self.rules, rollout.response_mask
         in_loss = valid.to(self.device)
-        cut = truncated(rollout.response_ids, mask, self.tokenizer.eos_token_id)
+        cut = rollout.truncated if rollout.truncated is not None else \
+            truncated(rollout.response_ids, mask, self.tokenizer.eos_token_id)
         stats = {"truncated": float(cut.sum())}
         if rules.shapes_rewards:
             penalty = overlong_penalty(mask.sum(-1), self.cfg.trainer.max_new_tokens, rules.overlong_window,
@@ -277,6 +284,9 @@ class ExperienceMaker:
                          rng_keys: list[int] | None = None) -> tuple[Rollout, list[str], Tensor]:
         """Generate and score: (rollout with ``scores`` and reward components, decoded responses, valid [B])."""
         cfg = self.cfg
+        if self.episodes is not None:  # the environment scores its own episodes
+            with timer.phase("generate"):
+                return self.episodes.run(self.engine, self.settings, prompts, group_size, rng_keys, names, self.device)
         with timer.phase("generate"):
             rollout = self.generate(prompts, group_size, rng_keys)
         responses = self._decode(rollout)

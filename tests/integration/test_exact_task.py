@@ -64,7 +64,7 @@ def test_unbiased_run_reaches_the_optimum_and_k3_in_the_loss_its_own_fixed_point
     biased = train(compose, [*TINY_TASK, "kl=k3", "kl.placement=loss"], tmp_path / "k3_loss")
     evaluator = ExactEvaluator(biased)
     _, final_logprobs = evaluator.policy()
-    fixed_point = fixed_point_of_k3_in_the_loss(evaluator.ref_logits, evaluator.responses, evaluator.rewards, 0.2)
+    fixed_point = fixed_point_of_k3_in_the_loss(evaluator.ref_logits, evaluator.sequences, evaluator.rewards, 0.2)
     at_fixed_point = exact_metrics(fixed_point, evaluator.ref_logprobs, evaluator.rewards, 0.2)
     final = exact_metrics(final_logprobs, evaluator.ref_logprobs, evaluator.rewards, 0.2)
     tv_to_fixed_point = 0.5 * float((final_logprobs.double().sum(-1).exp() - fixed_point.sum(-1).exp()).abs().sum())

@@ -130,9 +130,9 @@ def test_group_options_are_yaml_files_not_stored_schemas() -> None:
     assert "grpo_schema.yaml" in stored and "ppo_schema.yaml" in stored
     assert group_options("algorithm") == sorted(SCHEMAS["algorithm"])
     assert {"dapo", "grpo", "ppo", "remax"} <= set(group_options("algorithm"))
-    assert group_options("experiment") == ["algo_comparison", "algo_comparison_exact", "exact", "grpo_kl_scale",
-                                           "kl_ablation", "kl_ablation_exact", "kl_placement_bias", "kl_to_go",
-                                           "smoke"]
+    assert group_options("experiment") == ["algo_comparison", "algo_comparison_exact", "exact", "exact_two_turn",
+                                           "grpo_kl_scale", "kl_ablation", "kl_ablation_exact", "kl_placement_bias",
+                                           "kl_to_go", "smoke"]
 
 
 @pytest.mark.parametrize(
@@ -173,7 +173,7 @@ def test_a_key_of_another_option_is_an_error_naming_the_option(overrides: list[s
          "unknown key 'model.tiny.depth'; valid keys of model.tiny: hidden_size, num_hidden_layers, "
          "num_attention_heads, num_key_value_heads, intermediate_size"),
         (["+trainer.stepz=3"], "unknown key 'trainer.stepz'; valid keys of trainer: steps, lr, "),
-        (["+seeds=3"], "unknown key 'seeds'; valid keys: algorithm, kl, reward, model, data, logger, hardware, generation, trainer, "),
+        (["+seeds=3"], "unknown key 'seeds'; valid keys: algorithm, kl, reward, model, data, logger, hardware, generation, env, trainer, "),
     ],
 )
 def test_an_appended_key_is_checked_against_the_options_schema(overrides: list[str], expected: str) -> None:
@@ -303,5 +303,5 @@ def test_unknown_option_lists_the_yaml_options() -> None:
     )
     assert compose_error(["+experiment=nope"]) == (
         "experiment='nope' is not an option; choose from: algo_comparison, algo_comparison_exact, exact, "
-        "grpo_kl_scale, kl_ablation, kl_ablation_exact, kl_placement_bias, kl_to_go, smoke"
+        "exact_two_turn, grpo_kl_scale, kl_ablation, kl_ablation_exact, kl_placement_bias, kl_to_go, smoke"
     )
