@@ -51,8 +51,8 @@ ON_ERROR = ("error", "drop")  # env.on_error
 class Episode:
     """One sample's trajectory as it is built."""
 
-    sample: int  # its row in the batch
     prompt: int  # index of its prompt (group) in the batch
+    member: int  # its place in the prompt's group
     state: EnvState
     prompt_ids: list[int]
     ids: list[int] = field(default_factory=list)  # everything after the prompt, as produced
@@ -127,9 +127,9 @@ class EpisodeRunner:
             failed = isinstance(start, _Failure)
             messages = [{"role": "user", "content": prompts[i]}] if failed else start
             prompt_ids = self.chat.prompt_ids(messages)
-            for _ in range(group_size):
+            for member in range(group_size):
                 state = EnvState(dict(tasks[i]), keys[i], messages=[dict(m) for m in messages])
-                episodes.append(Episode(len(episodes), i, state, prompt_ids, error=start.text if failed else None))
+                episodes.append(Episode(i, member, state, prompt_ids, error=start.text if failed else None))
         turn = 0
         while True:
             active = [e for e in episodes if not e.done]
@@ -154,7 +154,8 @@ class EpisodeRunner:
         longest_left = max(self.budget - len(e.ids) for e in active)
         settings = dataclasses.replace(self.settings, max_new_tokens=max(1, min(self.settings.max_new_tokens,
                                                                                  longest_left)))
-        seeds = [episode_seed(keys[e.prompt], e.sample, turn) for e in active] if self.seed_per_prompt else None
+        # seeded by the prompt's key and the sample's place in its group: the same tokens on any number of ranks
+        seeds = [episode_seed(keys[e.prompt], e.member, turn) for e in active] if self.seed_per_prompt else None
         return settings, engine.generate([e.prompt_ids + e.ids for e in active], 1, seeds=seeds, settings=settings)
 
     def _take_turn(self, active: list[Episode], rows: Rollout, limit: int, names: list[str],

@@ -153,6 +153,19 @@ def test_fsdp_ranks_with_uneven_evaluation_shards_stay_in_step(tmp_path: Path) -
             assert have[key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
 
 
+def test_multi_turn_episodes_on_two_fsdp_ranks_equal_one_process(tmp_path: Path) -> None:
+    """Episodes of the guessing game end after different numbers of turns on each rank; a rank whose episodes are
+    over keeps sampling along (FSDP's forward passes are collectives), and the run equals the 1-process one."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    game = [*ALGORITHMS["grpo"], "env=guess_number", "trainer.max_new_tokens=6", "env.max_tokens=48",
+            "env.stop=[a,e,i,o,u,n,t,s]", "trainer.steps=2", "trainer.eval_prompts=0", "trainer.checkpoint_every=2"]
+    train(one, 1, *game)
+    train(two, 2, *game, "trainer.strategy=fsdp")
+    turns = [line["env/turns_mean"] for line in metrics(one)]
+    assert all(1.0 < value < 4.0 for value in turns)  # episodes of several lengths
+    assert_same_run(one, two)
+
+
 LOCKSTEP = """
 import os, sys, torch, torch.distributed as dist
 from rlhf_lab.generation.hf import generate

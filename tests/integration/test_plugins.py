@@ -25,6 +25,7 @@ import torch
 from hydra.core.config_store import ConfigStore
 
 from rlhf_lab.config.schema import RewardConfig
+from rlhf_lab.envs.base import Environment, StepResult
 from rlhf_lab.registry import register
 from rlhf_lab.rewards.base import Reward, RewardOutput
 
@@ -46,6 +47,21 @@ class ConstantReward(Reward):
         return RewardOutput(scores=torch.full((len(responses),), float(self.option("value", 0.5))))
 
 
+@register("env", "{name}_echo")
+class Echo(Environment):
+    """Two turns: "again" after the first (reward 0.25), then over (0.5)."""
+
+    name = "{name}_echo"
+
+    def reset(self, task, seed):
+        return [{"role": "user", "content": "Say something."}]
+
+    def step(self, assistant_message, state):
+        if state.turn < 2:
+            return StepResult([{"role": "user", "content": "Again."}], 0.25, False, {"echoes": 1.0})
+        return StepResult(None, 0.5, True, {"echoes": 1.0})
+
+
 @register("kl", "{name}_quarter")
 def quarter(logprobs, ref_logprobs, logits=None, ref_logits=None, **options):
     """A constant 0.25 per token (with k1's gradient): easy to recognise in kl/estimate."""
@@ -57,6 +73,9 @@ def write_plugin(root: Path, name: str, entry_point: bool) -> Path:
     package = root / name
     (package / "conf" / "reward").mkdir(parents=True)
     (package / "conf" / "kl").mkdir(parents=True)
+    (package / "conf" / "env").mkdir(parents=True)
+    (package / "conf" / "env" / f"{name}_echo.yaml").write_text(
+        f"defaults:\n  - env_schema\n  - _self_\nname: {name}_echo\nmax_turns: 3\nmax_tokens: 64\n")
     (package / "__init__.py").write_text(PLUGIN.replace("{name}", name))
     (package / "conf" / "__init__.py").write_text("")
     (package / "conf" / "reward" / f"{name}_constant.yaml").write_text(
@@ -108,6 +127,25 @@ def test_plugins_key_and_python_api_train_with_the_plugin(tmp_path: Path, monkey
     summary = rlhf_lab.train(overrides, run_dir=tmp_path / "run")
     assert summary["reward/final"] == pytest.approx(0.75)
     assert (tmp_path / "run" / ".hydra" / "config.yaml").is_file()
+
+
+def test_a_plugin_environment_plays_its_episodes(tmp_path: Path, monkeypatch) -> None:
+    import rlhf_lab
+    from rlhf_lab import registry
+
+    site = write_plugin(tmp_path / "site", "env_plugin", entry_point=False)
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setattr(registry, "_REGISTRY", {kind: dict(parts) for kind, parts in registry._REGISTRY.items()})
+    monkeypatch.setitem(sys.modules, "env_plugin", None)
+    monkeypatch.delitem(sys.modules, "env_plugin")
+    # 16 tokens a turn, ended by any of these stop strings: the random tiny model's turns all end before the limit
+    overrides = [*TINY, "plugins=[env_plugin]", "env=env_plugin_echo", "trainer.max_new_tokens=16",
+                 "env.stop=[a,e,i,o,u,n,t,s,r,l]", "trainer.eval_prompts=0",
+                 f"hydra.searchpath=[file://{site / 'env_plugin' / 'conf'}]"]
+    rlhf_lab.train(overrides, run_dir=tmp_path / "run")
+    step = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert step["env/turns_mean"] == 2.0 and step["env/echoes"] == 2.0 and step["env/truncated_frac"] == 0.0
+    assert step["reward/mean"] == pytest.approx(0.75)  # 0.25 for the first turn, 0.5 for the second
 
 
 def test_plugin_that_fails_to_import_is_one_line_naming_it() -> None:
