@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: install install-ray install-mlflow install-vllm train test test-unit test-gpu lint docs clean bench
+.PHONY: install install-ray install-mlflow install-vllm install-reasoning train test test-unit test-gpu lint docs clean bench
 
 $(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -73,6 +73,15 @@ $(VLLM_STAMP): $(STAMP) requirements-vllm.txt
 	touch $(VLLM_STAMP)
 
 install-vllm: $(VLLM_STAMP)
+
+# `make install-reasoning`: the optional reasoning-gym extra (data=reasoning_gym, reward=reasoning_gym).
+REASONING_STAMP := $(VENV)/.installed-reasoning
+
+$(REASONING_STAMP): $(STAMP) requirements-reasoning.txt
+	$(PY) -m pip install --quiet -r requirements-reasoning.txt
+	touch $(REASONING_STAMP)
+
+install-reasoning: $(REASONING_STAMP)
 
 # `make install-mlflow`: the optional MLflow extra (requirements-mlflow.txt) for `logger=mlflow`.
 install-mlflow: $(STAMP) requirements-mlflow.txt

@@ -160,6 +160,16 @@ class PythonRewardConfig(RewardConfig):
 
 
 @dataclass
+class MathVerifyRewardConfig(RewardConfig):
+    answer_column: str = "answer"  # the data column holding each prompt's ground-truth answer
+
+
+@dataclass
+class ReasoningGymRewardConfig(RewardConfig):
+    tag: str = "answer"  # the response's answer is inside <tag>...</tag>
+
+
+@dataclass
 class LengthRewardConfig(RewardConfig):
     min_words: int = 10
     max_words: int = 60
@@ -252,12 +262,23 @@ class ExactModelConfig(ModelConfig):
 class DataConfig:
     """What every prompt source reads; ``movie_prompts`` (embedded) uses it as it is."""
 
-    name: str = MISSING  # movie_prompts | jsonl | csv | hub | exact
+    name: str = MISSING  # movie_prompts | jsonl | csv | hub | exact | reasoning_gym
     prompt_column: str = "prompt"
     train_split: str = "train"  # file stem in a data folder, or the hub split
     eval_split: str = "eval"
     eval_fraction: float = 0.0  # >0: carve eval prompts out of train when there is no eval split
     max_prompt_tokens: int = 256
+
+
+@dataclass
+class ReasoningGymDataConfig(DataConfig):
+    """``data=reasoning_gym``: a reasoning-gym task generated offline (rlhf_lab/data/reasoning_gym.py)."""
+
+    task: str = "basic_arithmetic"  # any registered reasoning-gym task
+    size: int = 1000  # training examples
+    eval_size: int = 64  # held-out examples (from task_seed + 1)
+    task_seed: int = 0
+    system_prompt: bool = True  # reasoning-gym's own system prompt (answer in <answer>...</answer>)
 
 
 @dataclass
@@ -331,9 +352,12 @@ OPTION_SCHEMAS: dict[str, dict[str, type]] = {
         "length_schema": LengthRewardConfig,
         "composite_schema": CompositeRewardConfig,
         "exact_table_schema": ExactTableRewardConfig,
+        "math_verify_schema": MathVerifyRewardConfig,
+        "reasoning_gym_schema": ReasoningGymRewardConfig,
     },
     "model": {"model_schema": ModelConfig, "tiny_schema": TinyModelConfig, "exact_schema": ExactModelConfig},
-    "data": {"data_schema": DataConfig, "data_path_schema": DataPathConfig},
+    "data": {"data_schema": DataConfig, "data_path_schema": DataPathConfig,
+             "reasoning_gym_data_schema": ReasoningGymDataConfig},
     # tensorboard/mlflow/csv name trackers_schema: the same type as wandb's, so logger=[wandb,csv] merges in any order
     "hardware": {"hardware_schema": HardwareConfig},
     "generation": {"generation_schema": GenerationConfig, "vllm_schema": VLLMGenerationConfig,

@@ -1,7 +1,9 @@
 """Prompt sets: the embedded ``movie_prompts``, local jsonl/csv files or folders, and hub datasets.
 
-Every source is loaded with ``datasets`` and reduced to two lists of prompt strings (train, eval).
-The order prompts are drawn in is a pure function of (seed, step), so a resumed run sees the same ones.
+Every source is loaded with ``datasets`` and reduced to two lists of prompts (train, eval): each a
+:class:`~rlhf_lab.data.rows.Prompt`, the prompt's text with its row (a conversation's messages, the other columns,
+which rewards read). The order prompts are drawn in is a pure function of (seed, step), so a resumed run sees the
+same ones.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 
 import torch
 
+from rlhf_lab.data.rows import Prompt, make_prompt, messages_problem
 from rlhf_lab.errors import ConfigError, DataError
 
 EMBEDDED = {"movie_prompts": Path(__file__).parents[1] / "assets" / "movie_prompts"}
@@ -27,19 +30,26 @@ class PromptSplits:
     eval: list[str]
 
 
-def _column(dataset: Any, column: str, where: str) -> list[str]:
+def _column(dataset: Any, column: str, where: str) -> list[Prompt]:
+    """The prompts of ``column`` (text, or conversations), each with the row's other columns."""
     if column not in dataset.column_names:
         raise DataError(f"data.prompt_column={column!r} is not a column of {where}; columns: {dataset.column_names}")
     values = dataset[column]
-    wrong = next((i for i, p in enumerate(values) if not isinstance(p, str)), None)
-    if wrong is not None:
-        kind = JSON_TYPES.get(type(values[wrong]), type(values[wrong]).__name__)
-        raise DataError(f"prompt {wrong} of {where} is {kind} ({str(values[wrong])[:40]}), not a string")
-    prompts = list(values)
-    empty = [i for i, p in enumerate(prompts) if not p.strip()]
-    if empty:
-        raise DataError(f"prompt {empty[0]} of {where} is empty")
-    return prompts
+    for index, value in enumerate(values):
+        if isinstance(value, str):
+            if not value.strip():
+                raise DataError(f"prompt {index} of {where} is empty")
+            continue
+        problem = messages_problem(value) if isinstance(value, list) else None
+        if problem is not None:
+            raise DataError(f"prompt {index} of {where} is a list but {problem}")
+        if not isinstance(value, list):
+            kind = JSON_TYPES.get(type(value), type(value).__name__)
+            raise DataError(f"prompt {index} of {where} is {kind} ({str(value)[:40]}), not a string or a list of "
+                            "messages")
+    others = [name for name in dataset.column_names if name != column]
+    rows = dataset.select_columns(others).to_list() if others else [{} for _ in values]
+    return [make_prompt(value, row) for value, row in zip(values, rows, strict=True)]
 
 
 def _split_off_eval(prompts: list[str], fraction: float, seed: int) -> PromptSplits:
@@ -103,11 +113,15 @@ def check_rows(file: Path, builder: str, column: str) -> None:
             if not isinstance(row, dict):
                 raise DataError(f"data file {str(file)!r}, line {number}: expected a JSON object, got "
                                 f"{JSON_TYPES.get(type(row), type(row).__name__)}")
-            if column in row and not isinstance(row[column], str):
+            if column in row and isinstance(row[column], list):
+                problem = messages_problem(row[column])
+                if problem is not None:
+                    raise DataError(f"data file {str(file)!r}, line {number}: {column!r} is a list but {problem}")
+            elif column in row and not isinstance(row[column], str):
                 value = row[column]
                 raise DataError(f"data file {str(file)!r}, line {number}: {column!r} is "
                                 f"{JSON_TYPES.get(type(value), type(value).__name__)} ({json.dumps(value)[:40]}), "
-                                "not a string")
+                                "not a string or a list of messages")
 
 
 def _is_blank(file: Path) -> bool:
@@ -165,6 +179,10 @@ def load_prompts(data_cfg: Any, seed: int = 0) -> PromptSplits:
         from rlhf_lab.testbed.task import PROMPT
 
         return PromptSplits(train=[PROMPT], eval=[PROMPT])
+    if data_cfg.name == "reasoning_gym":
+        from rlhf_lab.data.reasoning_gym import reasoning_gym_prompts
+
+        return PromptSplits(*reasoning_gym_prompts(data_cfg))
     if data_cfg.name in EMBEDDED:
         folder = EMBEDDED[data_cfg.name]
         splits = _load_files(_with_path(data_cfg, folder), "json", ".jsonl", seed)
@@ -183,7 +201,7 @@ def load_prompts(data_cfg: Any, seed: int = 0) -> PromptSplits:
         evaluation = _column(eval_set, data_cfg.prompt_column, f"{data_cfg.path}[{data_cfg.eval_split}]")
         splits = PromptSplits(train=train, eval=evaluation)
     else:
-        valid = sorted([*EMBEDDED, *FILE_FORMATS, "hub", "exact"])
+        valid = sorted([*EMBEDDED, *FILE_FORMATS, "hub", "exact", "reasoning_gym"])
         raise DataError(f"data={data_cfg.name!r} is not a prompt source; valid: {', '.join(valid)}")
     if not splits.train:
         raise DataError(f"data={data_cfg.name!r} has no training prompts")
@@ -218,13 +236,15 @@ def prompt_indices(step: int, prompts_per_step: int, n_prompts: int, seed: int, 
 
 
 def format_prompts(prompts: list[str], tokenizer: Any, chat_template: bool, system_prompt: str | None) -> list[str]:
-    """Prompt strings as the model sees them: the chat template with a generation prompt, if it has one."""
+    """Prompt strings as the model sees them: the chat template with a generation prompt, if it has one. A
+    conversational prompt's messages go in as they are (``model.system_prompt`` first where they have no system
+    message); without a chat template its text is used."""
     if not chat_template or not getattr(tokenizer, "chat_template", None):
         return list(prompts)
     formatted = []
     for prompt in prompts:
-        messages = [{"role": "user", "content": prompt}]
-        if system_prompt:
+        messages = list(getattr(prompt, "messages", None) or [{"role": "user", "content": prompt}])
+        if system_prompt and not any(m["role"] == "system" for m in messages):
             messages.insert(0, {"role": "system", "content": system_prompt})
         formatted.append(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
     return formatted

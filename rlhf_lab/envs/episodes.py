@@ -119,7 +119,7 @@ class EpisodeRunner:
         self.settings = dataclasses.replace(settings, stop=self.stop or settings.stop,
                                             max_prompt_tokens=settings.max_prompt_tokens + self.budget)
         keys = keys or [episode_seed(0, i, hash(p) % 2**31) for i, p in enumerate(prompts)]
-        tasks = [{"prompt": prompt} for prompt in prompts]
+        tasks = [task_of(prompt) for prompt in prompts]
         starts = self._call_all([(f"reset of {names[i]} ({_short(prompts[i])})",
                                   _checked_reset(self.env, tasks[i], keys[i])) for i in range(len(prompts))])
         episodes = []
@@ -263,6 +263,14 @@ class EpisodeRunner:
 @dataclass
 class _Failure:
     text: str
+
+
+def task_of(prompt: str) -> dict[str, Any]:
+    """The task an episode starts from: the prompt's text, its messages (a conversational prompt) and its row's other
+    columns (:mod:`rlhf_lab.data.rows`)."""
+    messages = getattr(prompt, "messages", None)
+    return {**getattr(prompt, "columns", {}), "prompt": str(prompt),
+            **({"messages": [dict(m) for m in messages]} if messages else {})}
 
 
 def _checked_reset(env: Environment, task: dict[str, Any], seed: int) -> Callable[[], list[Message]]:

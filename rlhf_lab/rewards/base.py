@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from rlhf_lab.data.rows import columns_of
 from rlhf_lab.errors import RewardError, UserError
 from rlhf_lab.registry import get
 
@@ -54,6 +55,8 @@ class Reward:
 
     name: ClassVar[str] = "reward"
     config_fields: ClassVar[tuple[str, ...]] = ()
+    # ``score`` takes the data's columns as keyword arguments, one list per column (rlhf_lab/data/rows.py)
+    reads_columns: ClassVar[bool] = False
 
     def __init__(self, cfg: ConfigLike, device: str | torch.device = "cpu") -> None:
         self.cfg = cfg
@@ -79,7 +82,7 @@ class Reward:
         prompts, responses = list(prompts), list(responses)
         with torch.no_grad():
             try:
-                return self.score(prompts, responses)
+                return self.score(prompts, responses, **self.columns(prompts))
             except RewardError:
                 raise
             except Exception as error:  # noqa: BLE001 (user code: any failure is reported the same way)
@@ -94,13 +97,19 @@ class Reward:
             return 0
         for index in range(len(responses)):
             try:
-                self.score(prompts[index : index + 1], responses[index : index + 1])
+                self.score(prompts[index : index + 1], responses[index : index + 1],
+                           **self.columns(prompts[index : index + 1]))
             except Exception:  # noqa: BLE001
                 return index
         return None
 
-    def score(self, prompts: list[str], responses: list[str]) -> RewardOutput:
-        """Score one batch; runs under ``torch.no_grad()`` with inputs already checked."""
+    def columns(self, prompts: list[str]) -> dict[str, list[Any]]:
+        """The data's columns this reward's ``score`` takes (all of them where ``reads_columns``, else none)."""
+        return columns_of(prompts) if self.reads_columns else {}
+
+    def score(self, prompts: list[str], responses: list[str], **columns: Any) -> RewardOutput:
+        """Score one batch; runs under ``torch.no_grad()`` with inputs already checked. ``columns``: the data's
+        other columns, one list per column, for a reward that ``reads_columns``."""
         raise NotImplementedError
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -46,19 +47,28 @@ class PythonFunctionReward(Reward):
             from the working folder or an installed package). Required.
         kwargs: optional mapping of extra keyword arguments passed to the function.
 
+    The data's columns (a ground-truth ``answer``, ...) are passed too, one list per column, as TRL passes
+    dataset columns: every column to a function with ``**kwargs``, else those it names as parameters.
+
     The function returns a sequence, array or tensor of N floats, one per response; any other count
     raises ValueError. This executes user code by design; the spec is only ever taken from the config.
     """
 
     name = "python"
     config_fields = ("function", "kwargs")
+    reads_columns = True
 
     def __init__(self, cfg: ConfigLike, device: str | torch.device = "cpu") -> None:
         super().__init__(cfg, device)
         self.spec = self.option("function")
         self.function = load_function(self.spec)
         self.kwargs = dict(self.option("kwargs", {}))
+        parameters = list(inspect.signature(self.function).parameters.values())
+        self.takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+        # the parameters after (prompts, responses) that a column may fill
+        self.named = {p.name for p in parameters[2:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 
-    def score(self, prompts: list[str], responses: list[str]) -> RewardOutput:
-        values = self.function(prompts, responses, **self.kwargs)
+    def score(self, prompts: list[str], responses: list[str], **columns: Any) -> RewardOutput:
+        columns = {k: v for k, v in columns.items() if self.takes_all or k in self.named}
+        values = self.function(prompts, responses, **{**columns, **self.kwargs})
         return RewardOutput(scores=as_scores(values, len(responses), f"reward function {self.spec!r}"))

@@ -28,15 +28,19 @@ from rlhf_lab.config.schema import (
     KLConfig,
     LengthRewardConfig,
     LoggerConfig,
+    MathVerifyRewardConfig,
     ModelConfig,
     PPOConfig,
     PythonRewardConfig,
+    ReasoningGymDataConfig,
+    ReasoningGymRewardConfig,
     ReinforceConfig,
     RewardModelConfig,
     SentimentRewardConfig,
     TinyModelConfig,
     WandbLoggerConfig,
 )
+from rlhf_lab.config.schema_env import CalculatorEnvConfig, EnvConfig, ExactTwoTurnEnvConfig, GuessNumberEnvConfig
 from rlhf_lab.config.schema_offline import (
     DemonstrationDataConfig,
     DPOConfig,
@@ -61,11 +65,15 @@ SCHEMAS = {
         "length": LengthRewardConfig,
         "composite": CompositeRewardConfig,
         "exact_table": ExactTableRewardConfig,
+        "math_verify": MathVerifyRewardConfig,
+        "reasoning_gym": ReasoningGymRewardConfig,
     },
     "model": {"smollm2_135m": ModelConfig, "path": ModelConfig, "tiny": TinyModelConfig, "exact": ExactModelConfig},
     "data": {"movie_prompts": DataConfig, "jsonl": DataPathConfig, "csv": DataPathConfig, "hub": DataPathConfig,
              "exact": DataConfig, "preferences": PreferenceDataConfig, "demonstrations": DemonstrationDataConfig,
-             "embedded_preferences": EmbeddedPreferenceConfig},
+             "embedded_preferences": EmbeddedPreferenceConfig, "reasoning_gym": ReasoningGymDataConfig},
+    "env": {"single_turn": EnvConfig, "guess_number": GuessNumberEnvConfig, "calculator": CalculatorEnvConfig,
+            "exact_two_turn": ExactTwoTurnEnvConfig},
     # tensorboard, mlflow and csv share wandb's schema type, so logger=[wandb,csv] merges in any order
     "logger": {"none": LoggerConfig, "wandb": WandbLoggerConfig, "tensorboard": WandbLoggerConfig,
                "mlflow": WandbLoggerConfig, "csv": WandbLoggerConfig},
@@ -88,6 +96,7 @@ NEEDS = {
     ("data", "preferences"): ["algorithm=dpo", "data.path={file}"],
     ("data", "demonstrations"): ["algorithm=sft", "data.path={file}"],
     ("data", "embedded_preferences"): ["algorithm=dpo"],
+    ("env", "exact_two_turn"): ["experiment=exact_two_turn"],
 }
 
 
