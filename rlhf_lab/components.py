@@ -21,6 +21,7 @@ import rlhf_lab.rewards.classifier  # noqa: F401
 import rlhf_lab.rewards.composite  # noqa: F401
 import rlhf_lab.rewards.exact_table  # noqa: F401  (the exact task's reward table)
 import rlhf_lab.rewards.length  # noqa: F401
+import rlhf_lab.rewards.pairwise  # noqa: F401
 import rlhf_lab.rewards.python_function  # noqa: F401
 import rlhf_lab.rewards.reward_model  # noqa: F401
 import rlhf_lab.rewards.sentiment  # noqa: F401

@@ -17,3 +17,12 @@ def prompt_length_tensor(prompts, responses):
 
 def one_too_many(prompts, responses):
     return [0.0] * (len(responses) + 1)
+
+
+def longer_wins(prompt, first, second):
+    """A judge: the longer response wins, a tie is even."""
+    return 1.0 if len(first) > len(second) else 0.0 if len(first) < len(second) else 0.5
+
+
+def overconfident(prompt, first, second):
+    return 2.0

@@ -170,6 +170,13 @@ class ReasoningGymRewardConfig(RewardConfig):
 
 
 @dataclass
+class PairwiseRewardConfig(RewardConfig):
+    judge: str | None = None  # module:function, judge(prompt, a, b) -> P(a better than b)
+    base: Any = None  # or a reward config ({name: ..., its fields}) compared by Bradley-Terry
+    temperature: float = 1.0  # Bradley-Terry scale: P(a > b) = sigmoid((r_a - r_b) / temperature)
+
+
+@dataclass
 class LengthRewardConfig(RewardConfig):
     min_words: int = 10
     max_words: int = 60
@@ -354,6 +361,7 @@ OPTION_SCHEMAS: dict[str, dict[str, type]] = {
         "exact_table_schema": ExactTableRewardConfig,
         "math_verify_schema": MathVerifyRewardConfig,
         "reasoning_gym_schema": ReasoningGymRewardConfig,
+        "pairwise_schema": PairwiseRewardConfig,
     },
     "model": {"model_schema": ModelConfig, "tiny_schema": TinyModelConfig, "exact_schema": ExactModelConfig},
     "data": {"data_schema": DataConfig, "data_path_schema": DataPathConfig,

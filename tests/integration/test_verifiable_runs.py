@@ -36,3 +36,11 @@ def test_a_reasoning_gym_task_trains_with_its_verifier(compose, tiny_overrides, 
                             "reward=reasoning_gym"], tmp_path / "run")
     assert [line["step"] for line in lines if "reward/mean" in line] == [0, 1]
     assert any("eval/reward/mean" in line for line in lines)
+
+
+def test_pairwise_comparison_trains_on_group_win_rates(compose, tiny_overrides, tmp_path: Path) -> None:
+    lines = train(compose, [*tiny_overrides(tmp_path), "reward=pairwise", "algorithm.group_size=3"], tmp_path / "run")
+    steps = [line for line in lines if "reward/mean" in line]
+    # a consistent comparison: every group's win rates sum to G/2, so the mean is 1/2
+    assert [line["step"] for line in steps] == [0, 1]
+    assert all(line["reward/mean"] == pytest.approx(0.5, abs=1e-6) and "reward/base" in line for line in steps)

@@ -65,3 +65,24 @@ def test_reasoning_gym_tasks_are_generated_from_their_seed_and_scored_by_their_v
     assert reward(splits.train[:2], ["<answer>not a number</answer>", "no tags"]).scores.tolist() == [0.0, 0.0]
     with pytest.raises(DataError, match=r"^data.task='nosuch' is not a reasoning-gym task; tasks: .*basic_arithmetic"):
         load_prompts(OmegaConf.merge(cfg, {"task": "nosuch"}))
+
+
+def test_pairwise_scores_each_response_by_its_round_robin_in_its_group() -> None:
+    import math
+
+    judged = get("reward", "pairwise")({"name": "pairwise", "judge": "tests.reward_fns:longer_wins"})
+    prompts = ["p", "p", "p", "q", "q", "r"]
+    responses = ["a", "bb", "ccc", "dd", "dd", "alone"]
+    assert judged(prompts, responses).scores.tolist() == [0.0, 0.5, 1.0, 0.5, 0.5, 0.5]
+    by_reward = get("reward", "pairwise")({"name": "pairwise", "temperature": 2.0, "base": {
+        "name": "python", "function": "tests.reward_fns:count_letter"}})
+    output = by_reward(["p", "p", "p"], ["x", "a", "aaa"])  # base scores 0, 1, 3
+    sigma = lambda x: 1 / (1 + math.exp(-x / 2.0))  # noqa: E731
+    expected = [(sigma(-1) + sigma(-3)) / 2, (sigma(1) + sigma(-2)) / 2, (sigma(3) + sigma(2)) / 2]
+    assert output.scores.tolist() == pytest.approx(expected, abs=1e-6)
+    assert sum(output.scores.tolist()) == pytest.approx(1.5) and output.components["base"].tolist() == [0, 1, 3]
+    with pytest.raises(RewardError, match="needs exactly one of reward.judge"):
+        get("reward", "pairwise")({"name": "pairwise"})
+    bad = get("reward", "pairwise")({"name": "pairwise", "judge": "tests.reward_fns:overconfident"})
+    with pytest.raises(RewardError, match=r"returned 2.0; expected a probability in \[0, 1\]"):
+        bad(["p", "p"], ["a", "b"])
