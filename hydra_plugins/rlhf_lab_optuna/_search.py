@@ -22,6 +22,7 @@ from optuna.distributions import BaseDistribution, CategoricalDistribution, Floa
 from optuna.trial import TrialState
 
 from rlhf_lab.config.overrides import override_text
+from rlhf_lab.config.validate_sweep import SEARCH_ATTR, search_signature, study_conflict
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +151,11 @@ class OptunaSearch:
             Path(str(self.storage)[len("sqlite:///"):]).expanduser().parent.mkdir(parents=True, exist_ok=True)
         study = optuna.create_study(study_name=self.study_name, storage=self.storage, direction=self.direction,
                                     load_if_exists=True)
+        signature = search_signature(self.params, list(arguments), self.direction)
+        conflict = study_conflict(study.user_attrs.get(SEARCH_ATTR), signature, study.study_name)
+        if conflict:  # the command line checks it before Hydra starts; the Python API gets it here
+            raise SearchSpaceError(conflict)
+        study.set_user_attr(SEARCH_ATTR, signature)
         study.sampler = self.make_sampler(len(study.trials))
         log.info(f"Optuna study {study.study_name!r} ({len(study.trials)} trials so far), storage {self.storage}, "
                  f"sampler {type(study.sampler).__name__}, direction {self.direction}")

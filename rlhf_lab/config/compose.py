@@ -34,6 +34,7 @@ from rlhf_lab.config.validate_sweep import (
     check_plugin_targets,
     check_plugins,
     check_search_space,
+    check_study,
     plugin_error,
     sweep_values,
 )
@@ -134,6 +135,7 @@ def compose(overrides: list[str]) -> DictConfig:
     hydra_cfg = None
     if any(o.startswith(SWEEP_SETTINGS) for o in overrides):
         hydra_cfg = check_sweep(first_job, job_overrides, cfg)
+        check_study(hydra_cfg, [o for o in overrides if not o.startswith(HYDRA_PREFIXES)])
     params = sweeper_params(hydra_cfg)
     if params is not None:  # the basic sweeper: every job it would launch, composed and validated now
         task = [o for o in overrides if "=" in o and not o.startswith(HYDRA_PREFIXES)]

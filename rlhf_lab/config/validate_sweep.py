@@ -226,3 +226,67 @@ def check_search_space(hydra_cfg: Any, job_cfg: Any, groups: dict[str, list[str]
             compose_job([*kept, *first_values])
         except ConfigError as error:
             raise ConfigError(f"{where}: {error}") from None
+
+
+SEARCH_ATTR = "rlhf_lab_search"  # the study's user attribute holding the search that made it
+
+
+def search_signature(params: dict[str, Any], task_overrides: list[str], direction: str) -> dict[str, Any]:
+    """What makes an Optuna search the same search: the keys it searches (``hydra.sweeper.params`` and the
+    command line's sweep overrides), the settings every trial shares (the command line's other overrides) and the
+    direction. Hydra's own settings (trial counts, folders) are not part of it, so a study resumes with more
+    trials; a search with other fixed settings is another search."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    space = {key.lstrip("+~") for key in params}
+    fixed = []
+    for line in task_overrides:
+        if line.lstrip("+~").startswith(("hydra.", "hydra/")) or "=" not in line:
+            continue
+        override = parser.parse_override(line)
+        key = override.get_key_element().lstrip("+~")
+        if override.is_sweep_override():
+            space.add(key)
+        elif key not in space:
+            fixed.append(f"{key}={override.get_value_element_as_str()}")
+    return {"space": sorted(space), "fixed": sorted(fixed), "direction": str(direction)}
+
+
+def study_conflict(stored: dict[str, Any] | None, current: dict[str, Any], study: str) -> str | None:
+    """One line saying how an existing study's search differs from this one, or None when it is the same."""
+    if stored is None or stored == current:
+        return None
+    for part, label in (("direction", "direction"), ("space", "searched keys"), ("fixed", "fixed settings")):
+        if stored.get(part) != current[part]:
+            old, new = stored.get(part), current[part]
+            if part == "fixed":
+                old, new = sorted(set(old) - set(new)) or "none", sorted(set(new) - set(old)) or "none"
+            return (f"hydra.sweeper.study_name={study!r} holds a search with other {label} ({old} there, {new} here); "
+                    "give this search its own hydra.sweeper.study_name or hydra.sweeper.storage")
+    return None
+
+
+def check_study(hydra_cfg: Any, task_overrides: list[str]) -> None:
+    """An Optuna storage that already holds the study under this name must hold this search (see
+    :func:`search_signature`): a different search would join it and report the other's best trial."""
+    if hydra_cfg is None or str(OmegaConf.select(hydra_cfg, "hydra.sweeper._target_", default="")) != OPTUNA_SWEEPER:
+        return
+    storage, name = OmegaConf.select(hydra_cfg, "hydra.sweeper.storage"), OmegaConf.select(hydra_cfg,
+                                                                                         "hydra.sweeper.study_name")
+    if not storage or not name:
+        return
+    if str(storage).startswith("sqlite:///") and not Path(str(storage)[len("sqlite:///"):]).expanduser().is_file():
+        return
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    try:
+        study = optuna.load_study(study_name=str(name), storage=str(storage))
+    except KeyError:  # no study of that name there yet
+        return
+    current = search_signature(_flatten(OmegaConf.select(hydra_cfg, "hydra.sweeper.params")), task_overrides,
+                               str(OmegaConf.select(hydra_cfg, "hydra.sweeper.direction")))
+    conflict = study_conflict(study.user_attrs.get(SEARCH_ATTR), current, str(name))
+    if conflict:
+        raise ConfigError(conflict)

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from rlhf_lab.data.rows import conversation_text
 from rlhf_lab.envs.base import Environment, EnvState, Message, StepResult, as_step_result, check_messages
 from rlhf_lab.envs.chat import ChatFormat
 from rlhf_lab.envs.tools import tool_schemas
@@ -65,8 +66,8 @@ class Episode:
     error: str | None = None
 
 
-def episode_seed(key: int, *parts: int) -> int:
-    """A seed for one sample's turn, from its prompt's key: the same on every rank and in every rerun."""
+def episode_seed(key: int, *parts: int | str) -> int:
+    """A seed from a prompt's key and more (a sample's place, a turn): the same on every rank and in every rerun."""
     digest = hashlib.blake2b(repr((key, *parts)).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") % 2**62
 
@@ -86,6 +87,7 @@ class EpisodeRunner:
         self.seed_per_prompt = bool(cfg.trainer.seed_per_prompt)
         self.stop = tuple(options.get("stop") or ())
         self.settings: SamplingSettings | None = None  # the batch's own (:meth:`run`)
+        self.openings: list[str] = []  # the last batch's opening conversation of each sample, as text
         self.pool = ThreadPool(int(options.workers))  # daemon threads: a hung tool cannot keep the process alive
         weakref.finalize(self, self.pool.terminate)  # closed with the runner, or at exit before the interpreter's teardown
 
@@ -118,7 +120,7 @@ class EpisodeRunner:
         environment failed under ``env.on_error=drop``)."""
         self.settings = dataclasses.replace(settings, stop=self.stop or settings.stop,
                                             max_prompt_tokens=settings.max_prompt_tokens + self.budget)
-        keys = keys or [episode_seed(0, i, hash(p) % 2**31) for i, p in enumerate(prompts)]
+        keys = keys or [episode_seed(0, i, str(p)) for i, p in enumerate(prompts)]  # (a caller without keys)
         tasks = [task_of(prompt) for prompt in prompts]
         starts = self._call_all([(f"reset of {names[i]} ({_short(prompts[i])})",
                                   _checked_reset(self.env, tasks[i], keys[i])) for i in range(len(prompts))])
@@ -130,6 +132,7 @@ class EpisodeRunner:
             for member in range(group_size):
                 state = EnvState(dict(tasks[i]), keys[i], messages=[dict(m) for m in messages])
                 episodes.append(Episode(i, member, state, prompt_ids, error=start.text if failed else None))
+        self.openings = [conversation_text(e.state.messages) for e in episodes]
         turn = 0
         while True:
             active = [e for e in episodes if not e.done]

@@ -9,6 +9,7 @@ it samples with, so no second forward pass of the policy is needed for π_old.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -106,9 +107,18 @@ def generate(
     )
 
 
+_STOP_CRITERIA: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> {stop strings: criteria}
+
+
 def stop_strings(tokenizer: Any, stop: tuple[str, ...], prompt_width: int) -> Callable[[Tensor], Tensor]:
-    """[B, P + t] sequences -> [B] bool: the response (past the prompt's ``prompt_width``) ends with a stop string."""
-    criteria = StopStringCriteria(tokenizer=tokenizer, stop_strings=list(stop))
+    """[B, P + t] sequences -> [B] bool: the response (past the prompt's ``prompt_width``) ends with a stop string.
+
+    The criteria are built once per tokenizer and stop strings (building one walks the whole vocabulary: about a
+    second for SmolLM2's, which every generation call, every turn of an episode, would otherwise pay)."""
+    built = _STOP_CRITERIA.setdefault(tokenizer, {})
+    if stop not in built:
+        built[stop] = StopStringCriteria(tokenizer=tokenizer, stop_strings=list(stop))
+    criteria = built[stop]
 
     def stopped(sequences: Tensor) -> Tensor:
         if sequences.shape[1] <= prompt_width:

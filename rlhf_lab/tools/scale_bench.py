@@ -3,6 +3,8 @@
     python -m rlhf_lab.tools.scale_bench --processes --steps 4            # 1 vs 2 processes (tiny, SmolLM2)
     python -m rlhf_lab.tools.scale_bench --memory --steps 3               # SmolLM2 GRPO peak RSS per setting
     python -m rlhf_lab.tools.scale_bench --learning --seeds 0,1,2         # the default run (make train), per seed
+    python -m rlhf_lab.tools.scale_bench --env --steps 6                  # 2-turn episodes vs one turn (tiny, SmolLM2)
+    python -m rlhf_lab.tools.scale_bench --calculator 300                 # SmolLM2 on env=calculator for 300 s
 
 Each job runs in a fresh process tree (``torchrun`` for 2 processes); its median seconds per step come from
 its ``metrics.jsonl`` (the first step, a warm-up, left out), its peak RSS from the operating system (the
@@ -55,7 +57,8 @@ def run_job(overrides: list[str], processes: int, work: Path) -> dict[str, Any]:
     steps = [line["time/step_s"] for line in lines if "time/step_s" in line]
     summary = json.loads((run_dir / "summary.json").read_text())
     return {"overrides": overrides, "processes": processes, "step_s_median": statistics.median(steps[1:] or steps),
-            "peak_rss_mib": peak_kib / 1024, "summary": summary, "wall_s": wall_s}
+            "peak_rss_mib": peak_kib / 1024, "summary": summary, "wall_s": wall_s,
+            "steps_done": len(steps), "last": next((line for line in reversed(lines) if "time/step_s" in line), {})}
 
 
 def table(headers: list[str], rows: list[list[str]]) -> str:
@@ -84,6 +87,44 @@ def memory_section(steps: int, work: Path) -> tuple[str, list[dict[str, Any]]]:
     return table(["setting (SmolLM2 GRPO, 16 x 32)", "peak RSS MiB", "s/step"], rows), results
 
 
+# 16 trajectories a step (4 prompts x 4), up to two model turns of at most 16 tokens (the guessing game), GRPO. A
+# turn cut at the token limit ends its episode, so turns end at stop strings: a sentence's end for SmolLM2, any of
+# a few letters for the random tiny model (which writes no EOS).
+EPISODES = ["env=guess_number", "env.max_turns=2", "env.max_tokens=96"]
+TURN_ENDS = {"tiny": "env.stop=[a,e,i,o,u,n,t,s]", "smollm2_135m": "env.stop=['.','!','?','\\n']"}
+
+
+def env_section(steps: int, work: Path) -> tuple[str, list[dict[str, Any]]]:
+    """Seconds per step of 2-turn episodes against one-turn responses on the same settings, per model."""
+    results, rows = [], []
+    for name in ("tiny", "smollm2_135m"):
+        common = [f"model={name}", *QUIET, f"trainer.steps={steps}", "trainer.prompts_per_step=4",
+                  "algorithm.group_size=4", "trainer.max_new_tokens=16"]
+        single = run_job(common, 1, work)
+        episodes = run_job([*common, *EPISODES, TURN_ENDS[name]], 1, work)
+        results += [single, episodes]
+        rows.append([name, f"{single['step_s_median']:.2f}", f"{episodes['step_s_median']:.2f}",
+                     f"{1 / episodes['step_s_median']:.2f}", f"{episodes['step_s_median'] / single['step_s_median']:.2f}",
+                     f"{episodes['last'].get('env/turns_mean', float('nan')):.2f}",
+                     f"{episodes['last'].get('response/length_mean', float('nan')):.1f}"])
+    headers = ["model", "one turn s/step", "2-turn episodes s/step", "episode steps/s", "ratio", "turns (last step)",
+               "model tokens per episode"]
+    return table(headers, rows), results
+
+
+def calculator_section(seconds: int, work: Path) -> tuple[str, list[dict[str, Any]]]:
+    """The embedded model on the calculator task for a wall-clock budget: reward first 20% -> last 20% of steps."""
+    overrides = ["env=calculator", *QUIET, "trainer.steps=1000", f"trainer.max_train_seconds={seconds}",
+                 "trainer.max_new_tokens=64", "trainer.prompts_per_step=4", "algorithm.group_size=4",
+                 "env.operands=2", "env.max_operand=20", "env.operators=+", "trainer.lr=1e-5"]
+    result = run_job(overrides, 1, work)
+    summary = result["summary"]
+    row = [f"{summary.get('reward/first_20pct_mean', float('nan')):.3f}",
+           f"{summary.get('reward/last_20pct_mean', float('nan')):.3f}", str(result["steps_done"]),
+           f"{result['step_s_median']:.1f}", f"{result['last'].get('env/tool_calls', float('nan')):.2f}"]
+    return table(["reward first 20%", "last 20%", "steps", "s/step", "tool calls (last step)"], [row]), [result]
+
+
 def learning_section(seeds: list[int], work: Path) -> tuple[str, list[dict[str, Any]]]:
     results, rows = [], []
     for seed in seeds:
@@ -105,6 +146,8 @@ def main(args: list[str] | None = None) -> None:
     parser.add_argument("--processes", action="store_true", help="1 vs 2 processes on tiny and SmolLM2")
     parser.add_argument("--memory", action="store_true", help="SmolLM2 peak RSS per precision / memory saver")
     parser.add_argument("--learning", action="store_true", help="the default run (make train), per seed")
+    parser.add_argument("--env", action="store_true", help="2-turn episodes vs one turn on tiny and SmolLM2")
+    parser.add_argument("--calculator", type=int, default=0, help="seconds of SmolLM2 on env=calculator")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--json", type=Path, default=None)
@@ -115,7 +158,9 @@ def main(args: list[str] | None = None) -> None:
         sections = [("processes", options.processes, lambda: processes_section(options.steps, work)),
                     ("memory", options.memory, lambda: memory_section(options.steps, work)),
                     ("learning", options.learning,
-                     lambda: learning_section([int(s) for s in options.seeds.split(",")], work))]
+                     lambda: learning_section([int(s) for s in options.seeds.split(",")], work)),
+                    ("env", options.env, lambda: env_section(options.steps, work)),
+                    ("calculator", options.calculator > 0, lambda: calculator_section(options.calculator, work))]
         for name, wanted, run in sections:
             if wanted:
                 text, results = run()

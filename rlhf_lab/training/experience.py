@@ -141,7 +141,7 @@ class ExperienceMaker:
             self.engine.keep_logits = exact or self.kl.reads_logits
         if not train:
             rollout, responses, valid = self.sample_and_score(prompts, group_size, timer, names, rng_keys)
-            experience = Experience(rollout, [p for p in prompts for _ in range(group_size)], responses,
+            experience = Experience(rollout, self._sample_prompts(prompts, group_size), responses,
                                     valid.to(self.device))
         else:
             experience = self._training_batch(prompts, group_size, timer, names, rng_keys, refill)
@@ -184,8 +184,8 @@ class ExperienceMaker:
         if rules.mask_truncated:
             in_loss = in_loss & ~cut
             stats["masked_truncated"] = float((valid.to(self.device) & cut).sum())
-        repeated = [p for p in prompts for _ in range(group_size)]
-        return Experience(rollout, repeated, responses, valid.to(self.device), in_loss, stats)
+        return Experience(rollout, self._sample_prompts(prompts, group_size), responses, valid.to(self.device),
+                          in_loss, stats)
 
     def _training_batch(self, prompts: list[str], group_size: int, timer: StepTimer, names: list[str],
                         rng_keys: list[int] | None, refill: Refill | None) -> Experience:
@@ -226,6 +226,13 @@ class ExperienceMaker:
             kept.append(filler)
             stats["groups_filled"] += 1
         return _join(kept, self.tokenizer.pad_token_id, stats)
+
+    def _sample_prompts(self, prompts: list[str], group_size: int) -> list[str]:
+        """Each sample's prompt, for the records: the prompt, or an episode's opening conversation (an environment
+        that makes its own tasks from the data's prompts shows what the model was asked)."""
+        if self.episodes is not None:
+            return self.episodes.openings
+        return [p for p in prompts for _ in range(group_size)]
 
     def _greedy_baseline(self, experience: Experience, group_size: int, timer: StepTimer, names: list[str]) -> None:
         """ReMax (Li et al. 2024): each prompt's greedy response, scored, as every sample's baseline [B]."""

@@ -53,6 +53,7 @@ def test_guess_number_runs_and_logs_its_episodes(compose, tiny_overrides, tmp_pa
     samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
     several = [s for s in samples if s["env/turns_mean"] > 1]  # the environment's answer is in the trajectory
     assert several and all("<|im_start|>user" in s["response"] for s in several)
+    assert samples[0]["prompt"].startswith("user: I am thinking of a whole number from 1 to 16.")  # the opening
 
 
 def test_a_multi_turn_run_resumes_exactly(compose, tiny_overrides, tmp_path: Path) -> None:
@@ -88,3 +89,24 @@ def test_responses_of_one_token_train(compose, tiny_overrides, tmp_path: Path) -
     lines = train(compose, [*tiny_overrides(tmp_path), "trainer.max_new_tokens=1", "trainer.eval_prompts=0"],
                   tmp_path / "run")
     assert [line["step"] for line in lines] == [0, 1] and all(line["response/length_mean"] == 1.0 for line in lines)
+
+
+def test_truncated_episodes_can_be_kept_out_of_the_loss(compose, tiny_overrides, tmp_path: Path) -> None:
+    """``algorithm.mask_truncated`` reads the episodes' truncation: every one cut (a budget of one turn) is masked."""
+    lines = train(compose, [*tiny_env(tiny_overrides, tmp_path, "guess_number"), "env.max_turns=1",
+                            "algorithm.mask_truncated=true", "trainer.eval_prompts=0"], tmp_path / "run")
+    for line in lines:
+        assert line["env/truncated_frac"] == line["response/truncated_frac"] == line["overlong/masked_frac"]
+    assert any(line["env/truncated_frac"] > 0 for line in lines)
+
+
+def test_an_environment_failing_mid_run_is_one_line_and_keeps_what_was_written(tiny_overrides, run_cli,
+                                                                                 tmp_path: Path) -> None:
+    code, _, err = run_cli([*tiny_overrides(tmp_path), "plugins=[tests.env_fns]", "env.name=fails_after",
+                            "env.max_turns=1", "trainer.eval_prompts=0", "trainer.steps=3"])
+    assert code == 2
+    (line,) = err.strip().splitlines()
+    assert line.startswith("error: env=fails_after turn 1 of train prompt 0 ('")
+    assert line.endswith("') raised ConnectionError: scoreboard unreachable")
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [0] and lines[0]["reward/mean"] == 1.0

@@ -257,3 +257,23 @@ def test_objective_and_its_keys() -> None:
     ):
         with pytest.raises(ConfigError, match=message):
             compose(overrides)
+
+
+def test_a_search_with_other_settings_does_not_join_the_study(both: tuple[Search, Search]) -> None:
+    """The study records the search that made it (its searched keys, fixed settings, direction): the same command
+    resumes it (above), a search with another fixed setting is refused before any trial, in one line."""
+    import optuna
+
+    first, _ = both
+    base = first.folder.parent
+    command = [sys.executable, "-m", "rlhf_lab", *SEARCH, "trainer.max_new_tokens=5", "hydra.sweeper.n_trials=1",
+               f"hydra.sweeper.storage=sqlite:///{base / 'study.db'}", f"hydra.sweep.dir={base / 'other'}"]
+    command.remove("trainer.max_new_tokens=4")
+    result = subprocess.run(command, cwd=base, env=wandb_test_env(base), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr == (f"error: hydra.sweeper.study_name='{STUDY}' holds a search with other fixed settings "
+                             "(['trainer.max_new_tokens=4'] there, ['trainer.max_new_tokens=5'] here); give this "
+                             "search its own hydra.sweeper.study_name or hydra.sweeper.storage\n")
+    assert not (base / "other").exists()
+    study = optuna.load_study(study_name=STUDY, storage=f"sqlite:///{base / 'study.db'}")
+    assert len(study.trials) == 5 and study.user_attrs["rlhf_lab_search"]["space"] == ["kl.coef", "trainer.lr"]

@@ -167,6 +167,20 @@ def test_a_single_update_run_needs_no_scoring_pass(compose, tmp_path: Path) -> N
         assert line["policy/entropy"] > 0.1  # the tiny random policy is near uniform over its vocabulary
 
 
+def test_multi_turn_episodes_sample_their_turns_on_vllm(compose, tmp_path: Path) -> None:
+    """The exact two-turn testbed on vLLM: each second turn is sampled from the episode's own token ids (prompt,
+    first turn, the environment's symbols), every episode takes its two turns, and the gap to π* shrinks."""
+    from rlhf_lab.training.loop import Trainer
+
+    cfg = compose(["experiment=exact_two_turn", *EXACT_DIMS, "trainer.steps=8", "trainer.lr=1e-2",
+                   "trainer.lr_schedule=constant", "generation=vllm", f"trainer.output_dir={tmp_path}"])
+    Trainer(cfg, tmp_path).train()
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all(line["env/turns_mean"] == 2.0 and line["response/length_mean"] == 4.0 for line in lines)
+    gaps = [line["exact/gap"] for line in lines]
+    assert gaps[-1] < 0.9 * gaps[0], gaps
+
+
 def free_port() -> int:
     import socket
 

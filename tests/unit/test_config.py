@@ -143,7 +143,7 @@ def test_group_options_are_yaml_files_not_stored_schemas() -> None:
     assert {"dapo", "grpo", "ppo", "remax"} <= set(group_options("algorithm"))
     assert group_options("experiment") == ["algo_comparison", "algo_comparison_exact", "exact", "exact_two_turn",
                                            "grpo_kl_scale", "kl_ablation", "kl_ablation_exact", "kl_placement_bias",
-                                           "kl_to_go", "smoke"]
+                                           "kl_to_go", "multi_turn_mask", "smoke"]
 
 
 @pytest.mark.parametrize(
@@ -314,5 +314,6 @@ def test_unknown_option_lists_the_yaml_options() -> None:
     )
     assert compose_error(["+experiment=nope"]) == (
         "experiment='nope' is not an option; choose from: algo_comparison, algo_comparison_exact, exact, "
-        "exact_two_turn, grpo_kl_scale, kl_ablation, kl_ablation_exact, kl_placement_bias, kl_to_go, smoke"
+        "exact_two_turn, grpo_kl_scale, kl_ablation, kl_ablation_exact, kl_placement_bias, kl_to_go, multi_turn_mask, "
+        "smoke"
     )
