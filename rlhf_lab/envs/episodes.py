@@ -118,8 +118,8 @@ class EpisodeRunner:
         """Play one episode per sample with ``settings`` (``env.stop`` for each turn where set): (the rollout with
         scores and turn rewards on ``device``, each trajectory decoded, valid [B] bool: False where the
         environment failed under ``env.on_error=drop``)."""
-        self.settings = dataclasses.replace(settings, stop=self.stop or settings.stop,
-                                            max_prompt_tokens=settings.max_prompt_tokens + self.budget)
+        # (``settings.max_prompt_tokens`` holds the episode's budget: SamplingSettings.from_config)
+        self.settings = dataclasses.replace(settings, stop=self.stop or settings.stop)
         keys = keys or [episode_seed(0, i, str(p)) for i, p in enumerate(prompts)]  # (a caller without keys)
         tasks = [task_of(prompt) for prompt in prompts]
         starts = self._call_all([(f"reset of {names[i]} ({_short(prompts[i])})",

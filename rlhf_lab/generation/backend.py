@@ -29,6 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from rlhf_lab.generation.rollout import Rollout
+from rlhf_lab.registry import get
 
 Prompt = str | list[int]  # formatted text (tokenised without special tokens), or token ids used as they are
 
@@ -58,10 +59,15 @@ class SamplingSettings:
 
     @classmethod
     def from_config(cls, cfg: Any) -> SamplingSettings:
+        """The run's settings. Under a multi-turn environment a turn's prompt is the episode so far: the longest
+        is the prompt and the episode's whole budget (``env.max_tokens``), which an engine sizes its context for."""
         trainer = cfg.trainer
         generation = cfg.get("generation") or {}
+        env = cfg.get("env") or {}
+        episodes = env.get("name", "single_turn") != "single_turn" and not get("env", env["name"]).single_turn
+        prompt_tokens = cfg.data.max_prompt_tokens + (int(env["max_tokens"]) if episodes else 0)
         return cls(trainer.max_new_tokens, trainer.temperature, trainer.top_p, trainer.top_k,
-                   cfg.data.max_prompt_tokens, tuple(generation.get("stop", None) or ()))
+                   prompt_tokens, tuple(generation.get("stop", None) or ()))
 
 
 class GenerationBackend(Protocol):

@@ -63,7 +63,7 @@ def runner_cfg(env, chat_template=True):
                              "trainer": {"seed_per_prompt": False}})
 
 
-SETTINGS = SamplingSettings(max_new_tokens=6, max_prompt_tokens=64)
+SETTINGS = SamplingSettings(max_new_tokens=6, max_prompt_tokens=256)  # a prompt and the episode's budget
 
 
 def answer(tokenizer, text):
@@ -132,7 +132,7 @@ def test_a_template_that_rewrites_earlier_turns_does_not_change_the_trained_toke
     tokenizer.chat_template = REWRITING_TEMPLATE
     thought = tokenizer("<think>carry the one</think>5", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     rollout, _, _, _ = run(Countdown(env_cfg(stop_at=2)), tokenizer, lambda prompt, index: thought, group=1,
-                           settings=SamplingSettings(max_new_tokens=40, max_prompt_tokens=64))
+                           settings=SamplingSettings(max_new_tokens=40, max_prompt_tokens=256))
     response = rollout.response_ids[0][rollout.response_mask[0] > 0].tolist()
     assert response == thought + thought  # both turns' sampled ids, the reasoning kept
     rendered = tokenizer.apply_chat_template(
