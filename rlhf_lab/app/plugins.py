@@ -45,7 +45,7 @@ def load_entry_points() -> list[str]:
             continue
         try:
             _loaded[key] = point.load()
-        except Exception as error:
+        except (Exception, SystemExit) as error:  # a plug-in that raises or calls sys.exit while importing
             raise ConfigError(f"plug-in entry point {point.name!r} ({ENTRY_POINT_GROUP}: {point.value}) failed to "
                               f"import: {_first_line(error)}") from None
     return [point.name for point in found]
@@ -60,7 +60,7 @@ def load_plugins(names: Iterable[str] = ()) -> None:
             continue
         try:
             _loaded[name] = importlib.import_module(name)
-        except Exception as error:
+        except (Exception, SystemExit) as error:
             raise ConfigError(f"plugins: {name!r} failed to import ({_first_line(error)}); install it or add its "
                               "folder to PYTHONPATH") from None
 

@@ -85,6 +85,9 @@ class Reward:
                 return self.score(prompts, responses, **self.columns(prompts))
             except RewardError:
                 raise
+            except SystemExit as stop:  # user code ending the process would end the run with nothing written
+                raise RewardError(f"{self.describe()} called sys.exit({stop.code!r}); a reward returns scores "
+                                  "or raises") from None
             except Exception as error:  # noqa: BLE001 (user code: any failure is reported the same way)
                 sample = self._first_failing_sample(prompts, responses)
                 where = f" on sample {sample}" if sample is not None else ""
@@ -131,6 +134,9 @@ def check_batch(prompts: Sequence[str], responses: Sequence[str]) -> None:
 
 def as_scores(values: Any, expected: int, source: str) -> torch.Tensor:
     """Convert a sequence/array/tensor of ``expected`` numbers to float32 [N] on the CPU, or raise."""
+    if isinstance(values, Mapping):  # list(dict) would be its keys
+        raise RewardError(f"{source} returned a {type(values).__name__}; expected {expected} numbers, one per response "
+                          "in order (a list, array or tensor)")
     if isinstance(values, torch.Tensor):
         scores = values.detach().to("cpu", torch.float32)
     else:

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from rlhf_lab.registry import register
-from rlhf_lab.rewards.base import ConfigLike, Reward, RewardOutput, as_scores
+from rlhf_lab.rewards.base import ConfigLike, Reward, RewardOutput, as_scores, first_line
 
 
 def load_function(spec: Any) -> Callable[..., Any]:
@@ -22,10 +22,11 @@ def load_function(spec: Any) -> Callable[..., Any]:
         raise ValueError(f"reward function spec {spec!r} must look like 'module:function'")
     try:
         target: Any = importlib.import_module(module_name)
-    except ImportError as error:
+    except (Exception, SystemExit) as error:  # a missing module, a syntax error, code that raises or exits
         raise ValueError(
-            f"reward function spec {spec!r}: cannot import module {module_name!r} ({error})"
-        ) from error
+            f"reward function spec {spec!r}: cannot import module {module_name!r} ({type(error).__name__}: "
+            f"{first_line(error)})"
+        ) from None
     for attribute in attribute_path.split("."):
         if not hasattr(target, attribute):
             raise ValueError(

@@ -51,15 +51,29 @@ class Experience:
     stats: dict[str, float] = field(default_factory=dict)  # this rank's sampling counts (DAPO's rules)
 
 
+LARGEST_SCORE = 1e15  # beyond it a batch's float32 statistics (a group's variance) overflow and zero the advantages
+
+
 def screen_scores(scores: Tensor, components: dict[str, Tensor], names: list[str], group_size: int,
                   on_nonfinite: str, reward_name: str) -> tuple[Tensor, Tensor]:
     """NaN/inf scores: a one-line RewardError (``on_nonfinite=error``) or filled and marked invalid (``drop``).
+    Scores no run can learn from are a RewardError either way: finite ones beyond ±``LARGEST_SCORE``, and a batch
+    with no finite score at all (``drop`` would train on nothing).
 
     Returns (scores [B], valid [B] bool). ``names[i]`` says where prompt i comes from, for the message.
     """
     valid = torch.isfinite(scores)
+    huge = valid & (scores.abs() > LARGEST_SCORE)
+    if bool(huge.any()):
+        sample = int(huge.nonzero()[0])
+        raise RewardError(f"{reward_name} returned {float(scores[sample]):g} for sample {sample} "
+                          f"({names[sample // group_size]}); scores beyond ±{LARGEST_SCORE:g} overflow the advantage "
+                          "statistics: rescale the reward", sample=sample)
     if bool(valid.all()):
         return scores, valid
+    if not bool(valid.any()) and on_nonfinite == "drop":
+        raise RewardError(f"{reward_name} returned no finite score for any of the {len(scores)} samples "
+                          f"({names[0]}, ...): reward.on_nonfinite=drop would train on nothing")
     if on_nonfinite == "error":
         sample = int((~valid).nonzero()[0])
         culprits = [key for key, values in components.items() if not math.isfinite(float(values[sample]))]
