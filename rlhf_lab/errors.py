@@ -43,6 +43,10 @@ class CheckpointError(UserError, ValueError):
     """A checkpoint or resume target that cannot be used; the message is one line naming it."""
 
 
+class RunFolderError(UserError, OSError):
+    """A run folder's file that cannot be used safely (a symbolic link out of the folder); one line naming it."""
+
+
 class ToolError(UserError):
     """Bad arguments or inputs of a sub-command (``report``, ``bench``)."""
 

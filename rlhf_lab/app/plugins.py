@@ -15,7 +15,9 @@ with one line naming it and its error.
 from __future__ import annotations
 
 import importlib
+import sys
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 from rlhf_lab.errors import ConfigError
@@ -33,9 +35,7 @@ def _first_line(error: BaseException) -> str:
 def load_entry_points() -> list[str]:
     """Import every installed ``rlhf_lab.plugins`` entry point (once per process); returns their names."""
     global _entry_points_loaded
-    from importlib.metadata import entry_points
-
-    found = list(entry_points(group=ENTRY_POINT_GROUP))
+    found = installed_entry_points()
     if _entry_points_loaded:
         return [point.name for point in found]
     _entry_points_loaded = True
@@ -49,6 +49,23 @@ def load_entry_points() -> list[str]:
             raise ConfigError(f"plug-in entry point {point.name!r} ({ENTRY_POINT_GROUP}: {point.value}) failed to "
                               f"import: {_first_line(error)}") from None
     return [point.name for point in found]
+
+
+def installed_entry_points() -> list[Any]:
+    """The ``rlhf_lab.plugins`` entry points of installed distributions: those on ``sys.path`` except the working
+    folder (which ``python -m`` and the console script put there to import a reward module from it), so a
+    ``*.dist-info`` lying in the folder a run starts from cannot inject a plug-in into it."""
+    from importlib.metadata import distributions
+
+    here = Path.cwd().resolve()
+    paths = [entry for entry in sys.path if Path(entry or ".").resolve() != here]
+    found, seen = [], set()
+    for distribution in distributions(path=paths):
+        for point in distribution.entry_points.select(group=ENTRY_POINT_GROUP):
+            if (point.name, point.value) not in seen:
+                seen.add((point.name, point.value))
+                found.append(point)
+    return found
 
 
 def load_plugins(names: Iterable[str] = ()) -> None:

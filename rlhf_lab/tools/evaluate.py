@@ -51,6 +51,25 @@ def source_overrides(source: str) -> tuple[list[str], Path | None, Path | None]:
     return [line for line in lines if not line.startswith(DROPPED)], checkpoint, run_dir
 
 
+def names_code(line: str) -> bool:
+    """Whether an override names code to import: a plug-in module, or a function (a python reward, a judge, a
+    composite's or eval reward's component)."""
+    key, _, value = line.partition("=")
+    key = key.lstrip("+~")
+    return key == "plugins" or key.endswith((".function", ".judge")) or "function:" in value or "judge:" in value
+
+
+def check_stored_code(stored: list[str], given: list[str], where: Path) -> None:
+    """A run folder is data: code its stored config names (``reward.function=...``, ``plugins=[...]``) is imported
+    only when the user names it again on the command line (``--trust-run-config`` trusts the folder)."""
+    given_keys = {line.split("=", 1)[0].lstrip("+~") for line in given}
+    for line in stored:
+        key = line.split("=", 1)[0].lstrip("+~")
+        if names_code(line) and key not in given_keys:
+            raise ToolError(f"{str(where)!r} names code to run ({line}); a run folder is data, so its code runs only "
+                            f"when you name it: give {key}=... on the command line, or pass --trust-run-config")
+
+
 def load_weights(policy: Any, model_dir: Path) -> None:
     """The checkpoint's weights into the freshly built policy (its adapter, or the whole network)."""
     from safetensors.torch import load_file
@@ -67,8 +86,10 @@ def load_weights(policy: Any, model_dir: Path) -> None:
     policy.load_state_dict(trained.state_dict(), strict=False)
 
 
-def evaluate_source(source: str, overrides: list[str], out: Path | None = None) -> dict[str, Any]:
-    """Compose, load, evaluate; returns what ``eval.json`` holds."""
+def evaluate_source(source: str, overrides: list[str], out: Path | None = None,
+                    trust_run_config: bool = False) -> dict[str, Any]:
+    """Compose, load, evaluate; returns what ``eval.json`` holds. Code named only by the source's stored config is
+    refused unless ``trust_run_config`` (:func:`check_stored_code`)."""
     from omegaconf import OmegaConf
 
     import rlhf_lab.components  # noqa: F401  (registers the built-in parts)
@@ -85,6 +106,8 @@ def evaluate_source(source: str, overrides: list[str], out: Path | None = None) 
     from rlhf_lab.training.setup import resolve_device, seed_everything
 
     base, checkpoint, run_dir = source_overrides(source)
+    if run_dir is not None and not trust_run_config:
+        check_stored_code(base, overrides, run_dir / ".hydra" / "overrides.yaml")
     cfg = compose([*base, *overrides])
     stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
     out = Path(out) if out is not None else (run_dir / "eval" / stamp if run_dir else Path("outputs") / "eval" / stamp)
@@ -135,9 +158,12 @@ def main(args: list[str] | None = None) -> None:
     parser.add_argument("source", help="a run folder, a checkpoints/step_N, a model folder or a hub id")
     parser.add_argument("overrides", nargs="*", help="config overrides, e.g. eval.samples_per_prompt=4 eval.greedy=true")
     parser.add_argument("--out", type=Path, default=None, help="where to write eval.json (default: RUN/eval/<time>)")
+    parser.add_argument("--trust-run-config", action="store_true",
+                        help="import the code the run's stored config names (python rewards, plug-ins) without "
+                             "naming it again")
     options = parser.parse_args(args)
     try:
-        result = evaluate_source(options.source, options.overrides, options.out)
+        result = evaluate_source(options.source, options.overrides, options.out, options.trust_run_config)
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)

@@ -14,6 +14,7 @@ from typing import Any
 
 from rlhf_lab.registry import register
 from rlhf_lab.trackers.base import Tracker
+from rlhf_lab.trackers.jsonl import open_in_folder
 
 
 def _cell(value: Any) -> Any:
@@ -51,12 +52,12 @@ class CsvTracker(Tracker):
             self.columns += new
             self._rewrite()
             return
-        with open(self.path, "a", newline="", encoding="utf-8") as handle:
+        with open_in_folder(self.path, "a", newline="") as handle:
             csv.DictWriter(handle, self.columns).writerow(row)
 
     def _rewrite(self) -> None:
         tmp = self.path.with_name(f".{self.path.name}.tmp")
-        with open(tmp, "w", newline="", encoding="utf-8") as handle:
+        with open_in_folder(tmp, "w", newline="") as handle:
             writer = csv.DictWriter(handle, self.columns)
             writer.writeheader()
             writer.writerows(self.rows)

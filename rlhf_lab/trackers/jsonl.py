@@ -8,12 +8,14 @@ interface that W&B implements too.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
 from pathlib import Path
 from typing import Any
 
+from rlhf_lab.errors import RunFolderError
 from rlhf_lab.trackers.base import Tracker
 
 
@@ -25,13 +27,28 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
+def open_in_folder(path: Path, mode: str, newline: str | None = None) -> Any:
+    """``open(path, mode)`` for a run folder's own file (``a`` or ``w``, text), never through a symbolic link: a
+    link planted in a run folder (dangling or not) would make the run create or truncate a file outside it.
+    A link is a one-line :class:`~rlhf_lab.errors.RunFolderError`."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_APPEND if mode == "a" else os.O_TRUNC)
+    try:
+        descriptor = os.open(path, flags, 0o644)
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise RunFolderError(f"{str(path)!r} is a symbolic link; a run folder's files are never written through "
+                                 "one (remove it, or choose another trainer.output_dir)") from None
+        raise
+    return os.fdopen(descriptor, mode, encoding="utf-8", newline=newline)
+
+
 class JsonlWriter:
     """Append-only JSON Lines file, flushed after every line."""
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (kept open for the run)
+        self._file = open_in_folder(self.path, "a")
 
     def write(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps({k: _jsonable(v) for k, v in record.items()}) + "\n")
@@ -67,7 +84,7 @@ def write_json_atomic(path: Path, payload: Any, lines: list[dict[str, Any]] | No
     """Write a JSON file (or JSON Lines when ``lines`` is given) via a temporary file and a rename."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as handle:
+    with open_in_folder(tmp, "w") as handle:
         if lines is None:
             json.dump(payload, handle, indent=2, default=_jsonable)
         else:

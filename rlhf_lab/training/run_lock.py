@@ -12,6 +12,7 @@ and :func:`rlhf_lab.training.launch.run` takes it again (a multirun job's own fo
 from __future__ import annotations
 
 import atexit
+import errno
 import fcntl
 import os
 import sys
@@ -20,7 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlhf_lab.errors import ConfigError, UserError
+from rlhf_lab.errors import ConfigError, RunFolderError, UserError
 
 LOCK_FILE = ".rlhf_lab.lock"
 
@@ -56,7 +57,13 @@ def acquire(run_dir: Path) -> None:
     folder = Path(key)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / LOCK_FILE
-    descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:  # never through a link: one planted in the folder would truncate a file outside it
+        descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise RunFolderError(f"{str(path)!r} is a symbolic link; the run folder's lock is never taken through "
+                                 "one (remove it, or choose another trainer.output_dir)") from None
+        raise
     try:
         fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

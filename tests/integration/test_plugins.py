@@ -166,8 +166,6 @@ def test_python_api_refuses_a_sweep() -> None:
 
 
 def test_entry_point_that_fails_to_import_is_one_line_naming_it(monkeypatch) -> None:
-    import importlib.metadata
-
     from rlhf_lab.app import plugins
 
     class Broken:
@@ -176,7 +174,7 @@ def test_entry_point_that_fails_to_import_is_one_line_naming_it(monkeypatch) -> 
         def load(self):
             raise ImportError("No module named 'broken_pkg'")
 
-    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: [Broken()] if group == "rlhf_lab.plugins" else [])
+    monkeypatch.setattr(plugins, "installed_entry_points", lambda: [Broken()])
     monkeypatch.setattr(plugins, "_entry_points_loaded", False)
     with pytest.raises(ConfigError, match=r"^plug-in entry point 'broken' \(rlhf_lab.plugins: broken_pkg.parts\) failed "
                                           r"to import: ImportError: No module named 'broken_pkg'$"):

@@ -1,0 +1,75 @@
+"""A run folder is data, not code, and nothing outside it is written through it: a crafted stored config does not
+run its code under ``rlhf-lab eval`` (unless named again or trusted), a planted lock or metrics symlink is refused
+in one line with its target untouched, and a ``*.dist-info`` in the working folder injects no plug-in. Each of these
+failed before the fix: the shell command ran, the target was truncated or created, the plug-in imported."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import rlhf_lab
+
+TINY = ["model=tiny", "trainer.steps=1", "trainer.eval_prompts=2", "trainer.progress_bar=false",
+        "algorithm.group_size=2", "trainer.prompts_per_step=2", "trainer.max_new_tokens=4", "trainer.precision=fp32"]
+PLANTED = '''
+from pathlib import Path
+Path({marker!r}).write_text("ran")
+def score(prompts, responses):
+    return [0.0] * len(responses)
+'''
+
+
+def test_eval_runs_no_code_named_only_by_a_run_folder(tmp_path: Path, run_cli, monkeypatch, capsys) -> None:
+    run = tmp_path / "run"
+    rlhf_lab.train(TINY, run_dir=run)
+    capsys.readouterr()  # training's own output
+    marker = tmp_path / "marker.txt"
+    (tmp_path / "planted_reward.py").write_text(PLANTED.format(marker=str(marker)))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "planted_reward", raising=False)
+    (run / ".hydra" / "overrides.yaml").write_text("".join(
+        f"- {line}\n" for line in [*TINY, "reward=python", "reward.function=planted_reward:score"]))
+    code, _, err = run_cli(["eval", str(run)])
+    assert code == 2 and not marker.exists()
+    assert err == (f"error: '{run / '.hydra' / 'overrides.yaml'}' names code to run (reward.function=planted_reward:"
+                   "score); a run folder is data, so its code runs only when you name it: give reward.function=... on "
+                   "the command line, or pass --trust-run-config\n")
+    code, _, err = run_cli(["eval", str(run), "reward.function=planted_reward:score"])  # named by the user
+    assert code == 0 and marker.read_text() == "ran", err
+    marker.unlink()
+    monkeypatch.delitem(sys.modules, "planted_reward")
+    code, _, err = run_cli(["eval", str(run), "--trust-run-config"])
+    assert code == 0 and marker.exists(), err
+
+
+@pytest.mark.parametrize("name", [".rlhf_lab.lock", "metrics.jsonl", "samples.jsonl"])
+def test_a_symlink_planted_in_a_run_folder_is_not_followed(tmp_path: Path, run_cli, name: str) -> None:
+    run, outside = tmp_path / "run", tmp_path / "outside"
+    run.mkdir()
+    outside.mkdir()
+    existing = outside / "precious.txt"
+    existing.write_text("keep me")
+    target = existing if name == ".rlhf_lab.lock" else outside / f"created_{name}"  # dangling for the logs
+    (run / name).symlink_to(target)
+    code, _, err = run_cli([*TINY, f"trainer.output_dir={run}"])
+    assert code == 2 and err.count("\n") == 1 and err.startswith(f"error: '{run / name}' is a symbolic link;")
+    assert existing.read_text() == "keep me" and sorted(p.name for p in outside.iterdir()) == ["precious.txt"]
+
+
+def test_a_dist_info_in_the_working_folder_injects_no_plugin(tmp_path: Path) -> None:
+    marker = tmp_path / "injected.txt"
+    (tmp_path / "evil_plugin.py").write_text(f"from pathlib import Path\nPath({str(marker)!r}).write_text('x')\n")
+    info = tmp_path / "evil_plugin-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: evil_plugin\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[rlhf_lab.plugins]\nevil = evil_plugin\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    result = subprocess.run([sys.executable, "-m", "rlhf_lab", "model=tiny", "trainer.steps=-1"], cwd=tmp_path,
+                            env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "trainer.steps=-1" in result.stderr
+    assert not marker.exists()
