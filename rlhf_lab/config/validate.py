@@ -28,6 +28,7 @@ from rlhf_lab.config.validate_numbers import check_numbers
 from rlhf_lab.config.validate_offline import check_offline
 from rlhf_lab.config.validate_paths import check_paths
 from rlhf_lab.config.validate_scale import check_scale
+from rlhf_lab.config.validate_sizes import check_sizes
 from rlhf_lab.config.validate_values import check_values
 from rlhf_lab.errors import CheckpointError, ConfigError
 from rlhf_lab.trackers.multi import check_trackers
@@ -57,6 +58,7 @@ def validate(cfg: Any) -> None:
     check_env(cfg)
     check_offline(cfg)
     check_scale(cfg)
+    check_sizes(cfg)
     check_paths(cfg)
     check_code(cfg)
     check_resume(cfg.trainer)

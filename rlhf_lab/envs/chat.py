@@ -14,6 +14,7 @@ tokenizer that has none) each message's content is tokenised as it is.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from rlhf_lab.envs.base import Message
@@ -39,12 +40,21 @@ class ChatFormat:
 
     def prompt_ids(self, messages: list[Message]) -> list[int]:
         """The episode's first prompt: its messages (after ``model.system_prompt``, where they have no system
-        message) with the generation prompt."""
+        message) with the generation prompt. A template that ignores ``tools=`` (SmolLM2's) gets the tools in its
+        system message instead, in the Hermes format the calls are parsed in."""
         if not self.templated:
             return self._plain(messages)
         if self.system_prompt and not any(m["role"] == "system" for m in messages):
             messages = [{"role": "system", "content": self.system_prompt}, *messages]
+        if self.tools and not self._takes_tools():
+            messages = with_tools_in_system(messages, self.tools)
         return self._render(messages, generation_prompt=True)
+
+    def _takes_tools(self) -> bool:
+        """Whether the template renders ``tools=`` at all."""
+        plain = self.tokenizer.apply_chat_template(_BASE[:1], tokenize=False, add_generation_prompt=True)
+        return plain != self.tokenizer.apply_chat_template(_BASE[:1], tools=self.tools, tokenize=False,
+                                                           add_generation_prompt=True)
 
     def continuation_ids(self, messages: list[Message]) -> list[int]:
         """The ids the environment's ``messages`` add after a model turn, the next generation prompt included."""
@@ -73,3 +83,15 @@ class ChatFormat:
     def assistant_text(self, ids: list[int]) -> str:
         """A model turn's sampled ids as the message the environment reads (special tokens dropped)."""
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+TOOLS_TEXT = ("You can call these tools:\n<tools>\n{tools}\n</tools>\nTo call one, write <tool_call>{{\"name\": "
+              "\"...\", \"arguments\": {{...}}}}</tool_call>; its result comes back in the next message.")
+
+
+def with_tools_in_system(messages: list[Message], tools: list[dict[str, Any]]) -> list[Message]:
+    """The messages with the tools' schemas described in the system message (added, or appended to the first)."""
+    text = TOOLS_TEXT.format(tools="\n".join(json.dumps(tool) for tool in tools))
+    if messages and messages[0]["role"] == "system":
+        return [{**messages[0], "content": f"{messages[0]['content']}\n\n{text}"}, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]

@@ -287,3 +287,20 @@ def test_gae_skips_environment_tokens() -> None:
     assert returns.tolist()[0] == pytest.approx([0.81, 0.0, 1.0])
     compact, _ = gae_advantages(rewards[:, [0, 2]], values[:, [0, 2]], mask[:, [0, 2]], 0.9, 0.8)
     assert advantages[0, [0, 2]].tolist() == pytest.approx(compact[0].tolist())
+
+
+TOOL_TEMPLATE = ("{% if tools %}<|im_start|>system\nTOOLS:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}"
+                 "<|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                 "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_tools_reach_the_model_through_the_template_or_the_system_message(tiny_tokenizer) -> None:
+    schemas = tool_schemas([calculate])
+    question = [{"role": "user", "content": "What is 2+3?"}]
+    ignoring = tiny_tokenizer.decode(ChatFormat(tiny_tokenizer, True, "Be brief.", schemas).prompt_ids(question))
+    assert "Be brief.\n\nYou can call these tools:\n<tools>\n" in ignoring and '"name": "calculate"' in ignoring
+    assert "write <tool_call>" in ignoring  # SmolLM2's template ignores tools=: they go in the system message
+    aware = tiny_tokenizer.__class__.from_pretrained(tiny_tokenizer.name_or_path)
+    aware.chat_template = TOOL_TEMPLATE
+    rendered = aware.decode(ChatFormat(aware, True, None, schemas).prompt_ids(question))
+    assert rendered.startswith("<|im_start|>system\nTOOLS: calculate<|im_end|>") and "<tools>" not in rendered

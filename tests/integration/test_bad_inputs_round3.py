@@ -1,0 +1,58 @@
+"""Bad inputs, round three: sizes a run cannot fit or finish are refused before any model loads (one ``error:``
+line, exit status 2, through :func:`rlhf_lab.app.cli.main` in this process), and settings a run cannot learn with
+are a warning (rlhf_lab/config/validate_sizes.py)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from test_bad_inputs import TINY, Case
+from test_bad_inputs_round2 import without
+
+from rlhf_lab.app import cli
+from rlhf_lab.config import compose
+
+CORES = os.cpu_count() or 1
+SIZES = [
+    Case("group_size_a_million", ["algorithm.group_size=1000000"],
+         "trainer.prompts_per_step=2 x algorithm.group_size=1000000 = 2000000 samples a step cannot fit; at most "
+         "65536 (raise trainer.steps instead)"),
+    Case("prompts_per_step_a_billion", ["trainer.prompts_per_step=1000000000"],
+         "trainer.prompts_per_step=1000000000 x algorithm.group_size=2 = 2000000000 samples a step cannot fit; at "
+         "most 65536 (raise trainer.steps instead)"),
+    Case("refill_rounds_a_billion", ["algorithm=dapo", "algorithm.max_refill_rounds=1000000000"],
+         "algorithm.max_refill_rounds=1000000000 cannot finish; at most 100 extra generation rounds a step"),
+    Case("lora_rank_1e8", ["model.lora.enabled=true", "model.lora.r=100000000"],
+         "model.lora.r=100000000 cannot fit; at most 4096 (a layer's rank is at most its width)"),
+    Case("threads_100000", ["trainer.num_threads=100000"],
+         f"trainer.num_threads=100000 is more than 4 threads per core of this machine's {CORES}; at most "
+         f"{4 * CORES} (0: torch's default)"),
+    Case("temperature_1e-30", ["trainer.temperature=1e-30"],
+         "trainer.temperature=1e-30 overflows the logits it divides; at least 0.001 (eval.greedy=true evaluates the "
+         "most likely tokens)"),
+    Case("tiny_zero_layers", ["model.tiny.num_hidden_layers=0"], "model.tiny.num_hidden_layers=0 must be at least 1"),
+    Case("tiny_heads_do_not_divide", ["model.tiny.hidden_size=30"],
+         "model.tiny.hidden_size=30 does not split into model.tiny.num_attention_heads=4 heads"),
+    Case("tiny_kv_heads_do_not_divide", ["model.tiny.num_key_value_heads=3"],
+         "model.tiny.num_attention_heads=4 does not split into groups of model.tiny.num_key_value_heads=3"),
+]
+
+
+@pytest.mark.parametrize("case", SIZES, ids=[case.id for case in SIZES])
+def test_a_size_that_cannot_fit_or_finish_is_one_line(case: Case, tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exited:
+        cli.main([*without(TINY, case.overrides), *case.overrides])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err == f"error: {case.message}\n"
+    assert list(tmp_path.iterdir()) == []  # refused before any run folder
+
+
+@pytest.mark.parametrize(("overrides", "warning"), [
+    (["model.lora.enabled=true", "model.lora.alpha=0"], "model.lora.alpha=0 scales the adapter's update by 0"),
+    (["kl.coef=1e300"], r"kl.coef=1e\+300: the KL term outweighs any task reward"),
+])
+def test_a_setting_that_cannot_learn_is_a_warning(overrides: list[str], warning: str) -> None:
+    with pytest.warns(UserWarning, match=warning):
+        compose([*without(TINY, overrides), *overrides])
