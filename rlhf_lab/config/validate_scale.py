@@ -7,6 +7,7 @@ into whole prompt groups per rank, with mini-batches that split evenly across ra
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -25,7 +26,31 @@ def planned_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def check_launch_environment(environ: Any = None) -> None:
+    """The launcher's variables must describe a launch: ``WORLD_SIZE`` above 1 needs the rank and the rendezvous
+    address a launcher sets with it (else torch.distributed traces back), and a ``RANK`` other than 0 needs a world
+    of more than one process (else the process would act as a non-zero rank of nothing: no run lock, no files)."""
+    environ = os.environ if environ is None else environ
+    if "TORCHELASTIC_RUN_ID" in environ:
+        return
+    given = " ".join(f"{key}={environ[key]}" for key in LAUNCH_VARIABLES if key in environ)
+    fix = "unset them for one process, or launch with torchrun --nproc_per_node=N -m rlhf_lab"
+    try:
+        world, rank = int(environ.get("WORLD_SIZE", "1") or 1), int(environ.get("RANK", "0") or 0)
+    except ValueError:
+        raise ConfigError(f"{given}: the launcher's variables are not numbers; {fix}") from None
+    if world > 1 and not ("RANK" in environ and "MASTER_ADDR" in environ):
+        raise ConfigError(f"{given} names {world} processes, but no launcher started this one (RANK and "
+                          f"MASTER_ADDR unset); {fix}")
+    if rank != 0 and world <= 1:
+        raise ConfigError(f"{given} makes this process rank {rank} of a single-process world; {fix}")
+
+
 def check_scale(cfg: Any) -> None:
+    check_launch_environment()
     trainer, algorithm = cfg.trainer, cfg.algorithm
     device = planned_device(trainer.device)
     if trainer.precision != "auto" or trainer.dtype is not None:  # auto never needs CUDA; resolved (measured) later

@@ -56,3 +56,26 @@ def test_a_size_that_cannot_fit_or_finish_is_one_line(case: Case, tmp_path, monk
 def test_a_setting_that_cannot_learn_is_a_warning(overrides: list[str], warning: str) -> None:
     with pytest.warns(UserWarning, match=warning):
         compose([*without(TINY, overrides), *overrides])
+
+
+@pytest.mark.parametrize(("environ", "message"), [
+    ({"WORLD_SIZE": "2"}, "WORLD_SIZE=2 names 2 processes, but no launcher started this one (RANK and MASTER_ADDR "
+                          "unset); unset them for one process, or launch with torchrun --nproc_per_node=N -m rlhf_lab"),
+    ({"RANK": "1"}, "RANK=1 makes this process rank 1 of a single-process world; unset them for one process, or "
+                    "launch with torchrun --nproc_per_node=N -m rlhf_lab"),
+    ({"RANK": "one"}, "RANK=one: the launcher's variables are not numbers; unset them for one process, or launch "
+                      "with torchrun --nproc_per_node=N -m rlhf_lab"),
+], ids=["world_size_without_torchrun", "rank_one_alone", "rank_not_a_number"])
+def test_a_launch_environment_that_describes_no_launch_is_one_line(environ, message, tmp_path, monkeypatch,
+                                                                   capsys) -> None:
+    """Stray launcher variables: torch.distributed would trace back (WORLD_SIZE alone), or the process would run
+    as a non-zero rank of nothing, taking no run lock and writing no files (RANK=1 alone)."""
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in environ.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exited:
+        cli.main(TINY)
+    assert exited.value.code == 2 and capsys.readouterr().err == f"error: {message}\n"
+    assert list(tmp_path.iterdir()) == []
