@@ -47,7 +47,14 @@ def source_overrides(source: str) -> tuple[list[str], Path | None, Path | None]:
     if not overrides_file.is_file():
         raise ToolError(f"{str(run_dir)!r} has no .hydra/overrides.yaml to rebuild its config; evaluate its "
                         f"model folder instead: {checkpoint / 'model'} (full fine-tuning) or export it first")
-    lines = [str(line) for line in (yaml.safe_load(overrides_file.read_text()) or [])]
+    try:
+        stored = yaml.safe_load(overrides_file.read_text(encoding="utf-8")) or []
+    except (yaml.YAMLError, UnicodeDecodeError):
+        stored = None
+    if not isinstance(stored, list):
+        raise ToolError(f"{str(overrides_file)!r} is not a YAML list of overrides (torn or edited); evaluate "
+                        f"{checkpoint / 'model'} as a model folder instead")
+    lines = [str(line) for line in stored]
     return [line for line in lines if not line.startswith(DROPPED)], checkpoint, run_dir
 
 
@@ -111,6 +118,8 @@ def evaluate_source(source: str, overrides: list[str], out: Path | None = None,
     cfg = compose([*base, *overrides])
     stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
     out = Path(out) if out is not None else (run_dir / "eval" / stamp if run_dir else Path("outputs") / "eval" / stamp)
+    if out.exists() and not out.is_dir():
+        raise ToolError(f"--out {str(out)!r} is a file; give a folder for eval.json")
     device = resolve_device(cfg.trainer.device)
     precision = Precision.from_config(cfg.trainer, device, warn=False)
     seed_everything(cfg.seed)

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from rlhf_lab.errors import ToolError
+from rlhf_lab.errors import CheckpointError, ToolError, UserError
 
 CARD_KEYS = ("algorithm.name", "algorithm.advantage", "algorithm.policy_loss", "algorithm.group_size", "kl.name",
              "kl.placement", "kl.coef", "reward.name", "model.name", "model.name_or_path", "model.lora.enabled",
@@ -32,13 +32,18 @@ SUMMARY_KEYS = ("reward/first_20pct_mean", "reward/last_20pct_mean", "eval/rewar
 
 def find_checkpoint(path: Path) -> Path:
     """The checkpoint folder ``path`` names (a run, its ``checkpoints/`` or a ``step_N``); one line if none."""
-    from rlhf_lab.training.checkpoint import MODEL_FOLDER, locate_checkpoint
+    from rlhf_lab.training.checkpoint import MODEL_FOLDER, STATE_FILE, locate_checkpoint
+    from rlhf_lab.training.verify import damage
 
     path = Path(path).expanduser()
     if not path.exists():
         raise ToolError(f"{str(path)!r} does not exist; give a run folder, its checkpoints/ or a checkpoints/step_N")
     found = locate_checkpoint(path, repr(str(path)))
     if found is not None:
+        problem = damage(found, STATE_FILE)
+        if problem is not None:
+            raise CheckpointError(f"checkpoint {found} is damaged ({problem}); use another checkpoint of the run "
+                                  "(checkpoints/step_N)")
         return found
     if (path / MODEL_FOLDER).is_dir() or (path / "config.json").is_file():
         raise ToolError(f"{str(path)!r} is not a checkpoint of a run (no trainer_state.json); a model folder is "
@@ -117,9 +122,13 @@ def export(source: Path, out: Path, adapter: bool = False, base: str | None = No
     from rlhf_lab.training.checkpoint import MODEL_FOLDER
 
     out = Path(out).expanduser()
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
+    if out.exists() and not out.is_dir():
+        raise ToolError(f"{str(out)!r} is a file; give a folder to export into")
+    if out.exists() and any(out.iterdir()) and not force:
         raise ToolError(f"{str(out)!r} exists and is not empty; choose another folder or pass --force to write into it")
     checkpoint = find_checkpoint(source)
+    if out.resolve().is_relative_to(checkpoint.resolve()):
+        raise ToolError(f"{str(out)!r} is inside the checkpoint it exports ({checkpoint}); choose a folder outside it")
     model_dir = checkpoint / MODEL_FOLDER
     is_adapter = (model_dir / "adapter_config.json").is_file()
     if (adapter or base) and not is_adapter:
@@ -146,10 +155,23 @@ def export(source: Path, out: Path, adapter: bool = False, base: str | None = No
         _merge(config, model_dir).save_pretrained(out, safe_serialization=True)
         AutoTokenizer.from_pretrained(str(model_dir)).save_pretrained(out)
     summary_file = checkpoint.parent.parent / "summary.json"
-    summary = json.loads(summary_file.read_text()) if summary_file.is_file() else {}
+    summary = read_summary(summary_file)
     (out / "README.md").write_text(model_card(config, summary, checkpoint, base if adapter else None),
                                    encoding="utf-8")
     return checkpoint
+
+
+def read_summary(path: Path) -> dict[str, Any]:
+    """A run's ``summary.json`` for the model card; {} when there is none (a run still going), one line when torn."""
+    if not path.is_file():
+        return {}
+    try:
+        summary = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        raise ToolError(f"{str(path)!r} is not valid JSON (torn or edited); remove it to export without it") from None
+    if not isinstance(summary, dict):
+        raise ToolError(f"{str(path)!r} is not a JSON object; remove it to export without it")
+    return summary
 
 
 def push_to_hub(folder: Path, repo: str, private: bool = False) -> str:
@@ -181,6 +203,6 @@ def main(args: list[str] | None = None) -> None:
         print(f"exported {checkpoint} to {options.out}")
         if options.push_to_hub:
             print(f"pushed to {options.push_to_hub}: {push_to_hub(options.out, options.push_to_hub, options.private)}")
-    except ToolError as error:
+    except UserError as error:  # a bad argument, a damaged checkpoint
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)

@@ -72,6 +72,10 @@ def damage(folder: Path, state_file: str) -> str | None:
     sizes, digests = state["files"], state.get("sha256") or {}
     if not isinstance(sizes, dict) or not isinstance(digests, dict):
         return f"{state_file} has a malformed manifest"
+    extra = sorted(path.relative_to(folder).as_posix() for path in folder.rglob("*")
+                   if path.is_file() and path.name != state_file and path.relative_to(folder).as_posix() not in sizes)
+    if extra:  # a loader would read it with the saved files (another weights shard, say)
+        return f"{extra[0]} is not in the manifest (added after the save)"
     for relative, size in sizes.items():
         path = folder / relative
         if path.exists() and not path.is_file():

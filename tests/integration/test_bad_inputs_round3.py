@@ -5,6 +5,7 @@ are a warning (rlhf_lab/config/validate_sizes.py)."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 from test_bad_inputs import TINY, Case
@@ -79,3 +80,71 @@ def test_a_launch_environment_that_describes_no_launch_is_one_line(environ, mess
         cli.main(TINY)
     assert exited.value.code == 2 and capsys.readouterr().err == f"error: {message}\n"
     assert list(tmp_path.iterdir()) == []
+
+
+# ------------------------------------------------------------------------------------- eval and export
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    import rlhf_lab
+
+    folder = tmp_path_factory.mktemp("round3") / "run"
+    rlhf_lab.train([*TINY, "trainer.precision=fp32"], run_dir=folder)
+    return folder
+
+
+def variant(trained: Path, tmp_path: Path, change: str) -> Path:
+    """A copy of the trained run with one thing wrong with it."""
+    import shutil
+
+    run = Path(shutil.copytree(trained, tmp_path / change))
+    step = next((run / "checkpoints").glob("step_*"))
+    if change == "flipped":
+        weights = step / "model" / "model.safetensors"
+        data = bytearray(weights.read_bytes())
+        data[-5] ^= 0xFF
+        weights.write_bytes(bytes(data))
+    elif change == "extra_file":
+        (step / "model" / "model-00002-of-00002.safetensors").write_bytes(b"planted")
+    elif change == "torn_overrides":
+        (run / ".hydra" / "overrides.yaml").write_text("- model=tiny\n- trainer.steps: [\n")
+    elif change == "torn_summary":
+        (run / "summary.json").write_text('{"steps": 1, "reward/fi')
+    return run
+
+
+def test_eval_and_export_refuse_a_damaged_checkpoint_in_one_line(trained: Path, tmp_path: Path, run_cli) -> None:
+
+    for change, problem in (("flipped", "model/model.safetensors does not match its sha256 (corrupted)"),
+                            ("extra_file", "model/model-00002-of-00002.safetensors is not in the manifest (added "
+                                           "after the save)")):
+        run = variant(trained, tmp_path, change)
+        step = next((run / "checkpoints").glob("step_*"))
+        expected = f"error: checkpoint {step} is damaged ({problem}); use another checkpoint of the run " \
+                   "(checkpoints/step_N)\n"
+        for command in (["eval", str(run)], ["export", str(run), str(tmp_path / f"out_{change}")]):
+            code, _, err = run_cli(command)
+            assert (code, err) == (2, expected), (command, err)
+
+
+def test_eval_and_export_mistakes_about_their_files_are_one_line(trained: Path, tmp_path: Path, run_cli) -> None:
+    step = next((trained / "checkpoints").glob("step_*"))
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    torn = variant(trained, tmp_path, "torn_overrides")
+    cases = [
+        (["export", str(trained), str(a_file)], f"'{a_file}' is a file; give a folder to export into"),
+        (["export", str(trained), str(step / "model"), "--force"],
+         f"'{step / 'model'}' is inside the checkpoint it exports ({step}); choose a folder outside it"),
+        (["eval", str(trained), "--out", str(a_file)], f"--out '{a_file}' is a file; give a folder for eval.json"),
+        (["eval", str(torn)], f"'{torn / '.hydra' / 'overrides.yaml'}' is not a YAML list of overrides (torn or "
+                              f"edited); evaluate {next((torn / 'checkpoints').glob('step_*')) / 'model'} as a model "
+                              "folder instead"),
+        (["export", str(variant(trained, tmp_path, "torn_summary")), str(tmp_path / "out")],
+         f"'{tmp_path / 'torn_summary' / 'summary.json'}' is not valid JSON (torn or edited); remove it to export "
+         "without it"),
+    ]
+    for command, message in cases:
+        code, _, err = run_cli(command)
+        assert (code, err) == (2, f"error: {message}\n"), (command, err)
