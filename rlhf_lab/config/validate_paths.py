@@ -6,7 +6,9 @@ stops the run at once with one line.
 
 from __future__ import annotations
 
+import json
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -18,12 +20,15 @@ def hub_offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def check_model_location(key: str, path: str) -> None:
-    """A local model folder must hold a saved model; a hub id must be cached when the hub is offline."""
+def check_model_location(key: str, path: str, classifier: bool = False) -> None:
+    """A local model folder must hold a saved model, with a readable ``config.json`` (for a ``classifier``, of a
+    model with a classification head); a hub id must be cached when the hub is offline."""
     folder = Path(path).expanduser()
     if folder.is_dir():
         if not any((folder / name).is_file() for name in ("config.json", "adapter_config.json")):
             raise ConfigError(f"{key}={path!r} has no config.json; it must be a folder written by save_pretrained")
+        if (folder / "config.json").is_file():
+            check_model_config(key, path, folder / "config.json", classifier)
         return
     if path.startswith((".", "/", "~")) or path.count("/") > 1:
         raise ConfigError(f"{key}={path!r} is not a folder")
@@ -35,6 +40,38 @@ def check_model_location(key: str, path: str) -> None:
                 f"{key}={path!r} is not a local folder, and as a hub id it is not in the local cache "
                 "(HF_HUB_OFFLINE=1)"
             )
+
+
+def check_model_config(key: str, path: str, config_file: Path, classifier: bool) -> None:
+    """``config.json`` must read as a JSON object; a classifier's must not be a causal language model's, whose
+    classification head would be made up at random."""
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        raise ConfigError(f"{key}={path!r}: its config.json is unreadable ({type(error).__name__})") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{key}={path!r}: its config.json is not a JSON object")
+    architectures = config.get("architectures") or []
+    if classifier and architectures and all(name.endswith("ForCausalLM") for name in architectures):
+        raise ConfigError(f"{key}={path!r} is a causal language model ({architectures[0]}), not a sequence "
+                          "classifier: its score head would be random; give a classifier or reward model folder "
+                          "(algorithm=reward_model writes one)")
+
+
+def check_cache() -> None:
+    """``$RLHF_LAB_CACHE``, where the embedded model is unpacked, must be a folder this process can write."""
+    value = os.environ.get("RLHF_LAB_CACHE")
+    if not value:
+        return
+    folder = Path(value).expanduser()
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError(f"RLHF_LAB_CACHE={value!r} is a file, not a folder; point it at a folder (or unset it)")
+    try:  # made now, as loading the model would: a folder that cannot be made or written is one line here
+        folder.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as error:
+        raise ConfigError(f"RLHF_LAB_CACHE={value!r} is not writable ({error.strerror}); point it at a folder you "
+                          "can write (or unset it)") from None
 
 
 def check_model(model: Any) -> None:
@@ -61,10 +98,11 @@ def check_reward(reward: Any) -> None:
         raise ConfigError(f"reward.model_path={path!r}: reward={reward.name} needs a model folder or hub id")
     if path.startswith((".", "/", "~")) and not Path(path).expanduser().is_dir():
         raise ConfigError(f"reward.model_path={path!r} is not a folder")
-    check_model_location("reward.model_path", path)
+    check_model_location("reward.model_path", path, classifier=True)
 
 
 def check_paths(cfg: Any) -> None:
+    check_cache()
     check_model(cfg.model)
     check_data(cfg.data)
     check_reward(cfg.reward)

@@ -58,6 +58,8 @@ class ClassifierReward(Reward):
         self.include_prompt = bool(self.option("include_prompt", False))
         self.separator = self.option("separator", " ")
         self.batch_size = int(self.option("batch_size", 32))
+        if self.batch_size < 1:
+            raise ValueError(f"reward.batch_size={self.batch_size} must be at least 1")
         self.model, self.tokenizer = load_sequence_classifier(self.model_path, self.device)
         self.max_length = resolve_max_length(self.model, self.tokenizer, self.option("max_length"))
         self.label_index = resolve_label(self.option("label", 0), self.model.config, self.model_path)

@@ -75,6 +75,8 @@ class RewardModelReward(Reward):
         if not self.model_path:
             raise ValueError("reward 'reward_model' needs model_path (RUN/model of an algorithm=reward_model run)")
         self.batch_size = int(self.option("batch_size", 32))
+        if self.batch_size < 1:
+            raise ValueError(f"reward.batch_size={self.batch_size} must be at least 1")
         self.model, self.tokenizer = load_sequence_classifier(self.model_path, self.device)
         _prepare(self.model, self.tokenizer)
         self.max_length = resolve_max_length(self.model, self.tokenizer, self.option("max_length"))

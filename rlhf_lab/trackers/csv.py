@@ -34,7 +34,7 @@ class CsvTracker(Tracker):
         self.columns: list[str] = ["step"]
         self._trim_from: bool = resuming and self.path.is_file()
         if self._trim_from:
-            with open(self.path, newline="", encoding="utf-8") as handle:
+            with open(self.path, newline="", encoding="utf-8", errors="replace") as handle:  # damaged bytes kept out
                 reader = csv.DictReader(handle)
                 self.columns = list(reader.fieldnames or ["step"])
                 self.rows = list(reader)

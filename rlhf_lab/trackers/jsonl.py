@@ -60,13 +60,13 @@ class JsonlWriter:
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Every complete line of a JSON Lines file (a torn last line is skipped)."""
+    """Every complete line of a JSON Lines file (a torn last line, or one that is not UTF-8, is skipped)."""
     records = []
-    with open(path, encoding="utf-8") as handle:
+    with open(path, "rb") as handle:
         for line in handle:
             try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
+                records.append(json.loads(line.decode("utf-8")))
+            except (UnicodeDecodeError, json.JSONDecodeError):
                 continue
     return records
 

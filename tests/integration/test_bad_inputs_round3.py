@@ -148,3 +148,54 @@ def test_eval_and_export_mistakes_about_their_files_are_one_line(trained: Path, 
     for command, message in cases:
         code, _, err = run_cli(command)
         assert (code, err) == (2, f"error: {message}\n"), (command, err)
+
+
+# ---------------------------------------------------------------------------------------- folders and files
+
+
+def test_folders_and_files_that_cannot_be_used_are_one_line(tmp_path: Path, monkeypatch, capsys) -> None:
+    causal, torn = tmp_path / "causal_lm", tmp_path / "torn_config"
+    causal.mkdir()
+    (causal / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "model_type": "llama"}')
+    torn.mkdir()
+    (torn / "config.json").write_text('{"architectures": ["LlamaForSeq')
+    cache_file = tmp_path / "cache_file"
+    cache_file.write_text("x")
+    cases = [
+        ([], {"RLHF_LAB_CACHE": str(cache_file)},
+         f"RLHF_LAB_CACHE='{cache_file}' is a file, not a folder; point it at a folder (or unset it)"),
+        ([], {"RLHF_LAB_CACHE": "/sys/rlhf_lab_cache"},
+         "RLHF_LAB_CACHE='/sys/rlhf_lab_cache' is not writable (*); point it at a folder you can write (or unset "
+         "it)"),  # * the system's reason: read-only, not permitted
+        (["reward=classifier", f"reward.model_path={causal}"], {},
+         f"reward.model_path='{causal}' is a causal language model (LlamaForCausalLM), not a sequence classifier: its "
+         "score head would be random; give a classifier or reward model folder (algorithm=reward_model writes one)"),
+        (["reward=reward_model", f"reward.model_path={torn}"], {},
+         f"reward.model_path='{torn}': its config.json is unreadable (JSONDecodeError)"),
+        (["model=path", f"model.name_or_path={torn}"], {},
+         f"model.name_or_path='{torn}': its config.json is unreadable (JSONDecodeError)"),
+    ]
+    monkeypatch.chdir(tmp_path)
+    for overrides, environ, message in cases:
+        with monkeypatch.context() as patch:
+            for key, value in environ.items():
+                patch.setenv(key, value)
+            with pytest.raises(SystemExit) as exited:
+                cli.main([*without(TINY, overrides), *overrides])
+        before, _, after = f"error: {message}\n".partition("(*)")
+        err = capsys.readouterr().err
+        assert exited.value.code == 2 and err.startswith(before) and err.endswith(after) and err.count("\n") == 1, err
+
+
+def test_a_reward_batch_size_below_one_and_damaged_metrics_lines() -> None:
+    from rlhf_lab.registry import get
+    from rlhf_lab.trackers.jsonl import read_jsonl
+
+    with pytest.raises(ValueError, match=r"^reward.batch_size=-4 must be at least 1$"):
+        get("reward", "classifier")({"name": "classifier", "model_path": "unused", "batch_size": -4})
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "metrics.jsonl"
+        path.write_bytes(b'{"step": 0, "reward/mean": 1.0}\n{"step": 1, "note": "\xff\xfe"}\n{"step": 2}\n{"st')
+        assert read_jsonl(path) == [{"step": 0, "reward/mean": 1.0}, {"step": 2}]  # resume keeps the readable lines
