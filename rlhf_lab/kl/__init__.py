@@ -38,6 +38,7 @@ from rlhf_lab.kl.exact import exact_kl
 from rlhf_lab.kl.placements import KLPenalty, LossPlacement, RewardPlacement
 from rlhf_lab.kl.truth import (
     KL_LOSS_SCALE_UNDER_ADVANTAGE,
+    MULTI_TURN_MASK,
     REVERSE_KL_GRADIENT_UNBIASED,
     REWARD_KL_UNDER_ADVANTAGE,
     SAMPLER_CORRECTION,
@@ -47,7 +48,7 @@ from rlhf_lab.kl.truth import (
 )
 
 __all__ = [
-    "KL_LOSS_SCALE_UNDER_ADVANTAGE", "REVERSE_KL_GRADIENT_UNBIASED", "REWARD_KL_UNDER_ADVANTAGE", "SAMPLER_CORRECTION",
+    "KL_LOSS_SCALE_UNDER_ADVANTAGE", "MULTI_TURN_MASK", "REVERSE_KL_GRADIENT_UNBIASED", "REWARD_KL_UNDER_ADVANTAGE", "SAMPLER_CORRECTION",
     "SEQUENCE_KL_GRADIENT_UNBIASED", "ZERO_KL_GRADIENT",
     "AdaptiveKLController", "FixedKLController", "KLPenalty", "LossPlacement", "RewardPlacement", "absolute", "estimate",
     "exact_kl", "full", "importance_weights", "k1", "k1_plus", "k2", "k3", "k3_plus", "log_ratio", "no_kl",

@@ -119,6 +119,16 @@ SAMPLER_CORRECTION: dict[tuple[str, str], bool] = {
     ("k2 in the loss", "binding cap"): False,
 }
 
+# A multi-turn trajectory x1, e(x1), x2 (rlhf_lab/envs/): the environment's token e is fixed by x1, so the
+# trajectory's KL(π‖π_ref) is over the model's tokens only, and the policy's own probability of e (it predicts every
+# position) must get no gradient. With the loss mask on the model's tokens each pair is what it is on two-token
+# sequences; with the environment's token in the mask (``env.loss_on_env_tokens=true``) every pair is biased: e's
+# log-ratio enters the return or the loss, and the score function pushes up a token the policy never chose.
+MULTI_TURN_MASK: dict[tuple[str, str, str], bool] = {
+    **{(*pair, "model tokens"): unbiased for pair, unbiased in SEQUENCE_KL_GRADIENT_UNBIASED.items()},
+    **{(*pair, "all tokens"): False for pair in SEQUENCE_KL_GRADIENT_UNBIASED},
+}
+
 
 def zero_gradient_warning(estimator: str, placement: str) -> str | None:
     """The one-line warning for a pair whose expected gradient is zero, naming its table entry; else None."""

@@ -17,6 +17,7 @@ import torch
 
 import rlhf_lab.components  # noqa: F401  (registers estimators, placements, advantage estimators)
 from rlhf_lab.kl import (
+    MULTI_TURN_MASK,
     REVERSE_KL_GRADIENT_UNBIASED,
     REWARD_KL_UNDER_ADVANTAGE,
     SAMPLER_CORRECTION,
@@ -39,18 +40,19 @@ STEP2_REF = torch.tensor([[0.0, 0.1, 0.2, 0.3], [1.0, -1.0, 0.5, 0.0], [0.0, 0.0
 
 
 def sample_loss(name: str, placement_name: str, logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
-                logits: torch.Tensor, ref_logits: torch.Tensor) -> torch.Tensor:
+                logits: torch.Tensor, ref_logits: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     """One sequence's surrogate as the trainer builds it, with zero task reward and β = 1: the reward placement
     puts −estimate into every token's reward and weighs every log π(x_t) by the return (REINFORCE, no baseline);
-    the loss placement adds the estimates, with their gradient, summed over the sequence. [1, T] inputs."""
+    the loss placement adds the estimates, with their gradient, summed over the sequence. [1, T] inputs; ``mask``
+    the loss mask (default: every token)."""
     placement = get("kl_placement", placement_name)
-    mask = torch.ones_like(logprobs)
+    mask = torch.ones_like(logprobs) if mask is None else mask
     values = estimate(get("kl", name), logprobs, ref_logprobs, logits, ref_logits, mask=mask)
     if not placement.needs_grad:
         values = values.detach()
     shaped = placement.shape_rewards(torch.zeros_like(logprobs), values, 1.0, mask).detach()
-    return_ = shaped.sum()
-    return -return_ * logprobs.sum() + placement.loss_term(values, mask, 1.0) * logprobs.shape[1]
+    return_ = (shaped * mask).sum()
+    return -return_ * (logprobs * mask).sum() + placement.loss_term(values, mask, 1.0) * mask.sum()
 
 
 def one_token_gradients(name: str, placement_name: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -367,3 +369,57 @@ def test_the_sampler_correction_cell(term: str, correction: str) -> None:
         assert error < 1e-12, f"{term}/{correction}: relative error {error:.3g}"
     else:
         assert error > 0.01, f"{term}/{correction} is exact (relative error {error:.3g})"
+
+
+# ------------------------------------------------------------------------------------------------
+# Multi-turn masking: x1 (model), e(x1) (the environment's, fixed by x1), x2 (model)
+# ------------------------------------------------------------------------------------------------
+
+ENV_THETA = torch.tensor([[0.3, -0.2, 0.9, 0.0], [1.1, 0.0, -0.4, 0.2], [0.0, 0.5, 0.5, -1.0],
+                          [-0.7, 0.2, 0.0, 0.6]], dtype=DOUBLE)  # the policy's own logits at the environment's position
+ENV_REF = torch.tensor([[0.0, 0.4, -0.3, 0.1], [0.2, 0.2, 0.0, -0.5], [1.0, 0.0, 0.0, 0.3],
+                        [0.0, -0.6, 0.4, 0.0]], dtype=DOUBLE)
+
+
+def multi_turn_gradients(name: str, placement_name: str, mask_kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(exact E[∇ surrogate], ∇ KL(π‖π_ref) over the model's tokens) for x1 ~ p1, e = (x1 + 1) mod 4 written by the
+    environment (the policy gives it p_e(e | x1)), x2 ~ p2(· | x1): every parameter, the environment position's
+    included (its target gradient is 0)."""
+    thetas = [STEP1_THETA.clone().requires_grad_(), ENV_THETA.clone().requires_grad_(),
+              STEP2_THETA.clone().requires_grad_()]
+    log_p1, log_pe, log_p2 = (theta.log_softmax(-1) for theta in thetas)
+    log_ref1, log_refe, log_ref2 = STEP1_REF.log_softmax(-1), ENV_REF.log_softmax(-1), STEP2_REF.log_softmax(-1)
+    mask = torch.tensor([[1.0, 0.0 if mask_kind == "model tokens" else 1.0, 1.0]], dtype=DOUBLE)
+    surrogate, kl = torch.zeros((), dtype=DOUBLE), torch.zeros((), dtype=DOUBLE)
+    for first, second in itertools.product(range(4), range(4)):
+        env = (first + 1) % 4
+        logprobs = torch.stack([log_p1[first], log_pe[first, env], log_p2[first, second]])[None]
+        ref_logprobs = torch.stack([log_ref1[first], log_refe[first, env], log_ref2[first, second]])[None]
+        logits = torch.stack([thetas[0], thetas[1][first], thetas[2][first]])[None]
+        ref_logits = torch.stack([STEP1_REF, ENV_REF[first], STEP2_REF[first]])[None]
+        trajectory = log_p1[first] + log_p2[first, second]  # the environment's token is certain given x1
+        loss = sample_loss(name, placement_name, logprobs, ref_logprobs, logits, ref_logits, mask)
+        surrogate = surrogate + trajectory.exp().detach() * loss
+        kl = kl + trajectory.exp() * (trajectory - log_ref1[first] - log_ref2[first, second])
+    estimated = torch.autograd.grad(surrogate, thetas, retain_graph=True, allow_unused=True, materialize_grads=True)
+    target = torch.autograd.grad(kl, thetas, allow_unused=True, materialize_grads=True)
+    return torch.cat([g.reshape(-1) for g in estimated]), torch.cat([g.reshape(-1) for g in target])
+
+
+def test_the_multi_turn_table_covers_every_pair_under_both_masks() -> None:
+    pairs = set(itertools.product(names("kl"), names("kl_placement")))
+    assert set(MULTI_TURN_MASK) == {(*pair, mask) for pair in pairs for mask in ("model tokens", "all tokens")}
+
+
+@pytest.mark.parametrize(("name", "placement_name", "mask_kind"), sorted(MULTI_TURN_MASK))
+def test_the_multi_turn_mask_cell(name: str, placement_name: str, mask_kind: str) -> None:
+    estimated, target = multi_turn_gradients(name, placement_name, mask_kind)
+    environment_position = slice(4, 20)  # θ_e's 16 entries, after θ1's 4
+    assert float(target[environment_position].abs().max()) == 0.0
+    cosine, error = cosine_and_error(estimated, target)
+    if MULTI_TURN_MASK[(name, placement_name, mask_kind)]:
+        assert error < 1e-12, f"{name}/{placement_name}/{mask_kind}: relative error {error:.3g}"
+    elif name != "none":
+        assert error > 0.01, f"{name}/{placement_name}/{mask_kind} is unbiased (cosine {cosine:.4f})"
+    if mask_kind == "model tokens":  # the environment's position never moves under the right mask
+        assert float(estimated[environment_position].abs().max()) == 0.0
