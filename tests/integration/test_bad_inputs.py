@@ -106,7 +106,7 @@ def prepare(folder: Path) -> list[Case]:
              "reward.model_path='./no_reward_model' is not a folder"),
         Case("reward_function_no_module", ["reward=python", "reward.function=no_such_module:score"],
              "reward.function='no_such_module:score': cannot import module 'no_such_module' "
-             "(No module named 'no_such_module')"),
+             "(ModuleNotFoundError: No module named 'no_such_module')"),
         Case("wrong_type_flag", ["model.lora.enabled=maybe"],
              "model.lora.enabled='maybe' has the wrong type; expected bool"),
         Case("top_p_above_one", ["trainer.top_p=1.5"], "trainer.top_p=1.5 is out of range; must be in (0, 1]"),
@@ -125,7 +125,7 @@ def prepare(folder: Path) -> list[Case]:
              "trainer.dtype='int8' is not valid; choose from: float32, bfloat16, float16"),
         Case("data_option_unknown", ["data=parquet"],
              "data='parquet' is not an option; choose from: csv, demonstrations, embedded_preferences, exact, hub, "
-             "jsonl, movie_prompts, preferences"),
+             "jsonl, movie_prompts, preferences, reasoning_gym"),
         Case("resume_path_missing", ["trainer.resume=no_such_run"],
              "trainer.resume='no_such_run' does not exist; give a checkpoint or run folder, or auto"),
         Case("resume_checkpoint_torn", ["trainer.resume=half/checkpoints/step_3"],

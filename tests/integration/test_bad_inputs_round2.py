@@ -140,11 +140,11 @@ def process_cases(folder: Path) -> list[Case]:
     composite = ["reward=composite", "data=jsonl", "data.path=good.jsonl"]
     return [
         Case("prompt_is_a_number", [*jsonl, "data.path=numbers.jsonl"],
-             "data file 'numbers.jsonl', line 2: 'prompt' is a number (42), not a string"),
+             "data file 'numbers.jsonl', line 2: 'prompt' is a number (42), not a string or a list of messages"),
         Case("prompt_is_null", [*jsonl, "data.path=nulls.jsonl"],
-             "data file 'nulls.jsonl', line 1: 'prompt' is null (null), not a string"),
+             "data file 'nulls.jsonl', line 1: 'prompt' is null (null), not a string or a list of messages"),
         Case("prompt_is_a_list", [*jsonl, "data.path=lists.jsonl"],
-             "data file 'lists.jsonl', line 3: 'prompt' is a list ([\"x\", \"y\"]), not a string"),
+             "data file 'lists.jsonl', line 3: 'prompt' is a list but message 0 is not {'role': ..., 'content': '...'}"),
         Case("prompt_file_not_utf8", [*jsonl, "data.path=latin1.jsonl"],
              "data file 'latin1.jsonl', line 2: not valid UTF-8 (byte 0xe9 at column 16)"),
         Case("lora_target_not_in_model", ["model.lora.enabled=true", "model.lora.target_modules=[nonexistent]"],
