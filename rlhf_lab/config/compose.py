@@ -10,6 +10,7 @@ A command line that picks a launcher, a sweeper or a search (``hydra/launcher=ra
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ import rlhf_lab.config.schema_offline  # noqa: F401  (the offline stages' schema
 from rlhf_lab.app.plugins import load_plugins, plugins_in_overrides
 from rlhf_lab.config.objective import check_objective
 from rlhf_lab.config.schema import register_configs
+from rlhf_lab.config.sweep_arms import identical_arms
 from rlhf_lab.config.sweep_jobs import (
     check_jobs,
     check_search_paths,
@@ -141,7 +143,9 @@ def compose(overrides: list[str]) -> DictConfig:
         task = [o for o in overrides if "=" in o and not o.startswith(HYDRA_PREFIXES)]
         jobs = expand_jobs(params, task, CONF_DIR, paths)
         if len(jobs) > 1:
-            check_jobs(jobs, lambda job: _compose_job(check_overrides(job)), searchpath_override(paths))
+            composed = check_jobs(jobs, lambda job: _compose_job(check_overrides(job)), searchpath_override(paths))
+            for line in identical_arms(composed):  # arms the comparison cannot tell apart (config/sweep_arms.py)
+                warnings.warn(line, stacklevel=2)
     return cfg
 
 

@@ -180,17 +180,21 @@ def describe_job(number: int, total: int, job: list[str]) -> str:
     return f"sweep job {number} of {total} ({' '.join(job)})"
 
 
-def check_jobs(jobs: list[list[str]], compose_job: Callable[[list[str]], Any], extra: list[str] = ()) -> None:
-    """Compose and validate every job (``compose_job(overrides)``); one line naming the first bad job."""
+def check_jobs(jobs: list[list[str]], compose_job: Callable[[list[str]], Any],
+               extra: list[str] = ()) -> list[tuple[list[str], Any]]:
+    """Compose and validate every job (``compose_job(overrides)``); one line naming the first bad job. Returns each
+    distinct job with its config."""
     seen: set[tuple[str, ...]] = set()
+    composed = []
     for number, job in enumerate(jobs):
         key = tuple(job)
         if key in seen:
             continue
         seen.add(key)
         try:
-            compose_job([*job, *extra])
+            composed.append((job, compose_job([*job, *extra])))
         except ConfigError as error:
             if len(jobs) == 1:
                 raise
             raise ConfigError(f"{describe_job(number, len(jobs), job)}: {error}") from None
+    return composed
