@@ -4,6 +4,9 @@ as the console), plain ``print`` elsewhere (a notebook, a test, ``rlhf_lab.train
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 
@@ -47,3 +50,30 @@ def progress_bar(steps: range, enabled: bool, initial: int, total: int) -> Any:
     from tqdm.auto import tqdm
 
     return tqdm(steps, initial=initial, total=total, desc=progress_label(), dynamic_ncols=True)
+
+
+@contextmanager
+def library_progress_bars(enabled: bool) -> Iterator[None]:
+    """transformers' own bars (loading and writing weight shards) follow ``trainer.progress_bar`` for the run, and
+    are as they were after it."""
+    from transformers.utils import logging as transformers_logging
+
+    was_enabled = transformers_logging.is_progress_bar_enabled()
+    if not enabled:
+        transformers_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            transformers_logging.enable_progress_bar()
+
+
+FINAL_KEYS = (("reward/first_20pct_mean", "reward, first 20% of steps"), ("reward/last_20pct_mean", "last 20%"),
+              ("eval/reward/mean", "eval reward"), ("kl/exact_final", "exact KL"), ("exact/gap", "exact gap"),
+              ("time/train_s", "training seconds"))
+
+
+def final_lines(summary: dict[str, Any], run_dir: Path) -> str:
+    """What a run says when it ends: where everything is, and the numbers a user looks at first."""
+    parts = [f"{label} {summary[key]:.4g}" for key, label in FINAL_KEYS if isinstance(summary.get(key), int | float)]
+    return f"run folder: {run_dir}\n" + (", ".join(parts) if parts else "no step metrics (no step ran)")

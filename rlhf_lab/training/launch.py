@@ -7,6 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_lab.registry import get
+from rlhf_lab.runtime import distributed
+from rlhf_lab.runtime.console import final_lines, library_progress_bars, say
 from rlhf_lab.training import resume_contract
 from rlhf_lab.training.loop import Trainer
 
@@ -22,7 +24,10 @@ def run(cfg: Any, run_dir: Path) -> dict[str, Any]:
     if path:
         module, _, name = path.partition(":")
         trainer_class = getattr(importlib.import_module(module), name)
-    with resume_contract.holding(run_dir):  # one writer per run folder (rank 0 holds its lock)
-        trainer = trainer_class(cfg, run_dir)
+    with resume_contract.holding(run_dir), library_progress_bars(cfg.trainer.progress_bar):
+        trainer = trainer_class(cfg, run_dir)  # (rank 0 holds the run folder's lock: one writer per folder)
         resume_contract.record_segment(trainer.start_step, cfg)
-        return trainer.train()
+        summary = trainer.train()
+    if distributed.is_main_process():
+        say(final_lines(summary, Path(run_dir).resolve()))
+    return summary

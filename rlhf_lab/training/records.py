@@ -76,6 +76,9 @@ def run_summary(history: list[dict[str, Any]], steps: int, run_dir: Path, skippe
         })
         if "kl/exact" in history[-1]:
             summary["kl/exact_final"] = history[-1]["kl/exact"]
+        exact = [m for m in history if "exact/gap" in m]  # the exact task: its last measured distance to J*
+        if exact:
+            summary["exact/gap"] = exact[-1]["exact/gap"]
         summary.update({
             "time/step_s_median": float(np.median([m["time/step_s"] for m in history])),
             "time/total_s": float(sum(m["time/step_s"] for m in history)),

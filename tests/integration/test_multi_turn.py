@@ -33,6 +33,8 @@ def test_the_two_turn_testbed_closes_the_gap_only_with_the_model_token_mask(comp
     assert wrong["exact/gap"] > 0.03 and wrong["exact/tv_to_optimal"] > 0.2
     assert right["response/length_mean"] == 2.0 and wrong["response/length_mean"] == 5.0  # tokens in the loss
     assert right["env/turns_mean"] == 2.0 and right["env/truncated_frac"] == 0.0
+    summary = json.loads((tmp_path / "right" / "summary.json").read_text())
+    assert summary["exact/gap"] == right["exact/gap"]  # the summary keeps the last measured gap
 
 
 def tiny_env(tiny_overrides, tmp_path: Path, env: str) -> list[str]:
@@ -112,3 +114,17 @@ def test_an_environment_failing_mid_run_is_one_line_and_keeps_what_was_written(t
                         r"scoreboard unreachable", line), line
     lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == [0] and lines[0]["reward/mean"] == 1.0
+
+
+def test_a_run_ends_by_naming_its_folder_and_numbers_and_draws_no_library_bars(tiny_overrides, run_cli,
+                                                                               tmp_path: Path) -> None:
+    """``trainer.progress_bar=false`` quiets transformers' weight-shard bars too; the last lines say where the run
+    is and its first numbers (the summary's own)."""
+    code, out, err = run_cli([*tiny_overrides(tmp_path), "trainer.checkpoint_every=1"])
+    assert code == 0, err
+    assert "Writing model shards" not in out + err and "Loading weights" not in out + err
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    lines = (out + err).strip().splitlines()
+    assert lines[-2].endswith(f"run folder: {(tmp_path / 'run').resolve()}")
+    assert f"reward, first 20% of steps {summary['reward/first_20pct_mean']:.4g}" in lines[-1]
+    assert f"eval reward {summary['eval/reward/mean']:.4g}" in lines[-1]
