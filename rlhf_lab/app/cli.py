@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> None:
     from rlhf_lab.config.sweep_jobs import expand_globs, search_paths, with_config_dirs
 
     flags_with_values = {"--config-name", "-cn", "--config-path", "-cp", "--config-dir", "-cd", "--experimental-rerun",
-                         "--shell-completion", "-sc"}
+                         "--shell-completion", "-sc", "--cfg", "-c", "--package", "-p"}
     overrides, skip, config_dirs = [], False, []
     for index, arg in enumerate(argv):
         if skip:
@@ -63,8 +63,8 @@ def main(argv: list[str] | None = None) -> None:
         # `python -m rlhf_lab` can import a reward module from the working folder; the console script too
         # (appended, so a file there never shadows an installed package).
         sys.path.append(os.getcwd())
-    informational = {"--help", "-h", "--hydra-help", "--info", "-i", "--cfg", "-c", "--resolve", "--version",
-                     "--shell-completion", "-sc"}
+    informational = {"--help", "-h", "--hydra-help", "--info", "-i", "--version", "--shell-completion", "-sc"}
+    printing = {"--cfg", "-c", "--resolve"}  # print the config: checked first, as a run's is, but no run folder
     if not informational.intersection(argv):
         try:
             check_command_line(overrides)  # `=5`, a key given twice
@@ -72,11 +72,12 @@ def main(argv: list[str] | None = None) -> None:
             argv = expand_globs(argv, CONF_DIR, search_paths(overrides))  # kl=glob(*): the options, no schemas
             overrides = expand_globs(overrides, CONF_DIR, search_paths(overrides))
             cfg = compose(overrides)
-            new_folder = _claim_run_folder(cfg, argv, overrides)
+            new_folder = None if printing.intersection(argv) else _claim_run_folder(cfg, argv, overrides)
         except UserError as error:
             print(f"error: {error}", file=sys.stderr)
             sys.exit(2)
-        argv += new_folder or _run_dir_override(cfg, argv, overrides)
+        if not printing.intersection(argv):
+            argv += new_folder or _run_dir_override(cfg, argv, overrides)
     os.environ.setdefault("HF_HUB_OFFLINE", "0")
     sys.argv = [sys.argv[0], *argv]
     _hydra_entry()

@@ -199,3 +199,15 @@ def test_a_reward_batch_size_below_one_and_damaged_metrics_lines() -> None:
         path = Path(folder) / "metrics.jsonl"
         path.write_bytes(b'{"step": 0, "reward/mean": 1.0}\n{"step": 1, "note": "\xff\xfe"}\n{"step": 2}\n{"st')
         assert read_jsonl(path) == [{"step": 0, "reward/mean": 1.0}, {"step": 2}]  # resume keeps the readable lines
+
+
+def test_printing_the_config_checks_it_first(tmp_path: Path, monkeypatch, capsys) -> None:
+    """``--cfg job`` with a typo is the run's one-line error, not Hydra's; a good one prints and starts no run."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["--cfg", "job", "model=tiny", "trainer.stpes=3"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.startswith("error: unknown key 'trainer.stpes'; valid keys of trainer: ")
+    assert err.count("\n") == 1
+    cli.main(["--cfg", "job", "model=tiny", "trainer.steps=3"])
+    assert "  steps: 3\n" in capsys.readouterr().out and list(tmp_path.iterdir()) == []
