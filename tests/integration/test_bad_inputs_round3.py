@@ -209,5 +209,10 @@ def test_printing_the_config_checks_it_first(tmp_path: Path, monkeypatch, capsys
     err = capsys.readouterr().err
     assert exited.value.code == 2 and err.startswith("error: unknown key 'trainer.stpes'; valid keys of trainer: ")
     assert err.count("\n") == 1
-    cli.main(["--cfg", "job", "model=tiny", "trainer.steps=3"])
-    assert "  steps: 3\n" in capsys.readouterr().out and list(tmp_path.iterdir()) == []
+    # The good one in its own process: Hydra's --cfg leaves its config set in the process that printed it.
+    import subprocess
+    import sys
+
+    printed = subprocess.run([sys.executable, "-m", "rlhf_lab", "--cfg", "job", "model=tiny", "trainer.steps=3"],
+                             cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert printed.returncode == 0 and "  steps: 3\n" in printed.stdout and list(tmp_path.iterdir()) == []
