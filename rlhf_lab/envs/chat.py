@@ -32,11 +32,12 @@ class ChatFormat:
         self.system_prompt = system_prompt
         self.tools = tools or None
         self._base_prefix: list[int] | None = None
+        self._tools_rendered: bool | None = None  # whether the template renders tools= (checked once)
 
     def _render(self, messages: list[Message], generation_prompt: bool) -> list[int]:
         ids = self.tokenizer.apply_chat_template(messages, tools=self.tools, add_generation_prompt=generation_prompt,
                                                  tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     def prompt_ids(self, messages: list[Message]) -> list[int]:
         """The episode's first prompt: its messages (after ``model.system_prompt``, where they have no system
@@ -51,10 +52,12 @@ class ChatFormat:
         return self._render(messages, generation_prompt=True)
 
     def _takes_tools(self) -> bool:
-        """Whether the template renders ``tools=`` at all."""
-        plain = self.tokenizer.apply_chat_template(_BASE[:1], tokenize=False, add_generation_prompt=True)
-        return plain != self.tokenizer.apply_chat_template(_BASE[:1], tools=self.tools, tokenize=False,
-                                                           add_generation_prompt=True)
+        """Whether the template renders ``tools=`` at all (two renderings, once per format, not per episode)."""
+        if self._tools_rendered is None:
+            plain = self.tokenizer.apply_chat_template(_BASE[:1], tokenize=False, add_generation_prompt=True)
+            self._tools_rendered = plain != self.tokenizer.apply_chat_template(
+                _BASE[:1], tools=self.tools, tokenize=False, add_generation_prompt=True)
+        return self._tools_rendered
 
     def continuation_ids(self, messages: list[Message]) -> list[int]:
         """The ids the environment's ``messages`` add after a model turn, the next generation prompt included."""
