@@ -22,7 +22,7 @@ from typing import Any
 import rlhf_lab.app.job_folders  # noqa: F401  (the job-folder label resolver, needed in every job process too)
 from rlhf_lab.errors import UserError
 
-SUBCOMMANDS = ("report", "bench", "export", "eval", "pipeline", "serve")
+SUBCOMMANDS = ("report", "bench", "export", "eval", "pipeline", "serve", "wandb")
 
 
 def _is_user_flag(arg: str) -> bool:
@@ -74,13 +74,29 @@ def main(argv: list[str] | None = None) -> None:
             cfg = compose(overrides)
             new_folder = None if printing.intersection(argv) else _claim_run_folder(cfg, argv, overrides)
         except UserError as error:
-            print(f"error: {error}", file=sys.stderr)
+            from rlhf_lab.runtime.rank_output import report_error
+
+            report_error(f"error: {error}")  # once per run: rank 0's (every rank composed the same command line)
             sys.exit(2)
         if not printing.intersection(argv):
+            say_experiment_time(cfg)
             argv += new_folder or _run_dir_override(cfg, argv, overrides)
+            argv += _rank_zero_writes_hydra_files(overrides)
     os.environ.setdefault("HF_HUB_OFFLINE", "0")
+    if {"--shell-completion", "-sc"}.intersection(argv):
+        from rlhf_lab.app.completion import hide_schemas
+
+        hide_schemas()
     sys.argv = [sys.argv[0], *argv]
     _hydra_entry()
+
+
+def say_experiment_time(cfg: Any) -> None:
+    """An experiment states what it costs when launched (``experiment_time``: measured, in its YAML)."""
+    from rlhf_lab.training.run_lock import is_rank_zero
+
+    if cfg.get("experiment_time") and is_rank_zero():
+        print(f"experiment={cfg.experiment_name}: {cfg.experiment_time}", file=sys.stderr, flush=True)
 
 
 def _refuse_rerun(argv: list[str]) -> None:
@@ -132,6 +148,16 @@ def _claim_run_folder(cfg: Any, argv: list[str], overrides: list[str]) -> list[s
             return []
     claim_run_folder(cfg, folder, single_run=not sweep)
     return extra
+
+
+def _rank_zero_writes_hydra_files(overrides: list[str]) -> list[str]:
+    """``hydra.output_subdir=null`` on a non-zero rank: only rank 0 writes the run folder's ``.hydra/`` (a second
+    launch into a folder in use, refused by rank 0's lock, must not rewrite the record of the run that holds it)."""
+    from rlhf_lab.training.run_lock import is_rank_zero
+
+    if is_rank_zero() or any(o.lstrip("+~").startswith("hydra.output_subdir=") for o in overrides):
+        return []
+    return ["hydra.output_subdir=null"]
 
 
 def version_line() -> str:
@@ -202,6 +228,7 @@ def _hydra_entry() -> None:
         from rlhf_lab.config import validate
         from rlhf_lab.config.objective import objective
         from rlhf_lab.errors import TrainingStopped, UserError
+        from rlhf_lab.runtime.rank_output import report_error, report_stop
         from rlhf_lab.training import run as train
 
         # Mistakes in the user's config, data, reward or checkpoint found once the run started: one line, no
@@ -216,12 +243,11 @@ def _hydra_entry() -> None:
         except UserError as error:
             if os.environ.get("RLHF_LAB_TRACEBACK", "") not in ("", "0"):
                 raise
-            print(f"error: {error}", file=sys.stderr, flush=True)
+            report_error(f"error: {error}")  # once per run, not once per rank
             sys.exit(2)
         except TrainingStopped as stop:
-            task = list(HydraConfig.get().overrides.task)
-            print(f"{stop}\nto resume, run: {resume_command(task, stop.resume_overrides)}", file=sys.stderr,
-                  flush=True)
+            task = list(HydraConfig.get().overrides.task)  # every rank stopped after the same step: rank 0 says so
+            report_stop(f"{stop}\nto resume, run: {resume_command(task, stop.resume_overrides)}")
             sys.exit(stop.exit_code)
         except KeyboardInterrupt:
             print("interrupted without writing a checkpoint; resume from the last one with "
@@ -256,3 +282,7 @@ def _run_subcommand(name: str, args: list[str]) -> None:
         from rlhf_lab.tools.serve import main as serve_main
 
         serve_main(args)
+    elif name == "wandb":
+        from rlhf_lab.tools.wandb_cli import main as wandb_main
+
+        wandb_main(args)

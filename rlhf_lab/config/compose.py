@@ -11,6 +11,7 @@ A command line that picks a launcher, a sweeper or a search (``hydra/launcher=ra
 from __future__ import annotations
 
 import warnings
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -121,10 +122,12 @@ def _hydra_compose(overrides: list[str], return_hydra_config: bool = False) -> D
         GlobalHydra.instance().clear()
 
 
-def compose(overrides: list[str]) -> DictConfig:
+def compose(overrides: list[str], pending_paths: Collection[str] = ()) -> DictConfig:
     """Compose the config a job would get (a sweep's first values) and validate it.
 
-    Raises :class:`ConfigError` (a ``UserError``), one line, on any mistake.
+    ``pending_paths``: folders the config names that an earlier stage writes (``rlhf-lab pipeline`` checks every
+    stage before the first runs); they are not checked for existence. Raises :class:`ConfigError` (a
+    ``UserError``), one line, on any mistake.
     """
     overrides = normalize_overrides(list(overrides))
     paths = search_paths(overrides)
@@ -133,7 +136,7 @@ def compose(overrides: list[str]) -> DictConfig:
     check_plugins(overrides, CONF_DIR)  # hydra/launcher=ray without ray: what to install, before Hydra needs it
     first_job = check_overrides(overrides)
     job_overrides = [o for o in first_job if not o.startswith(HYDRA_PREFIXES)] + searchpath_override(paths)
-    cfg = _compose_job(job_overrides)
+    cfg = _compose_job(job_overrides, pending_paths)
     hydra_cfg = None
     if any(o.startswith(SWEEP_SETTINGS) for o in overrides):
         hydra_cfg = check_sweep(first_job, job_overrides, cfg)
@@ -149,13 +152,13 @@ def compose(overrides: list[str]) -> DictConfig:
     return cfg
 
 
-def _compose_job(job_overrides: list[str]) -> DictConfig:
+def _compose_job(job_overrides: list[str], pending_paths: Collection[str] = ()) -> DictConfig:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
     try:
         cfg = _hydra_compose(job_overrides)
-        validate(cfg)
+        validate(cfg, pending_paths)
         check_objective(cfg)
     except (HydraException, OmegaConfBaseException) as error:
         raise ConfigError(one_line(error, job_overrides)) from None

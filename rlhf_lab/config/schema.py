@@ -319,7 +319,7 @@ class WandbLoggerConfig(LoggerConfig):
     group: str | None = None
     run_name: str | None = None
     tags: list[str] = field(default_factory=list)
-    job_type: str = "train"
+    job_type: str | None = None  # null: the stage (train, sft, dpo, reward_model, eval)
 
 
 # --------------------------------------------------------------------------------------------------- root
@@ -339,6 +339,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     seed: int = 0
     experiment_name: str = "default"
+    experiment_time: str | None = None  # an experiment's measured wall time, printed when it is launched
     # What a run returns to a hyperparameter search (rlhf_lab/config/objective.py): null returns the summary.
     optimized_metric: str | None = None  # a summary.json key, e.g. eval/reward/mean
     kl_budget: float | None = None  # subtract kl_budget_penalty * (eval/kl/exact - kl_budget) above the budget

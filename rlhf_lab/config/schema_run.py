@@ -35,12 +35,17 @@ class TrainerConfig:
     precision: str = "auto"
     dtype: str | None = None  # deprecated alias: float32 -> precision=fp32, bfloat16 -> precision=bf16-true
     strategy: str = "auto"  # auto | single | ddp | fsdp (rlhf_lab/runtime/distributed.py); auto: ddp under torchrun
+    # How long (s) a rank waits for the others: at the rendezvous, in a collective, at the barrier while rank 0 writes
+    # a checkpoint (raise it for checkpoints that take longer to write). A peer that never comes or stops taking
+    # part ends the run with an error instead of a hang.
+    collective_timeout_s: float = 600.0
     gradient_checkpointing: bool = False  # recompute activations in backward (transformers' own)
     # Submodules of every decoder layer recomputed in the backward pass instead of keeping their activations
     # (exact: rlhf_lab/models/recompute.py). null: the hardware profile's choice (hardware.recompute: both norms
     # and the MLP under full fine-tuning; none otherwise); []: none
     recompute: list[str] | None = None
     offload_reference: bool = False  # keep the frozen reference on the CPU between its passes
+    skip_memory_check: bool = False  # start even when the memory estimate exceeds what the machine has
     logprob_chunk: int = 0  # rows per chunk of the reference scoring pass; 0: the whole batch at once
     seed_per_prompt: bool = False  # each prompt group samples from its own seeded generator (batch-independent)
     num_threads: int = 0  # torch intra-op threads; 0: torch's default

@@ -77,6 +77,12 @@ def config_loader(conf_dir: str, paths: tuple[str, ...] = ()) -> Any:
     return ConfigLoaderImpl(config_search_path=search_path)
 
 
+def is_schema(name: str) -> bool:
+    """Whether a config name is a structured-config schema stored in the ConfigStore (``grpo_schema``, the root
+    ``schema``): what the options' YAML files build on, never an option a user picks."""
+    return name == "schema" or name.endswith("_schema")
+
+
 def options(conf_dir: str | Path, group: str, paths: tuple[str, ...] = ()) -> list[str]:
     """The options of ``group`` (YAML files in every search-path folder; stored ``*_schema`` nodes excluded)."""
     from hydra.core.object_type import ObjectType
@@ -85,7 +91,7 @@ def options(conf_dir: str | Path, group: str, paths: tuple[str, ...] = ()) -> li
         folder = Path(conf_dir) / group
         return sorted(p.stem for p in folder.glob("*.yaml")) if folder.is_dir() else []
     found = config_loader(str(conf_dir), paths).get_group_options(group, results_filter=ObjectType.CONFIG)
-    return sorted(name for name in set(found) if not name.endswith("_schema") and name != "schema")
+    return sorted(name for name in set(found) if not is_schema(name))
 
 
 def check_search_paths(conf_dir: str | Path, paths: tuple[str, ...]) -> None:
@@ -116,7 +122,7 @@ def _parser(conf_dir: str, paths: tuple[str, ...]) -> Any:
     return OverridesParser.create(config_loader=config_loader(conf_dir, paths))
 
 
-def _parse(lines: list[str], conf_dir: str, paths: tuple[str, ...]) -> list[Any]:
+def parse_overrides(lines: list[str], conf_dir: str, paths: tuple[str, ...]) -> list[Any]:
     from hydra.errors import HydraException
 
     try:
@@ -133,7 +139,7 @@ def expand_globs(overrides: list[str], conf_dir: str | Path, paths: tuple[str, .
         if not value.strip().startswith("glob(") or key.startswith(HYDRA_KEYS):
             out.append(override)
             continue
-        (parsed,) = _parse([override], str(conf_dir), paths)
+        (parsed,) = parse_overrides([override], str(conf_dir), paths)
         group = parsed.key_or_group
         valid = set(options(conf_dir, group, paths)) if paths else set(options(conf_dir, group))
         matched = [name for name in parsed.sweep_string_iterator() if name in valid]
@@ -158,7 +164,7 @@ def expand_jobs(params: dict[str, Any], task_overrides: list[str], conf_dir: str
         if is_interval(line):
             raise ConfigError(f"{line}: interval() is sampled by a search sweeper, not enumerated; use "
                               "hydra/sweeper=optuna (e.g. +hparams_search=lr_kl), or list the values: a,b,c")
-    parsed = _parse(lines, str(conf_dir), paths)
+    parsed = parse_overrides(lines, str(conf_dir), paths)
     (jobs,) = BasicSweeper.split_arguments(parsed, None)
     return [list(job) for job in jobs]
 

@@ -15,6 +15,7 @@ what is allowed.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -46,8 +47,9 @@ def check_resume(trainer: Any) -> None:
         raise ConfigError(str(error)) from None
 
 
-def validate(cfg: Any) -> None:
-    """Check a composed config; raise :class:`ConfigError` on the first bad key or value."""
+def validate(cfg: Any, pending_paths: Collection[str] = ()) -> None:
+    """Check a composed config; raise :class:`ConfigError` on the first bad key or value (``pending_paths``: folders
+    an earlier stage writes, not checked yet)."""
     load_plugins(cfg.get("plugins") or [])  # a plug-in's parts are registered before names are checked
     check_known_keys(cfg)
     check_values(cfg)
@@ -59,6 +61,6 @@ def validate(cfg: Any) -> None:
     check_offline(cfg)
     check_scale(cfg)
     check_sizes(cfg)
-    check_paths(cfg)
+    check_paths(cfg, pending_paths)
     check_code(cfg)
     check_resume(cfg.trainer)

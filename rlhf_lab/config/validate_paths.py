@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -89,9 +90,10 @@ def check_data(data: Any) -> None:
         raise ConfigError(f"data.path={data.path!r} does not exist (data={data.name})")
 
 
-def check_reward(reward: Any) -> None:
-    """A reward that reads a model (``model_path`` in its schema) needs a folder or a cached hub id."""
-    if "model_path" not in reward:
+def check_reward(reward: Any, pending_paths: Collection[str] = ()) -> None:
+    """A reward that reads a model (``model_path`` in its schema) needs a folder or a cached hub id (unless an
+    earlier stage writes it: ``pending_paths``)."""
+    if "model_path" not in reward or reward.model_path in pending_paths:
         return
     path = reward.model_path
     if not path:
@@ -101,8 +103,8 @@ def check_reward(reward: Any) -> None:
     check_model_location("reward.model_path", path, classifier=True)
 
 
-def check_paths(cfg: Any) -> None:
+def check_paths(cfg: Any, pending_paths: Collection[str] = ()) -> None:
     check_cache()
     check_model(cfg.model)
     check_data(cfg.data)
-    check_reward(cfg.reward)
+    check_reward(cfg.reward, pending_paths)

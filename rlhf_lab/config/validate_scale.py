@@ -30,9 +30,10 @@ LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_P
 
 
 def check_launch_environment(environ: Any = None) -> None:
-    """The launcher's variables must describe a launch: ``WORLD_SIZE`` above 1 needs the rank and the rendezvous
-    address a launcher sets with it (else torch.distributed traces back), and a ``RANK`` other than 0 needs a world
-    of more than one process (else the process would act as a non-zero rank of nothing: no run lock, no files)."""
+    """The launcher's variables must describe a launch: ``WORLD_SIZE`` above 1 needs the rank, the rendezvous
+    address and the ``LOCAL_RANK`` a launcher sets with it (else torch.distributed traces back, or the process waits
+    for peers that never come), and a ``RANK`` other than 0 needs a world of more than one process (else the process
+    would act as a non-zero rank of nothing: no run lock, no files). torchrun's own launch is not second-guessed."""
     environ = os.environ if environ is None else environ
     if "TORCHELASTIC_RUN_ID" in environ:
         return
@@ -45,6 +46,9 @@ def check_launch_environment(environ: Any = None) -> None:
     if world > 1 and not ("RANK" in environ and "MASTER_ADDR" in environ):
         raise ConfigError(f"{given} names {world} processes, but no launcher started this one (RANK and "
                           f"MASTER_ADDR unset); {fix}")
+    if world > 1 and "LOCAL_RANK" not in environ:
+        raise ConfigError(f"{given} names {world} processes, but no launcher started this one (LOCAL_RANK unset: "
+                          f"left over from another job?), and it would wait for the others at the rendezvous; {fix}")
     if rank != 0 and world <= 1:
         raise ConfigError(f"{given} makes this process rank {rank} of a single-process world; {fix}")
 

@@ -121,6 +121,7 @@ def check_ranges(cfg: Any) -> None:
     at_least("trainer.lr", trainer.lr, 0.0, strict=True)
     at_least("trainer.steps", trainer.steps, 1)
     at_least("trainer.max_train_seconds", trainer.max_train_seconds, 0.0, strict=True)  # null: no budget
+    at_least("trainer.collective_timeout_s", trainer.collective_timeout_s, 0.0, strict=True)
     at_least("trainer.prompts_per_step", trainer.prompts_per_step, 1)
     at_least("trainer.max_new_tokens", trainer.max_new_tokens, 1)
     at_least("trainer.temperature", trainer.temperature, 0.0, strict=True)

@@ -8,8 +8,9 @@ same ones.
 
 from __future__ import annotations
 
+import codecs
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -94,34 +95,43 @@ def _load_files(data_cfg: Any, builder: str, suffix: str, seed: int) -> PromptSp
 JSON_TYPES = {int: "a number", float: "a number", bool: "a boolean", type(None): "null", list: "a list", dict: "an object"}
 
 
+def text_lines(file: Path) -> Iterator[tuple[int, str]]:
+    """(line number, text) of each line of ``file`` as UTF-8, a leading byte-order mark dropped; a line that is
+    not UTF-8 is a DataError naming the file, the line and the byte."""
+    with open(file, "rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            skip = len(codecs.BOM_UTF8) if number == 1 and raw.startswith(codecs.BOM_UTF8) else 0
+            try:
+                line = raw[skip:].decode("utf-8")
+            except UnicodeDecodeError as error:
+                at = skip + error.start
+                raise DataError(f"data file {str(file)!r}, line {number}: not valid UTF-8 (byte {raw[at]:#04x} at "
+                                f"column {at + 1}); save the file as UTF-8") from None
+            yield number, line
+
+
 def check_rows(file: Path, builder: str, column: str) -> None:
     """Every line decodes as UTF-8 and, in a jsonl file, is an object whose ``column`` (when it has one) is a
     string: ``datasets`` would otherwise turn 42, null or a list into the prompts "42", "None", "['x']"."""
-    with open(file, "rb") as handle:
-        for number, raw in enumerate(handle, start=1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as error:
-                raise DataError(f"data file {str(file)!r}, line {number}: not valid UTF-8 (byte {raw[error.start]:#04x} "
-                                f"at column {error.start + 1})") from None
-            if builder != "json" or not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except ValueError as error:
-                raise DataError(f"data file {str(file)!r}, line {number}: not valid JSON ({error.msg})") from None
-            if not isinstance(row, dict):
-                raise DataError(f"data file {str(file)!r}, line {number}: expected a JSON object, got "
-                                f"{JSON_TYPES.get(type(row), type(row).__name__)}")
-            if column in row and isinstance(row[column], list):
-                problem = messages_problem(row[column])
-                if problem is not None:
-                    raise DataError(f"data file {str(file)!r}, line {number}: {column!r} is a list but {problem}")
-            elif column in row and not isinstance(row[column], str):
-                value = row[column]
-                raise DataError(f"data file {str(file)!r}, line {number}: {column!r} is "
-                                f"{JSON_TYPES.get(type(value), type(value).__name__)} ({json.dumps(value)[:40]}), "
-                                "not a string or a list of messages")
+    for number, line in text_lines(file):
+        if builder != "json" or not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as error:
+            raise DataError(f"data file {str(file)!r}, line {number}: not valid JSON ({error.msg})") from None
+        if not isinstance(row, dict):
+            raise DataError(f"data file {str(file)!r}, line {number}: expected a JSON object, got "
+                            f"{JSON_TYPES.get(type(row), type(row).__name__)}")
+        if column in row and isinstance(row[column], list):
+            problem = messages_problem(row[column])
+            if problem is not None:
+                raise DataError(f"data file {str(file)!r}, line {number}: {column!r} is a list but {problem}")
+        elif column in row and not isinstance(row[column], str):
+            value = row[column]
+            raise DataError(f"data file {str(file)!r}, line {number}: {column!r} is "
+                            f"{JSON_TYPES.get(type(value), type(value).__name__)} ({json.dumps(value)[:40]}), "
+                            "not a string or a list of messages")
 
 
 def _is_blank(file: Path) -> bool:

@@ -113,9 +113,19 @@ def load_tokenizer(model_cfg: Any) -> PreTrainedTokenizerBase:
 
 def build_tiny_llama(tokenizer: PreTrainedTokenizerBase, tiny_cfg: Any, seed: int = 0) -> LlamaForCausalLM:
     """A small random Llama over ``tokenizer``'s vocabulary, built in-process (no files)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    config = LlamaConfig(
+    config = tiny_llama_config(tokenizer, tiny_cfg)
+    with torch.random.fork_rng(devices=[]):  # forks the CPU generator only
+        torch.manual_seed(seed)
+        return LlamaForCausalLM(config)
+
+
+def tiny_llama_config(tokenizer: PreTrainedTokenizerBase, tiny_cfg: Any) -> Any:
+    """The ``LlamaConfig`` of ``model=tiny``: ``model.tiny``'s shape over ``tokenizer``'s vocabulary."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=tiny_cfg.hidden_size,
         intermediate_size=tiny_cfg.intermediate_size,
@@ -128,9 +138,6 @@ def build_tiny_llama(tokenizer: PreTrainedTokenizerBase, tiny_cfg: Any, seed: in
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    with torch.random.fork_rng(devices=[]):  # forks the CPU generator only
-        torch.manual_seed(seed)
-        return LlamaForCausalLM(config)
 
 
 def load_causal_lm(model_cfg: Any, tokenizer: PreTrainedTokenizerBase, dtype: str, seed: int) -> nn.Module:

@@ -5,28 +5,36 @@ list of messages and ``chosen``/``rejected`` a one-message assistant list, or th
 ``chosen``/``rejected`` with the prompt implicit (every message before the last assistant one). Each example
 keeps its prompt as messages and its responses as text; the tokenizer's chat template renders them later.
 
+Files are UTF-8 (a byte-order mark is dropped); a jsonl file may also hold one JSON array of row objects.
 Pairs with an empty or identical chosen/rejected response (and empty demonstrations) are reported with their
-index and reason, then dropped (``data.on_invalid=drop``) or rejected (``error``). A missing column fails with
-one line naming the column and the file.
+index and reason, then dropped (``data.on_invalid=drop``) or rejected (``error``). A malformed file fails with
+one line naming the file and the line or row: a line that is not UTF-8, JSON or a row, a CSV row with another
+number of fields than its header, a missing column, a value that is neither text nor chat messages (an object,
+a number, a list of strings) or a margin that is not a finite number.
 """
 
 from __future__ import annotations
 
 import csv
 import json
+import math
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from rlhf_lab.data.prompts import JSON_TYPES, text_lines
+from rlhf_lab.data.rows import messages_problem
 from rlhf_lab.errors import DataError
 
 FORMATS = ("auto", "jsonl", "csv", "hub")
 ON_INVALID = ("drop", "error")
 SUFFIXES = {"jsonl": ".jsonl", "csv": ".csv"}
 REPORTED = 5  # invalid rows listed one by one; the rest are counted
+CSV_FIELD_LIMIT = 2**31 - 1  # a long response is valid data: csv's default refuses fields past 131,072 characters
 
 
 @dataclass
@@ -59,20 +67,77 @@ class ExampleSplits:
 
 
 # ----------------------------------------------------------------------------------------- reading rows
+class RowError(ValueError):
+    """A value of a row that cannot be used; :func:`to_examples` names the row and the file."""
+
+
+def describe(value: Any) -> str:
+    """A bad value as a message shows it: ``42 (a number)``, ``'abc'``, ``an object``."""
+    if isinstance(value, dict):
+        return "an object"
+    if isinstance(value, str):
+        return repr(value[:40])
+    return f"{json.dumps(value, default=str)[:40]} ({JSON_TYPES.get(type(value), type(value).__name__)})"
+
+
 def read_rows(path: Path, fmt: str) -> list[dict[str, Any]]:
-    """Rows of a jsonl or csv file as dicts (line order)."""
-    if fmt == "csv":
-        with open(path, newline="", encoding="utf-8") as handle:
-            return list(csv.DictReader(handle))
-    rows = []
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, 1):
-            if not line.strip():
+    """Rows of a jsonl (or JSON array) or csv file as dicts, in file order."""
+    lines = text_lines(path)
+    return _csv_rows(path, lines) if fmt == "csv" else _json_rows(path, list(lines))
+
+
+def _json_rows(path: Path, lines: list[tuple[int, str]]) -> list[dict[str, Any]]:
+    """One object per line, or one JSON array of objects (as ``json.dump(rows)`` writes)."""
+    if next((line for _, line in lines if line.strip()), "").lstrip().startswith("["):
+        rows = _json_array(path, "".join(line for _, line in lines))
+        if rows is not None:
+            return rows
+    return [_json_line(path, number, line) for number, line in lines if line.strip()]
+
+
+def _json_array(path: Path, text: str) -> list[dict[str, Any]] | None:
+    """The rows of a file that is one JSON array; None if it holds several values (lines, read one by one)."""
+    try:
+        rows = json.loads(text)
+    except json.JSONDecodeError as error:
+        if error.msg == "Extra data":
+            return None
+        raise DataError(f"{path}:{error.lineno} is not JSON: {error.msg}") from None
+    for index, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise DataError(f"{path}: item {index} of its JSON array is {describe(row)}, not an object of a row's "
+                            "columns")
+    return rows
+
+
+def _json_line(path: Path, number: int, line: str) -> dict[str, Any]:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise DataError(f"{path}:{number} is not JSON: {error.msg}") from None
+    if not isinstance(row, dict):
+        raise DataError(f"{path}:{number} is {describe(row)}, not a JSON object of a row's columns (one per line)")
+    return row
+
+
+def _csv_rows(path: Path, lines: Iterable[tuple[int, str]]) -> list[dict[str, Any]]:
+    """Rows under the header; a row with more or fewer fields than the header (an unquoted comma) is refused."""
+    limit = csv.field_size_limit(CSV_FIELD_LIMIT)
+    reader = csv.reader(line for _, line in lines)
+    try:
+        header = next(reader, [])
+        rows = []
+        for fields in reader:
+            if not fields:  # a blank line
                 continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as error:
-                raise DataError(f"{path}:{number} is not JSON: {error.msg}") from None
+            if len(fields) != len(header):
+                raise DataError(f"{path}:{reader.line_num} has {len(fields)} fields, the header has {len(header)} "
+                                f"({', '.join(header)}); quote a field that holds a comma")
+            rows.append(dict(zip(header, fields)))
+    except csv.Error as error:
+        raise DataError(f"{path}:{reader.line_num} is not valid CSV: {error}") from None
+    finally:
+        csv.field_size_limit(limit)
     return rows
 
 
@@ -135,21 +200,44 @@ def _column(row: dict[str, Any], column: str, key: str, where: str, columns: lis
     return row[column]
 
 
-def as_messages(value: Any) -> list[dict[str, str]]:
-    """A prompt value as chat messages: text becomes one user message."""
-    if isinstance(value, list):
-        return [{"role": str(m["role"]), "content": str(m["content"])} for m in value]
-    return [{"role": "user", "content": "" if value is None else str(value)}]
-
-
-def split_response(value: Any) -> tuple[list[dict[str, str]], str]:
-    """(implicit prompt messages, response text) of a response value: text, or messages ending with the reply."""
+def messages_of(value: Any, column: str) -> list[dict[str, str]]:
+    """A list of chat messages (``{"role", "content"}`` with a known role), else a RowError naming ``column``."""
     if not isinstance(value, list):
-        return [], "" if value is None else str(value)
-    messages = as_messages(value)
+        raise RowError(f"column {column!r} is {describe(value)}, not text or chat messages")
+    problem = messages_problem(value) if value else None
+    if problem is not None:
+        raise RowError(f"column {column!r} is a list but {problem}")
+    return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+def as_messages(value: Any, column: str = "prompt") -> list[dict[str, str]]:
+    """A prompt value as chat messages: text becomes one user message."""
+    if value is None or isinstance(value, str):
+        return [{"role": "user", "content": value or ""}]
+    return messages_of(value, column)
+
+
+def split_response(value: Any, column: str = "chosen") -> tuple[list[dict[str, str]], str]:
+    """(implicit prompt messages, response text) of a response value: text, or messages ending with the reply."""
+    if value is None or isinstance(value, str):
+        return [], value or ""
+    messages = messages_of(value, column)
     if not messages or messages[-1]["role"] != "assistant":
         return messages, ""
     return messages[:-1], messages[-1]["content"]
+
+
+def margin_of(value: Any, column: str) -> float | None:
+    """A pair's margin: a finite number (or its text, from a csv file); empty is none."""
+    if value is None or value == "":
+        return None
+    try:
+        margin = float(value) if isinstance(value, int | float | str) and not isinstance(value, bool) else math.nan
+    except ValueError:
+        margin = math.nan
+    if not math.isfinite(margin):
+        raise RowError(f"column {column!r} (data.margin_column) is {describe(value)}, not a finite number")
+    return margin
 
 
 def pair_problem(example: Example) -> str | None:
@@ -168,26 +256,37 @@ def demonstration_problem(example: Example) -> str | None:
 
 
 def to_pair(row: dict[str, Any], data_cfg: Any, where: str, columns: list[str]) -> Example:
-    chosen_prompt, chosen = split_response(_column(row, data_cfg.chosen_column, "data.chosen_column", where, columns))
-    _, rejected = split_response(_column(row, data_cfg.rejected_column, "data.rejected_column", where, columns))
-    prompt = as_messages(row[data_cfg.prompt_column]) if data_cfg.prompt_column in row else []
+    chosen_column, rejected_column = data_cfg.chosen_column, data_cfg.rejected_column
+    prompt_column = data_cfg.prompt_column
+    chosen_prompt, chosen = split_response(_column(row, chosen_column, "data.chosen_column", where, columns),
+                                           chosen_column)
+    _, rejected = split_response(_column(row, rejected_column, "data.rejected_column", where, columns),
+                                 rejected_column)
+    prompt = as_messages(row[prompt_column], prompt_column) if prompt_column in row else []
     prompt = prompt + chosen_prompt  # the explicit prompt, then the conversation's own turns
     if not prompt:
-        _column(row, data_cfg.prompt_column, "data.prompt_column", where, columns)  # raises
+        _column(row, prompt_column, "data.prompt_column", where, columns)  # raises
     margin = None
     if data_cfg.margin_column:
         value = _column(row, data_cfg.margin_column, "data.margin_column", where, columns)
-        margin = float(value) if value not in (None, "") else None
+        margin = margin_of(value, data_cfg.margin_column)
     return Example(prompt=prompt, chosen=chosen, rejected=rejected, margin=margin)
 
 
 def to_demonstration(row: dict[str, Any], data_cfg: Any, where: str, columns: list[str]) -> Example:
-    if data_cfg.response_column not in row and data_cfg.messages_column in row:
-        prompt, response = split_response(row[data_cfg.messages_column])
+    messages_column, response_column = data_cfg.messages_column, data_cfg.response_column
+    if response_column not in row and messages_column in row:
+        messages = row[messages_column]
+        if isinstance(messages, str):
+            raise RowError(f"column {messages_column!r} is text ({describe(messages)}), not a list of chat messages; "
+                           "name text columns with data.prompt_column and data.response_column")
+        prompt, response = split_response(messages, messages_column)
         return Example(prompt=prompt, chosen=response)
-    response = _column(row, data_cfg.response_column, "data.response_column", where, columns)
-    prompt = as_messages(_column(row, data_cfg.prompt_column, "data.prompt_column", where, columns))
-    return Example(prompt=prompt, chosen="" if response is None else str(response))
+    implicit, response = split_response(_column(row, response_column, "data.response_column", where, columns),
+                                        response_column)
+    prompt = as_messages(_column(row, data_cfg.prompt_column, "data.prompt_column", where, columns),
+                         data_cfg.prompt_column)
+    return Example(prompt=prompt + implicit, chosen=response)
 
 
 def to_examples(rows: list[dict[str, Any]], data_cfg: Any, where: str, pairs: bool) -> list[Example]:
@@ -196,7 +295,10 @@ def to_examples(rows: list[dict[str, Any]], data_cfg: Any, where: str, pairs: bo
     convert, problem = (to_pair, pair_problem) if pairs else (to_demonstration, demonstration_problem)
     examples, invalid = [], []
     for index, row in enumerate(rows):
-        example = convert(row, data_cfg, where, columns)
+        try:
+            example = convert(row, data_cfg, where, columns)
+        except RowError as error:  # a malformed file, whatever data.on_invalid says
+            raise DataError(f"row {index} of {where}: {error}") from None
         reason = problem(example)
         if reason is None:
             examples.append(example)

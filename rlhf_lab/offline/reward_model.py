@@ -43,10 +43,10 @@ def build_reward_model(model_cfg: Any, tokenizer: Any, dtype: torch.dtype, seed:
     """A one-output sequence classifier on ``model_cfg``'s causal LM (the head newly initialised)."""
     from transformers import AutoModelForSequenceClassification, LlamaForSequenceClassification
 
-    from rlhf_lab.models.loading import apply_lora, build_tiny_llama, smollm2_model_path
+    from rlhf_lab.models.loading import apply_lora, smollm2_model_path, tiny_llama_config
 
     if model_cfg.name == "tiny" and not model_cfg.name_or_path:
-        config = build_tiny_llama(tokenizer, model_cfg.tiny, seed=seed).config
+        config = tiny_llama_config(tokenizer, model_cfg.tiny)
         config.num_labels = 1
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)

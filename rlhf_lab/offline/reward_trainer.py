@@ -24,10 +24,9 @@ from rlhf_lab.offline.reward_model import build_reward_model, pair_metrics
 from rlhf_lab.offline.stage import chunks
 from rlhf_lab.registry import get
 from rlhf_lab.runtime.precision import Precision
-from rlhf_lab.trackers.jsonl import repair_jsonl
 from rlhf_lab.training import checkpoint as ckpt
-from rlhf_lab.training import resume_contract
 from rlhf_lab.training.budget import TrainingClock
+from rlhf_lab.training.memory_check import check_memory
 from rlhf_lab.training.records import Records, StepTimer
 from rlhf_lab.training.setup import configure_process, resolve_device, seed_everything
 from rlhf_lab.training.update import Updater
@@ -42,14 +41,16 @@ class RewardModelTrainer(OfflineTrainer):
         self.precision = Precision.from_config(cfg.trainer, self.device, warn=True)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         seed_everything(cfg.seed)
-        self.checkpoint_root = self.run_dir / "checkpoints"
-        self.resume_from = ckpt.prepare_run_folder(cfg.trainer.resume, self.run_dir)
-        self.precision = resume_contract.continued_precision(cfg, self.resume_from, self.precision)
+        self.prepare_resume()  # as every run: verified digests, the changes a resume may make
         self.prompts = self.load_prompts()
         self.tokenizer = load_tokenizer(cfg.model)
         self.tokenizer.padding_side = "right"
         self.tokenizer.truncation_side = "left"  # the end of the response matters more than a long prompt's start
         self.algorithm = get("algorithm", cfg.algorithm.name)(cfg.algorithm)
+        micro = cfg.trainer.micro_batch_size
+        pairs = max(micro // 2, 1) if micro else cfg.trainer.prompts_per_step  # per pass, as train_step splits
+        check_memory(cfg, self.tokenizer, DTYPES[self.precision.weights_dtype], self.precision.compute_dtype,
+                     self.device, rows=2 * pairs, logits_width=1, reference=False)
         self.model = build_reward_model(cfg.model, self.tokenizer, DTYPES[self.precision.weights_dtype], cfg.seed)
         self.model.to(self.device)
         self.model.config.pooling = cfg.algorithm.pooling  # read back by reward=reward_model when it scores
@@ -74,23 +75,15 @@ class RewardModelTrainer(OfflineTrainer):
 
     # ----------------------------------------------------------------- checkpoints
     def _maybe_resume(self) -> None:
-        if self.resume_from is None:
-            return
-        state = ckpt.load_checkpoint(self.resume_from, self.model, {}, self.updater.optimizer,
-                                     self.updater.scheduler, self.cfg.model.lora.enabled)
-        self.updater.load_state_dict(state)
-        self.first_eval = state.get("first_eval")
-        self.clock.load_state_dict(state)
-        self.start_step = state["step"] + 1
-        for name in ("metrics.jsonl", "samples.jsonl"):
-            repair_jsonl(self.run_dir / name, before_step=self.start_step)
-        print(f"resumed from {self.resume_from} at step {self.start_step}")
+        if self.resume_from is not None:
+            self.continue_from(self.restore_checkpoint(self.model, {}, self.cfg.model.lora.enabled))
 
     def save(self, step: int) -> Path | None:
         state = {**self.updater.state_dict(), "first_eval": self.first_eval, **self.clock.state_dict(),
                  "precision": self.precision.name}
         return ckpt.save_checkpoint(self.checkpoint_root, step, self.model, self.tokenizer, {}, self.updater.optimizer,
-                                    self.updater.scheduler, state, keep_last_n=self.cfg.trainer.keep_last_n)
+                                    self.updater.scheduler, state, keep_last_n=self.cfg.trainer.keep_last_n,
+                                    config=OmegaConf.to_container(self.cfg, resolve=True))
 
     # ----------------------------------------------------------------- one step
     def train_step(self, step: int) -> dict[str, Any]:

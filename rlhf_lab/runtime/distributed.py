@@ -87,22 +87,31 @@ def resolve_strategy(strategy: str, processes: int | None = None) -> str:
     return strategy
 
 
-# How long a collective waits for the slowest rank: long enough for rank 0 to write a large checkpoint while the
-# others wait at the barrier after it (NCCL's own default is 10 minutes).
-COLLECTIVE_TIMEOUT = timedelta(minutes=60)
+def setup(strategy: str, device: torch.device, timeout_s: float = 600.0) -> None:
+    """Start the process group a strategy needs (idempotent); ``fsdp`` in one process gets a group of one.
 
-
-def setup(strategy: str, device: torch.device) -> None:
-    """Start the process group a strategy needs (idempotent); ``fsdp`` in one process gets a group of one."""
+    ``timeout_s`` (``trainer.collective_timeout_s``) bounds how long a rank waits for the others, at the
+    rendezvous and in every collective: a peer that never comes (launcher variables left over from another job) or
+    stops taking part ends in an error, not a hang. A rendezvous nobody joins is a one-line error."""
     if strategy == "single" or is_distributed():
         return
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    if launched_processes() > 1 or launched_by_torchrun():
-        dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT)
-    else:  # FSDP in one process: a group of one, no rendezvous
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=COLLECTIVE_TIMEOUT)
+    timeout = timedelta(seconds=timeout_s)
+    if not (launched_processes() > 1 or launched_by_torchrun()):  # FSDP in one process: a group of one
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        return
+    try:
+        dist.init_process_group(backend, timeout=timeout)
+    except dist.DistError as error:  # the store's timeout (rank 0) or its address unreachable (the others)
+        address = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        raise ConfigError(
+            f"rank {os.environ.get('RANK')} of WORLD_SIZE={launched_processes()} waited "
+            f"trainer.collective_timeout_s={timeout_s:g} for the other processes at MASTER_ADDR:MASTER_PORT={address} "
+            f"in vain ({str(error).splitlines()[0][:120]}); unset the launcher's variables for one process, or "
+            f"{LAUNCH_HINT}"
+        ) from None
 
 
 def barrier() -> None:

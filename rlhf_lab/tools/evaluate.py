@@ -9,6 +9,8 @@ with its own settings: ``eval.prompts``, ``eval.samples_per_prompt``, ``eval.tem
 
 Writes ``eval.json`` (metrics, source, settings) and ``eval_samples.jsonl`` into ``--out`` (default: the run's
 ``eval/<time>/``, or ``outputs/eval/<time>/`` for a model) and logs to the configured trackers (``logger=...``).
+It holds the lock of the run folder it writes into (:mod:`rlhf_lab.training.run_lock`; ``--out`` itself when no
+run folder holds it), so it never writes into a run that is still training.
 """
 
 from __future__ import annotations
@@ -93,24 +95,23 @@ def load_weights(policy: Any, model_dir: Path) -> None:
     policy.load_state_dict(trained.state_dict(), strict=False)
 
 
+def lock_folder(out: Path, run_dir: Path | None) -> Path:
+    """The folder whose lock an evaluation writing into ``out`` holds: the run folder ``out`` lies in (the
+    source run's, or another one's), else ``out`` itself."""
+    if run_dir is not None and Path(out).resolve().is_relative_to(Path(run_dir).resolve()):
+        return Path(run_dir)
+    from rlhf_lab.training.run_lock import enclosing_run_folder
+
+    return enclosing_run_folder(out) or Path(out)
+
+
 def evaluate_source(source: str, overrides: list[str], out: Path | None = None,
                     trust_run_config: bool = False) -> dict[str, Any]:
     """Compose, load, evaluate; returns what ``eval.json`` holds. Code named only by the source's stored config is
     refused unless ``trust_run_config`` (:func:`check_stored_code`)."""
-    from omegaconf import OmegaConf
-
     import rlhf_lab.components  # noqa: F401  (registers the built-in parts)
     from rlhf_lab.config.compose import compose
-    from rlhf_lab.data.prompts import load_prompts
-    from rlhf_lab.kl.placements import KLPenalty
-    from rlhf_lab.models.loading import build_policy, load_tokenizer
-    from rlhf_lab.rewards.base import build_reward
-    from rlhf_lab.runtime.precision import Precision
-    from rlhf_lab.trackers.jsonl import JsonlWriter, write_json_atomic
-    from rlhf_lab.trackers.multi import build_tracker
-    from rlhf_lab.training.evaluation import Evaluation
-    from rlhf_lab.training.experience import ExperienceMaker
-    from rlhf_lab.training.setup import resolve_device, seed_everything
+    from rlhf_lab.training import run_lock
 
     base, checkpoint, run_dir = source_overrides(source)
     if run_dir is not None and not trust_run_config:
@@ -120,6 +121,31 @@ def evaluate_source(source: str, overrides: list[str], out: Path | None = None,
     out = Path(out) if out is not None else (run_dir / "eval" / stamp if run_dir else Path("outputs") / "eval" / stamp)
     if out.exists() and not out.is_dir():
         raise ToolError(f"--out {str(out)!r} is a file; give a folder for eval.json")
+    locked = lock_folder(out, run_dir)
+    run_lock.acquire(locked, instead="give --out a folder outside it")
+    try:
+        return _evaluate(cfg, base, overrides, source, checkpoint, run_dir, out)
+    finally:
+        run_lock.release(locked)
+
+
+def _evaluate(cfg: Any, base: list[str], overrides: list[str], source: str, checkpoint: Path | None,
+              run_dir: Path | None, out: Path) -> dict[str, Any]:
+    """Load the policy (the checkpoint's weights), evaluate it, write ``eval.json`` and the samples into ``out``."""
+    from omegaconf import OmegaConf
+
+    from rlhf_lab.data.prompts import load_prompts
+    from rlhf_lab.kl.placements import KLPenalty
+    from rlhf_lab.models.loading import build_policy, load_tokenizer
+    from rlhf_lab.rewards.base import build_reward
+    from rlhf_lab.runtime.precision import Precision
+    from rlhf_lab.trackers.jsonl import JsonlWriter, write_json_atomic
+    from rlhf_lab.trackers.multi import build_tracker
+    from rlhf_lab.training.checkpoint import updates_held
+    from rlhf_lab.training.evaluation import Evaluation
+    from rlhf_lab.training.experience import ExperienceMaker
+    from rlhf_lab.training.setup import resolve_device, seed_everything
+
     device = resolve_device(cfg.trainer.device)
     precision = Precision.from_config(cfg.trainer, device, warn=False)
     seed_everything(cfg.seed)
@@ -142,7 +168,7 @@ def evaluate_source(source: str, overrides: list[str], out: Path | None = None,
     if not prompts:
         raise ToolError("no evaluation prompts: set eval.prompts (or trainer.eval_prompts) above 0, or give a data "
                         "set with an eval split")
-    step = int(checkpoint.name.split("_")[1]) if checkpoint is not None else 0
+    step = updates_held(checkpoint) if checkpoint is not None else 0  # training's evaluation of it had this step
     metrics, examples = evaluation.run(prompts, step, cfg.seed, float(cfg.kl.coef))
     out.mkdir(parents=True, exist_ok=True)
     rows = [{"step": step, "prompt": p, "response": r, "reward": score} for p, r, score in examples]
@@ -154,12 +180,26 @@ def evaluate_source(source: str, overrides: list[str], out: Path | None = None,
               "overrides": [*base, *overrides], "settings": OmegaConf.to_container(cfg.eval, resolve=True),
               "metrics": metrics}
     write_json_atomic(out / "eval.json", result)
-    tracker = build_tracker(cfg.logger, OmegaConf.to_container(cfg, resolve=True), out)
+    tracker = build_tracker(cfg.logger, {**OmegaConf.to_container(cfg, resolve=True),
+                                         "evaluates": evaluated_run(run_dir, checkpoint, step)}, out)
     tracker.log({"step": step, **metrics}, step)
     tracker.log_eval_samples(rows[: cfg.trainer.samples_per_step_logged], step)
     tracker.finish(metrics)
     result["out"] = str(out)
     return result
+
+
+def evaluated_run(run_dir: Path | None, checkpoint: Path | None, step: int) -> dict[str, Any]:
+    """What an evaluation's tracker run says it evaluates: the run folder, checkpoint and step, and the training
+    run's W&B identity (id, project, group, name) so the evaluation joins its group on the dashboard."""
+    from rlhf_lab.trackers.wandb_run import stored_run
+
+    if run_dir is None:
+        return {"checkpoint": str(checkpoint) if checkpoint else None, "step": step}
+    stored = stored_run(run_dir)
+    return {"run_dir": str(run_dir.resolve()), "checkpoint": str(checkpoint) if checkpoint else None, "step": step,
+            "wandb_run_id": stored.get("id"), **{key: stored.get(key) for key in ("project", "entity", "group",
+                                                                                  "name")}}
 
 
 def main(args: list[str] | None = None) -> None:

@@ -82,8 +82,11 @@ def model_card(config: dict[str, Any], summary: dict[str, Any], checkpoint: Path
     base = adapter_base or _select(config, "model.name_or_path")
     if base:
         lines.append(f"base_model: {base}")
+    from rlhf_lab.training.checkpoint import updates_held
+
+    updates = updates_held(checkpoint)
     lines += ["---", "", f"# Policy trained with rlhf_lab ({algorithm})", "",
-              f"Exported from `{checkpoint}` (step {checkpoint.name.split('_')[-1]}).", ""]
+              f"Exported from `{checkpoint}` (step {updates}: the policy after {updates} updates).", ""]
     if adapter_base:
         lines += [f"A LoRA adapter over `{adapter_base}`: load it with `peft.AutoPeftModelForCausalLM.from_pretrained`.",
                   ""]
@@ -91,7 +94,10 @@ def model_card(config: dict[str, Any], summary: dict[str, Any], checkpoint: Path
     lines += [f"| `{key}` | {_select(config, key)} |" for key in CARD_KEYS if _select(config, key) is not None]
     shown = [(key, summary[key]) for key in SUMMARY_KEYS if key in summary]
     if shown:
-        lines += ["", "## Results (summary.json)", "", "| metric | value |", "| --- | --- |"]
+        lines += ["", "## Results (summary.json)", ""]
+        if summary.get("steps") not in (None, updates):  # an earlier checkpoint than the run's last
+            lines += [f"The run's results at its end, step {summary['steps']}; this policy is from step {updates}.", ""]
+        lines += ["| metric | value |", "| --- | --- |"]
         lines += [f"| `{key}` | {value:.4g} |" if isinstance(value, float) else f"| `{key}` | {value} |"
                   for key, value in shown]
     return "\n".join(lines) + "\n"

@@ -24,7 +24,9 @@ Training curves use the lines that have ``reward/mean``; the evaluation-only lin
 left out of them. Written into the folder (or ``--out``): ``report.csv``, ``report.md`` and the plots of
 :mod:`rlhf_lab.tools.report_plots` (``--ema``, ``--band sd|ci95``, ``--last-k``): reward, exact KL and
 evaluation reward against step, the KL estimate against the exact KL per arm, and the reward-vs-KL frontier with
-its Pareto front. The markdown table is printed.
+its Pareto front. A plot with no data (no job logged its keys) is left out, and report.md and the console say
+which and why. The markdown table is printed, then every file written. A job whose run did not finish (no
+``summary.json`` and fewer training steps than its ``trainer.steps``) is named as failed in both.
 
 An Optuna search's folder (``hydra/sweeper=optuna``) also holds ``optimization_results.yaml``: the report then
 starts with the best trial (value, parameters, folder) and a table of every trial by objective value.
@@ -65,6 +67,7 @@ METRICS = (
     *((column, header) for column, header, _ in EXACT_METRICS),
 )
 PLOTS = PLOT_FILES  # rlhf_lab/tools/report_plots.py: styles and legends that hold at 36 arms
+SUMMARY_FILE = "summary.json"  # a run writes it last: a job folder without it did not finish
 
 
 class ReportError(ToolError):
@@ -77,6 +80,19 @@ class Job:
     config: dict[str, Any]  # flattened resolved config (dotted keys) plus chosen group options
     train: list[dict[str, float]]  # training lines, by step
     eval: list[dict[str, float]]  # lines with eval/reward/mean, by step
+    failed: str | None = None  # why the job counts as failed (its run did not finish), or None
+
+
+@dataclass
+class Report:
+    """What ``rlhf-lab report`` wrote: the markdown table, its rows, every file written, the plots left out (one
+    reason each) and the failed jobs (folder: why)."""
+
+    table: str
+    rows: list[dict[str, Any]]
+    files: list[Path]
+    skipped: list[str]
+    failed: list[str]
 
 
 @dataclass
@@ -159,7 +175,17 @@ def load_job(folder: Path) -> Job:
     ]
     train = sorted((line for line in lines if "reward/mean" in line), key=lambda line: line.get("step", 0))
     evals = sorted((line for line in lines if "eval/reward/mean" in line), key=lambda line: line.get("step", 0))
-    return Job(folder, config, train, evals)
+    return Job(folder, config, train, evals, failure(folder, config, train))
+
+
+def failure(folder: Path, config: dict[str, Any], train: list[dict[str, Any]]) -> str | None:
+    """Why a job folder holds a failed run: no ``summary.json`` (written last) and fewer training steps than its
+    ``trainer.steps``, so it ended in an error or was killed (or is still running). None for a finished job."""
+    steps = config.get("trainer.steps")
+    if (folder / SUMMARY_FILE).is_file() or not isinstance(steps, int) or len(train) >= steps:
+        return None
+    return (f"failed: {len(train)} of trainer.steps={steps} steps in metrics.jsonl and no {SUMMARY_FILE} (the run "
+            "ended in an error or was killed, or is still running)")
 
 
 def _job_order(folder: Path) -> tuple[int, str]:
@@ -179,6 +205,9 @@ def find_jobs(root: Path) -> list[Job]:
             continue
         if job.train or job.eval:
             jobs.append(job)
+        elif not (folder / SUMMARY_FILE).is_file():
+            print(f"skipping failed job {folder}: no training steps or evaluations in metrics.jsonl and no "
+                  f"{SUMMARY_FILE} (the run ended in an error or was killed)", file=sys.stderr)
         else:
             print(f"skipping {folder}: no training steps or evaluations in metrics.jsonl", file=sys.stderr)
     return jobs
@@ -322,9 +351,11 @@ def curve(arm: Arm, key: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return steps, means, stds
 
 
-def write_plots(arms: list[Arm], rows: list[dict[str, Any]], out: Path, options: PlotOptions | None = None) -> list[Path]:
-    paths = write_all(arms, out, options)  # rlhf_lab/tools/report_plots.py
-    return paths + exact_plots(arms, out, curve)  # the exact task's gap and true KL, when logged
+def write_plots(arms: list[Arm], rows: list[dict[str, Any]], out: Path,
+                options: PlotOptions | None = None) -> tuple[list[Path], list[str]]:
+    """The plots written, and one line for each plot left out for want of data."""
+    paths, skipped = write_all(arms, out, options)  # rlhf_lab/tools/report_plots.py
+    return paths + exact_plots(arms, out, curve), skipped  # the exact task's gap and true KL, when logged
 
 
 # ------------------------------------------------------------------------------------------ command
@@ -333,6 +364,12 @@ def write_plots(arms: list[Arm], rows: list[dict[str, Any]], out: Path, options:
 def build_report(folder: Path, out: Path | None = None,
                  options: PlotOptions | None = None) -> tuple[str, list[dict[str, Any]]]:
     """Write report.csv, report.md and the plots; return the markdown table and the rows."""
+    report = write_report(folder, out, options)
+    return report.table, report.rows
+
+
+def write_report(folder: Path, out: Path | None = None, options: PlotOptions | None = None) -> Report:
+    """Write report.csv, report.md and the plots that have data; return what was written and left out."""
     folder = Path(folder)
     if not folder.is_dir():
         raise ReportError(f"{folder} is not a folder")
@@ -351,7 +388,8 @@ def build_report(folder: Path, out: Path | None = None,
     rows, arms = rank_by_gap(rows, arms)  # the exact task: best (smallest final gap J* − J) first
     table = markdown_table(rows, metrics)
     write_csv(rows, out / "report.csv")
-    plots = write_plots(arms, rows, out, options)
+    plots, skipped = write_plots(arms, rows, out, options)
+    failed = [f"{job.folder}: {job.failed}" for job in jobs if job.failed]
     keys = ", ".join(arms[0].label) or "nothing varies across jobs"
     markdown = "\n".join(
         [
@@ -364,12 +402,15 @@ def build_report(folder: Path, out: Path | None = None,
             "",
             table,
             "",
+            *([f"Failed jobs ({len(failed)}; their steps so far are in the table):", "",
+               *(f"- {line}" for line in failed), ""] if failed else []),
             *(f"![{path.stem}]({path.name})" for path in plots),
             "",
+            *([f"Plots left out (no data): {'; '.join(skipped)}.", ""] if skipped else []),
         ]
     )
     (out / "report.md").write_text(markdown, encoding="utf-8")
-    return table, rows
+    return Report(table, rows, [out / "report.csv", *plots, out / "report.md"], skipped, failed)
 
 
 def main(args: list[str] | None = None) -> None:
@@ -387,12 +428,18 @@ def main(args: list[str] | None = None) -> None:
         if options.last_k is not None and options.last_k < 1:
             raise ReportError(f"--last-k {options.last_k} is out of range; must be >= 1")
         plot_options = PlotOptions(ema=options.ema, band=options.band, last_k=options.last_k)
-        table, _ = build_report(options.folder, options.out, plot_options)
+        report = write_report(options.folder, options.out, plot_options)
     except ReportError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
-    print(table)
+    print(report.table)
     search = optuna_section(options.folder)
     if search:
         print("\n" + "\n".join(line for line in search[:5] if line))
-    print(f"\nwrote report.md, report.csv and {', '.join(PLOTS)} to {options.out or options.folder}")
+    for line in report.failed:
+        print(f"failed job {line}")
+    for line in report.skipped:
+        print(f"no plot {line}")
+    print("\nwrote:")
+    for path in report.files:
+        print(f"  {path}")

@@ -207,15 +207,19 @@ def pareto_front(points: list[tuple[float, float]]) -> list[int]:
     return sorted(front, key=lambda i: points[i][0])
 
 
+def frontier_split(arms: list[Any]) -> str:
+    """The lines the frontier reads: ``train``, or ``eval`` when some arm has no sampled training reward (sft, dpo):
+    one yardstick, every arm's final evaluation."""
+    return "train" if all(_logged([arm], "train", "reward/mean") for arm in arms) else "eval"
+
+
 def plot_frontier(arms: list[Any], path: Path, options: PlotOptions) -> list[int]:
     """Reward vs exact KL per arm (last-k means, ± sd over seeds), the Pareto front drawn; returns the front."""
     import matplotlib.pyplot as plt
 
     figure, axes = _figure(arms)
     points, k_used = [], 0
-    # One yardstick: when some arm has no sampled training reward (sft, dpo), every arm's final evaluation.
-    split = "train" if all(any("reward/mean" in line for job in arm.jobs for line in job.train) for arm in arms) \
-        else "eval"
+    split = frontier_split(arms)
     for index, arm in enumerate(arms):
         kl, reward, kl_sd, reward_sd, k_used = last_k_point(arm, options.last_k if split == "train" else 1, split)
         points.append((kl, reward))
@@ -243,16 +247,38 @@ PLOT_FILES = ("reward_vs_step.png", "kl_exact_vs_step.png", "reward_vs_kl.png", 
               "kl_estimate_vs_exact.png")
 
 
-def write_all(arms: list[Any], out: Path, options: PlotOptions | None = None) -> list[Path]:
-    """Every plot of :data:`PLOT_FILES` into ``out``; returns their paths."""
+def _logged(arms: list[Any], split: str, *keys: str) -> bool:
+    """Whether some job has a ``split`` line (``train`` or ``eval``) with every one of ``keys``."""
+    return any(all(key in line for key in keys) for arm in arms for job in arm.jobs for line in getattr(job, split))
+
+
+def write_all(arms: list[Any], out: Path, options: PlotOptions | None = None) -> tuple[list[Path], list[str]]:
+    """The plots of :data:`PLOT_FILES` that have data, into ``out``: their paths, and for each plot left out (it
+    would be an empty figure) one line saying which and why."""
     import matplotlib
 
     matplotlib.use("Agg")
     options = options or PlotOptions()
-    paths = [Path(out) / name for name in PLOT_FILES]
-    plot_curves(arms, "reward/mean", "reward (mean over the step's samples)", paths[0], options)
-    plot_curves(arms, "kl/exact", "exact KL per token", paths[1], options)
-    plot_frontier(arms, paths[2], options)
-    plot_curves(arms, "eval/reward/mean", "evaluation reward (held-out prompts)", paths[3], options, split="eval")
-    plot_kl_estimate_vs_exact(arms, paths[4], options)
-    return paths
+    paths = dict(zip(PLOT_FILES, (Path(out) / name for name in PLOT_FILES), strict=True))
+    frontier = ("train", "reward/mean", "kl/exact") if frontier_split(arms) == "train" else (
+        "eval", "eval/reward/mean", "eval/kl/exact")
+    plots = {
+        "reward_vs_step.png": (("train", "reward/mean"), lambda path: plot_curves(
+            arms, "reward/mean", "reward (mean over the step's samples)", path, options)),
+        "kl_exact_vs_step.png": (("train", "kl/exact"), lambda path: plot_curves(
+            arms, "kl/exact", "exact KL per token", path, options)),
+        "reward_vs_kl.png": (frontier, lambda path: plot_frontier(arms, path, options)),
+        "eval_reward_vs_step.png": (("eval", "eval/reward/mean"), lambda path: plot_curves(
+            arms, "eval/reward/mean", "evaluation reward (held-out prompts)", path, options, split="eval")),
+        "kl_estimate_vs_exact.png": (("train", "kl/estimate", "kl/exact"), lambda path: plot_kl_estimate_vs_exact(
+            arms, path, options)),
+    }
+    written, skipped = [], []
+    for name, ((split, *keys), draw) in plots.items():
+        if _logged(arms, split, *keys):
+            draw(paths[name])
+            written.append(paths[name])
+        else:
+            lines = "training" if split == "train" else "evaluation"
+            skipped.append(f"{name}: no job has {' and '.join(keys)} in its {lines} lines")
+    return written, skipped

@@ -9,7 +9,15 @@ Names, so the dashboard can group and filter:
 - multirun job: ``group`` = experiment name + the sweep folder's name (the same for every job of one sweep,
   whichever launcher runs it), run ``name`` = the job's swept overrides (``algorithm=grpo,kl=k3,seed=1``),
   one tag per swept value (``algorithm=grpo``, ``kl=k3``, ``seed=1``);
-- single run: ``group`` = experiment name, ``name`` = its overrides (or its run folder's name).
+- single run: ``group`` = experiment name (without one: the algorithm and KL options, ``grpo-k3``; under
+  ``wandb agent``: ``sweep-<id>``), ``name`` = its overrides (or its run folder's name), one tag per config
+  group chosen on the command line;
+- ``job_type`` = the stage: ``train`` (RL), ``sft``, ``dpo``, ``reward_model``, ``eval`` (``rlhf-lab eval``, in
+  the evaluated run's group, with the run's W&B id in its config under ``evaluates``), or ``logger.job_type``.
+
+W&B's step is the trainer's step (``run.log(..., step=step)``), so a resumed run's history continues where the
+checkpoint left it. The summary adds ``<metric>/min`` and ``<metric>/max`` over the whole run (from
+``metrics.jsonl``, so a resume does not restart them) for the metrics sweeps rank by (:data:`RANKED`).
 
 The logged config is the resolved Hydra config plus flat copies of the keys sweeps vary
 (``algorithm_name``, ``kl_name``, ``kl_placement``, ...) so runs group by them in the W&B UI.
@@ -23,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -32,11 +41,14 @@ from rlhf_lab.registry import register
 from rlhf_lab.runtime import distributed
 from rlhf_lab.runtime.console import say
 from rlhf_lab.trackers.base import Tracker
+from rlhf_lab.trackers.jsonl import read_jsonl
 from rlhf_lab.trackers.wandb_run import (  # noqa: F401  (MODES, has_api_key: read from here too)
     MODES,
     _git_settings,
     dashboard_config,
     has_api_key,
+    job_type,
+    remember_run,
     resolve_mode,
     run_id,
     run_identity,
@@ -44,19 +56,23 @@ from rlhf_lab.trackers.wandb_run import (  # noqa: F401  (MODES, has_api_key: re
 )
 
 SAMPLE_COLUMNS = ("step", "prompt", "response", "reward")
+RANKED = ("exact/gap", "eval/reward/mean", "reward/mean", "eval/kl/exact")  # summary gets their min and max
 
 
 class WandbUnavailableWarning(RuntimeWarning):
     """W&B could not be used; the run continues with local logging only."""
 
 
-# ------------------------------------------------------------------------------------------ mode
-
-
-# ------------------------------------------------------------------------------------------ names
-
-
-# ------------------------------------------------------------------------------------------ tracker
+def extremes(metrics_file: Path, keys: tuple[str, ...] = RANKED) -> dict[str, float]:
+    """``<key>/min`` and ``<key>/max`` of each of ``keys`` over a metrics.jsonl (the run's every logged step)."""
+    seen: dict[str, list[float]] = {}
+    if metrics_file.is_file():
+        for line in read_jsonl(metrics_file):
+            for key in keys if isinstance(line, dict) else ():
+                value = line.get(key)
+                if isinstance(value, (int, float)) and value == value:  # NaN never ranks
+                    seen.setdefault(key, []).append(float(value))
+    return {f"{key}/{which}": fn(values) for key, values in seen.items() for which, fn in (("min", min), ("max", max))}
 
 
 @register("logger", "wandb")
@@ -88,21 +104,25 @@ class WandbTracker(Tracker):
             self.mode = "offline"
         experiment_name = str(config.get("experiment_name", "default"))
         identity = run_identity(experiment_name, self.run_dir)
+        evaluated = config.get("evaluates") or {}  # rlhf-lab eval: the training run's W&B identity
         env_tags = [t.strip() for t in os.environ.get("WANDB_TAGS", "").split(",") if t.strip()]
         tags = [*identity.tags, *(str(t) for t in (logger_cfg.tags or [])), *env_tags]
+        name = f"eval {evaluated['name']} @ step {evaluated['step']}" if evaluated.get("name") else identity.name
         init_kwargs = {
-            "project": logger_cfg.project or os.environ.get("WANDB_PROJECT") or "rlhf_lab",
-            "entity": logger_cfg.entity,
-            "group": logger_cfg.group or os.environ.get("WANDB_RUN_GROUP") or identity.group,
-            "name": short_name(logger_cfg.run_name or identity.name),
+            "project": (logger_cfg.project or os.environ.get("WANDB_PROJECT") or evaluated.get("project")
+                        or "rlhf_lab"),
+            "entity": logger_cfg.entity or evaluated.get("entity"),
+            "group": logger_cfg.group or os.environ.get("WANDB_RUN_GROUP") or evaluated.get("group") or identity.group,
+            "name": short_name(logger_cfg.run_name or name),
             "id": run_id(self.run_dir, resuming),
             "resume": "allow",  # a resumed run (trainer.resume) continues the same W&B run
             "tags": [tag[:64] for tag in dict.fromkeys(tags)],  # W&B caps tags at 64 characters
-            "job_type": logger_cfg.job_type,
+            "job_type": job_type(logger_cfg.get("job_type"), config),
             "config": dashboard_config(config, self.run_dir, identity),
             "dir": str(self.run_dir),
             "reinit": "finish_previous",
         }
+        remember_run(self.run_dir, init_kwargs)
         self.run = self._init(init_kwargs, notes)
         if self.run is None:
             return
@@ -110,8 +130,18 @@ class WandbTracker(Tracker):
             self._warn("; ".join(notes) + f"; logging offline (sync later: wandb sync {self.run.settings.sync_dir})")
         self._guarded("define_metric", self._define_metrics)
         if (self.run_dir / ".hydra").is_dir():  # the resolved config and overrides, with the run's files
-            self._guarded("save", lambda: self.run.save(str(self.run_dir / ".hydra" / "*"), base_path=str(self.run_dir),
-                                                        policy="now"))
+            self._guarded("save", self._save_hydra_files)
+
+    def _save_hydra_files(self) -> None:
+        """Copies of ``.hydra/``'s files in the W&B run's own files folder, uploaded now. Saved from there, W&B links
+        nothing into its folder (so it prints no "Symlinked N files" line); a planted link is not followed."""
+        files = Path(self.run.dir)
+        copies = files / ".hydra"
+        copies.mkdir(parents=True, exist_ok=True)
+        for item in sorted((self.run_dir / ".hydra").iterdir()):
+            if item.is_file() and not item.is_symlink():
+                shutil.copyfile(item, copies / item.name)
+        self.run.save(str(copies / "*"), base_path=str(files), policy="now")
 
     def _init(self, init_kwargs: dict[str, Any], notes: list[str]) -> Any:
         """``wandb.init``; an online run that cannot start (no network, server down) falls back to offline."""
@@ -174,7 +204,7 @@ class WandbTracker(Tracker):
             payload["eval_samples"] = self._samples_table(self._pending_eval[1], "eval_samples")
             self._pending_eval = None
         self._flush_samples()  # samples of an earlier step that got no metrics line
-        self._guarded("log", lambda: self.run.log(payload))
+        self._guarded("log", lambda: self.run.log(payload, step=step))
 
     def log_samples(self, rows: list[dict[str, Any]], step: int) -> None:
         """Queue the rows; they go out with this step's metrics, as one table row per sample."""
@@ -188,7 +218,7 @@ class WandbTracker(Tracker):
             return
         step, rows = self._pending_samples
         self._pending_samples = None
-        self._guarded("log", lambda: self.run.log({"samples": self._samples_table(rows), "step": step}))
+        self._guarded("log", lambda: self.run.log({"samples": self._samples_table(rows), "step": step}, step=step))
 
     def _samples_table(self, rows: list[dict[str, Any]], name: str = "samples") -> Any:
         """One table per name for the whole run, logged incrementally (each log adds the new rows); columns:
@@ -221,7 +251,7 @@ class WandbTracker(Tracker):
         step, rows = self._pending_eval
         self._pending_eval = None
         self._guarded("log", lambda: self.run.log({"eval_samples": self._samples_table(rows, "eval_samples"),
-                                                   "step": step}))
+                                                   "step": step}, step=step))
 
     def _log_model(self) -> None:
         """The last checkpoint as a W&B model artifact (``logger.log_model=true``)."""
@@ -241,7 +271,7 @@ class WandbTracker(Tracker):
         run = self.run
         if self.logger_cfg.get("log_model"):
             self._guarded("artifact", self._log_model)
-        self._guarded("summary", lambda: run.summary.update(dict(summary)))
+        self._guarded("summary", lambda: run.summary.update({**summary, **extremes(self.run_dir / "metrics.jsonl")}))
         if self.run is None:
             return
         folder, offline = run.settings.sync_dir, run.settings._offline

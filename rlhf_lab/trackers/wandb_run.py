@@ -1,5 +1,10 @@
 """What a W&B run is called and where it goes: the mode (online only with an API key, never a prompt), the run's
-group, name, tags and id, and the flat config keys the dashboard groups by (:mod:`rlhf_lab.trackers.wandb`)."""
+group, name, tags, job type and id, and the flat config keys the dashboard groups by (:mod:`rlhf_lab.trackers.wandb`).
+
+A run folder remembers its W&B run in ``wandb_run.json`` (id, project, group, name): a resumed run continues it
+and ``rlhf-lab eval RUN`` links its evaluation to it. Under ``wandb agent`` (a W&B sweep) the agent's run id is
+the run's id.
+"""
 
 from __future__ import annotations
 
@@ -20,6 +25,8 @@ DEFAULT_BASE_URL = "https://api.wandb.ai"
 
 
 MODES = ("auto", "online", "offline", "disabled")
+STAGE_JOB_TYPES = ("sft", "dpo", "reward_model")  # algorithm names that are their own stage on the dashboard
+RUN_FILE = "wandb_run.json"
 
 
 def _netrc_path(environ: Mapping[str, str]) -> Path:
@@ -102,19 +109,52 @@ def run_identity(experiment_name: str, run_dir: Path, hydra_cfg: Any | None = No
         if option is not None and not str(group).startswith("hydra/") and group != "schema"
     }
     if hydra_cfg.mode != RunMode.MULTIRUN:
-        lines = sorted(o.input_line for o in parsed)
+        tags = sorted(tag(o) for o in parsed if o.key_or_group in choices)  # the options chosen, not every setting
         name = override_dirname or Path(run_dir).name
-        return RunIdentity(experiment_name, name, lines, overrides, choices=choices)
+        return RunIdentity(single_run_group(experiment_name, choices), name, tags, overrides, choices=choices)
 
     try:
         sweep_dir = Path(str(hydra_cfg.sweep.dir))
     except Exception:  # an interpolation that cannot resolve here: the job folder's parent is the sweep
         sweep_dir = Path(str(hydra_cfg.runtime.output_dir)).parent
     swept = read_swept_keys(str(sweep_dir))
-    lines = sorted(o.input_line for o in parsed if swept is None or o.key_or_group in swept)
+    lines = sorted(tag(o) for o in parsed if swept is None or o.key_or_group in swept)
     name = ",".join(lines) or override_dirname or f"job{hydra_cfg.job.num}"
     group = f"{experiment_name}-{sweep_dir.name}"
     return RunIdentity(group, name, lines, overrides, str(sweep_dir.resolve()), choices)
+
+
+def tag(override: Any) -> str:
+    """``key=value`` of a parsed Hydra override as the dashboard shows it: no ``+``/``~``/``++`` prefix, floats
+    in at most 6 significant digits (a swept ``0.30000000000000004`` is ``0.3``)."""
+    value = override.value()
+    text = f"{value:.6g}" if isinstance(value, float) else override.get_value_element_as_str()
+    return f"{override.key_or_group}={text}"
+
+
+def single_run_group(experiment_name: str, choices: Mapping[str, str],
+                     environ: Mapping[str, str] | None = None) -> str:
+    """A single run's group: its experiment; under ``wandb agent`` the sweep; else its algorithm and KL options
+    (``grpo-k3``), so seeds and reruns of one arm group together."""
+    environ = os.environ if environ is None else environ
+    if experiment_name != "default":
+        return experiment_name
+    if environ.get("WANDB_SWEEP_ID"):
+        return f"sweep-{environ['WANDB_SWEEP_ID']}"
+    arm = [choices[group] for group in ("algorithm", "kl") if choices.get(group)]
+    return "-".join(arm) or experiment_name
+
+
+def job_type(requested: str | None, config: Mapping[str, Any]) -> str:
+    """``logger.job_type``, else the stage: ``eval`` for ``rlhf-lab eval``, ``sft``/``dpo``/``reward_model`` for
+    the offline algorithms, ``train`` for RL."""
+    if requested:
+        return str(requested)
+    if config.get("evaluates"):
+        return "eval"
+    algorithm = config.get("algorithm")
+    name = algorithm.get("name") if isinstance(algorithm, Mapping) else None
+    return str(name) if name in STAGE_JOB_TYPES else "train"
 
 
 def dashboard_config(config: dict[str, Any], run_dir: Path, identity: RunIdentity) -> dict[str, Any]:
@@ -154,18 +194,32 @@ def short_name(name: str, limit: int = 128) -> str:
     return f"{name[: limit - 9]}~{hashlib.sha1(name.encode()).hexdigest()[:8]}"
 
 
-def run_id(run_dir: Path, resuming: bool) -> str:
-    """This run folder's W&B run id: the stored one when the run resumes from its checkpoint, else a new one
-    (kept in ``<run folder>/wandb_run.json`` beside ``checkpoints/``), so a resumed run continues its W&B run."""
+def run_id(run_dir: Path, resuming: bool, environ: Mapping[str, str] | None = None) -> str:
+    """This run folder's W&B run id: the agent's under ``wandb agent`` (``WANDB_SWEEP_ID`` and ``WANDB_RUN_ID``
+    set), the stored one when the run resumes from its checkpoint, else a new one."""
+    environ = os.environ if environ is None else environ
+    if environ.get("WANDB_SWEEP_ID") and environ.get("WANDB_RUN_ID"):
+        return environ["WANDB_RUN_ID"]
+    stored = stored_run(run_dir)
+    if resuming and stored.get("id"):
+        return str(stored["id"])
+    return secrets.token_hex(4)
 
-    path = Path(run_dir) / "wandb_run.json"
-    if resuming and path.is_file():
-        with contextlib.suppress(ValueError, KeyError, OSError):
-            return str(json.loads(path.read_text())["id"])
-    new_id = secrets.token_hex(4)
+
+def stored_run(run_dir: Path) -> dict[str, Any]:
+    """What ``<run folder>/wandb_run.json`` says about the folder's W&B run ({} when nothing readable)."""
+    with contextlib.suppress(ValueError, OSError):
+        stored = json.loads((Path(run_dir) / RUN_FILE).read_text())
+        return stored if isinstance(stored, dict) else {}
+    return {}
+
+
+def remember_run(run_dir: Path, init_kwargs: Mapping[str, Any]) -> None:
+    """Keep the run's id, project, group and name beside ``checkpoints/`` (read by resume and ``rlhf-lab eval``)."""
+    keys = ("id", "project", "entity", "group", "name", "job_type")
+    path = Path(run_dir) / RUN_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"id": new_id}))
-    return new_id
+    path.write_text(json.dumps({key: init_kwargs.get(key) for key in keys}))
 
 
 def _git_settings(start: Path) -> dict[str, Any]:

@@ -7,7 +7,11 @@ the key may change on resume). Start-up, evaluation and checkpoint writing do no
 
 After each step the run stops once the clock has reached the budget, so the step during which it was
 reached is the last; the run then ends as one that ran all ``trainer.steps`` does (final evaluation, final
-checkpoint, ``summary.json``), which records ``stopped_by``. Under N processes rank 0's clock decides and
+checkpoint, ``summary.json``), which records ``stopped_by``.
+
+Beside it the clock keeps the run's wall time (``time/total_s``, saved as ``total_seconds``): every segment's
+loop from its first evaluation to its summary, evaluations and checkpoint writing included (start-up not), so
+``time/total_s >= time/train_s``. Under N processes rank 0's clock decides and
 every rank reads it, so all ranks stop after the same step.
 """
 
@@ -42,6 +46,17 @@ class TrainingClock:
     def __init__(self, budget: float | None, seconds: float = 0.0) -> None:
         self.budget = budget
         self.seconds = seconds
+        self.earlier_total = 0.0  # wall seconds of the run's earlier segments
+        self.segment_start = time.perf_counter()
+
+    def start_segment(self) -> None:
+        """This segment's wall time counts from now (the loop's start)."""
+        self.segment_start = time.perf_counter()
+
+    @property
+    def total_seconds(self) -> float:
+        """Wall seconds of every segment so far: the earlier ones' and this one's since :meth:`start_segment`."""
+        return self.earlier_total + time.perf_counter() - self.segment_start
 
     @contextmanager
     def timing(self) -> Iterator[None]:
@@ -70,14 +85,17 @@ class TrainingClock:
             )
 
     def state_dict(self) -> dict[str, float]:
-        return {"train_seconds": self.seconds}
+        return {"train_seconds": self.seconds, "total_seconds": self.total_seconds}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """A checkpoint's clock (0 for a checkpoint written before the clock was kept)."""
+        """A checkpoint's clock (0 for a checkpoint written before the clock was kept; its training seconds as the
+        wall time for one written before the wall time was kept)."""
         self.seconds = float(state.get("train_seconds", 0.0))
+        self.earlier_total = max(float(state.get("total_seconds", 0.0)), self.seconds)
 
     def summary(self, steps_done: int, steps: int) -> dict[str, Any]:
         """``summary.json``'s record of the end: why training stopped (``steps``: every one of ``steps`` ran;
-        ``max_train_seconds``: the budget stopped it first) and the training time over every segment."""
+        ``max_train_seconds``: the budget stopped it first), the training time and the wall time over every
+        segment."""
         stopped_by = STOPPED_BY_STEPS if steps_done >= steps else STOPPED_BY_BUDGET
-        return {"stopped_by": stopped_by, "time/train_s": self.seconds}
+        return {"stopped_by": stopped_by, "time/train_s": self.seconds, "time/total_s": self.total_seconds}

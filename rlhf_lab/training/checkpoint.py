@@ -13,14 +13,17 @@ A checkpoint holds only safetensors and JSON, so loading one never unpickles any
   ``optimizer.safetensors`` holds the scheduler only;
 - ``rng.safetensors``: the torch (and CUDA) generator states; Python's and NumPy's are JSON;
 - ``config.json``: the resolved config of the run that wrote it (what a resume is compared against);
-- ``trainer_state.json``: step, KL controller, counters, the seconds trained so far (``train_seconds``, the
+- ``trainer_state.json``: ``step`` (the last step trained, 0-based: ``step_N`` holds N updates and its ``step``
+  is N - 1), KL controller, counters, the seconds trained so far (``train_seconds``, the
   clock of ``trainer.max_train_seconds``), and a manifest of every file above with its
   size and sha256 (:mod:`.verify`). It is written last, so a folder whose manifest is missing, unreadable or
   does not match the files is incomplete and never loaded; a resume verifies the digests too.
 
 Write order: files -> fsync -> ``trainer_state.json`` -> rename the temporary ``.step_N.*`` folder to
 ``step_N`` -> replace the ``latest`` pointer. A run killed at any point leaves the previous checkpoint
-loadable; leftover temporary folders are removed by the next save.
+loadable; leftover temporary folders are removed by the next save. A full disk (or quota) is one line
+(:class:`CheckpointError`) once the partial folder is removed: the previous checkpoint and ``latest`` stay as
+they were.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +46,7 @@ from torch import nn
 from rlhf_lab.errors import CheckpointError
 from rlhf_lab.training.checkpoint_sharded import SHARDED_FOLDER, load_sharded, save_sharded  # noqa: F401
 from rlhf_lab.training.state_encoding import decode_state, encode_state, rng_state, set_rng_state
-from rlhf_lab.training.verify import fsync, fsync_tree, manifest, seal
+from rlhf_lab.training.verify import fsync, fsync_tree, full_disk, manifest, seal
 
 STATE_FILE = "trainer_state.json"  # written last inside a checkpoint folder; holds the manifest
 COMPLETE_MARKER = STATE_FILE
@@ -62,23 +67,44 @@ def remove_temporary(root: Path, keep: Path | None = None) -> None:
             shutil.rmtree(child, ignore_errors=True)
 
 
-def staging_folder(root: Path, step: int) -> Path:
-    """The temporary folder every rank writes a sharded checkpoint of ``step`` into (the same name on every rank)."""
-    return Path(root) / f"{TEMP_PREFIX}{step}.sharded"
+def staging_folder(root: Path, updates: int) -> Path:
+    """The temporary folder every rank writes the sharded checkpoint ``step_{updates}`` into (one name on all ranks)."""
+    return Path(root) / f"{TEMP_PREFIX}{updates}.sharded"
 
 
-def prepare_staging(root: Path, step: int) -> Path:
+def prepare_staging(root: Path, updates: int) -> Path:
     """Rank 0, before the ranks write: an empty staging folder (a killed save's leftovers removed)."""
-    folder = staging_folder(root, step)
+    folder = staging_folder(root, updates)
     Path(root).mkdir(parents=True, exist_ok=True)
     remove_temporary(root)
     folder.mkdir()
     return folder
 
 
+@contextmanager
+def refusing_full_disk(root: Path, step: int, partial: tuple[Path, ...] = ()) -> Iterator[None]:
+    """A write of checkpoint ``step`` that finds the disk full becomes one-line :class:`CheckpointError`, once
+    the ``partial`` files and folders it left are removed (the earlier checkpoints are untouched)."""
+    try:
+        yield
+    except (OSError, SafetensorError) as error:
+        told = full_disk(error)
+        if told is None:
+            raise
+        for path in partial:
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+        last = latest_checkpoint(root)
+        intact = (f"the last checkpoint, step {last.name.removeprefix('step_')}, is intact; free space and resume"
+                  if last is not None else "no earlier checkpoint was written; free space and start again")
+        raise CheckpointError(f"checkpoint at step {step} not written: {told} on {root} ({intact})") from None
+
+
 def save_checkpoint(
     root: Path,
-    step: int,
+    updates: int,
     policy: nn.Module,
     tokenizer: Any,
     modules: dict[str, nn.Module],
@@ -93,7 +119,8 @@ def save_checkpoint(
     staged: Path | None = None,
     tensor_files: dict[str, dict[str, torch.Tensor]] | None = None,
 ) -> Path:
-    """Write ``root/step_{step}`` atomically, point ``root/latest`` at it, keep the newest ``keep_last_n``.
+    """Write ``root/step_{updates}`` (the policy after ``updates`` optimizer updates) atomically, point
+    ``root/latest`` at it, keep the newest ``keep_last_n``.
 
     ``model_state`` / ``module_states``: the whole states gathered from sharded (FSDP) modules (``model/`` is
     written from them as an unsharded run writes it). ``staged``: the staging folder the ranks wrote the sharded
@@ -103,53 +130,55 @@ def save_checkpoint(
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     remove_temporary(root, keep=staged)
-    final = root / f"step_{step}"
-    tmp = staged or Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{step}.", dir=root))
-    try:
-        policy.save_pretrained(tmp / MODEL_FOLDER, safe_serialization=True, state_dict=model_state)
-        tokenizer.save_pretrained(tmp / MODEL_FOLDER)
-        for name, module in modules.items():
-            whole = (module_states or {}).get(name) or module.state_dict()
-            state = {k: v.detach().contiguous() for k, v in whole.items()}
-            save_file(state, str(tmp / f"{name}.safetensors"))
-        optimizer_tensors: dict[str, torch.Tensor] = {}
-        states = {"scheduler": scheduler.state_dict()}
-        if staged is None:  # else the optimizer's state is in the sharded folder
-            states["optimizer"] = optimizer_state or optimizer.state_dict()
-        optimizer_plain = encode_state(states, optimizer_tensors)
-        save_file(optimizer_tensors, str(tmp / OPTIMIZER_FILE))
-        for name, tensors in (tensor_files or {}).items():
-            save_file(tensors, str(tmp / name))
-        rng_tensors, rng_plain = rng_state()
-        save_file(rng_tensors, str(tmp / RNG_FILE))
-        if config is not None:
-            (tmp / CONFIG_FILE).write_text(json.dumps(config), encoding="utf-8")
-        fsync_tree(tmp)
-        state = {
-            "step": step,
-            **trainer_state,
-            "optimizer": optimizer_plain,
-            "rng": rng_plain,
-            "modules": sorted(modules),
-            "files": manifest(tmp, skip=STATE_FILE),
-        }
-        state = seal(state, tmp, skip=STATE_FILE)
-        with open(tmp / STATE_FILE, "w", encoding="utf-8") as handle:
-            json.dump(state, handle)
+    final = root / f"step_{updates}"
+    with refusing_full_disk(root, updates):  # the temporary folder is removed either way
+        tmp = staged or Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{updates}.", dir=root))
+        try:
+            policy.save_pretrained(tmp / MODEL_FOLDER, safe_serialization=True, state_dict=model_state)
+            tokenizer.save_pretrained(tmp / MODEL_FOLDER)
+            for name, module in modules.items():
+                whole = (module_states or {}).get(name) or module.state_dict()
+                state = {k: v.detach().contiguous() for k, v in whole.items()}
+                save_file(state, str(tmp / f"{name}.safetensors"))
+            optimizer_tensors: dict[str, torch.Tensor] = {}
+            states = {"scheduler": scheduler.state_dict()}
+            if staged is None:  # else the optimizer's state is in the sharded folder
+                states["optimizer"] = optimizer_state or optimizer.state_dict()
+            optimizer_plain = encode_state(states, optimizer_tensors)
+            save_file(optimizer_tensors, str(tmp / OPTIMIZER_FILE))
+            for name, tensors in (tensor_files or {}).items():
+                save_file(tensors, str(tmp / name))
+            rng_tensors, rng_plain = rng_state()
+            save_file(rng_tensors, str(tmp / RNG_FILE))
+            if config is not None:
+                (tmp / CONFIG_FILE).write_text(json.dumps(config), encoding="utf-8")
+            fsync_tree(tmp)
+            state = {
+                "step": updates - 1,  # the last step trained: a resume continues at step + 1
+                **trainer_state,
+                "optimizer": optimizer_plain,
+                "rng": rng_plain,
+                "modules": sorted(modules),
+                "files": manifest(tmp, skip=STATE_FILE),
+            }
+            state = seal(state, tmp, skip=STATE_FILE)
+            with open(tmp / STATE_FILE, "w", encoding="utf-8") as handle:
+                json.dump(state, handle)
+                handle.flush()
+                os.fsync(handle.fileno())
+            if final.exists():  # the same step saved again (a re-run); the pointer still names a complete one
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            fsync(root)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    pointer_tmp = root / f".{LATEST}.tmp"
+    with refusing_full_disk(root, updates, (pointer_tmp, final)):  # `latest` keeps naming the previous checkpoint
+        with open(pointer_tmp, "w", encoding="utf-8") as handle:
+            handle.write(final.name)
             handle.flush()
             os.fsync(handle.fileno())
-        if final.exists():  # the same step saved again (a re-run); the pointer still names a complete one
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        fsync(root)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    pointer_tmp = root / f".{LATEST}.tmp"
-    with open(pointer_tmp, "w", encoding="utf-8") as handle:
-        handle.write(final.name)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(pointer_tmp, root / LATEST)
+        os.replace(pointer_tmp, root / LATEST)
     fsync(root)
     if keep_last_n > 0:
         for old in complete_checkpoints(root)[:-keep_last_n]:
@@ -171,6 +200,17 @@ def read_state(folder: Path) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return state if isinstance(state, dict) else None
+
+
+def updates_held(folder: Path) -> int:
+    """The optimizer updates checkpoint ``folder`` holds: its last trained step + 1, whatever the folder is called
+    (checkpoints written before folders were named by their updates are called ``step_<last step>``); without a
+    readable state, the N of its name ``step_N``."""
+    state = read_state(folder)
+    if state is not None and isinstance(state.get("step"), int):
+        return state["step"] + 1
+    match = STEP_FOLDER.match(Path(folder).name)
+    return int(match.group(1)) if match else 0
 
 
 def is_complete(folder: Path) -> bool:

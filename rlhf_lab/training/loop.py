@@ -22,7 +22,7 @@ from rlhf_lab.errors import TrainingStopped
 from rlhf_lab.hardware import HardwareProfile
 from rlhf_lab.kl.placements import KLPenalty
 from rlhf_lab.masked import masked_sum
-from rlhf_lab.models.loading import build_policy, enable_activation_checkpointing, load_tokenizer
+from rlhf_lab.models.loading import DTYPES, build_policy, enable_activation_checkpointing, load_tokenizer
 from rlhf_lab.registry import get
 from rlhf_lab.rewards.base import build_reward
 from rlhf_lab.runtime import distributed
@@ -37,6 +37,7 @@ from rlhf_lab.training.ahead import AHEAD_FILE, Lookahead, decode_ahead, encode_
 from rlhf_lab.training.budget import TrainingClock
 from rlhf_lab.training.evaluation import Evaluation
 from rlhf_lab.training.experience import ExperienceMaker
+from rlhf_lab.training.memory_check import check_memory
 from rlhf_lab.training.records import Records, StepTimer, run_summary, sample_columns, synchronize
 from rlhf_lab.training.scoring_pass import sampler_metrics
 from rlhf_lab.training.setup import configure_process, resolve_device, seed_everything
@@ -55,7 +56,7 @@ class Trainer:
         self.run_dir = Path(run_dir)
         self.strategy = distributed.resolve_strategy(cfg.trainer.strategy)
         self.device = resolve_device(cfg.trainer.device)
-        distributed.setup(self.strategy, self.device)
+        distributed.setup(self.strategy, self.device, cfg.trainer.collective_timeout_s)
         self.hardware = HardwareProfile.from_config(cfg.get("hardware"), self.device)
         if self.hardware.name != "default" and not self.hardware.tunes() and distributed.is_main_process():
             say(f"hardware={self.hardware.name} tunes CPU runs; on {self.device.type} the plain path runs", __name__)
@@ -65,18 +66,12 @@ class Trainer:
                                                agree=distributed.all_reduce_flags)  # auto: one answer for all ranks
         self.run_dir.mkdir(parents=True, exist_ok=True)
         seed_everything(cfg.seed)  # the same on every rank: the same initial model
-        self.checkpoint_root = self.run_dir / "checkpoints"
-        # Checked before anything loads: what to resume from, and that a fresh start mixes with no earlier run.
-        self.resume_from = ckpt.prepare_run_folder(cfg.trainer.resume, self.run_dir,
-                                                   clear_logs=distributed.is_main_process())
-        # Its digests verified (else an earlier checkpoint), its config compared: what may change, and how.
-        self.resume_from, self.resume_changes = resume_contract.prepare(cfg, self.resume_from,
-                                                                        warn=distributed.is_main_process())
-        self.precision = resume_contract.continued_precision(cfg, self.resume_from, self.precision,
-                                                             announce=distributed.is_main_process())
+        self.prepare_resume()
 
         self.prompts = self.load_prompts()
         self.tokenizer = load_tokenizer(cfg.model)
+        check_memory(cfg, self.tokenizer, DTYPES[self.precision.weights_dtype], self.precision.compute_dtype,
+                     self.device, shards=distributed.world_size() if self.strategy == "fsdp" else 1)
         self.models = build_policy(cfg.model, self.tokenizer, self.precision.weights_dtype, cfg.seed)
         check_model_prompts(self.prompts, self.tokenizer, self.models.policy, cfg)
         if cfg.trainer.gradient_checkpointing:
@@ -142,47 +137,70 @@ class Trainer:
             self.precision.store_frozen_weights(self.models.reference_model())
 
     # ----------------------------------------------------------------- resume and checkpoints
+    def prepare_resume(self) -> None:
+        """Before anything loads: the checkpoint to resume from (``resume_from``), its digests verified (else an
+        earlier checkpoint), its config compared (``resume_changes``: what may change, and how), the precision it
+        continues in; a fresh start that would mix with an earlier run's files is refused."""
+        cfg, main = self.cfg, distributed.is_main_process()
+        self.checkpoint_root = self.run_dir / "checkpoints"
+        self.resume_from = ckpt.prepare_run_folder(cfg.trainer.resume, self.run_dir, clear_logs=main)
+        self.resume_from, self.resume_changes = resume_contract.prepare(cfg, self.resume_from, warn=main)
+        self.precision = resume_contract.continued_precision(cfg, self.resume_from, self.precision, announce=main)
+
+    def restore_checkpoint(self, policy: torch.nn.Module, modules: dict[str, torch.nn.Module], uses_adapter: bool,
+                           kl_controller: Any = None, sharded: bool = False) -> dict[str, Any]:
+        """Load ``resume_from`` into the model, modules, optimizer and schedule (and the KL controller, if the run
+        has one), then honour the resume's changes (a new ``trainer.lr``, ...); returns the trainer state."""
+        updater = self.updater
+        fresh_base_lrs = list(updater.scheduler.base_lrs)  # this config's, before the checkpoint's replace them
+        state = ckpt.load_checkpoint(self.resume_from, policy, modules, updater.optimizer, updater.scheduler,
+                                     uses_adapter, sharded=sharded)
+        if kl_controller is not None:
+            kl_controller.load_state_dict(state["kl_controller"])
+        updater.load_state_dict(state)
+        resume_contract.apply_changes(self.resume_changes, self.cfg, updater, kl_controller, fresh_base_lrs)
+        return state
+
     def _maybe_resume(self) -> None:
         folder = self.resume_from
         if folder is None:
             return
-        updater = self.updater
-        fresh_base_lrs = list(updater.scheduler.base_lrs)  # this config's, before the checkpoint's replace them
-        state = ckpt.load_checkpoint(folder, distributed.unwrap(self.policy), self.algorithm.modules(),
-                                     updater.optimizer, updater.scheduler, self.models.uses_adapter,
-                                     sharded=self.strategy == "fsdp")
-        self.kl_controller.load_state_dict(state["kl_controller"])
-        updater.load_state_dict(state)
-        resume_contract.apply_changes(self.resume_changes, self.cfg, updater, self.kl_controller, fresh_base_lrs)
+        state = self.restore_checkpoint(distributed.unwrap(self.policy), self.algorithm.modules(),
+                                        self.models.uses_adapter, self.kl_controller, sharded=self.strategy == "fsdp")
         rank_rng = state.get("rank_rng")
         if rank_rng and len(rank_rng) == distributed.world_size():  # every rank's own generators
             set_rank_rng_state(rank_rng[distributed.rank()])
         self.experience.engine.sync_weights(distributed.unwrap(self.policy))  # built before the weights loaded
         self.lookahead.load_state(decode_ahead(ckpt.read_tensors(folder / AHEAD_FILE), state.get("ahead")))
+        self.continue_from(state)
+
+    def continue_from(self, state: dict[str, Any]) -> None:
+        """The loop's own state from a restored checkpoint (first evaluation, clock, next step); the metrics and
+        samples files cut back to the steps it holds."""
         self.first_eval = state.get("first_eval")
         self.clock.load_state_dict(state)
         self.start_step = state["step"] + 1
-        for name in ("metrics.jsonl", "samples.jsonl"):
-            if distributed.is_main_process():
-                repair_jsonl(self.run_dir / name, before_step=self.start_step)
         if distributed.is_main_process():
-            say(f"resumed from {folder} at step {self.start_step}", __name__)
+            for name in ("metrics.jsonl", "samples.jsonl"):
+                repair_jsonl(self.run_dir / name, before_step=self.start_step)
+            say(f"resumed from {self.resume_from} at step {self.start_step}", __name__)
 
     def load_prompts(self) -> PromptSplits:
         """The train and held-out prompts (the offline stages read them from their examples)."""
         return load_prompts(self.cfg.data, seed=self.cfg.seed)
 
-    def save(self, step: int) -> Path | None:
-        """Write a checkpoint of ``step``: under FSDP every rank writes its shards (``sharded/``, DCP) and the
-        whole weights are gathered for ``model/``; rank 0 writes the rest while the other ranks wait at a barrier
-        (not in a collective of the next step). Returns its folder (None on other ranks)."""
+    def save(self, updates: int) -> Path | None:
+        """Write the checkpoint ``step_{updates}``, the policy after ``updates`` updates: under FSDP every rank writes
+        its shards (``sharded/``, DCP) and the whole weights are gathered for ``model/``; rank 0 writes the rest while
+        the other ranks wait at a barrier (not in a collective of the next step). Returns its folder (None on other
+        ranks)."""
         updater, modules = self.updater, self.algorithm.modules()
         policy = distributed.unwrap(self.policy)
         whole: dict[str, Any] = {}
         if self.strategy == "fsdp":  # collectives: every rank takes part
-            staged = ckpt.staging_folder(self.checkpoint_root, step)
+            staged = ckpt.staging_folder(self.checkpoint_root, updates)
             if distributed.is_main_process():
-                ckpt.prepare_staging(self.checkpoint_root, step)
+                ckpt.prepare_staging(self.checkpoint_root, updates)
             distributed.barrier()
             ckpt.save_sharded(staged, policy, modules, updater.optimizer)
             whole = {"model_state": distributed.full_model_state(policy), "staged": staged,
@@ -197,7 +215,7 @@ class Trainer:
                              "precision": self.precision.name, "ahead": ahead}
             if distributed.world_size() > 1:
                 trainer_state["rank_rng"] = rank_rng
-            folder = ckpt.save_checkpoint(self.checkpoint_root, step, policy, self.tokenizer, modules,
+            folder = ckpt.save_checkpoint(self.checkpoint_root, updates, policy, self.tokenizer, modules,
                                           updater.optimizer, updater.scheduler, trainer_state,
                                           keep_last_n=self.cfg.trainer.keep_last_n,
                                           config=OmegaConf.to_container(self.cfg, resolve=True),
@@ -308,12 +326,33 @@ class Trainer:
         print(f"received {name}: finishing the current step, then writing a checkpoint "
               f"(send it again to abort without one)", file=sys.stderr, flush=True)
 
+    def agree_on_stop(self) -> bool:
+        """Whether every rank stops after this step: when any rank was asked to (a scheduler or a user may signal
+        one process of a torchrun launch only), all checkpoint and stop together instead of the others waiting in
+        the next step's collectives. A rank stopped by another's signal names it and exits with its status."""
+        requested = self.stop_requested is not None  # read before the signal: the handler sets the signal first
+        local = torch.tensor([[float(requested), float(self.stop_signal or 0)]], dtype=torch.float64)
+        every_rank = distributed.gather_rows(local)  # [world_size, 2]: one collective, on every rank at this point
+        signalled = every_rank[:, 1].nonzero().flatten().tolist()
+        if self.stop_signal is None and signalled:
+            sender = signalled[0]
+            self.stop_signal = int(every_rank[sender, 1])
+            self.stop_requested = f"rank {sender} received {signal.Signals(self.stop_signal).name}"
+        return bool(every_rank.any())
+
     def _stopped(self, step: int) -> TrainingStopped:
         resume = ("trainer.resume=auto", f"trainer.output_dir={self.run_dir.resolve()}")
         message = (f"stopped after step {step}: {self.stop_requested}; checkpoint "
-                   f"{self.checkpoint_root / f'step_{step}'} written; continue with: {' '.join(resume)}")
+                   f"{self.checkpoint_root / f'step_{step + 1}'} written; continue with: {' '.join(resume)}")
         exit_code = 128 + self.stop_signal if self.stop_signal is not None else 3
         return TrainingStopped(message, exit_code=exit_code, resume_overrides=resume)
+
+    def evaluation_due(self, step: int) -> bool:
+        """Whether step ``step`` starts with an evaluation (every ``trainer.eval_every`` updates; the one before any
+        update is the first evaluation, the one after the last the final). A resumed run evaluates where an
+        uninterrupted one would."""
+        every = self.cfg.trainer.eval_every
+        return every > 0 and step > 0 and step % every == 0
 
     # ----------------------------------------------------------------- the loop's hooks (OfflineTrainer overrides)
     def step_extras(self, step: int) -> dict[str, Any]:
@@ -342,6 +381,7 @@ class Trainer:
         for s in previous:
             signal.signal(s, self._handle_signal)
         history: list[dict[str, Any]] = []
+        self.clock.start_segment()
         last = self.start_step if self.clock.reached(self.device) else steps  # a resume past its budget: no step
         progress = progress_bar(range(self.start_step, last), cfg.trainer.progress_bar, self.start_step, steps)
         try:
@@ -352,21 +392,23 @@ class Trainer:
                 self._print_example("before training")
             step = self.start_step - 1
             for step in progress:
+                # Step s starts from s updates: its line holds the evaluation of that policy, if one is due.
+                evaluated = self.evaluate(step) if self.evaluation_due(step) else {}
                 with self.clock.timing():
                     metrics = self.train_step(step)
                 out_of_time = self.clock.reached(self.device)  # trainer.max_train_seconds: this step is the last
                 metrics.update(self.step_extras(step))
+                metrics.update(evaluated)
                 last_step = out_of_time or step + 1 == steps
-                if cfg.trainer.eval_every > 0 and (step + 1) % cfg.trainer.eval_every == 0 and not last_step:
-                    metrics.update(self.evaluate(step))
                 self.records.log(metrics, step)
                 history.append(metrics)
                 if hasattr(progress, "set_postfix"):
                     progress.set_postfix(**self.progress_postfix(metrics))
                 every = cfg.trainer.checkpoint_every
-                if self.stop_requested or last_step or (every > 0 and (step + 1) % every == 0):
-                    self.save(step)
-                if self.stop_requested:
+                stop = self.agree_on_stop()  # the same answer on every rank, whichever rank got the signal
+                if stop or last_step or (every > 0 and (step + 1) % every == 0):
+                    self.save(step + 1)
+                if stop:
                     raise self._stopped(step)
                 if out_of_time:
                     self.clock.announce(step)

@@ -63,7 +63,8 @@ def run_summary(history: list[dict[str, Any]], steps: int, run_dir: Path, skippe
                 first_eval: dict[str, Any] | None, final_eval: dict[str, Any],
                 curve: tuple[str, str] = ("reward/mean", "reward")) -> dict[str, Any]:
     """``summary.json``: the step metric ``curve[0]`` over the first and last 20% of steps (as ``curve[1]/…``;
-    the offline stages summarise ``loss/total``), final exact KL when logged, timing, and the evaluations."""
+    the offline stages summarise ``loss/total``), final exact KL when logged, the median step time, and the
+    evaluations (the run's clock adds ``time/train_s`` and ``time/total_s``: :mod:`.budget`)."""
     key, name = curve
     summary: dict[str, Any] = {"steps": steps, "run_dir": str(run_dir)}
     if history:
@@ -81,7 +82,6 @@ def run_summary(history: list[dict[str, Any]], steps: int, run_dir: Path, skippe
             summary["exact/gap"] = exact[-1]["exact/gap"]
         summary.update({
             "time/step_s_median": float(np.median([m["time/step_s"] for m in history])),
-            "time/total_s": float(sum(m["time/step_s"] for m in history)),
             "optim/skipped_updates": skipped_updates,
         })
     if first_eval:
@@ -91,13 +91,17 @@ def run_summary(history: list[dict[str, Any]], steps: int, run_dir: Path, skippe
 
 
 def sample_columns(rollout: Any, index: int) -> dict[str, float]:
-    """A logged sample's extra columns: its mean advantage over its response tokens and the per-sample
-    reward terms the rollout carries (reward components, penalties)."""
-    columns: dict[str, float] = {}
+    """A logged sample's extra columns: its response length in tokens (model tokens), its KL to the reference
+    summed over them (the exact KL where the step computes it, else the configured estimate), its mean advantage
+    over them, and the per-sample reward terms the rollout carries (reward components, penalties)."""
+    mask = rollout.response_mask[index]
+    tokens = float(mask.sum())
+    columns: dict[str, float] = {"length": int(tokens)}
+    per_token = rollout.kl_exact if getattr(rollout, "kl_exact", None) is not None else rollout.kl_estimate
+    if per_token is not None:
+        columns["kl"] = float((per_token[index] * mask).sum())
     advantages = getattr(rollout, "advantages", None)
     if advantages is not None:
-        mask = rollout.response_mask[index]
-        tokens = float(mask.sum())
         columns["advantage"] = float((advantages[index] * mask).sum()) / tokens if tokens else 0.0
     for key, values in getattr(rollout, "extras", {}).items():
         if values.dim() == 1:

@@ -53,7 +53,8 @@ MAY_CHANGE = (
     "trainer.resume", "trainer.output_dir",
     "trainer.device", "trainer.strategy", "trainer.num_threads", "trainer.micro_batch_size",
     "trainer.gradient_checkpointing", "trainer.recompute", "trainer.offload_reference", "trainer.logprob_chunk",
-    "logger.*", "eval.*", "experiment_name", "optimized_metric", "kl_budget", "kl_budget_penalty",
+    "trainer.skip_memory_check",
+    "logger.*", "eval.*", "experiment_name", "experiment_time", "optimized_metric", "kl_budget", "kl_budget_penalty",
     "hardware.*",  # how the machine computes the same steps (a CPU profile's pieces are float-rounding apart)
     "generation.*",  # the engine that samples: the state it resumes (weights, optimizer, generators) is the same
 )
@@ -155,11 +156,11 @@ def apply_changes(changed: dict[str, tuple[Any, Any]], cfg: Any, updater: Any, k
                   fresh_base_lrs: list[float]) -> None:
     """Honour a new ``trainer.lr`` / ``trainer.steps`` / ``kl.coef`` after the checkpoint restored the old ones.
 
-    ``fresh_base_lrs``: each parameter group's base learning rate as the new config built it (before the
+    ``kl_controller``: None for a run without one (``algorithm=reward_model``). ``fresh_base_lrs``: each parameter group's base learning rate as the new config built it (before the
     checkpoint's scheduler state replaced them). The current rates are recomputed from the schedule at its
     restored position, so a decaying schedule continues over the new ``trainer.steps``.
     """
-    if "kl.coef" in changed:
+    if "kl.coef" in changed and kl_controller is not None:
         kl_controller.coef = float(cfg.kl.coef)
     if "trainer.lr" in changed or "trainer.steps" in changed:
         optimizer, scheduler = updater.optimizer, updater.scheduler

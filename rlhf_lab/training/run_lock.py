@@ -48,8 +48,9 @@ def _key(run_dir: Path) -> str:
     return str(Path(run_dir).expanduser().resolve())
 
 
-def acquire(run_dir: Path) -> None:
-    """Take the lock of ``run_dir`` (created if needed), or raise :class:`RunFolderInUse` naming the holder."""
+def acquire(run_dir: Path, instead: str = "choose another trainer.output_dir") -> None:
+    """Take the lock of ``run_dir`` (created if needed), or raise :class:`RunFolderInUse` naming the holder and
+    what to do ``instead`` of waiting."""
     key = _key(run_dir)
     if key in _held:
         _held[key].count += 1
@@ -71,8 +72,7 @@ def acquire(run_dir: Path) -> None:
         os.close(descriptor)
         who = f"process {holder}" if holder else "another process"
         raise RunFolderInUse(
-            f"run folder {key!r} is in use by {who} (lock {path}); wait for it to end or choose another "
-            "trainer.output_dir"
+            f"run folder {key!r} is in use by {who} (lock {path}); wait for it to end or {instead}"
         ) from None
     previous = _read_pid(descriptor)
     if previous and previous != os.getpid():
@@ -133,6 +133,12 @@ def new_run_folder(parent: Path) -> Path:
         except FileExistsError:
             continue
     raise ConfigError(f"cannot create a new run folder in {str(parent)!r}; give trainer.output_dir")
+
+
+def enclosing_run_folder(folder: Path) -> Path | None:
+    """The nearest folder at or above ``folder`` that holds a run's lock file (a run folder), or None."""
+    folder = Path(folder).expanduser().resolve()
+    return next((above for above in (folder, *folder.parents) if (above / LOCK_FILE).is_file()), None)
 
 
 def holds(run_dir: Path) -> bool:

@@ -9,6 +9,7 @@ before checksums existed are checked by size, as they were.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -17,6 +18,7 @@ from typing import Any
 
 REQUIRED_KEYS = ("step", "files", "optimizer", "rng")  # every checkpoint's state has these
 CHUNK = 1 << 20
+FULL_DISK = {errno.ENOSPC: "no space left", errno.EDQUOT: "disk quota exceeded"}  # errno -> what to tell
 
 
 def file_digest(path: Path) -> str:
@@ -111,6 +113,14 @@ def fsync(path: Path) -> None:
         pass  # some filesystems refuse fsync on folders
     finally:
         os.close(descriptor)
+
+
+def full_disk(error: Exception) -> str | None:
+    """What ran out ("no space left", "disk quota exceeded") when ``error`` is a write that found the disk full,
+    else None. safetensors reports the OS error inside its message (``... (os error 28)``), not as ``errno``."""
+    if isinstance(error, OSError):
+        return FULL_DISK.get(error.errno)
+    return next((told for code, told in FULL_DISK.items() if f"(os error {code})" in str(error)), None)
 
 
 def manifest(folder: Path, skip: str) -> dict[str, int]:

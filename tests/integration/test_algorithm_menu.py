@@ -33,7 +33,7 @@ def test_every_preset_trains_and_logs_the_contract(compose, tiny_overrides, tmp_
         assert not missing, missing
         assert line["policy/ratio_min"] <= line["policy/ratio_mean"] <= line["policy/ratio_max"]
         assert line["advantages/min"] <= line["advantages/max"]
-    assert (tmp_path / "run" / "checkpoints" / "step_1").is_dir()
+    assert (tmp_path / "run" / "checkpoints" / "step_2").is_dir()
 
 
 @pytest.mark.parametrize(("advantage", "policy_loss"), [("rloo", "gspo"), ("reinforce_pp", "cispo"),

@@ -58,7 +58,7 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     Trainer(compose([*TINY, "trainer.steps=2", f"trainer.output_dir={folder / 'trained'}"]),
             folder / "trained").train()
     damaged = shutil.copytree(folder / "trained", folder / "damaged")
-    weights = damaged / "checkpoints" / "step_1" / "model" / "model.safetensors"
+    weights = damaged / "checkpoints" / "step_2" / "model" / "model.safetensors"
     data = bytearray(weights.read_bytes())
     data[-5] ^= 0xFF  # one flipped byte in the weights: same size, other sha256
     weights.write_bytes(bytes(data))
@@ -77,7 +77,7 @@ def read_only_folder(folder: Path) -> str:
 
 def in_process_cases(folder: Path) -> list[Case]:
     trained = folder / "trained"
-    step_1 = trained / "checkpoints" / "step_1"
+    step_2 = trained / "checkpoints" / "step_2"
     fresh = "or start a fresh run with the new values: another trainer.output_dir, without trainer.resume"
     resume = ["trainer.steps=3", f"trainer.resume={trained}"]
     unwritable = read_only_folder(folder)
@@ -114,22 +114,22 @@ def in_process_cases(folder: Path) -> list[Case]:
              "--experimental-rerun is not supported (it would unpickle a file); re-run a job with the overrides "
              "in its .hydra/overrides.yaml"),
         Case("resume_changes_algorithm", [*resume, "algorithm=reinforce"],
-             f"resuming from {step_1} cannot change algorithm.name: grpo -> reinforce (only trainer.steps, "
+             f"resuming from {step_2} cannot change algorithm.name: grpo -> reinforce (only trainer.steps, "
              "trainer.lr, kl.coef and cadence, device and logging keys may change on resume); resume with "
              f"algorithm=grpo, {fresh}"),
         Case("resume_changes_seed", [*resume, "seed=7"],
-             f"resuming from {step_1} cannot change seed: 0 -> 7 (only trainer.steps, trainer.lr, kl.coef and "
+             f"resuming from {step_2} cannot change seed: 0 -> 7 (only trainer.steps, trainer.lr, kl.coef and "
              f"cadence, device and logging keys may change on resume); resume with seed=0, {fresh}"),
         Case("resume_changes_lora", [*resume, "model.lora.enabled=true"],
-             f"resuming from {step_1} cannot change model.lora.enabled: false -> true (only trainer.steps, "
+             f"resuming from {step_2} cannot change model.lora.enabled: false -> true (only trainer.steps, "
              "trainer.lr, kl.coef and cadence, device and logging keys may change on resume); resume with "
              f"model.lora.enabled=false, {fresh}"),
         Case("resume_changes_batch_shape", [*resume, "algorithm.group_size=4", "trainer.prompts_per_step=1"],
-             f"resuming from {step_1} cannot change algorithm.group_size: 2 -> 4, trainer.prompts_per_step: 2 -> 1 "
+             f"resuming from {step_2} cannot change algorithm.group_size: 2 -> 4, trainer.prompts_per_step: 2 -> 1 "
              "(only trainer.steps, trainer.lr, kl.coef and cadence, device and logging keys may change on resume); "
              f"resume with algorithm.group_size=2 trainer.prompts_per_step=2, {fresh}"),
         Case("resume_steps_below_checkpoint", [f"trainer.resume={trained}"],
-             f"trainer.steps=1 is not above the step of checkpoint {step_1} (steps 0..1 are done); continue with "
+             f"trainer.steps=1 is not above the step of checkpoint {step_2} (steps 0..1 are done); continue with "
              "trainer.steps>=2, or start a fresh run in another trainer.output_dir"),
     ]
 
@@ -146,7 +146,7 @@ def process_cases(folder: Path) -> list[Case]:
         Case("prompt_is_a_list", [*jsonl, "data.path=lists.jsonl"],
              "data file 'lists.jsonl', line 3: 'prompt' is a list but message 0 is not {'role': ..., 'content': '...'}"),
         Case("prompt_file_not_utf8", [*jsonl, "data.path=latin1.jsonl"],
-             "data file 'latin1.jsonl', line 2: not valid UTF-8 (byte 0xe9 at column 16)"),
+             "data file 'latin1.jsonl', line 2: not valid UTF-8 (byte 0xe9 at column 16); save the file as UTF-8"),
         Case("lora_target_not_in_model", ["model.lora.enabled=true", "model.lora.target_modules=[nonexistent]"],
              "model.lora.target_modules: 'nonexistent' not in the model; valid names: down_proj, embed_tokens, "
              "gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj (or all-linear)"),
@@ -163,7 +163,7 @@ def process_cases(folder: Path) -> list[Case]:
              "length reward needs slope_words > 0; got 0.0"),
         Case("checkpoint_damaged_none_left", ["trainer.steps=3", "trainer.resume=auto",
                                               f"trainer.output_dir={folder / 'damaged'}"],
-             f"checkpoint {folder / 'damaged' / 'checkpoints' / 'step_1'} is damaged (model/model.safetensors does "
+             f"checkpoint {folder / 'damaged' / 'checkpoints' / 'step_2'} is damaged (model/model.safetensors does "
              f"not match its sha256 (corrupted)) and no earlier complete checkpoint in "
              f"{folder / 'damaged' / 'checkpoints'} checks out; start a fresh run (another trainer.output_dir, "
              "without trainer.resume)"),
@@ -269,5 +269,5 @@ def test_a_pickle_passed_to_experimental_rerun_never_runs(tmp_path: Path) -> Non
 
 def test_the_trained_fixture_recorded_its_config(folder: Path) -> None:
     """The reference every resume row compares with: the config next to the checkpoint."""
-    stored = json.loads((folder / "trained" / "checkpoints" / "step_1" / "config.json").read_text())
+    stored = json.loads((folder / "trained" / "checkpoints" / "step_2" / "config.json").read_text())
     assert stored["seed"] == 0 and stored["algorithm"]["name"] == "grpo" and stored["trainer"]["steps"] == 2

@@ -95,7 +95,9 @@ def test_a_damaged_checkpoint_falls_back_to_the_previous_with_one_warning(three:
         f"warning: checkpoint {newest} is damaged ({problem}); falling back to {three / 'step_4'} (step 4)\n"
     )
     fresh = tiny_parts(seed=1)
-    assert ckpt.load_checkpoint(three / "step_4", *fresh, uses_adapter=False)["step"] == 4
+    # step_4 holds 4 updates: its last trained step is 3 (steps count from 0)
+    assert ckpt.load_checkpoint(three / "step_4", *fresh, uses_adapter=False)["step"] == 3
+    assert ckpt.updates_held(three / "step_4") == 4
 
 
 def test_two_damaged_checkpoints_fall_back_two_steps_and_none_left_is_one_line(three: Path, capsys) -> None:

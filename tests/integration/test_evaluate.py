@@ -44,7 +44,7 @@ def test_eval_command_with_its_own_sampling_rewards_and_win_rate(run_dir: Path, 
     assert code == 0, err
     result = json.loads((out / "eval.json").read_text())
     metrics = result["metrics"]
-    assert result["step"] == 0 and result["settings"]["greedy"] is True
+    assert result["step"] == 1 and result["settings"]["greedy"] is True  # the policy after the run's 1 update
     assert 0.0 <= metrics["eval/win_rate"] <= 1.0
     assert metrics["eval/kl/exact"] >= 0.0 and "eval/reward/length/mean" in metrics
     samples = read_jsonl(out / "eval_samples.jsonl")

@@ -39,7 +39,7 @@ def test_lora_run_is_merged_with_the_same_outputs(lora_run: Path, tmp_path: Path
     config = rlhf_lab.compose(TINY)
     base = build_tiny_llama(load_tokenizer(config.model), config.model.tiny, seed=0)
     with peft_wrapping():
-        reference = PeftModel.from_pretrained(base, str(lora_run / "checkpoints" / "step_0" / "model"))
+        reference = PeftModel.from_pretrained(base, str(lora_run / "checkpoints" / "step_1" / "model"))
     ids = torch.tensor([[1, 5, 9, 12, 3]])
     with torch.no_grad():
         torch.testing.assert_close(merged(ids).logits, reference(ids).logits, atol=1e-5, rtol=1e-4)
@@ -52,7 +52,7 @@ def test_lora_kept_as_adapter_names_the_given_base(lora_run: Path, tmp_path: Pat
     out = tmp_path / "adapter"
     code, _, err = run_cli(["export", str(lora_run), str(out), "--adapter"])
     assert code == 2 and err.startswith("error: --adapter needs --base MODEL_ID_OR_PATH") and err.count("\n") == 1
-    code, _, _ = run_cli(["export", str(lora_run / "checkpoints" / "step_0"), str(out), "--adapter",
+    code, _, _ = run_cli(["export", str(lora_run / "checkpoints" / "step_1"), str(out), "--adapter",
                           "--base", "HuggingFaceTB/SmolLM2-135M-Instruct"])
     assert code == 0
     adapter_config = json.loads((out / "adapter_config.json").read_text())
@@ -95,4 +95,4 @@ def test_mistakes_are_one_line(lora_run: Path, tmp_path: Path, run_cli) -> None:
 
 def test_model_card_without_summary() -> None:
     card = export_tool.model_card({"algorithm": {"name": "grpo"}}, {}, Path("run/checkpoints/step_3"), None)
-    assert card.startswith("---\nlibrary_name: transformers") and "(step 3)" in card
+    assert card.startswith("---\nlibrary_name: transformers") and "(step 3: the policy after 3 updates)" in card

@@ -102,7 +102,7 @@ def test_two_processes_equal_one(one_process, tmp_path: Path, algorithm: str, st
     # Rank 0 alone writes: one metrics line per step, one checkpoint folder, no second writer's files.
     steps = [line["step"] for line in metrics(two) if "reward/mean" in line]
     assert steps == [0, 1, 2]
-    assert sorted(p.name for p in (two / "checkpoints").glob("step_*")) == ["step_2"]
+    assert sorted(p.name for p in (two / "checkpoints").glob("step_*")) == ["step_3"]
 
 
 def test_fsdp_in_one_process_equals_the_plain_run(one_process, tmp_path: Path) -> None:
@@ -129,11 +129,11 @@ def test_checkpoints_load_across_process_counts(straight: Path, tmp_path: Path, 
     run = tmp_path / "run"
     train(run, first, *ALGORITHMS["grpo"], "trainer.steps=4", "trainer.checkpoint_every=1",
           "trainer.keep_last_n=5", f"trainer.strategy={first_strategy}")
-    assert (run / "checkpoints" / "step_1" / "sharded").is_dir() == (first_strategy == "fsdp")
-    # Back to step 1's checkpoint, as if the run had died there, and continue with the other process count.
-    for late in ("step_2", "step_3"):
+    assert (run / "checkpoints" / "step_2" / "sharded").is_dir() == (first_strategy == "fsdp")
+    # Back to the checkpoint after 2 updates, as if the run had died there, and continue with the other process count.
+    for late in ("step_3", "step_4"):
         subprocess.run(["rm", "-rf", str(run / "checkpoints" / late)], check=True)
-    (run / "checkpoints" / "latest").write_text("step_1")
+    (run / "checkpoints" / "latest").write_text("step_2")
     continued = train(run, then, *ALGORITHMS["grpo"], "trainer.steps=4", "trainer.checkpoint_every=1",
                       "trainer.keep_last_n=5", "trainer.resume=auto", f"trainer.strategy={then_strategy}")
     assert "resumed from" in continued.stdout + continued.stderr

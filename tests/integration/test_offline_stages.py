@@ -71,7 +71,7 @@ def test_dpo_contract_metrics_and_exact_resume(compose, tiny_overrides, pair_fol
               "trainer.lr=1e-3"]
     summary = stage(compose, tiny_overrides, tmp_path / "full", *common)
     full = tmp_path / "full"
-    for name in ("metrics.jsonl", "samples.jsonl", "summary.json", "checkpoints/step_1", "model/config.json"):
+    for name in ("metrics.jsonl", "samples.jsonl", "summary.json", "checkpoints/step_2", "model/config.json"):
         assert (full / name).exists(), name
     lines = read_jsonl(full / "metrics.jsonl")
     trained = train_lines(full)
@@ -304,7 +304,7 @@ def test_sft_packed_run_writes_the_contract_and_trains_as_unpacked(compose, tiny
               "trainer.lr=1e-2"]
     summary = stage(compose, tiny_overrides, tmp_path / "packed", *common, "algorithm.packing=true")
     packed = tmp_path / "packed"
-    for name in ("metrics.jsonl", "samples.jsonl", "summary.json", "checkpoints/step_1", "model/config.json"):
+    for name in ("metrics.jsonl", "samples.jsonl", "summary.json", "checkpoints/step_2", "model/config.json"):
         assert (packed / name).exists(), name
     assert summary == json.loads((packed / "summary.json").read_text())
     assert (summary["stopped_by"], summary["steps"]) == ("steps", 2)
@@ -329,7 +329,7 @@ def test_sft_run_stops_at_its_time_budget_and_resumes_with_a_larger_one(compose,
     assert [line["step"] for line in train_lines(out)] == [0]
     assert summary["eval/loss"] == [line for line in read_jsonl(out / "metrics.jsonl") if "eval/loss" in line][-1][
         "eval/loss"]
-    assert (out / "model" / "config.json").is_file() and (out / "checkpoints" / "step_0").is_dir()
+    assert (out / "model" / "config.json").is_file() and (out / "checkpoints" / "step_1").is_dir()
     resumed = stage(compose, tiny_overrides, out, *common, "trainer.max_train_seconds=1e6", "trainer.resume=auto")
     assert (resumed["stopped_by"], resumed["steps"]) == ("steps", 3)
     assert [line["step"] for line in train_lines(out)] == [0, 1, 2]
@@ -344,7 +344,7 @@ def test_reward_model_separates_held_out_pairs_and_loads_as_reward(compose, tiny
                     f"data.path={pair_folder}", "trainer.steps=12", "trainer.prompts_per_step=16", "trainer.lr=3e-3")
     assert summary["eval/accuracy"] >= 0.95, summary
     assert summary["eval/margin_mean"] > 0
-    for name in ("metrics.jsonl", "summary.json", "checkpoints/step_11", "model/config.json"):
+    for name in ("metrics.jsonl", "summary.json", "checkpoints/step_12", "model/config.json"):
         assert (out / name).exists(), name
     reward = build_reward({"name": "reward_model", "model_path": str(out / "model")})
     held_out = [json.loads(line) for line in (pair_folder / "eval.jsonl").read_text().splitlines()]
@@ -364,7 +364,7 @@ def test_reward_model_lora_resumes_exactly(compose, tiny_overrides, pair_folder,
     stage(compose, tiny_overrides, tmp_path / "resumed", *common, "trainer.resume=auto")
     full, resumed = train_lines(tmp_path / "full"), train_lines(tmp_path / "resumed")
     assert [line["loss/total"] for line in full] == [line["loss/total"] for line in resumed]
-    state = json.loads((tmp_path / "resumed" / "checkpoints" / "step_1" / "trainer_state.json").read_text())
+    state = json.loads((tmp_path / "resumed" / "checkpoints" / "step_2" / "trainer_state.json").read_text())
     assert state["precision"] == "fp32"  # what a resume under trainer.precision=auto continues in
     config = json.loads((tmp_path / "full" / "model" / "config.json").read_text())
     assert config["pooling"] == "mean" and not (tmp_path / "full" / "model" / "adapter_config.json").exists()

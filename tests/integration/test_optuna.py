@@ -121,8 +121,10 @@ def test_each_trial_is_one_wandb_run_in_one_group_per_sweep(both: tuple[Search, 
             run = read_offline_run(job / "wandb")
             params = next(t for t in search.results["trials"] if t["number"] == int(job.name))["params"]
             assert run["group"] == f"default-{search.folder.name}"
-            # Named by the searched keys only (the fixed overrides are the same in every job).
-            assert run["name"] == f"kl.coef={params['kl.coef']!r},trainer.lr={params['trainer.lr']!r}"
+            # Named and tagged by the searched keys only (the fixed overrides are the same in every job), floats in
+            # 6 significant digits.
+            tags = [f"kl.coef={params['kl.coef']:.6g}", f"trainer.lr={params['trainer.lr']:.6g}"]
+            assert (run["name"], run["tags"]) == (",".join(tags), tags)
             assert run["summary"]["eval/reward/mean"] == yaml.safe_load((job / "summary.json").read_text())[
                 "eval/reward/mean"]
 

@@ -146,14 +146,14 @@ def test_nonfinite_loss_and_gradient_skip_updates_then_stop_with_last_good_check
     assert stop.exit_code == 3
     assert str(stop) == (
         "stopped after step 2: 2 consecutive updates were skipped for non-finite loss or gradient; "
-        f"checkpoint {run_dir / 'checkpoints' / 'step_2'} written; continue with: trainer.resume=auto "
+        f"checkpoint {run_dir / 'checkpoints' / 'step_3'} written; continue with: trainer.resume=auto "
         f"trainer.output_dir={run_dir.resolve()}"
     )
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == [0, 1, 2]
     assert [line["optim/skipped"] for line in lines] == [0.0, 1.0, 1.0]
 
-    good, last = run_dir / "checkpoints" / "step_0", run_dir / "checkpoints" / "step_2"
+    good, last = run_dir / "checkpoints" / "step_1", run_dir / "checkpoints" / "step_3"  # after 1 and 3 updates
     good_weights = load_file(str(good / "model" / "model.safetensors"))
     last_weights = load_file(str(last / "model" / "model.safetensors"))
     assert good_weights.keys() == last_weights.keys()
@@ -230,9 +230,9 @@ def train_once(policy, modules, optimizer, scheduler) -> None:
     scheduler.step()
 
 
-def save(root: Path, step: int, parts, keep_last_n: int = 10) -> Path:
+def save(root: Path, updates: int, parts, keep_last_n: int = 10) -> Path:
     policy, modules, optimizer, scheduler = parts
-    return ckpt.save_checkpoint(root, step, policy, FolderTokenizer(), modules, optimizer, scheduler,
+    return ckpt.save_checkpoint(root, updates, policy, FolderTokenizer(), modules, optimizer, scheduler,
                                 {"kl_controller": {"coef": 0.1}}, keep_last_n=keep_last_n)
 
 
@@ -259,7 +259,7 @@ def test_checkpoint_round_trip_restores_everything_exactly(saved):
     fresh = tiny_parts(seed=1)
     state = ckpt.load_checkpoint(ckpt.latest_checkpoint(root), fresh[0], fresh[1], fresh[2], fresh[3],
                                  uses_adapter=False)
-    assert state == {"step": 4, "kl_controller": {"coef": 0.1}}
+    assert state == {"step": 3, "kl_controller": {"coef": 0.1}}  # step_4 holds 4 updates: steps 0..3
     assert torch.equal(torch.rand(3), expected_random)  # the torch generator is where it was at the save
     assert all(torch.equal(fresh[0].state_dict()[k], v) for k, v in expected_params.items())
     assert all(torch.equal(fresh[1]["value_head"].state_dict()[k], v) for k, v in expected_head.items())
@@ -310,7 +310,7 @@ def test_an_incomplete_newest_checkpoint_is_ignored(saved, damage):
     with pytest.raises(ckpt.CheckpointError, match="incomplete checkpoint"):
         ckpt.resolve_resume(str(newest), root)
     fresh = tiny_parts(seed=1)
-    assert ckpt.load_checkpoint(root / "step_4", *fresh, uses_adapter=False)["step"] == 4
+    assert ckpt.load_checkpoint(root / "step_4", *fresh, uses_adapter=False)["step"] == 3
 
 
 def test_a_save_killed_mid_write_leaves_the_previous_checkpoint(saved):
@@ -339,7 +339,7 @@ def test_a_save_that_fails_midway_changes_nothing(saved, monkeypatch: pytest.Mon
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(ckpt, "save_file", disk_full)
-    with pytest.raises(OSError):
+    with pytest.raises(ckpt.CheckpointError, match=r"^checkpoint at step 5 not written: no space left on .*step 4"):
         save(root, 5, parts)
     assert sorted(p.name for p in root.iterdir()) == before
     assert ckpt.latest_checkpoint(root) == root / "step_4"
@@ -413,7 +413,7 @@ def test_loading_a_checkpoint_unpickles_nothing_and_imports_nothing(saved, monke
     monkeypatch.setattr(pickle, "loads", forbidden)
     monkeypatch.setattr(importlib, "import_module", forbidden)
     state = ckpt.load_checkpoint(folder, *tiny_parts(seed=1), uses_adapter=False)
-    assert state["step"] == 4
+    assert state["step"] == 3
     assert not any(isinstance(v, str) and ":" in v for v in state.values())  # no `module:function` in it
 
 
@@ -421,7 +421,7 @@ def test_the_trainer_state_holds_no_code_reference(compose, tiny_overrides, tmp_
     """A python reward's ``module:function`` comes from the config only; checkpoints never record it."""
     trainer = make_trainer(compose, tiny_overrides, tmp_path / "run", "reward=python",
                            f"reward.function={rewards_module}:nan_for_first", "reward.on_nonfinite=drop")
-    folder = trainer.save(0)
+    folder = trainer.save(1)
     text = (folder / ckpt.STATE_FILE).read_text()
     assert rewards_module not in text and "function" not in text
     assert math.isfinite(json.loads(text)["kl_controller"]["coef"])

@@ -152,7 +152,7 @@ def test_a_run_killed_at_a_random_step_resumes_to_the_same_metrics(tmp_path: Pat
     resumed = Run(tmp_path, tmp_path / "run", *interrupted)
     assert resumed.wait() == 0, resumed.output
     start = int(resumed.output.split(" at step ")[1].split()[0])
-    assert f"resumed from {tmp_path / 'run' / 'checkpoints'}/step_{start - 1} at step {start}" in resumed.output
+    assert f"resumed from {tmp_path / 'run' / 'checkpoints'}/step_{start} at step {start}" in resumed.output
     assert kill_after <= start <= STEPS  # from the checkpoint of step kill_after - 1 or a later one
     assert "Traceback" not in resumed.output
 
@@ -161,7 +161,7 @@ def test_a_run_killed_at_a_random_step_resumes_to_the_same_metrics(tmp_path: Pat
         assert reference.wait() == 0, reference.output
     assert_same_history(tmp_path / "run", expected_dir)
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == [
-        "latest", f"step_{STEPS - 2}", f"step_{STEPS - 1}"
+        "latest", f"step_{STEPS - 1}", f"step_{STEPS}"
     ]
 
 
@@ -177,10 +177,10 @@ def test_sigterm_checkpoints_exits_cleanly_and_the_printed_command_resumes(tmp_p
     stop_line = next(line for line in output.splitlines() if line.startswith("stopped after step "))
     step = int(stop_line.split()[3].rstrip(":"))
     assert stop_line == (
-        f"stopped after step {step}: received SIGTERM; checkpoint {run_dir / 'checkpoints' / f'step_{step}'} "
+        f"stopped after step {step}: received SIGTERM; checkpoint {run_dir / 'checkpoints' / f'step_{step + 1}'} "
         f"written; continue with: trainer.resume=auto trainer.output_dir={run_dir.resolve()}"
     )
-    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["latest", f"step_{step}"]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["latest", f"step_{step + 1}"]
     command_line = next(line for line in output.splitlines() if line.startswith("to resume, run: "))
     command = shlex.split(command_line.removeprefix("to resume, run: "))
     assert command[:3] == ["python", "-m", "rlhf_lab"]
@@ -232,7 +232,7 @@ def test_ctrl_c_finishes_the_step_and_a_second_one_aborts(compose, tiny_override
     assert raised.value.exit_code == 128 + signal.SIGINT
     assert str(raised.value).startswith("stopped after step 1: received SIGINT; checkpoint ")
     assert raised.value.resume_overrides == ("trainer.resume=auto", f"trainer.output_dir={run_dir.resolve()}")
-    assert latest_checkpoint(run_dir / "checkpoints") == run_dir / "checkpoints" / "step_1"
+    assert latest_checkpoint(run_dir / "checkpoints") == run_dir / "checkpoints" / "step_2"
     assert signal.getsignal(signal.SIGINT) is before  # the handler was put back
 
     resumed = Trainer(compose([*overrides, "trainer.resume=auto"]), run_dir)
@@ -240,4 +240,4 @@ def test_ctrl_c_finishes_the_step_and_a_second_one_aborts(compose, tiny_override
     interrupt_at(resumed, at_step=2, times=2)
     with pytest.raises(KeyboardInterrupt):
         resumed.train()
-    assert latest_checkpoint(run_dir / "checkpoints") == run_dir / "checkpoints" / "step_1"
+    assert latest_checkpoint(run_dir / "checkpoints") == run_dir / "checkpoints" / "step_2"

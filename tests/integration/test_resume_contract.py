@@ -1,7 +1,7 @@
 """The resume contract, one test per rule: a resumed run honours a change (``trainer.lr``, ``kl.coef``,
 ``trainer.steps`` upward, cadence and logging keys) or refuses it at start with one line; never ignores it.
 
-In-process on the tiny model: one 2-step GRPO run (checkpoint ``step_1``) is resumed under each change.
+In-process on the tiny model: one 2-step GRPO run (checkpoint ``step_2``) is resumed under each change.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ BASE = ["trainer.eval_prompts=0", "trainer.lr=1e-3"]
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A finished 2-step run of the tiny model: ``run/checkpoints/step_1`` with its config."""
+    """A finished 2-step run of the tiny model: ``run/checkpoints/step_2`` with its config."""
     from conftest import compose, tiny_overrides
 
     run_dir = tmp_path_factory.mktemp("resume_contract") / "run"
@@ -53,7 +53,7 @@ def test_lr_and_kl_coef_changes_are_applied_to_the_optimizer_and_controller(comp
     assert [line["step"] for line in lines] == [0, 1, 2]
     assert (lines[2]["lr"], lines[2]["kl/coef"]) == (0.5, 0.5)  # the new values ran
     assert (lines[1]["lr"], lines[1]["kl/coef"]) == (1e-3, 0.05)
-    stored = json.loads((run_dir / "checkpoints" / "step_2" / "config.json").read_text())
+    stored = json.loads((run_dir / "checkpoints" / "step_3" / "config.json").read_text())
     assert (stored["trainer"]["lr"], stored["kl"]["coef"], stored["trainer"]["steps"]) == (0.5, 0.5, 3)
 
 
@@ -68,15 +68,15 @@ def test_a_decaying_schedule_continues_over_the_new_steps(compose, tiny_override
 
 
 def test_steps_may_go_up_but_not_to_the_checkpoints_step(compose, tiny_overrides, run_dir) -> None:
-    step_1 = run_dir / "checkpoints" / "step_1"
-    assert check_changes(compose([*tiny_overrides(None), *BASE, "trainer.steps=5"]), step_1) == {
+    step_2 = run_dir / "checkpoints" / "step_2"
+    assert check_changes(compose([*tiny_overrides(None), *BASE, "trainer.steps=5"]), step_2) == {
         "trainer.steps": (2, 5)
     }
-    assert check_changes(compose([*tiny_overrides(None), *BASE, "trainer.steps=2"]), step_1) == {}
+    assert check_changes(compose([*tiny_overrides(None), *BASE, "trainer.steps=2"]), step_2) == {}
     with pytest.raises(ResumeRefused) as raised:
-        check_changes(compose([*tiny_overrides(None), *BASE, "trainer.steps=1"]), step_1)
+        check_changes(compose([*tiny_overrides(None), *BASE, "trainer.steps=1"]), step_2)
     assert str(raised.value) == (
-        f"trainer.steps=1 is not above the step of checkpoint {step_1} (steps 0..1 are done); continue with "
+        f"trainer.steps=1 is not above the step of checkpoint {step_2} (steps 0..1 are done); continue with "
         "trainer.steps>=2, or start a fresh run in another trainer.output_dir"
     )
 
@@ -93,11 +93,11 @@ def test_steps_may_go_up_but_not_to_the_checkpoints_step(compose, tiny_overrides
     (["trainer.weight_decay=0.1"], "trainer.weight_decay: 0.0 -> 0.1", "trainer.weight_decay=0.0"),
 ], ids=["seed", "algorithm", "kl", "lora", "group_size", "max_new_tokens", "reward", "data", "weight_decay"])
 def test_any_other_change_is_refused_with_one_line(compose, tiny_overrides, run_dir, overrides, listed, keep) -> None:
-    step_1 = run_dir / "checkpoints" / "step_1"
+    step_2 = run_dir / "checkpoints" / "step_2"
     with pytest.raises(ResumeRefused) as raised:
-        check_changes(compose([*tiny_overrides(None), *BASE, "trainer.steps=3", *overrides]), step_1)
+        check_changes(compose([*tiny_overrides(None), *BASE, "trainer.steps=3", *overrides]), step_2)
     assert str(raised.value) == (
-        f"resuming from {step_1} cannot change {listed} (only trainer.steps, trainer.lr, kl.coef and cadence, "
+        f"resuming from {step_2} cannot change {listed} (only trainer.steps, trainer.lr, kl.coef and cadence, "
         f"device and logging keys may change on resume); resume with {keep}, or start a fresh run with the new "
         "values: another trainer.output_dir, without trainer.resume"
     )
@@ -106,7 +106,7 @@ def test_any_other_change_is_refused_with_one_line(compose, tiny_overrides, run_
 def test_cadence_device_and_logging_keys_may_change(compose, tiny_overrides, run_dir) -> None:
     changes = ["trainer.eval_every=1", "trainer.checkpoint_every=1", "trainer.keep_last_n=3", "trainer.device=cpu",
                "trainer.samples_per_step_logged=1", "logger.samples_every=1", "trainer.micro_batch_size=2"]
-    changed = check_changes(compose([*tiny_overrides(None), *BASE, *changes]), run_dir / "checkpoints" / "step_1")
+    changed = check_changes(compose([*tiny_overrides(None), *BASE, *changes]), run_dir / "checkpoints" / "step_2")
     assert set(changed) == {"trainer.eval_every", "trainer.checkpoint_every", "trainer.keep_last_n",
                             "trainer.device", "trainer.samples_per_step_logged", "logger.samples_every",
                             "trainer.micro_batch_size"}
@@ -151,24 +151,24 @@ def test_auto_precision_continues_in_what_the_checkpoints_run_resolved(compose, 
     run_dir = tmp_path / "run"
     monkeypatch.setattr("rlhf_lab.runtime.precision.fast_bf16", lambda device: True)
     Trainer(compose(auto), run_dir).train()
-    step_1 = run_dir / "checkpoints" / "step_1"
-    assert json.loads((step_1 / "trainer_state.json").read_text())["precision"] == "bf16-mixed"
+    step_2 = run_dir / "checkpoints" / "step_2"
+    assert json.loads((step_2 / "trainer_state.json").read_text())["precision"] == "bf16-mixed"
 
     monkeypatch.setattr("rlhf_lab.runtime.precision.fast_bf16", lambda device: False)
     capsys.readouterr()
     trainer = Trainer(compose([*auto, "trainer.resume=auto", "trainer.steps=3"]), run_dir)
     assert trainer.precision.name == "bf16-mixed"
     assert trainer.updater.precision is trainer.precision and trainer.experience.precision is trainer.precision
-    assert ("trainer.precision=auto: continuing in bf16-mixed, what it resolved to for the run up to step_1 (auto "
+    assert ("trainer.precision=auto: continuing in bf16-mixed, what it resolved to for the run up to step_2 (auto "
             "picks fp32 on this machine; a run keeps its precision across resumes)") in capsys.readouterr().out
     trainer.train()
     assert json.loads((run_dir / "summary.json").read_text())["precision"] == "bf16-mixed"
 
     explicit = [*tiny_overrides(None), *BASE, "trainer.steps=3"]
-    assert check_changes(compose([*explicit, "trainer.precision=bf16-mixed"]), step_1) == {"trainer.steps": (2, 3)}
+    assert check_changes(compose([*explicit, "trainer.precision=bf16-mixed"]), step_2) == {"trainer.steps": (2, 3)}
     with pytest.raises(ResumeRefused, match=r"cannot change trainer.precision: auto -> fp32 .* resume with "
                                             r"trainer.precision=auto,"):
-        check_changes(compose([*explicit, "trainer.precision=fp32"]), step_1)
+        check_changes(compose([*explicit, "trainer.precision=fp32"]), step_2)
 
 
 def test_auto_precision_without_a_record_or_when_set_explicitly_is_left_alone(tmp_path, monkeypatch) -> None:

@@ -97,7 +97,7 @@ def test_a_second_process_is_refused_and_a_killed_holders_folder_is_taken_over(t
     first.process.send_signal(signal.SIGKILL)
     assert first.wait() == -signal.SIGKILL
     checkpoint = latest_checkpoint(run_dir / "checkpoints")
-    step = int(checkpoint.name.split("_")[1])
+    step = int(checkpoint.name.split("_")[1]) - 1  # the last step it holds: step_N holds steps 0..N-1
 
     third = Run(tmp_path, run_dir, command=command(run_dir, f"trainer.steps={step + 2}", "trainer.checkpoint_every=2",
                                                    "trainer.resume=auto"))

@@ -44,7 +44,7 @@ def test_embedded_default_trains_two_steps(tmp_path: Path) -> None:
     samples = read_jsonl(run_dir / "samples.jsonl")
     assert samples and any(s["response"].strip() for s in samples)  # a real model writes words
 
-    model_dir = run_dir / "checkpoints" / "step_1" / "model"
+    model_dir = run_dir / "checkpoints" / "step_2" / "model"
     assert (model_dir / "config.json").is_file()
     assert list(model_dir.glob("*.safetensors"))
     assert json.loads((model_dir / "config.json").read_text())["model_type"] == "llama"

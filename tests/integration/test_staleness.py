@@ -86,7 +86,7 @@ def test_a_resumed_run_trains_on_the_batch_that_was_in_flight(compose, tiny_over
               "trainer.keep_last_n=2"]
     whole = tmp_path / "whole"
     Trainer(compose(common), whole).train()
-    checkpoint = whole / "checkpoints" / "step_1"
+    checkpoint = whole / "checkpoints" / "step_2"
     assert (checkpoint / "ahead.safetensors").is_file()
     resumed = tmp_path / "resumed"
     Trainer(compose([*common, f"trainer.resume={checkpoint}"]), resumed).train()

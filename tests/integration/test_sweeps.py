@@ -144,10 +144,19 @@ def _finished_records(path: Path, wait_s: float = 60.0) -> list[Any]:
 
 def read_offline_run(wandb_folder: Path) -> dict[str, Any]:
     """Decode the one offline run under ``<run_dir>/wandb``: run attributes, config, history, summary."""
-    runs = sorted(Path(wandb_folder).glob("offline-run-*/run-*.wandb"))
-    assert len(runs) == 1, f"expected one offline run in {wandb_folder}, found {runs}"
-    out: dict[str, Any] = {"folder": runs[0].parent, "history": [], "summary": {}, "metrics": []}
-    for record in _finished_records(runs[0]):
+    runs = read_offline_runs(wandb_folder)
+    assert len(runs) == 1, f"expected one offline run in {wandb_folder}, found {[r['folder'] for r in runs]}"
+    return runs[0]
+
+
+def read_offline_runs(wandb_folder: Path) -> list[dict[str, Any]]:
+    """Every offline run segment under ``<run_dir>/wandb`` (a resumed run adds one), in the order written."""
+    return [_read_segment(path) for path in sorted(Path(wandb_folder).glob("offline-run-*/run-*.wandb"))]
+
+
+def _read_segment(path: Path) -> dict[str, Any]:
+    out: dict[str, Any] = {"folder": path.parent, "history": [], "summary": {}, "metrics": []}
+    for record in _finished_records(path):
         kind = record.WhichOneof("record_type")
         if kind == "run":
             run = record.run
@@ -157,6 +166,8 @@ def read_offline_run(wandb_folder: Path) -> dict[str, Any]:
                 tags=list(run.tags),
                 job_type=run.job_type,
                 project=run.project,
+                id=run.run_id,
+                sweep_id=run.sweep_id,
                 config=_items(run.config.update),
             )
         elif kind == "history":
@@ -218,15 +229,19 @@ def test_smoke_sweep_gives_one_offline_wandb_run_per_job(basic_sweep: Sweep) -> 
         # The W&B files live under the run folder.
         assert run["folder"].parent == job / "wandb"
 
-        # History: one row per metrics.jsonl line (training steps and eval lines), same keys and values.
+        # History: one row per step (W&B's step is the trainer's: the step-0 evaluation and training lines are one
+        # row), holding that step's metrics.jsonl lines, same keys and values.
         lines = read_metrics(job)
         assert_complete_metrics(lines)
-        assert len(run["history"]) == len(lines)
-        for row, line in zip(run["history"], lines):
+        steps: dict[int, dict[str, Any]] = {}
+        for line in lines:
+            steps.setdefault(line["step"], {}).update(line)
+        assert [row["_step"] for row in run["history"]] == sorted(steps)
+        for row in run["history"]:
             logged = {k: v for k, v in row.items() if not k.startswith(("_", "samples", "eval_samples"))}
-            assert logged.keys() == line.keys()
-            for key, value in line.items():
-                assert_close(logged[key], value, f"{job.name} step {line['step']} {key}")
+            assert logged.keys() == steps[row["step"]].keys()
+            for key, value in steps[row["step"]].items():
+                assert_close(logged[key], value, f"{job.name} step {row['step']} {key}")
         # Generation samples: an incremental table at every step (samples_every=1 in the smoke experiment).
         sample_rows = [row for row in run["history"] if "samples.nrows" in row]
         assert [row["step"] for row in sample_rows] == list(range(SMOKE_STEPS))
@@ -257,7 +272,7 @@ def test_joblib_launcher_runs_two_jobs_in_parallel(tmp_path_factory, basic_sweep
         for name in (".hydra/config.yaml", "metrics.jsonl", "samples.jsonl", "summary.json"):
             assert (job / name).is_file(), f"{job}/{name} missing"
         assert_complete_metrics(read_metrics(job))
-        assert (job / "checkpoints" / f"step_{SMOKE_STEPS - 1}").is_dir()
+        assert (job / "checkpoints" / f"step_{SMOKE_STEPS}").is_dir()
         run = read_offline_run(job / "wandb")
         assert run["group"] == f"smoke-{sweep.folder.name}"
         assert run["name"] == swept(job)

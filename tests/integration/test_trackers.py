@@ -104,12 +104,14 @@ class FakeWandb(types.ModuleType):
         class Run:
             def __init__(self, kwargs: dict[str, Any]) -> None:
                 self.id, self.settings, self.summary, self.url = kwargs["id"], Settings(), {}, ""
+                self.dir = str(Path(kwargs["dir"]) / "wandb_files")  # the run's own files, uploaded with it
 
             def define_metric(self, *args: Any, **kwargs: Any) -> None: ...
             def save(self, pattern: str, base_path: str, policy: str) -> None:
                 fake.saved.append(pattern)
 
-            def log(self, payload: dict[str, Any]) -> None:
+            def log(self, payload: dict[str, Any], step: int | None = None) -> None:
+                assert step == payload["step"]  # W&B's step is the trainer's
                 fake.logged.append(payload)
 
             def log_artifact(self, artifact: Any, aliases: list[str]) -> None:
@@ -139,7 +141,8 @@ def test_wandb_one_run_across_resume_environment_tables_and_artifact(tmp_path: P
     first = fake.inits[-1]
     assert (first["project"], first["group"], first["resume"]) == ("env-project", "env-group", "allow")
     assert {"mine", "baseline", "lr-sweep"} <= set(first["tags"])
-    assert fake.saved == [str(tmp_path / ".hydra" / "*")]
+    assert fake.saved == [str(tmp_path / "wandb_files" / ".hydra" / "*")]  # copies: W&B links nothing
+    assert (tmp_path / "wandb_files" / ".hydra" / "config.yaml").read_text() == "seed: 0\n"
     tracker.log_samples([{"step": 0, "prompt": "p", "response": "r", "reward": 1.0, "advantage": 0.5,
                           "reward/length": 0.2}], 0)
     tracker.log({"reward/mean": 1.0}, 0)

@@ -43,8 +43,8 @@ def test_a_budget_stops_after_the_first_step_and_a_larger_one_resumes_exactly(co
     evaluations = [line for line in read_jsonl(budget / "metrics.jsonl") if "eval/reward/mean" in line]
     assert [line["step"] for line in evaluations] == [0, 1]  # before training, and after the last step done
     assert summary["eval/reward/mean"] == evaluations[-1]["eval/reward/mean"]
-    assert sorted(p.name for p in (budget / "checkpoints").glob("step_*")) == ["step_0"]
-    state = json.loads((budget / "checkpoints" / "step_0" / "trainer_state.json").read_text())
+    assert sorted(p.name for p in (budget / "checkpoints").glob("step_*")) == ["step_1"]
+    state = json.loads((budget / "checkpoints" / "step_1" / "trainer_state.json").read_text())
     assert state["step"] == 0 and state["train_seconds"] == summary["time/train_s"]
 
     # The same budget again: it is spent, so the resume trains no step and ends at once.

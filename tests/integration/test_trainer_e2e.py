@@ -132,7 +132,7 @@ def test_every_algorithm_estimator_and_placement_writes_the_contract_files(
         assert all(isinstance(s["response"], str) for s in rows)
         assert sum(s["reward"] for s in rows) / 4 == pytest.approx(record["reward/mean"], abs=1e-6)
 
-    model_dir = run_dir / "checkpoints" / "step_1" / "model"
+    model_dir = run_dir / "checkpoints" / "step_2" / "model"
     loaded = AutoModelForCausalLM.from_pretrained(model_dir)
     for name, tensor in trainer.policy.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], tensor), name
@@ -199,7 +199,7 @@ def test_lora_trains_only_the_adapter_and_its_reference_is_the_base_model(compos
     torch.testing.assert_close(reference_logits, base_logits, rtol=0, atol=1e-5)
     assert (policy_logits - base_logits).abs().max() > 1e-3  # the trained adapter does change the policy
 
-    model_dir = tmp_path / "run" / "checkpoints" / "step_1" / "model"
+    model_dir = tmp_path / "run" / "checkpoints" / "step_2" / "model"
     assert (model_dir / "adapter_model.safetensors").is_file()
     assert json.loads((model_dir / "adapter_config.json").read_text())["r"] == 4
 
@@ -342,7 +342,7 @@ def test_command_line_sweep_writes_one_folder_per_job(tiny_overrides, tmp_path: 
         assert config.kl.placement == overrides["kl.placement"]
         assert config.model.name == "tiny" and config.trainer.output_dir is None
         assert [r["step"] for r in train_lines(job)] == [0, 1]
-        assert (job / "checkpoints" / "step_1" / "model").is_dir()
+        assert (job / "checkpoints" / "step_2" / "model").is_dir()
         seen.add((overrides["algorithm"], overrides["kl"], overrides["kl.placement"]))
     assert seen == set(itertools.product(["grpo", "rloo"], ["k3", "kl"], ["loss", "reward"]))
     assert not (tmp_path / "outputs").exists()  # nothing written outside the sweep folder

@@ -260,8 +260,33 @@ def test_multirun_name_and_tags_are_the_swept_overrides_only(tmp_path) -> None:
 
 
 def test_single_run_identity(tmp_path) -> None:
-    hydra_cfg = _hydra_cfg("RUN", tmp_path, ["algorithm=rloo", "logger=wandb"], {"algorithm": "rloo"})
+    task = ["algorithm=rloo", "logger=wandb", "trainer.steps=3", "kl.coef=0.30000000000000004"]
+    hydra_cfg = _hydra_cfg("RUN", tmp_path, task, {"algorithm": "rloo", "kl": "k3", "logger": "wandb"})
     identity = run_identity("default", tmp_path / "2026-01-01_00-00-00", hydra_cfg)
-    assert (identity.group, identity.name, identity.tags) == ("default", "algorithm=rloo", ["algorithm=rloo"])
+    # The group is the arm (not "default"); the tags are the options chosen (less the excluded logger), not every
+    # setting.
+    assert (identity.group, identity.tags) == ("rloo-k3", ["algorithm=rloo"])
+    assert run_identity("exp", tmp_path / "x", hydra_cfg).group == "exp"
     identity = run_identity("default", tmp_path / "2026-01-01_00-00-00", _hydra_cfg("RUN", tmp_path, [], {}))
-    assert identity.name == "2026-01-01_00-00-00"
+    assert (identity.name, identity.group) == ("2026-01-01_00-00-00", "default")
+
+
+def test_tags_drop_prefixes_and_long_floats(tmp_path) -> None:
+    sweep_dir = tmp_path / "multirun_2026-01-01_00-00-00"
+    sweep_dir.mkdir()
+    OmegaConf.save({"hydra": {"overrides": {"task": ["+kl_arm=kl_loss,abs_reward", "kl.coef=range(0.1,0.4,0.1)"]},
+                              "sweeper": {"params": {}}}}, sweep_dir / "multirun.yaml")
+    task = ["+kl_arm=abs_reward", "kl.coef=0.30000000000000004", "model=tiny"]
+    identity = run_identity("e", sweep_dir / "1_x", _hydra_cfg("MULTIRUN", sweep_dir, task, {"kl_arm": "abs_reward"}))
+    assert identity.tags == ["kl.coef=0.3", "kl_arm=abs_reward"]
+    assert identity.name == "kl.coef=0.3,kl_arm=abs_reward"
+
+
+def test_job_type_names_the_stage() -> None:
+    from rlhf_lab.trackers.wandb_run import job_type
+
+    assert job_type(None, {"algorithm": {"name": "grpo"}}) == "train"
+    assert [job_type(None, {"algorithm": {"name": n}}) for n in ("sft", "dpo", "reward_model")] == [
+        "sft", "dpo", "reward_model"]
+    assert job_type(None, {"algorithm": {"name": "grpo"}, "evaluates": {"step": 3}}) == "eval"
+    assert job_type("pipeline/rm", {"algorithm": {"name": "reward_model"}}) == "pipeline/rm"

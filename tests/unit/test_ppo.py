@@ -375,7 +375,7 @@ def test_resume_reproduces_the_next_step_exactly(tmp_path: Path, critic: str, lo
               "trainer.micro_batch_size=1")
     uninterrupted = tmp_path / "uninterrupted"
     make_trainer(uninterrupted, *common).train()
-    checkpoint = uninterrupted / "checkpoints" / "step_1"
+    checkpoint = uninterrupted / "checkpoints" / "step_2"  # after 2 updates: resumes at step 2
     assert (checkpoint / f"{'value_head' if critic == 'shared' else 'critic'}.safetensors").is_file()
 
     resumed = tmp_path / "resumed"

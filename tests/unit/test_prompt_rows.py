@@ -22,7 +22,8 @@ from rlhf_lab.errors import DataError, UserError
     (b'{"prompt": true}\n', "line 1: 'prompt' is a boolean (true), not a string or a list of messages"),
     (b'\n["a list line"]\n', "line 2: expected a JSON object, got a list"),
     (b'{"prompt": "ok"}\n{"prompt": \n', "line 2: not valid JSON (Expecting value)"),
-    (b'{"prompt": "ok"}\n{"prompt": "\xff"}\n', "line 2: not valid UTF-8 (byte 0xff at column 13)"),
+    (b'{"prompt": "ok"}\n{"prompt": "\xff"}\n', "line 2: not valid UTF-8 (byte 0xff at column 13); save the file as "
+     "UTF-8"),
 ], ids=["number", "float", "null", "list", "bad_role", "empty_list", "object", "boolean", "not_an_object", "torn_json",
         "not_utf8"])
 def test_a_bad_jsonl_line_names_file_and_line(tmp_path: Path, content: bytes, message: str) -> None:

@@ -55,7 +55,6 @@ def test_run_summary_from_hand_made_history() -> None:
     assert summary["reward/final"] == 9.0
     assert summary["kl/exact_final"] == pytest.approx(0.9)
     assert summary["time/step_s_median"] == 6.5
-    assert summary["time/total_s"] == sum(2.0 + r for r in range(10))
     assert summary["optim/skipped_updates"] == 1
     assert summary["before/eval/reward/mean"] == 0.5
     assert summary["eval/reward/mean"] == 0.9

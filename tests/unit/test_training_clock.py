@@ -40,8 +40,25 @@ def test_the_clock_round_trips_through_a_checkpoint_state() -> None:
 
 def test_the_summary_names_what_ended_training() -> None:
     clock = TrainingClock(budget=2.0, seconds=2.5)
-    assert clock.summary(steps_done=3, steps=10) == {"stopped_by": "max_train_seconds", "time/train_s": 2.5}
+    summary = clock.summary(steps_done=3, steps=10)
+    assert summary.keys() == {"stopped_by", "time/train_s", "time/total_s"}
+    assert summary["stopped_by"] == "max_train_seconds" and summary["time/train_s"] == 2.5
     assert clock.summary(steps_done=10, steps=10)["stopped_by"] == "steps"
+
+
+def test_the_wall_time_covers_the_training_time_and_continues_after_a_resume() -> None:
+    clock = TrainingClock(budget=None)
+    clock.start_segment()
+    time.sleep(0.002)  # an evaluation: wall time, not training time
+    with clock.timing():
+        time.sleep(0.002)
+    assert clock.total_seconds >= clock.seconds + 0.002
+    restored = TrainingClock(budget=None)
+    restored.load_state_dict({**clock.state_dict(), "total_seconds": 100.0})
+    restored.start_segment()
+    assert 100.0 <= restored.summary(1, 1)["time/total_s"] < 101.0
+    restored.load_state_dict({"train_seconds": 7.0})  # a checkpoint from before the wall time was kept
+    assert restored.total_seconds >= 7.0
 
 
 def test_rank_zero_value_is_the_identity_in_one_process() -> None:

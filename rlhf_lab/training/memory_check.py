@@ -1,0 +1,188 @@
+"""Will the run fit? An estimate of its memory from the config, checked before the model is built.
+
+The parameters are counted on the meta device (the model's config read, no weights allocated); with LoRA the
+adapter is counted the same way. Bytes, per process:
+
+- weights: (parameters + adapter) x bytes of the weight dtype;
+- gradients: trainable x the same bytes (trainable: the adapter under LoRA, else every parameter);
+- AdamW: 2 x trainable x the same bytes (its two moments);
+- reference: parameters x the same bytes for the frozen copy of full fine-tuning (none under LoRA, where the
+  reference is the adapter-disabled policy; on the host, not the GPU, with ``trainer.offload_reference``);
+- activations of one micro-batch: rows x tokens x (logits width + layers x hidden size) x bytes of the compute
+  dtype: its logits ([rows, tokens, vocab]) and each layer's hidden states.
+
+Under FSDP the first four are split over the processes. It leaves out what is small or varies (the KV cache of
+generation, the allocator's slack): it is a floor, not a promise. The estimate is compared with the memory
+available (free CUDA memory on a GPU; the host's available memory otherwise); a run over it stops in one line,
+and ``trainer.skip_memory_check=true`` starts it anyway.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlhf_lab.errors import ConfigError
+
+GIB = 1 << 30
+ADAM_MOMENTS = 2  # AdamW keeps exp_avg and exp_avg_sq per trainable parameter
+MEMINFO = Path("/proc/meminfo")
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """The shapes the estimate needs, read from a model's config."""
+
+    parameters: int  # the network's own (no adapter)
+    adapter: int  # LoRA's trainable parameters; 0 for full fine-tuning
+    vocab: int
+    hidden_size: int
+    layers: int
+    context: int | None = None  # the model's context (max_position_embeddings): no row is longer
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes a run holds at its peak, by what holds them."""
+
+    weights: int
+    gradients: int
+    optimizer: int
+    reference: int
+    activations: int
+
+    @property
+    def total(self) -> int:
+        return sum(getattr(self, field.name) for field in fields(self))
+
+
+def estimate_memory(size: ModelSize, weight_bytes: int, compute_bytes: int, rows: int, tokens: int,
+                    reference: bool, logits_width: int | None = None, shards: int = 1) -> MemoryEstimate:
+    """The bytes of weights, gradients, AdamW moments, the reference copy and one micro-batch's activations
+    (formulas in the module's docstring). ``logits_width``: the head's outputs per token (default: the
+    vocabulary); ``shards``: the processes FSDP splits the model's states over."""
+    trainable = size.adapter or size.parameters
+    width = size.vocab if logits_width is None else logits_width
+    return MemoryEstimate(
+        weights=(size.parameters + size.adapter) * weight_bytes // shards,
+        gradients=trainable * weight_bytes // shards,
+        optimizer=ADAM_MOMENTS * trainable * weight_bytes // shards,
+        reference=size.parameters * weight_bytes // shards if reference and not size.adapter else 0,
+        activations=rows * tokens * (width + size.layers * size.hidden_size) * compute_bytes,
+    )
+
+
+def model_config(model_cfg: Any, tokenizer: Any) -> Any | None:
+    """The transformers config of ``model=`` without its weights; None for ``model=exact`` (a few symbols)."""
+    from rlhf_lab.models.loading import smollm2_model_path, tiny_llama_config
+
+    if model_cfg.name == "exact":
+        return None
+    if model_cfg.name == "tiny" and not model_cfg.name_or_path:
+        return tiny_llama_config(tokenizer, model_cfg.tiny)
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_cfg.name_or_path or str(smollm2_model_path()))
+
+
+def model_size(model_cfg: Any, tokenizer: Any) -> ModelSize | None:
+    """Parameter counts of ``model=`` (and its LoRA adapter), built on the meta device: nothing is allocated."""
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_lab.models.loading import apply_lora
+
+    try:
+        config = model_config(model_cfg, tokenizer)
+    except (OSError, ValueError):  # no readable config: loading the model says why, in its own words
+        return None
+    if config is None:
+        return None
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+        parameters = sum(p.numel() for p in model.parameters())
+        adapter = 0
+        if model_cfg.lora.enabled:
+            adapter = sum(p.numel() for p in apply_lora(model, model_cfg.lora).parameters() if p.requires_grad)
+    return ModelSize(parameters, adapter, config.vocab_size, config.hidden_size, config.num_hidden_layers,
+                     getattr(config, "max_position_embeddings", None))
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Bytes this process may still allocate: free CUDA memory on a GPU, the host's available memory
+    (psutil, else ``/proc/meminfo``) otherwise; None where neither can be read."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:
+        pass
+    try:
+        for line in MEMINFO.read_text(encoding="ascii").splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def micro_batch_rows(cfg: Any) -> int:
+    """Rows of one forward/backward pass: ``trainer.micro_batch_size``, else ``algorithm.mini_batch_size``, else
+    the step's samples."""
+    samples = cfg.trainer.prompts_per_step * cfg.algorithm.get("group_size", 1)
+    return cfg.trainer.micro_batch_size or cfg.algorithm.get("mini_batch_size") or samples
+
+
+def tokens_per_row(cfg: Any) -> int:
+    """The longest row: ``algorithm.max_length`` where the stage cuts its texts there, else the prompt's tokens
+    plus the response's (``data.max_response_tokens`` of demonstrations and pairs, else
+    ``trainer.max_new_tokens``)."""
+    if cfg.algorithm.get("max_length"):
+        return int(cfg.algorithm.max_length)
+    response = cfg.data.get("max_response_tokens") or cfg.trainer.max_new_tokens
+    return int(cfg.data.get("max_prompt_tokens", 0)) + int(response)
+
+
+def check_memory(cfg: Any, tokenizer: Any, weight_dtype: torch.dtype, compute_dtype: torch.dtype | None,
+                 device: torch.device, rows: int | None = None, logits_width: int | None = None,
+                 shards: int = 1, reference: bool = True) -> MemoryEstimate | None:
+    """Refuse in one line a run whose estimate (:func:`estimate_memory`) exceeds the memory available, unless
+    ``trainer.skip_memory_check``; returns the estimate (None when skipped or not made). ``rows``: of one
+    micro-batch (default :func:`micro_batch_rows`); ``reference``: whether full fine-tuning keeps a frozen copy."""
+    if cfg.trainer.get("skip_memory_check"):
+        return None
+    size = model_size(cfg.model, tokenizer)
+    available = available_memory(device)
+    if size is None or available is None:
+        return None
+    offloaded = cfg.trainer.offload_reference and device.type == "cuda"  # the copy lives in host memory
+    rows = micro_batch_rows(cfg) if rows is None else rows
+    tokens = min(tokens_per_row(cfg), size.context or tokens_per_row(cfg))  # a longer prompt is refused later
+    estimate = estimate_memory(size, weight_dtype.itemsize, (compute_dtype or weight_dtype).itemsize, rows,
+                               tokens, reference=reference and not offloaded, logits_width=logits_width,
+                               shards=shards)
+    if estimate.total > available:
+        raise ConfigError(f"this run needs about {estimate.total / GIB:.3g} GiB ({breakdown(estimate)}), this "
+                          f"machine has {available / GIB:.3g} GiB available on {device.type}; lower "
+                          f"{remedy(cfg, estimate, rows)}, or set trainer.skip_memory_check=true to start anyway")
+    return estimate
+
+
+def breakdown(estimate: MemoryEstimate) -> str:
+    """The estimate's parts in GiB, the empty ones left out."""
+    parts = {"weights": estimate.weights, "gradients": estimate.gradients, "AdamW": estimate.optimizer,
+             "reference": estimate.reference, "activations": estimate.activations}
+    return ", ".join(f"{name} {size / GIB:.3g}" for name, size in parts.items() if size)
+
+
+def remedy(cfg: Any, estimate: MemoryEstimate, rows: int) -> str:
+    """The keys that shrink the largest part of the estimate."""
+    if estimate.activations >= estimate.total - estimate.activations:
+        return f"trainer.micro_batch_size (now {rows} rows) or the tokens per row"
+    if not cfg.model.lora.enabled:
+        return "the model's size or train an adapter (model.lora.enabled=true)"
+    return "the model's size or model.lora.r"
