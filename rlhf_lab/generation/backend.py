@@ -21,17 +21,29 @@ the policy's, so ``sync_weights``, ``sleep`` and ``wake_up`` have nothing to do.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
 
+from rlhf_lab.errors import DataError
 from rlhf_lab.generation.rollout import Rollout
 from rlhf_lab.registry import get
 
 Prompt = str | list[int]  # formatted text (tokenised without special tokens), or token ids used as they are
+
+
+def check_prompt_lengths(lengths: Sequence[int], limit: int) -> None:
+    """Every engine's one-line refusal of a prompt longer than the room it has for prompts: ``data.max_prompt_tokens``,
+    plus ``env.max_tokens`` for a multi-turn episode's later turns (an environment's opening messages, its system turn
+    and tools block included, count as prompt)."""
+    longest = max(range(len(lengths)), key=lengths.__getitem__, default=None)
+    if longest is not None and lengths[longest] > limit:
+        raise DataError(f"prompt {longest} is {lengths[longest]} tokens, over the {limit} the engine has for prompts "
+                        "(data.max_prompt_tokens, plus env.max_tokens in a multi-turn episode); raise "
+                        "data.max_prompt_tokens or shorten the prompt")
 
 
 def encode_prompts(tokenizer: Any, prompts: list[Prompt]) -> list[list[int]]:

@@ -17,7 +17,14 @@ import torch
 from torch import Tensor, nn
 from transformers import StopStringCriteria
 
-from rlhf_lab.generation.backend import Prompt, SamplesInPlace, SamplingSettings, encode_prompts, left_padded
+from rlhf_lab.generation.backend import (
+    Prompt,
+    SamplesInPlace,
+    SamplingSettings,
+    check_prompt_lengths,
+    encode_prompts,
+    left_padded,
+)
 from rlhf_lab.generation.decode import decode, multinomial
 from rlhf_lab.generation.kv_cache import decode_cache
 from rlhf_lab.generation.rollout import Rollout, concat_rollouts
@@ -65,11 +72,7 @@ def generate(
     device = next(model.parameters()).device
     encoded = left_padded(encode_prompts(tokenizer, prompts), tokenizer.pad_token_id)
     if encoded["input_ids"].shape[1] > max_prompt_tokens:
-        lengths = encoded["attention_mask"].sum(-1)
-        index = int(torch.argmax(lengths))
-        raise ValueError(
-            f"prompt {index} is {int(lengths[index])} tokens, over data.max_prompt_tokens={max_prompt_tokens}"
-        )
+        check_prompt_lengths(encoded["attention_mask"].sum(-1).tolist(), max_prompt_tokens)
     prompt_ids = encoded["input_ids"].repeat_interleave(group_size, 0).to(device)
     prompt_mask = encoded["attention_mask"].repeat_interleave(group_size, 0).to(device)
     was_training = model.training

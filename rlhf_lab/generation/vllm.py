@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from rlhf_lab.errors import ConfigError
-from rlhf_lab.generation.backend import Prompt, SamplesInPlace, SamplingSettings, encode_prompts
+from rlhf_lab.generation.backend import Prompt, SamplesInPlace, SamplingSettings, check_prompt_lengths, encode_prompts
 from rlhf_lab.generation.rollout import Rollout, response_mask_from_tokens
 from rlhf_lab.registry import register
 from rlhf_lab.runtime import distributed
@@ -142,10 +142,7 @@ class VLLMGeneration(SamplesInPlace):
         """``group_size`` samples per prompt with the engine's log-probs (see the backend interface)."""
         settings = settings or self.settings
         encoded = encode_prompts(self.tokenizer, prompts)
-        if max(map(len, encoded)) > settings.max_prompt_tokens:
-            index = max(range(len(encoded)), key=lambda i: len(encoded[i]))
-            raise ValueError(f"prompt {index} is {len(encoded[index])} tokens, over data.max_prompt_tokens="
-                             f"{settings.max_prompt_tokens}")
+        check_prompt_lengths([len(ids) for ids in encoded], settings.max_prompt_tokens)
         params = sampling_params(self.vllm, settings, group_size, seeds, greedy, len(prompts), self.allowed_token_ids)
         self.wake_up()
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in encoded], params, use_tqdm=False,

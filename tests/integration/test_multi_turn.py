@@ -128,3 +128,18 @@ def test_a_run_ends_by_naming_its_folder_and_numbers_and_draws_no_library_bars(t
     assert lines[-2].endswith(f"run folder: {(tmp_path / 'run').resolve()}")
     assert f"reward, first 20% of steps {summary['reward/first_20pct_mean']:.4g}" in lines[-1]
     assert f"eval reward {summary['eval/reward/mean']:.4g}" in lines[-1]
+
+
+def test_an_opening_longer_than_the_prompt_room_is_one_line(compose, tiny_overrides, tmp_path: Path) -> None:
+    """An environment's opening (the calculator's system turn with its tools block) counts as prompt: past
+    data.max_prompt_tokens + env.max_tokens the engine refuses it in one line naming both keys and the fix."""
+    from rlhf_lab.errors import DataError
+
+    overrides = [*tiny_env(tiny_overrides, tmp_path, "calculator"), "data.max_prompt_tokens=100", "trainer.steps=1",
+                 "trainer.eval_prompts=0", "trainer.eval_every=0"]
+    with pytest.raises(DataError) as raised:
+        train(compose, overrides, tmp_path / "run")
+    message = str(raised.value)
+    assert re.fullmatch(r"prompt \d+ is \d+ tokens, over the 164 the engine has for prompts \(data.max_prompt_tokens, "
+                        r"plus env.max_tokens in a multi-turn episode\); raise data.max_prompt_tokens or shorten the "
+                        r"prompt", message), message
