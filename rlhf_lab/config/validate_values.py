@@ -174,6 +174,21 @@ def check_ranges(cfg: Any) -> None:
     for key in ("adam_beta1", "adam_beta2"):
         if not 0.0 <= trainer[key] < 1.0:
             raise ConfigError(f"trainer.{key}={trainer[key]!r} is out of range; must be in [0, 1)")
+    check_generation_ranges(cfg.get("generation") or {})
+
+
+def check_generation_ranges(generation: Any) -> None:
+    """The engine's sizes: the canary's tolerance, the GPU memory share, the tensor-parallel size (whether it divides
+    the ranks is known at launch: :class:`rlhf_lab.generation.vllm.TensorParallel`)."""
+    if generation.get("sync_check_tol") is not None:
+        at_least("generation.sync_check_tol", generation.sync_check_tol, 0.0)
+    if "gpu_memory_utilization" in generation:
+        share = generation.gpu_memory_utilization
+        if not (isinstance(share, float | int) and 0.0 < share <= 1.0):
+            raise ConfigError(f"generation.gpu_memory_utilization={share!r} is out of range; must be a share of the "
+                              "GPU's memory in (0, 1], e.g. 0.35")
+    if "tensor_parallel_size" in generation:
+        at_least("generation.tensor_parallel_size", generation.tensor_parallel_size, 1)
 
 
 def check_batch_shape(cfg: Any) -> None:

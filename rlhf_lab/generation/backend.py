@@ -12,8 +12,15 @@ policy, the tokenizer and the sampling settings, and then:
 - ``submit(prompts, group_size, seeds=None, settings=None) -> claim``: the same batch started now, and returned
   by ``claim()`` (``generation.max_staleness=1``): an engine on devices of its own samples it while the trainer
   trains; one in the trainer's process samples it at once (:class:`SamplesInPlace`);
-- ``sync_weights(policy)``: the policy's current weights become the ones it samples with (after each update);
-- ``sleep()`` / ``wake_up()``: give back and take again the memory it holds between generations.
+- ``sync_weights(policy)``: the policy's current weights become the ones it samples with;
+- ``sleep(level)`` / ``wake_up(tags)``: give back and take again the memory it holds between generations (vLLM's
+  sleep mode: level 1 keeps a host copy of the weights, level 2 drops them; tags ``weights``, ``kv_cache``).
+
+The last two are the rollout worker's alone (:mod:`rlhf_lab.generation.worker`): it decides when an engine wakes,
+takes weights, samples and sleeps, in one order for every engine. What an engine can do is said by its attributes,
+never its name: ``holds_weights`` (a copy of its own to keep current; the worker's weight-sync canary checks it),
+``sleeps`` (it gives its memory back between generations), ``lora`` (it takes the policy's adapter, not its
+weights), ``reports_entropy`` (its rollouts carry entropies and logits).
 
 ``hf`` (:mod:`rlhf_lab.generation.hf`) samples with the policy's own transformers forward passes; its weights are
 the policy's, so ``sync_weights``, ``sleep`` and ``wake_up`` have nothing to do.
@@ -93,9 +100,9 @@ class GenerationBackend(Protocol):
 
     def sync_weights(self, policy: nn.Module) -> None: ...
 
-    def sleep(self) -> None: ...
+    def sleep(self, level: int = 2) -> None: ...
 
-    def wake_up(self) -> None: ...
+    def wake_up(self, tags: list[str] | None = None) -> None: ...
 
 
 class SamplesInPlace:

@@ -180,8 +180,8 @@ class HFGeneration(SamplesInPlace):
     def sync_weights(self, policy: nn.Module) -> None:
         """Nothing to copy: it samples with the policy's own weights."""
 
-    def sleep(self) -> None:
+    def sleep(self, level: int = 2) -> None:
         """Nothing held between generations."""
 
-    def wake_up(self) -> None:
+    def wake_up(self, tags: list[str] | None = None) -> None:
         """Nothing to take again."""

@@ -186,6 +186,7 @@ class VLLMServerGeneration:
     module)."""
 
     reports_entropy = False
+    holds_weights = True  # the server's copy, which the rollout worker keeps the policy's (generation/worker.py)
 
     def __init__(self, policy: nn.Module, tokenizer: Any, settings: SamplingSettings,
                  precision: Precision | None = None, hardware: Any = None, options: Any = None,
@@ -280,8 +281,8 @@ class VLLMServerGeneration:
             shutil.rmtree(self.folder / f"v{self.version - 1}", ignore_errors=True)
         distributed.barrier()
 
-    def sleep(self) -> None:
+    def sleep(self, level: int = 2) -> None:
         """The server's memory is its own."""
 
-    def wake_up(self) -> None:
+    def wake_up(self, tags: list[str] | None = None) -> None:
         """Nothing to take again."""

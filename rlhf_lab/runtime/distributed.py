@@ -239,14 +239,22 @@ def gather_rows(values: Tensor) -> Tensor:
     return torch.cat(pieces).to(values.device)
 
 
-def gather_objects(items: list[Any]) -> list[Any]:
+def gather_objects(items: list[Any], group: Any = None) -> list[Any]:
     """Every rank's list concatenated in rank order (picklable objects: texts, floats; torch moves them through
-    the backend's device itself)."""
+    the backend's device itself); within ``group`` (from :func:`rank_groups`) where given."""
     if _single():
         return items
-    gathered: list[list[Any]] = [[] for _ in range(world_size())]
-    dist.all_gather_object(gathered, items)
+    size = world_size() if group is None else dist.get_world_size(group)
+    gathered: list[list[Any]] = [[] for _ in range(size)]
+    dist.all_gather_object(gathered, items, group=group)
     return [item for part in gathered for item in part]
+
+
+def rank_groups(size: int) -> Any:
+    """This rank's process group among consecutive groups of ``size`` ranks (every rank creates every group, as
+    torch requires)."""
+    groups = [dist.new_group(list(range(first, first + size))) for first in range(0, world_size(), size)]
+    return groups[rank() // size]
 
 
 def mean(values: Tensor) -> Tensor:

@@ -22,6 +22,8 @@ from rlhf_lab.envs.episodes import EpisodeRunner
 from rlhf_lab.errors import RewardError
 from rlhf_lab.generation.backend import GenerationBackend, SamplingSettings
 from rlhf_lab.generation.rollout import Rollout, concat_rollouts
+from rlhf_lab.generation.sync_check import SyncCheck, tolerance
+from rlhf_lab.generation.worker import RolloutWorker
 from rlhf_lab.hardware import HardwareProfile
 from rlhf_lab.kl.placements import KLPenalty
 from rlhf_lab.models.loading import PolicyAndReference
@@ -98,7 +100,7 @@ class ExperienceMaker:
     def __init__(self, cfg: Any, tokenizer: Any, models: PolicyAndReference, policy: nn.Module, reward: Reward,
                  kl: KLPenalty, device: torch.device, precision: Precision | None = None,
                  keep_hidden: bool = False, hardware: HardwareProfile | None = None,
-                 engine: GenerationBackend | None = None) -> None:
+                 worker: RolloutWorker | None = None, sync_probe: str | None = None) -> None:
         self.cfg, self.tokenizer, self.models, self.policy = cfg, tokenizer, models, policy
         self.reward, self.kl, self.device = reward, kl, device
         self.precision = precision or Precision("fp32", device.type)
@@ -124,19 +126,28 @@ class ExperienceMaker:
         self.exact_kl = cfg.kl.get("exact", "step")  # kl.exact: step | eval | off
         # The engine that samples (generation=NAME); it keeps the decode's last hidden states for PPO's shared critic
         # where its numbers are the trainer's, else the scoring pass does.
-        # ``engine``: another maker's, shared (an evaluation's maker with its own sampling settings, same weights).
+        # ``worker``: another maker's, shared (an evaluation's maker with its own sampling settings, same weights).
         self.settings = SamplingSettings.from_config(cfg)
-        self.engine: GenerationBackend = engine or engine_class(
-            policy, tokenizer, self.settings, self.precision, self.hardware, options=cfg.generation, keep_logits=False,
-            keep_hidden=keep_hidden and not self.rescore, logits_float32=self.logits_float32)
+        if worker is None:
+            engine = engine_class(policy, tokenizer, self.settings, self.precision, self.hardware,
+                                  options=cfg.generation, keep_logits=False,
+                                  keep_hidden=keep_hidden and not self.rescore, logits_float32=self.logits_float32)
+            worker = RolloutWorker(engine, policy, self._sync_check(engine, sync_probe))
+        # The one owner of the engine's wake, weights, sampling and sleep (rlhf_lab/generation/worker.py).
+        self.worker = worker
+        self.engine: GenerationBackend = worker.engine
         self.scoring = ScoringPass(cfg, models, policy, kl, device, self.precision, keep_hidden, self.logits_float32)
         self.rules = SamplingRules.from_config(cfg.algorithm)
         # ReMax's advantage subtracts the greedy response's score: one extra greedy generation per prompt.
         advantage = cfg.algorithm.get("advantage")
         self.greedy_baseline = bool(advantage) and getattr(get("advantage", advantage), "needs_greedy_baseline", False)
-        # A later step's batch started early (generation.max_staleness=1, rlhf_lab/training/ahead.py): its prompts,
-        # group size and keys, and what returns its rollout once the engine is done.
-        self.ahead: tuple[tuple[Any, ...], Callable[[], Rollout]] | None = None
+
+    def _sync_check(self, engine: GenerationBackend, probe: str | None) -> SyncCheck | None:
+        """The weight-sync canary of an engine with weights of its own, probed with the start of ``probe``."""
+        if not getattr(engine, "holds_weights", False) or probe is None:
+            return None
+        tol = tolerance((self.cfg.get("generation") or {}).get("sync_check_tol"), self.precision)
+        return SyncCheck.from_prompt(self.tokenizer, probe, tol, self.precision, self.device)
 
     def make(self, prompts: list[str], group_size: int, timer: StepTimer, names: list[str],
              kl_coef: float, rng_keys: list[int] | None = None, train: bool = False,
@@ -254,7 +265,7 @@ class ExperienceMaker:
         prompts = experience.prompts[::group_size]
         formatted = format_prompts(prompts, self.tokenizer, cfg.model.chat_template, cfg.model.system_prompt)
         with timer.phase("generate_greedy"):
-            greedy = self.engine.generate(formatted, 1, greedy=True, settings=self.settings)
+            greedy = self.worker.generate(formatted, 1, greedy=True, settings=self.settings)
         responses = self._decode(greedy)
         with timer.phase("reward"):
             output = self.reward(prompts, responses)
@@ -271,30 +282,17 @@ class ExperienceMaker:
     def generate(self, prompts: list[str], group_size: int, rng_keys: list[int] | None) -> Rollout:
         """Sample the responses; each prompt group from its own seeded generator under ``seed_per_prompt``. The
         batch started ahead for these prompts (:meth:`generate_ahead`) where there is one."""
-        ahead, self.ahead = self.ahead, None
-        if ahead is not None:
-            rollout = ahead[1]()  # claimed either way: an engine answers its requests in order
-            if ahead[0] == _ahead_key(prompts, group_size, rng_keys):
-                return rollout
+        rollout = self.worker.take(_ahead_key(prompts, group_size, rng_keys))
+        if rollout is not None:
+            return rollout
         formatted, seeds = self._request(prompts, rng_keys)
-        return self.engine.generate(formatted, group_size, seeds=seeds, settings=self.settings)
+        return self.worker.generate(formatted, group_size, seeds=seeds, settings=self.settings)
 
     def generate_ahead(self, prompts: list[str], group_size: int, rng_keys: list[int] | None) -> None:
-        """Start sampling a later step's batch with the engine's current weights; :meth:`generate` of the same
+        """Start sampling a later step's batch with the policy's current weights; :meth:`generate` of the same
         prompts takes it (an engine on devices of its own samples it while this process trains)."""
         formatted, seeds = self._request(prompts, rng_keys)
-        claim = self.engine.submit(formatted, group_size, seeds=seeds, settings=self.settings)
-        self.ahead = (_ahead_key(prompts, group_size, rng_keys), claim)
-
-    def hold_ahead(self) -> None:
-        """Wait for the batch in flight and keep it for its step (before an evaluation or a checkpoint)."""
-        if self.ahead is not None:
-            key, rollout = self.ahead[0], self.ahead[1]()
-            self.ahead = (key, lambda: rollout)
-
-    def held_ahead(self) -> tuple[tuple[Any, ...], Rollout] | None:
-        """The batch kept by :meth:`hold_ahead`: (its prompts, group size and keys; its rollout), or None."""
-        return None if self.ahead is None else (self.ahead[0], self.ahead[1]())
+        self.worker.launch(_ahead_key(prompts, group_size, rng_keys), formatted, group_size, seeds, self.settings)
 
     def _request(self, prompts: list[str], rng_keys: list[int] | None) -> tuple[list[str], list[int] | None]:
         cfg = self.cfg
@@ -306,8 +304,8 @@ class ExperienceMaker:
         """Generate and score: (rollout with ``scores`` and reward components, decoded responses, valid [B])."""
         cfg = self.cfg
         if self.episodes is not None:  # the environment scores its own episodes
-            with timer.phase("generate"):
-                return self.episodes.run(self.engine, self.settings, prompts, group_size, rng_keys, names, self.device)
+            with timer.phase("generate"), self.worker.awake():  # one wake for every turn of the batch
+                return self.episodes.run(self.worker, self.settings, prompts, group_size, rng_keys, names, self.device)
         with timer.phase("generate"):
             rollout = self.generate(prompts, group_size, rng_keys)
         responses = self._decode(rollout)

@@ -19,6 +19,8 @@ from omegaconf import OmegaConf
 import rlhf_lab.components  # noqa: F401  (registers the built-in parts)
 from rlhf_lab.data.prompts import PromptSplits, check_model_prompts, load_prompts
 from rlhf_lab.errors import TrainingStopped
+from rlhf_lab.generation.backend import SamplingSettings
+from rlhf_lab.generation.worker import RolloutWorker
 from rlhf_lab.hardware import HardwareProfile
 from rlhf_lab.kl.placements import KLPenalty
 from rlhf_lab.masked import masked_sum
@@ -33,7 +35,7 @@ from rlhf_lab.trackers.jsonl import repair_jsonl
 from rlhf_lab.trackers.multi import build_tracker
 from rlhf_lab.training import checkpoint as ckpt
 from rlhf_lab.training import resume_contract
-from rlhf_lab.training.ahead import AHEAD_FILE, Lookahead, decode_ahead, encode_ahead, refill_source, stale, step_batch
+from rlhf_lab.training.ahead import AHEAD_FILE, decode_ahead, encode_ahead, refill_source, stale, step_batch
 from rlhf_lab.training.budget import TrainingClock
 from rlhf_lab.training.evaluation import Evaluation
 from rlhf_lab.training.experience import ExperienceMaker
@@ -106,10 +108,12 @@ class Trainer:
         self.reward = build_reward(cfg.reward, device=str(self.device))
         self.experience = ExperienceMaker(cfg, self.tokenizer, self.models, distributed.unwrap(self.policy),
                                           self.reward, self.kl, self.device, self.precision,
-                                          keep_hidden=self.algorithm.reads_sampling_hidden, hardware=self.hardware)
+                                          keep_hidden=self.algorithm.reads_sampling_hidden, hardware=self.hardware,
+                                          sync_probe=self.prompts.train[0] if self.prompts.train else None)
+        # The engine's lifecycle and the batch sampled ahead (generation.max_staleness=1): rlhf_lab/generation/worker.py
+        self.worker, self.stale = self.experience.worker, stale(cfg)
         self.updater = self.updater_class(cfg, self.policy, self.algorithm, self.loss_kl(), self.device,
                                           self.precision, self.strategy, sync_modules, self.hardware)
-        self.lookahead = Lookahead(self.experience, distributed.unwrap(self.policy), stale(cfg))
         self.start_step = 0
         self.step = -1
         self.first_eval: dict[str, Any] | None = None
@@ -170,8 +174,10 @@ class Trainer:
         rank_rng = state.get("rank_rng")
         if rank_rng and len(rank_rng) == distributed.world_size():  # every rank's own generators
             set_rank_rng_state(rank_rng[distributed.rank()])
-        self.experience.engine.sync_weights(distributed.unwrap(self.policy))  # built before the weights loaded
-        self.lookahead.load_state(decode_ahead(ckpt.read_tensors(folder / AHEAD_FILE), state.get("ahead")))
+        self.worker.weights_loaded(state["step"] + 1)  # the engine, built before the weights loaded, takes them next
+        if self.stale:
+            self.worker.load_state(decode_ahead(ckpt.read_tensors(folder / AHEAD_FILE), state.get("ahead")),
+                                   self.device)
         self.continue_from(state)
 
     def continue_from(self, state: dict[str, Any]) -> None:
@@ -205,8 +211,7 @@ class Trainer:
             ckpt.save_sharded(staged, policy, modules, updater.optimizer)
             whole = {"model_state": distributed.full_model_state(policy), "staged": staged,
                      "module_states": {name: distributed.full_model_state(m) for name, m in modules.items()}}
-        self.lookahead.settle()  # the batch in flight is part of the checkpoint
-        ahead_tensors, ahead = encode_ahead(self.lookahead.state()) if self.lookahead.enabled else ({}, None)
+        ahead_tensors, ahead = encode_ahead(self.worker.state()) if self.stale else ({}, None)  # the batch in flight
         rank_rng = distributed.gather_objects([rank_rng_state()])
         folder = None
         if distributed.is_main_process():  # one writer: rank 0
@@ -229,12 +234,13 @@ class Trainer:
         cfg = self.cfg
         self.step = step  # the step being trained (read by hooks in tests and tools)
         timer = StepTimer()
+        self.worker.timer = timer  # its weight loads and canary are timed as this step's phases
         synchronize()
         start = time.perf_counter()
         batch, coef, train = step_batch(cfg, self.prompts.train, step), self.kl_controller.coef, self.prompts.train
         experience = self.experience.make(  # under generation.max_staleness=1 the next batch starts at `then`
             batch.prompts, cfg.algorithm.group_size, timer, batch.names, coef, rng_keys=batch.keys, train=True,
-            refill=refill_source(cfg, train, step), then=lambda: self.lookahead.launch(cfg, train, step + 1, timer))
+            refill=refill_source(cfg, train, step), then=lambda: self.launch_ahead(step + 1, timer))
         rollout, valid, in_loss = experience.rollout, experience.valid, experience.in_loss
         mask = rollout.response_mask
         with timer.phase("advantages"), self.precision.autocast():  # a separate critic's trunk runs here
@@ -249,7 +255,7 @@ class Trainer:
         if not self.experience.update_needs_ref_logits:
             rollout.ref_logits = None
         update_stats = self.updater.update(rollout, coef, step, timer)
-        self.lookahead.after_update(timer)  # the engine's weights: now, or after the batch it samples (staleness 1)
+        self.worker.weights_updated()  # the engine takes them before it next samples
         # Batch statistics over every rank's samples (each rank holds whole prompt groups, in rank order).
         # The controller follows the exact KL per sequence where it is computed (kl.exact=step), else the estimate.
         measured = rollout.kl_exact if rollout.kl_exact is not None else rollout.kl_estimate
@@ -260,7 +266,7 @@ class Trainer:
         synchronize()
         elapsed = time.perf_counter() - start
         metrics: dict[str, Any] = {"step": step, **rollout_metrics(rollout, valid, coef, kl_per_sequence),
-                                   **sampler_metrics(rollout),
+                                   **sampler_metrics(rollout), **self.worker.metrics(),
                                    "lr": self.updater.scheduler.get_last_lr()[0],
                                    "optim/grad_norm": self.updater.last_grad_norm, "time/step_s": elapsed,
                                    "throughput/tokens_per_s": float(distributed.all_reduce_sum(
@@ -283,11 +289,20 @@ class Trainer:
             )
         return metrics
 
+    def launch_ahead(self, step: int, timer: StepTimer) -> None:
+        """Under ``generation.max_staleness=1``: step ``step``'s batch started with the current weights, once the
+        previous step's samples are in (only for a step the run will train)."""
+        if not self.stale or step >= self.cfg.trainer.steps:
+            return
+        batch = step_batch(self.cfg, self.prompts.train, step)
+        with timer.phase("generate"):
+            self.experience.generate_ahead(batch.prompts, self.cfg.algorithm.group_size, batch.keys)
+
     # ----------------------------------------------------------------- evaluation
     @torch.no_grad()
     def evaluate(self, step: int) -> dict[str, Any]:
         """Held-out prompts under ``eval.*`` (rlhf_lab/training/evaluation.py, the code ``rlhf-lab eval`` runs)."""
-        self.lookahead.settle()  # the engine samples with the current weights
+        self.worker.settle()  # the batch in flight is in; the evaluation samples with the current weights
         if self.evaluation is None:
             self.evaluation = Evaluation.from_parts(self.cfg, self.experience, self._experience_maker, self.models,
                                                     lambda reward_cfg: build_reward(reward_cfg, device=str(self.device)))
@@ -301,10 +316,20 @@ class Trainer:
         return metrics
 
     def _experience_maker(self, cfg: Any, policy: torch.nn.Module) -> ExperienceMaker:
-        # The policy's own engine, shared; the reference's (win rate) gets one of its own.
-        engine = self.experience.engine if policy is self.experience.policy else None
+        # The policy's own worker, shared; the reference (win rate) samples through the same engine with the adapter
+        # off where it can (LoRA on vLLM), else through the hf engine over the reference: never a second engine.
+        worker = self.worker if policy is self.experience.policy else self.reference_worker(cfg, policy)
         return ExperienceMaker(cfg, self.tokenizer, self.models, policy, self.reward, self.kl, self.device,
-                               self.precision, hardware=self.hardware, engine=engine)
+                               self.precision, hardware=self.hardware, worker=worker)
+
+    def reference_worker(self, cfg: Any, reference: torch.nn.Module) -> Any:
+        """Sampling for the reference: the run's engine with the adapter off (LoRA on vLLM), else the hf engine over
+        the reference's weights (no second copy of them, no second vLLM engine)."""
+        if getattr(self.worker.engine, "samples_base", False):
+            return self.worker.adapter_off()
+        engine = get("generation", "hf")(reference, self.tokenizer, SamplingSettings.from_config(cfg), self.precision,
+                                          self.hardware)
+        return RolloutWorker(engine, reference)
 
     def loss_kl(self) -> KLPenalty | None:
         """The KL penalty whose loss-placed term the updater adds (the offline stages: none)."""

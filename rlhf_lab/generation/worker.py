@@ -1,0 +1,224 @@
+"""The rollout worker: the one owner of a generation engine's lifecycle (wake, weights, sampling, sleep) and of the
+batch it samples one step ahead.
+
+The trainer tells it two things: "the policy has new weights" (:meth:`RolloutWorker.weights_updated`, after every
+optimizer step) and "give me samples" (:meth:`RolloutWorker.generate`, or a batch started early with
+:meth:`RolloutWorker.launch` and taken with :meth:`RolloutWorker.take`). Everything else is decided here, in one
+order for every engine (``hf``, ``vllm``, ``vllm_server``), the order TRL's colocate mode and verl's hybrid engine
+use with vLLM's sleep mode:
+
+1. ``torch.cuda.empty_cache()``, so the trainer's cached blocks do not stop the engine re-mapping its memory;
+2. ``wake_up(tags=["weights"])``;
+3. the policy's weights loaded where the engine holds older ones, and always after a level-2 sleep (which
+   discarded them); then the weight-sync canary (:mod:`rlhf_lab.generation.sync_check`);
+4. ``wake_up(tags=["kv_cache"])``;
+5. sampling (one call, or a whole multi-turn batch inside :meth:`RolloutWorker.awake`);
+6. ``sleep(level)``: level 2 for full fine-tuning (the weights change, no host copy is worth keeping), level 1
+   under LoRA (the base weights never change; the adapter is sent again as a new request).
+
+Weights are never written into a sleeping engine: what vLLM's level-1 wake restores is its backup of the weights it
+had, so a write while asleep is lost (or faults on a GPU). An engine that does not sleep (``hf``, a CPU engine, a
+server with devices of its own) skips steps 1, 2, 4 and 6; ``hf`` samples with the policy's own weights and has
+none to load.
+
+``generation.max_staleness=1`` (one-step off-policy, as verl's and TRL's asynchronous trainers): as soon as step
+t's batch is in, the worker starts step t+1's with the weights it then holds (π_θ after update t−1), which an engine
+on devices of its own samples while step t trains; the colocated ones sample it at once, so the run learns the same
+way with no overlap. A checkpoint holds the batch in flight (:meth:`state`), so a resumed run trains on the same
+samples as one that was never stopped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import fields
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from rlhf_lab.generation.backend import GenerationBackend, Prompt, SamplingSettings
+from rlhf_lab.generation.rollout import Rollout
+from rlhf_lab.generation.sync_check import SyncCheck
+from rlhf_lab.runtime import distributed
+
+AheadKey = tuple[Any, ...]  # (prompts, group size, generator keys) of a batch started early
+
+
+class RolloutWorker:
+    """Drives one engine through wake, weights, sampling and sleep (see the module's text).
+
+    ``policy``: the module whose weights the engine samples with (unwrapped from DDP/FSDP's wrappers' callers).
+    ``sync_check``: the canary run after every weight load (None: no engine with weights of its own, or off).
+    """
+
+    def __init__(self, engine: GenerationBackend, policy: nn.Module, sync_check: SyncCheck | None = None) -> None:
+        self.engine, self.policy, self.sync_check = engine, policy, sync_check
+        self.holds_weights = bool(getattr(engine, "holds_weights", False))
+        self.sleeps = bool(getattr(engine, "sleeps", False))
+        # Level 1 keeps a host copy of weights that never change (LoRA's base); level 2 drops weights that will.
+        self.sleep_level = 1 if getattr(engine, "lora", False) else 2
+        self.policy_version = 0  # updates the policy has had
+        self.engine_version = 0  # updates behind the weights the engine holds (it is built from the policy's)
+        self.weights_lost = False  # a level-2 sleep discarded the engine's weights: load them at the next wake
+        self._awake = False
+        self.ahead: tuple[AheadKey, Callable[[], Rollout]] | None = None
+        self.ahead_version = 0  # the engine's weights that sampled the batch in flight
+        self.batch_version = 0  # the engine's weights that sampled the last batch handed out
+        self.last_check: dict[str, float] = {}
+        self.timer: Any = None  # the step's timer (``phase(name)`` adds a phase's seconds), set by the trainer
+        if self.sleeps:
+            self._sleep()
+
+    # ------------------------------------------------------------------------------------------ what the trainer says
+    def weights_updated(self) -> None:
+        """The policy took an optimizer step: the engine gets its weights before it next samples."""
+        self.policy_version += 1
+
+    def weights_loaded(self, updates: int) -> None:
+        """The policy's weights were replaced by those after ``updates`` updates (a resume): the engine, built
+        before, takes them next."""
+        self.policy_version, self.engine_version = updates, -1
+
+    def generate(self, prompts: list[Prompt], group_size: int, seeds: list[int] | None = None,
+                 greedy: bool = False, settings: SamplingSettings | None = None) -> Rollout:
+        """``group_size`` samples per prompt from the policy's current weights (the engine interface's call)."""
+        with self.awake():
+            self.batch_version = self.engine_version
+            return self.engine.generate(prompts, group_size, seeds=seeds, greedy=greedy, settings=settings)
+
+    @contextmanager
+    def awake(self) -> Iterator[RolloutWorker]:
+        """The engine awake with the policy's current weights for the block (several calls: a multi-turn batch), then
+        asleep again. Nested blocks share the outer one's wake."""
+        if self._awake:
+            yield self
+            return
+        self._wake()
+        self._awake = True
+        try:
+            yield self
+        finally:
+            self._awake = False
+            if self.sleeps:
+                self._sleep()
+
+    # ------------------------------------------------------------------------------------------ the batch ahead
+    def launch(self, key: AheadKey, prompts: list[Prompt], group_size: int, seeds: list[int] | None,
+               settings: SamplingSettings | None) -> None:
+        """Start sampling a later step's batch with the weights the engine holds after this wake (the policy's
+        current ones); :meth:`take` with the same ``key`` returns it."""
+        with self.awake():
+            claim = self.engine.submit(prompts, group_size, seeds=seeds, settings=settings)
+            self.ahead_version = self.engine_version
+        self.ahead = (key, claim)
+
+    def take(self, key: AheadKey) -> Rollout | None:
+        """The batch started ahead for ``key``, or None: none in flight, or one for other prompts (an evaluation's),
+        which stays for its own step (its answer claimed: an engine answers its requests in order)."""
+        if self.ahead is None:
+            return None
+        if self.ahead[0] != key:
+            self.settle()
+            return None
+        rollout, self.ahead = self.ahead[1](), None
+        self.batch_version = self.ahead_version
+        return rollout
+
+    def settle(self) -> None:
+        """The batch in flight is in and kept for its step (before an evaluation or a checkpoint)."""
+        if self.ahead is not None:
+            key, rollout = self.ahead[0], self.ahead[1]()
+            self.ahead = (key, lambda: rollout)
+
+    def state(self) -> list[dict[str, Any] | None]:
+        """Every rank's batch in flight (after :meth:`settle`), as plain fields and CPU tensors, for rank 0 to write."""
+        self.settle()
+        held = None if self.ahead is None else (self.ahead[0], self.ahead[1]())
+        return distributed.gather_objects([_rollout_state(held)])
+
+    def load_state(self, states: list[dict[str, Any] | None] | None, device: torch.device) -> None:
+        """Resume: this rank's batch in flight, which the next step trains on (nothing when the checkpoint has none:
+        that step samples afresh)."""
+        if not states or len(states) != distributed.world_size():
+            return
+        held = states[distributed.rank()]
+        if held is not None:
+            key, values = held["key"], held["rollout"]
+            rollout = Rollout(**{k: v.to(device) if isinstance(v, Tensor) else v for k, v in values.items()})
+            self.ahead = ((tuple(key[0]), int(key[1]), tuple(key[2])), lambda: rollout)
+            self.ahead_version = self.policy_version - 1  # sampled one update behind (max_staleness=1)
+
+    # ------------------------------------------------------------------------------------------ the lifecycle
+    def _wake(self) -> None:
+        if self.sleeps:
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            self.engine.wake_up(tags=["weights"])
+        load = self.holds_weights and (self.weights_lost or self.engine_version != self.policy_version)
+        if load:
+            with self._phase("sync_weights"):
+                self.engine.sync_weights(self.policy)
+            self.engine_version, self.weights_lost = self.policy_version, False
+        if self.sleeps:
+            self.engine.wake_up(tags=["kv_cache"])
+        if load and self.sync_check is not None:  # the canary samples: after the cache is back
+            with self._phase("sync_check"):
+                self.last_check = self.sync_check(self.engine, self.policy, self.policy_version)
+
+    def _phase(self, name: str) -> AbstractContextManager:
+        return self.timer.phase(name) if self.timer is not None else nullcontext()
+
+    def _sleep(self) -> None:
+        self.engine.sleep(level=self.sleep_level)
+        self.weights_lost = self.sleep_level == 2
+
+    def adapter_off(self) -> AdapterOff:
+        """This worker sampling the base model (the adapter off: a LoRA policy's reference), through the same engine
+        and lifecycle (``engine.samples_base``: vLLM with an adapter)."""
+        return AdapterOff(self)
+
+    def metrics(self) -> dict[str, float]:
+        """``rollout/weight_sync_diff`` (the last canary's max |Δ log-prob|) and ``rollout/weight_version`` (the updates
+        behind the engine's weights that sampled the last batch handed out), where the engine holds weights of its
+        own."""
+        if not self.holds_weights:
+            return {}
+        return {"rollout/weight_version": float(self.batch_version), **self.last_check}
+
+
+class AdapterOff:
+    """What an experience maker needs of a worker, sampling the engine's base weights (see
+    :meth:`RolloutWorker.adapter_off`): the evaluation's win rate against the reference."""
+
+    def __init__(self, worker: RolloutWorker) -> None:
+        self.worker, self.engine = worker, worker.engine
+
+    def generate(self, prompts: list[Prompt], group_size: int, seeds: list[int] | None = None,
+                 greedy: bool = False, settings: SamplingSettings | None = None) -> Rollout:
+        with self.worker.awake():
+            return self.engine.generate(prompts, group_size, seeds=seeds, greedy=greedy, settings=settings,
+                                        adapter=False)
+
+    def awake(self) -> AbstractContextManager:
+        return self.worker.awake()
+
+    def take(self, key: AheadKey) -> None:
+        """No batch is ever started ahead for the reference."""
+        return None
+
+
+def _rollout_state(held: tuple[AheadKey, Rollout] | None) -> dict[str, Any] | None:
+    """A batch just generated: its tensors (on the CPU) and sizes; what later passes add to it is not there yet."""
+    if held is None:
+        return None
+    key, rollout = held
+    kept: dict[str, Any] = {}
+    for field_ in fields(rollout):
+        value = getattr(rollout, field_.name)
+        if isinstance(value, Tensor):
+            kept[field_.name] = value.detach().cpu()
+        elif isinstance(value, int) and not isinstance(value, bool):
+            kept[field_.name] = value
+    return {"key": [list(key[0]), key[1], list(key[2])], "rollout": kept}

@@ -1,0 +1,84 @@
+"""Training runs on the stand-in vLLM that keeps vLLM's sleep contract (tests/fake_vllm.py), with the engine
+sleeping as on a GPU: every step samples the policy's current weights (the canary's difference stays at float
+noise and the engine's weight version follows the updates) for full weights and LoRA, staleness 0 and 1, an
+evaluation in between and a resume; an ignored load stops the run with one line, exit 2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from rlhf_lab.generation import vllm as vllm_engine
+from rlhf_lab.training.loop import Trainer
+from tests import fake_vllm
+
+ENGINE = ["generation=vllm", "generation.sleep=true", "trainer.lr=1e-2", "trainer.eval_every=1", "reward=length", "reward.min_words=1", "reward.max_words=2",
+          "reward.slope_words=1", "trainer.max_new_tokens=6"]
+
+
+@pytest.fixture(autouse=True)
+def stand_in_vllm(monkeypatch):
+    monkeypatch.setattr(vllm_engine, "import_vllm", fake_vllm.module)
+    fake_vllm.LLM.faults = {}
+    fake_vllm.LLM.built = []
+    yield
+    fake_vllm.LLM.faults = {}
+
+
+def steps(run_dir: Path) -> list[dict]:
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [line for line in lines if "reward/mean" in line]
+
+
+@pytest.mark.parametrize("lora", [False, True])
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_every_step_samples_the_synced_weights(compose, tiny_overrides, tmp_path, lora: bool, staleness: int) -> None:
+    lora_overrides = ["model.lora.enabled=true", "model.lora.r=4"] if lora else []
+    cfg = compose([*tiny_overrides(tmp_path), *ENGINE, *lora_overrides, "trainer.steps=3",
+                   f"generation.max_staleness={staleness}"])
+    Trainer(cfg, tmp_path / "run").train()
+    lines = steps(tmp_path / "run")
+    assert len(lines) == 3
+    # Step t samples with the weights of t updates (staleness 1: of t − 1, the first two steps both the initial).
+    expected = [max(step - staleness, 0) for step in range(3)]
+    held = [line.get("rollout/weight_version") for line in lines]
+    assert held == expected, held
+    for line in lines[staleness:]:
+        if "rollout/weight_sync_diff" in line:
+            assert line["rollout/weight_sync_diff"] < 1e-4, line
+    llm = fake_vllm.LLM.built[0]
+    assert len(fake_vllm.LLM.built) == 1  # the evaluation samples with the run's engine
+    assert llm.calls[-1] == f"sleep({1 if lora else 2})"
+
+
+def test_a_resumed_run_gives_the_engine_the_checkpoint_s_weights(compose, tiny_overrides, tmp_path) -> None:
+    first = compose([*tiny_overrides(tmp_path), *ENGINE, "trainer.steps=2"])
+    Trainer(first, tmp_path / "run").train()
+    resumed = compose([*tiny_overrides(tmp_path), *ENGINE, "trainer.steps=3", "trainer.resume=auto"])
+    fake_vllm.LLM.built = []
+    Trainer(resumed, tmp_path / "run").train()
+    last = steps(tmp_path / "run")[-1]
+    assert last["step"] == 2 and last["rollout/weight_sync_diff"] < 1e-4, last
+
+
+def test_a_win_rate_on_a_lora_policy_samples_the_reference_without_the_adapter(compose, tiny_overrides,
+                                                                               tmp_path) -> None:
+    cfg = compose([*tiny_overrides(tmp_path), *ENGINE, "model.lora.enabled=true", "model.lora.r=4",
+                   "trainer.steps=1", "eval.win_rate=true"])
+    Trainer(cfg, tmp_path / "run").train()
+    assert len(fake_vllm.LLM.built) == 1  # no second engine for the reference
+    final = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()][-1]
+    assert 0.0 <= final["eval/win_rate"] <= 1.0
+
+
+def test_an_ignored_load_stops_the_run_at_its_step(run_cli, tiny_overrides, tmp_path) -> None:
+    fake_vllm.LLM.faults = {"ignore_loads": {2}}
+    overrides = [o for o in [*tiny_overrides(tmp_path), *ENGINE] if not o.startswith(("trainer.eval", "generation.sleep", "trainer.max_new", "trainer.steps"))]
+    code, _, err = run_cli([*overrides, "trainer.eval_prompts=0", "generation.sleep=false", "trainer.steps=4",
+                             "trainer.max_new_tokens=6"])
+    assert code == 2, err
+    line = [text for text in err.splitlines() if text.startswith("error:")]
+    assert len(line) == 1 and "weight sync before step 2" in line[0] and "sync_check_tol=0.02" in line[0], err
+    assert "Traceback" not in err

