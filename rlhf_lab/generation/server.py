@@ -187,6 +187,7 @@ class VLLMServerGeneration:
 
     reports_entropy = False
     holds_weights = True  # the server's copy, which the rollout worker keeps the policy's (generation/worker.py)
+    starts_current = False  # the server may hold other weights than the policy's: the worker loads them first
 
     def __init__(self, policy: nn.Module, tokenizer: Any, settings: SamplingSettings,
                  precision: Precision | None = None, hardware: Any = None, options: Any = None,
@@ -207,7 +208,6 @@ class VLLMServerGeneration:
         if collective and distributed.is_main_process():
             self._open_group(str(options.get("group_host") or "127.0.0.1"), int(options.get("group_port") or 29650))
         self.collective = collective
-        self.sync_weights(policy)  # the server may hold other weights than the policy's
 
     def _open_group(self, host: str, port: int) -> None:
         """Rank 0 and the server form their process group (rank 0 hosts its store; both join at once)."""

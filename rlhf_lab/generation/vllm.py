@@ -77,7 +77,10 @@ class VLLMGeneration(SamplesInPlace):
         self.allowed_token_ids = getattr(policy.get_base_model() if self.lora else policy, "allowed_token_ids", None)
         self.sleeps = sleeps(options, self.device)
         self.tensor_parallel = TensorParallel(int(options.get("tensor_parallel_size", 1) or 1))
-        self.folder = Path(tempfile.mkdtemp(prefix="rlhf_lab_vllm_"))
+        # One folder for every rank, named by rank 0 (the same path on each node; each node's first rank writes it).
+        self.folder = Path(distributed.gather_objects(
+            [tempfile.mkdtemp(prefix="rlhf_lab_vllm_") if distributed.is_main_process() else None])[0])
+        self.folder.mkdir(parents=True, exist_ok=True)
         self._adapter_version = 0
         model_path = self._export_base(policy)
         dtype = {"bf16-mixed": "bfloat16", "bf16-true": "bfloat16", "fp16-mixed": "float16"}.get(
@@ -109,7 +112,7 @@ class VLLMGeneration(SamplesInPlace):
         base = policy.get_base_model() if self.lora else policy
         folder = self.folder / "base"
         state = {hf_name(name): tensor for name, tensor in _full_state(base).items() if "lora_" not in name}
-        if distributed.is_main_process() or not distributed.is_distributed():
+        if int(os.environ.get("LOCAL_RANK", distributed.rank())) == 0:  # one writer per node
             base.save_pretrained(folder, state_dict=state, safe_serialization=True)
             self.tokenizer.save_pretrained(folder)
             _name_the_architecture(folder, base)
@@ -129,10 +132,10 @@ class VLLMGeneration(SamplesInPlace):
     def _send_adapter(self, policy: nn.Module) -> None:
         """The adapter as a new LoRA request (a new id: vLLM loads it afresh instead of serving its cached one)."""
         self._adapter_version += 1
-        folder = self.folder / f"adapter_{self._adapter_version}"
+        folder = self.folder / f"adapter_{self._adapter_version}_rank{distributed.rank()}"  # each rank its own
         policy.save_pretrained(folder)
         self._adapter = self.vllm.lora.request.LoRARequest("policy", self._adapter_version, str(folder))
-        shutil.rmtree(self.folder / f"adapter_{self._adapter_version - 1}", ignore_errors=True)
+        shutil.rmtree(self.folder / f"adapter_{self._adapter_version - 1}_rank{distributed.rank()}", ignore_errors=True)
         self.llm.reset_prefix_cache()
 
     def sleep(self, level: int = 2) -> None:

@@ -60,7 +60,8 @@ class RolloutWorker:
         # Level 1 keeps a host copy of weights that never change (LoRA's base); level 2 drops weights that will.
         self.sleep_level = 1 if getattr(engine, "lora", False) else 2
         self.policy_version = 0  # updates the policy has had
-        self.engine_version = 0  # updates behind the weights the engine holds (it is built from the policy's)
+        # Updates behind the weights the engine holds: built from the policy's (0), or other ones (-1: load first).
+        self.engine_version = 0 if getattr(engine, "starts_current", True) else -1
         self.weights_lost = False  # a level-2 sleep discarded the engine's weights: load them at the next wake
         self._awake = False
         self.ahead: tuple[AheadKey, Callable[[], Rollout]] | None = None

@@ -244,3 +244,27 @@ def test_the_engine_s_log_probs_follow_the_temperature(compose, tiny_tokenizer) 
 def test_a_memory_share_outside_zero_to_one_is_one_line(share) -> None:
     with pytest.raises(ConfigError, match=r"gpu_memory_utilization=.*\(0, 1\]"):
         vllm_engine.memory_settings(torch.device("cuda"), {"gpu_memory_utilization": share})
+
+
+def test_only_the_worker_drives_an_engine_s_lifecycle() -> None:
+    """No module but the worker calls an engine's sleep, wake-up or weight sync; the engines' own modules call vLLM's
+    reload inside their load methods only."""
+    import re
+    from pathlib import Path
+
+    import rlhf_lab
+
+    root = Path(rlhf_lab.__file__).parent
+    lifecycle = re.compile(r"\.(sleep\(level|wake_up\(|sync_weights\()")
+    prose = ("def ", "#", '"', "`", "-")  # definitions, comments and docstrings name them without calling
+
+    def calls(path: Path) -> list[str]:
+        return [line.strip() for line in path.read_text().splitlines()
+                if lifecycle.search(line) and not line.lstrip().startswith(prose)]
+
+    callers = {str(path.relative_to(root)) for path in root.rglob("*.py") if calls(path)}
+    assert callers <= {"generation/worker.py", "generation/vllm.py"}, callers
+    vllm_calls = calls(root / "generation/vllm.py")
+    assert vllm_calls and all(line.startswith("self.llm.") for line in vllm_calls), vllm_calls  # vLLM's own
+    reloads = {str(path.relative_to(root)) for path in root.rglob("*.py") if '"reload_weights"' in path.read_text()}
+    assert reloads <= {"generation/vllm.py", "generation/server.py"}, reloads
