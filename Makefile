@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: install install-ray install-mlflow install-vllm install-reasoning train test test-unit test-gpu lint docs clean bench
+.PHONY: install install-ray install-mlflow install-vllm install-reasoning train test test-unit test-gpu gpu-bundle lint docs clean bench
 
 $(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,12 +35,27 @@ test: install
 test-unit: install
 	$(PY) -m pytest -q -n 2 --dist loadfile -m "not integration" $(ARGS)
 
-# `make test-gpu`: the tests marked gpu (tests/gpu: NCCL collectives, a 1-GPU torchrun run under DDP and FSDP2 in
-# bf16-mixed, the step timer, memory after Trainer.__init__ for a ~1B Llama). On a GPU machine whose Python already
-# has torch (and the wheels of requirements.txt), without this venv: make test-gpu GPU_PYTHON=python3
+# `make test-gpu`: the tests marked gpu (tests/gpu; docs/guides/scale-out.md says what each proves). Without a CUDA
+# device it stops at once, non-zero: a GPU check never passes by skipping. On a GPU machine whose Python has torch but
+# not this venv, `make gpu-bundle` here first (the wheels that image lacks and the tiny model's tokenizer, in .gpu/),
+# then there: make test-gpu GPU_PYTHON=python3 GPU_BUNDLE=.gpu
 GPU_PYTHON ?= $(PY)
+GPU_BUNDLE ?=
+GPU_ENV = $(if $(GPU_BUNDLE),PYTHONPATH=$(abspath $(GPU_BUNDLE))/site:$(CURDIR) RLHF_LAB_CACHE=$(abspath $(GPU_BUNDLE))/cache,)
 test-gpu:
-	$(GPU_PYTHON) -m pytest -q -s -m gpu tests/gpu $(ARGS)
+	@$(GPU_PYTHON) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device: nothing was tested')"
+	$(if $(GPU_BUNDLE),$(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --upgrade --target $(GPU_BUNDLE)/site $(GPU_BUNDLE)/wheels/*.whl,)
+	$(GPU_ENV) $(GPU_PYTHON) -m pytest -q -s -m gpu tests/gpu $(ARGS)
+
+# `make gpu-bundle`: what `make test-gpu` needs on a GPU machine with torch, transformers and peft but none of the
+# rest (no network there): pure-Python wheels of the config, data and launcher packages, and the embedded tokenizer
+# (the tiny model's vocabulary; the 98 MB GGUF stays here). About 15 MB.
+GPU_WHEELS = hydra-core==1.3.8 omegaconf==2.3.1 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
+gpu-bundle: install
+	rm -rf .gpu && mkdir -p .gpu/wheels .gpu/cache
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation py -d .gpu/wheels $(GPU_WHEELS)
+	$(PY) -m pip wheel -q --no-deps -w .gpu/wheels antlr4-python3-runtime==4.9.3
+	$(PY) -c "from rlhf_lab.models.loading import smollm2_tokenizer_path as p; import shutil; shutil.copytree(p(), '.gpu/cache/' + p().name)"
 
 # `make bench`: installs the optional TRL extra (requirements-trl.txt) and times rlhf_lab against TRL's GRPOTrainer
 # on identical settings (docs/benchmarks.md). More flags or overrides in ARGS, e.g. ARGS="--lora --rounds 3".

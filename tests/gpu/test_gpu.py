@@ -1,15 +1,20 @@
-"""GPU checks (``make test-gpu``): skipped where no CUDA device is. In-process random-init models only (a GPU
-machine may have no network and no embedded model), the tiny Llama and a ~1B one.
+"""GPU checks (``make test-gpu``, which stops non-zero on a machine without CUDA before any of these is collected).
+In-process random-init models only (a GPU machine may have no network and no embedded model): the tiny Llama (its
+tokenizer from ``make gpu-bundle``'s cache) and a ~1B one.
 
 - the NCCL collectives of every reduction take the tensors where NCCL wants them (a group of one rank);
-- a 1-GPU ``torchrun`` run under DDP (its NCCL collectives run), bf16-mixed, and FSDP2 on one rank;
+- a 1-GPU ``torchrun`` run under DDP (its NCCL collectives run), bf16-mixed, and FSDP2 on one rank; two FSDP2
+  ranks where the machine has two GPUs;
 - the step timer's phases cover their kernels (they synchronise);
+- the rollout worker's order on CUDA tensors (the stand-in vLLM engine sleeping and waking, ``empty_cache`` before
+  each wake, the weight-sync canary every step);
 - memory after ``Trainer.__init__`` for a ~1B Llama under FSDP2 and bf16-mixed, printed with the figures.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -18,7 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                  reason="no CUDA device (make test-gpu stops before this)")]
 
 TINY = ["model=tiny", "trainer.steps=2", "trainer.prompts_per_step=2", "algorithm.group_size=2",
         "trainer.max_new_tokens=8", "trainer.eval_prompts=2", "trainer.progress_bar=false", "reward=length",
@@ -68,8 +74,42 @@ def test_a_one_gpu_torchrun_run_trains_in_bf16_mixed(tmp_path: Path, strategy: s
     lines = run(tmp_path, f"trainer.strategy={strategy}", "trainer.precision=bf16-mixed")
     steps = [line for line in lines if "reward/mean" in line]
     assert [line["step"] for line in steps] == [0, 1]
-    assert all(line["time/step_s"] > 0 and "rollout/logprob_diff_mean" in line for line in steps)
-    assert (tmp_path / "run" / "checkpoints" / "step_1" / ("sharded" if strategy == "fsdp" else "model")).is_dir()
+    # One update per rollout: the training pass's own log-probs are π_old (no rescoring pass, no sampler gap logged).
+    assert all(line["time/step_s"] > 0 and math.isfinite(line["loss/total"]) for line in steps)
+    assert (tmp_path / "run" / "checkpoints" / "step_2" / ("sharded" if strategy == "fsdp" else "model")).is_dir()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="one GPU here: two FSDP2 ranks need two GPUs")
+def test_two_fsdp_ranks_train_in_bf16_mixed(tmp_path: Path) -> None:
+    lines = run(tmp_path, "trainer.strategy=fsdp", "trainer.precision=bf16-mixed", processes=2)
+    steps = [line for line in lines if "reward/mean" in line]
+    assert [line["step"] for line in steps] == [0, 1] and all(math.isfinite(line["loss/total"]) for line in steps)
+    assert (tmp_path / "run" / "checkpoints" / "step_2" / "sharded").is_dir()
+
+
+def test_the_rollout_worker_s_order_holds_on_cuda(tmp_path: Path, monkeypatch) -> None:
+    """The trainer on CUDA with the stand-in vLLM (tests/fake_vllm.py) sleeping at level 2 between generations:
+    every wake empties the cache first, every step's samples come from the synced weights."""
+    from rlhf_lab.config import compose
+    from rlhf_lab.generation import vllm as vllm_engine
+    from rlhf_lab.training.loop import Trainer
+    from tests import fake_vllm
+
+    monkeypatch.setattr(vllm_engine, "import_vllm", fake_vllm.module)
+    emptied = []
+    real_empty_cache = torch.cuda.empty_cache
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: (emptied.append(1), real_empty_cache()))
+    fake_vllm.LLM.built = []
+    cfg = compose([*TINY, "generation=vllm", "generation.sleep=true", "trainer.precision=fp32", "trainer.lr=1e-2",
+                   "trainer.steps=3", f"trainer.output_dir={tmp_path / 'run'}"])
+    Trainer(cfg, tmp_path / "run").train()
+    llm = fake_vllm.LLM.built[0]
+    wakes = [call for call in llm.calls if call == "wake_up(weights)"]
+    assert wakes and len(emptied) >= len(wakes)
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [line for line in lines if "reward/mean" in line]
+    assert [line["rollout/weight_version"] for line in steps] == [0, 1, 2]
+    assert all(line["rollout/weight_sync_diff"] < 1e-3 for line in steps[1:])
 
 
 def test_the_step_timer_covers_its_kernels() -> None:
