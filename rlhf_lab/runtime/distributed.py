@@ -171,12 +171,17 @@ def unwrap(module: nn.Module) -> nn.Module:
 
 
 def no_sync(modules: Sequence[nn.Module], skip: bool) -> AbstractContextManager:
-    """Skip DDP's gradient all-reduce in this backward (every micro-batch of a mini-batch but the last)."""
+    """Skip the gradient reduction in this backward (every micro-batch of a mini-batch but the last): DDP's
+    all-reduce (``no_sync``), FSDP2's reduce-scatter (``set_requires_gradient_sync(False)``: the micro-batches'
+    gradients accumulate unsharded, and the last backward reduces them once)."""
     stack = ExitStack()
     if skip:
         for module in modules:
             if isinstance(module, nn.parallel.DistributedDataParallel):
                 stack.enter_context(module.no_sync())
+            elif hasattr(module, "set_requires_gradient_sync"):  # an FSDP2 module (fully_shard)
+                module.set_requires_gradient_sync(False)
+                stack.callback(module.set_requires_gradient_sync, True)
     return stack
 
 

@@ -82,3 +82,18 @@ def test_an_ignored_load_stops_the_run_at_its_step(run_cli, tiny_overrides, tmp_
     line = [text for text in err.splitlines() if text.startswith("error:")]
     assert len(line) == 1 and "weight sync before step 2" in line[0] and "sync_check_tol=0.02" in line[0], err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(("override", "expected"), [
+    ("generation.sync_check_tol=-0.5", "error: generation.sync_check_tol=-0.5 is out of range; must be >= 0.0"),
+    ("generation.sync_check_tol=abc", "error: generation.sync_check_tol"),
+    ("generation.gpu_memory_utilization=1.5", "error: generation.gpu_memory_utilization=1.5 is out of range; must be "
+                                              "a share of the GPU's memory in (0, 1], e.g. 0.35"),
+    ("generation.gpu_memory_utilization=0", "error: generation.gpu_memory_utilization=0.0 is out of range"),
+    ("generation.tensor_parallel_size=2", "error: generation.tensor_parallel_size=2 does not divide the 1 ranks"),
+])
+def test_engine_settings_that_cannot_run_are_one_line(run_cli, tiny_overrides, tmp_path, override: str,
+                                                      expected: str) -> None:
+    code, _, err = run_cli([*tiny_overrides(tmp_path), "generation=vllm", override])
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith(expected), err

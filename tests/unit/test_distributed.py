@@ -118,3 +118,24 @@ def test_the_package_calls_collectives_only_through_the_distributed_helpers() ->
     offenders = [str(path.relative_to(root)) for path in root.rglob("*.py")
                  if path.name != "distributed.py" and direct.search(path.read_text())]
     assert offenders == []
+
+
+def test_fsdp_modules_reduce_their_gradients_once_per_mini_batch() -> None:
+    """Under FSDP2 a skipped micro-batch turns the reduce-scatter off for its backward and on again after."""
+    from rlhf_lab.runtime.distributed import no_sync
+
+    class Sharded(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls: list[bool] = []
+
+        def set_requires_gradient_sync(self, requires: bool) -> None:
+            self.calls.append(requires)
+
+    module = Sharded()
+    with no_sync([module], skip=True):
+        assert module.calls == [False]
+    assert module.calls == [False, True]
+    with no_sync([module], skip=False):
+        pass
+    assert module.calls == [False, True]
