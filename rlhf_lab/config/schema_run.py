@@ -106,11 +106,11 @@ class GenerationConfig:
     name: str = "hf"
     # Where π_old comes from (rlhf_lab/training/scoring_pass.py): trainer (a no-grad pass of the training model) |
     # sampler (the engine's own log-probs) | auto (trainer unless the engine is hf and the precision fp32, and
-    # under max_staleness=1)
+    # under max_staleness > 0)
     logprobs: str = "auto"
     stop: list[str] = field(default_factory=list)  # stop strings: a response ends once its text ends with one
-    # 0: a step samples with the weights it trains; 1: the next step's batch is sampled while this one trains, one
-    # update behind (rlhf_lab/training/ahead.py; algorithm.tis_cap corrects for it)
+    # 0: a step samples with the weights it trains; k (up to 16): step s trains on samples of the weights of
+    # max(s - k, 0) updates (rlhf_lab/generation/worker.py; algorithm.tis_cap corrects for it)
     max_staleness: int = 0
     # After every weight load the engine and the trainer score a fixed probe (rlhf_lab/generation/sync_check.py);
     # above this max |Δ log-prob| the run stops. null: the precision's default (fp32 0.02, half precision 0.25); 0: off

@@ -39,7 +39,7 @@ def check_env(cfg: Any) -> None:
                           "per sample: set algorithm.reward_clip=null algorithm.normalize_scores=false")
     if cfg.generation.get("max_staleness", 0):
         raise ConfigError(f"{where}, each turn sampled after the environment answers the last; generation."
-                          "max_staleness=1 samples a batch ahead in one go: use generation.max_staleness=0")
+                          "max_staleness>0 samples a batch ahead in one go: use generation.max_staleness=0")
     if env.name == "exact_two_turn":
         check_exact_two_turn(cfg)
 

@@ -24,7 +24,7 @@ from rlhf_lab.config.choices import (
     LOGPROB_SOURCES,
     LR_SCHEDULES,
     ON_NONFINITE,
-    STALENESS,
+    MAX_STALENESS,
     WEIGHT_SYNC,
     sync_folder_needed,
 )
@@ -81,11 +81,14 @@ def check_choices(cfg: Any) -> None:
                           "auto or trainer, or algorithm.tis_cap=null")
     choice("kl.exact", kl.get("exact", "step"), EXACT_KL)
     staleness = cfg.generation.get("max_staleness", 0)
-    choice("generation.max_staleness", staleness, STALENESS)
+    if not isinstance(staleness, int) or isinstance(staleness, bool) or not 0 <= staleness <= MAX_STALENESS:
+        raise ConfigError(f"generation.max_staleness={staleness!r} is out of range; must be an integer from 0 "
+                          f"(on-policy) to {MAX_STALENESS} (updates between the weights that sample a batch and those "
+                          "that train on it)")
     if staleness and algorithm.get("dynamic_sampling"):
-        raise ConfigError("generation.max_staleness=1 samples each batch during the step before it, and "
-                          "algorithm.dynamic_sampling=true refills a batch by sampling within its own step: use one "
-                          "of them (generation.max_staleness=0, or algorithm.dynamic_sampling=false)")
+        raise ConfigError(f"generation.max_staleness={staleness} samples each batch {staleness} step(s) before its "
+                          "own, and algorithm.dynamic_sampling=true refills a batch by sampling within its own step: "
+                          "use one of them (generation.max_staleness=0, or algorithm.dynamic_sampling=false)")
     has_critic = "critic" in algorithm
     if has_critic and algorithm.advantage != "gae":
         raise ConfigError(f"algorithm.advantage={algorithm.advantage!r} does not fit algorithm={algorithm.name}, "

@@ -1,5 +1,5 @@
 """The rollout worker: the one owner of a generation engine's lifecycle (wake, weights, sampling, sleep) and of the
-batch it samples one step ahead.
+batches it samples ahead of their steps.
 
 The trainer tells it two things: "the policy has new weights" (:meth:`RolloutWorker.weights_updated`, after every
 optimizer step) and "give me samples" (:meth:`RolloutWorker.generate`, or a batch started early with
@@ -21,11 +21,13 @@ had, so a write while asleep is lost (or faults on a GPU). An engine that does n
 server with devices of its own) skips steps 1, 2, 4 and 6; ``hf`` samples with the policy's own weights and has
 none to load.
 
-``generation.max_staleness=1`` (one-step off-policy, as verl's and TRL's asynchronous trainers): as soon as step
-t's batch is in, the worker starts step t+1's with the weights it then holds (π_θ after update t−1), which an engine
-on devices of its own samples while step t trains; the colocated ones sample it at once, so the run learns the same
-way with no overlap. A checkpoint holds the batch in flight (:meth:`state`), so a resumed run trains on the same
-samples as one that was never stopped.
+``generation.max_staleness=k`` (off-policy by k updates, as verl's and prime-rl's asynchronous trainers): as soon as
+step t's batch is in, the worker starts step t+k's with the policy's weights of that moment (t updates), so every
+step s trains on samples of the weights of max(s−k, 0) updates. An engine on devices of its own samples them while
+the trainer trains; the colocated ones sample them at once and hold them, so the run learns the same way with no
+overlap: the lag is exact and reproducible on one CPU, with no copy of old weights kept (k batches are held
+instead). A checkpoint holds the batches in flight (:meth:`state`), so a resumed run trains on the same samples as
+one that was never stopped.
 """
 
 from __future__ import annotations
@@ -64,8 +66,8 @@ class RolloutWorker:
         self.engine_version = 0 if getattr(engine, "starts_current", True) else -1
         self.weights_lost = False  # a level-2 sleep discarded the engine's weights: load them at the next wake
         self._awake = False
-        self.ahead: tuple[AheadKey, Callable[[], Rollout]] | None = None
-        self.ahead_version = 0  # the engine's weights that sampled the batch in flight
+        # The batches in flight, oldest first: (key, claim, the updates behind the weights that sampled it).
+        self.ahead: list[tuple[AheadKey, Callable[[], Rollout], int]] = []
         self.batch_version = 0  # the engine's weights that sampled the last batch handed out
         self.last_check: dict[str, float] = {}
         self.timer: Any = None  # the step's timer (``phase(name)`` adds a phase's seconds), set by the trainer
@@ -105,51 +107,48 @@ class RolloutWorker:
             if self.sleeps:
                 self._sleep()
 
-    # ------------------------------------------------------------------------------------------ the batch ahead
+    # ------------------------------------------------------------------------------------------ the batches ahead
     def launch(self, key: AheadKey, prompts: list[Prompt], group_size: int, seeds: list[int] | None,
                settings: SamplingSettings | None) -> None:
-        """Start sampling a later step's batch with the weights the engine holds after this wake (the policy's
-        current ones); :meth:`take` with the same ``key`` returns it."""
+        """Start sampling a later step's batch with the policy's current weights; :meth:`take` with the same ``key``
+        returns it. Several may be in flight (``generation.max_staleness=k``: the next k steps' batches)."""
         with self.awake():
             claim = self.engine.submit(prompts, group_size, seeds=seeds, settings=settings)
-            self.ahead_version = self.engine_version
-        self.ahead = (key, claim)
+            version = self.engine_version
+        self.ahead.append((key, claim, version))
 
     def take(self, key: AheadKey) -> Rollout | None:
-        """The batch started ahead for ``key``, or None: none in flight, or one for other prompts (an evaluation's),
-        which stays for its own step (its answer claimed: an engine answers its requests in order)."""
-        if self.ahead is None:
-            return None
-        if self.ahead[0] != key:
-            self.settle()
-            return None
-        rollout, self.ahead = self.ahead[1](), None
-        self.batch_version = self.ahead_version
-        return rollout
+        """The batch started ahead for ``key``, or None: none in flight for it (an evaluation's prompts, a step the
+        run did not launch); the others stay for their own steps."""
+        for index, (held_key, claim, version) in enumerate(self.ahead):
+            if held_key == key:
+                del self.ahead[index]
+                self.batch_version = version
+                return claim()
+        return None
 
     def settle(self) -> None:
-        """The batch in flight is in and kept for its step (before an evaluation or a checkpoint)."""
-        if self.ahead is not None:
-            key, rollout = self.ahead[0], self.ahead[1]()
-            self.ahead = (key, lambda: rollout)
+        """The batches in flight are in and kept for their steps (before an evaluation or a checkpoint; an engine
+        answers its requests in order)."""
+        self.ahead = [(key, _held(claim()), version) for key, claim, version in self.ahead]
 
-    def state(self) -> list[dict[str, Any] | None]:
-        """Every rank's batch in flight (after :meth:`settle`), as plain fields and CPU tensors, for rank 0 to write."""
+    def state(self) -> list[list[dict[str, Any]]]:
+        """Every rank's batches in flight (settled), as plain fields and CPU tensors, for rank 0 to write."""
         self.settle()
-        held = None if self.ahead is None else (self.ahead[0], self.ahead[1]())
-        return distributed.gather_objects([_rollout_state(held)])
+        mine = [_rollout_state(key, claim(), version) for key, claim, version in self.ahead]
+        return distributed.gather_objects([mine])
 
-    def load_state(self, states: list[dict[str, Any] | None] | None, device: torch.device) -> None:
-        """Resume: this rank's batch in flight, which the next step trains on (nothing when the checkpoint has none:
-        that step samples afresh)."""
+    def load_state(self, states: list[list[dict[str, Any]]] | None, device: torch.device) -> None:
+        """Resume: this rank's batches in flight, which the next steps train on (nothing when the checkpoint has
+        none: those steps sample afresh)."""
         if not states or len(states) != distributed.world_size():
             return
-        held = states[distributed.rank()]
-        if held is not None:
+        for held in states[distributed.rank()]:
             key, values = held["key"], held["rollout"]
             rollout = Rollout(**{k: v.to(device) if isinstance(v, Tensor) else v for k, v in values.items()})
-            self.ahead = ((tuple(key[0]), int(key[1]), tuple(key[2])), lambda: rollout)
-            self.ahead_version = self.policy_version - 1  # sampled one update behind (max_staleness=1)
+            # A checkpoint from before versions were kept: sampled one update behind (max_staleness=1).
+            version = int(held.get("version", self.policy_version - 1))
+            self.ahead.append(((tuple(key[0]), int(key[1]), tuple(key[2])), _held(rollout), version))
 
     # ------------------------------------------------------------------------------------------ the lifecycle
     def _wake(self) -> None:
@@ -210,11 +209,12 @@ class AdapterOff:
         return None
 
 
-def _rollout_state(held: tuple[AheadKey, Rollout] | None) -> dict[str, Any] | None:
+def _held(rollout: Rollout) -> Callable[[], Rollout]:
+    return lambda: rollout
+
+
+def _rollout_state(key: AheadKey, rollout: Rollout, version: int) -> dict[str, Any]:
     """A batch just generated: its tensors (on the CPU) and sizes; what later passes add to it is not there yet."""
-    if held is None:
-        return None
-    key, rollout = held
     kept: dict[str, Any] = {}
     for field_ in fields(rollout):
         value = getattr(rollout, field_.name)
@@ -222,4 +222,4 @@ def _rollout_state(held: tuple[AheadKey, Rollout] | None) -> dict[str, Any] | No
             kept[field_.name] = value.detach().cpu()
         elif isinstance(value, int) and not isinstance(value, bool):
             kept[field_.name] = value
-    return {"key": [list(key[0]), key[1], list(key[2])], "rollout": kept}
+    return {"key": [list(key[0]), key[1], list(key[2])], "rollout": kept, "version": version}

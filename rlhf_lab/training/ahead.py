@@ -54,42 +54,44 @@ def refill_source(cfg: Any, train: list[str], step: int) -> Callable[[int, int],
     return refill
 
 
-def stale(cfg: Any) -> bool:
-    """Whether a step trains on samples generated one update earlier (``generation.max_staleness=1``)."""
-    return int((cfg.get("generation") or {}).get("max_staleness", 0)) > 0
+def staleness(cfg: Any) -> int:
+    """``generation.max_staleness``: how many updates before its step a batch is sampled (0: on-policy)."""
+    return int((cfg.get("generation") or {}).get("max_staleness", 0))
 
 
-def encode_ahead(states: list[dict[str, Any] | None]) -> tuple[dict[str, Tensor], list[Any]]:
+def encode_ahead(states: list[list[dict[str, Any]]]) -> tuple[dict[str, Tensor], list[Any]]:
     """The ranks' batches in flight as tensors (``ahead.safetensors``) and JSON (in ``trainer_state.json``)."""
     tensors: dict[str, Tensor] = {}
     plain: list[Any] = []
-    for rank, state in enumerate(states):
-        if state is None:
-            plain.append(None)
-            continue
-        entry: dict[str, Any] = {"key": state["key"], "tensors": [], "values": {}}
-        for name, value in state["rollout"].items():
-            if isinstance(value, Tensor):
-                tensors[f"rank{rank}.{name}"] = value.contiguous()
-                entry["tensors"].append(name)
-            else:
-                entry["values"][name] = value
-        plain.append(entry)
+    for rank, batches in enumerate(states):
+        entries = []
+        for index, state in enumerate(batches):
+            entry: dict[str, Any] = {"key": state["key"], "version": state["version"], "tensors": [], "values": {}}
+            for name, value in state["rollout"].items():
+                if isinstance(value, Tensor):
+                    tensors[f"rank{rank}.{index}.{name}"] = value.contiguous()
+                    entry["tensors"].append(name)
+                else:
+                    entry["values"][name] = value
+            entries.append(entry)
+        plain.append(entries)
     return tensors, plain
 
 
-def decode_ahead(tensors: dict[str, Tensor], plain: list[Any] | None) -> list[dict[str, Any] | None] | None:
-    """:func:`encode_ahead` read back."""
+def decode_ahead(tensors: dict[str, Tensor], plain: list[Any] | None) -> list[list[dict[str, Any]]] | None:
+    """:func:`encode_ahead` read back (a checkpoint of one batch per rank, written before several could be in
+    flight, too)."""
     if plain is None:
         return None
-    states: list[dict[str, Any] | None] = []
-    for rank, entry in enumerate(plain):
-        if entry is None:
-            states.append(None)
-            continue
-        rollout = dict(entry["values"])
-        rollout.update({name: tensors[f"rank{rank}.{name}"] for name in entry["tensors"]})
-        states.append({"key": entry["key"], "rollout": rollout})
+    states: list[list[dict[str, Any]]] = []
+    for rank, entries in enumerate(plain):
+        batches = []
+        single = isinstance(entries, dict) or entries is None  # the earlier layout: one batch or none per rank
+        for index, entry in enumerate([entries] if isinstance(entries, dict) else entries or []):
+            prefix = f"rank{rank}." if single else f"rank{rank}.{index}."
+            rollout = dict(entry["values"])
+            rollout.update({name: tensors[prefix + name] for name in entry["tensors"]})
+            batches.append({"key": entry["key"], "rollout": rollout,
+                            **({"version": entry["version"]} if "version" in entry else {})})
+        states.append(batches)
     return states
-
-

@@ -35,7 +35,7 @@ from rlhf_lab.trackers.jsonl import repair_jsonl
 from rlhf_lab.trackers.multi import build_tracker
 from rlhf_lab.training import checkpoint as ckpt
 from rlhf_lab.training import resume_contract
-from rlhf_lab.training.ahead import AHEAD_FILE, decode_ahead, encode_ahead, refill_source, stale, step_batch
+from rlhf_lab.training.ahead import AHEAD_FILE, decode_ahead, encode_ahead, refill_source, staleness, step_batch
 from rlhf_lab.training.budget import TrainingClock
 from rlhf_lab.training.evaluation import Evaluation
 from rlhf_lab.training.experience import ExperienceMaker
@@ -110,8 +110,9 @@ class Trainer:
                                           self.reward, self.kl, self.device, self.precision,
                                           keep_hidden=self.algorithm.reads_sampling_hidden, hardware=self.hardware,
                                           sync_probe=self.prompts.train[0] if self.prompts.train else None)
-        # The engine's lifecycle and the batch sampled ahead (generation.max_staleness=1): rlhf_lab/generation/worker.py
-        self.worker, self.stale = self.experience.worker, stale(cfg)
+        # The engine's lifecycle and the batches sampled ahead (generation.max_staleness=k): generation/worker.py
+        self.worker, self.staleness = self.experience.worker, staleness(cfg)
+        self.next_launch = 1  # the first step whose batch is not yet launched (step 0 samples when it comes)
         self.updater = self.updater_class(cfg, self.policy, self.algorithm, self.loss_kl(), self.device,
                                           self.precision, self.strategy, sync_modules, self.hardware)
         self.start_step = 0
@@ -175,9 +176,10 @@ class Trainer:
         if rank_rng and len(rank_rng) == distributed.world_size():  # every rank's own generators
             set_rank_rng_state(rank_rng[distributed.rank()])
         self.worker.weights_loaded(state["step"] + 1)  # the engine, built before the weights loaded, takes them next
-        if self.stale:
+        if self.staleness:  # the batches launched before the checkpoint: the next k steps'
             self.worker.load_state(decode_ahead(ckpt.read_tensors(folder / AHEAD_FILE), state.get("ahead")),
                                    self.device)
+            self.next_launch = state["step"] + 1 + self.staleness
         self.continue_from(state)
 
     def continue_from(self, state: dict[str, Any]) -> None:
@@ -211,7 +213,7 @@ class Trainer:
             ckpt.save_sharded(staged, policy, modules, updater.optimizer)
             whole = {"model_state": distributed.full_model_state(policy), "staged": staged,
                      "module_states": {name: distributed.full_model_state(m) for name, m in modules.items()}}
-        ahead_tensors, ahead = encode_ahead(self.worker.state()) if self.stale else ({}, None)  # the batch in flight
+        ahead_tensors, ahead = encode_ahead(self.worker.state()) if self.staleness else ({}, None)  # batches in flight
         rank_rng = distributed.gather_objects([rank_rng_state()])
         folder = None
         if distributed.is_main_process():  # one writer: rank 0
@@ -240,7 +242,7 @@ class Trainer:
         batch, coef, train = step_batch(cfg, self.prompts.train, step), self.kl_controller.coef, self.prompts.train
         experience = self.experience.make(  # under generation.max_staleness=1 the next batch starts at `then`
             batch.prompts, cfg.algorithm.group_size, timer, batch.names, coef, rng_keys=batch.keys, train=True,
-            refill=refill_source(cfg, train, step), then=lambda: self.launch_ahead(step + 1, timer))
+            refill=refill_source(cfg, train, step), then=lambda: self.launch_ahead(step, timer))
         rollout, valid, in_loss = experience.rollout, experience.valid, experience.in_loss
         mask = rollout.response_mask
         with timer.phase("advantages"), self.precision.autocast():  # a separate critic's trunk runs here
@@ -290,13 +292,14 @@ class Trainer:
         return metrics
 
     def launch_ahead(self, step: int, timer: StepTimer) -> None:
-        """Under ``generation.max_staleness=1``: step ``step``'s batch started with the current weights, once the
-        previous step's samples are in (only for a step the run will train)."""
-        if not self.stale or step >= self.cfg.trainer.steps:
-            return
-        batch = step_batch(self.cfg, self.prompts.train, step)
-        with timer.phase("generate"):
-            self.experience.generate_ahead(batch.prompts, self.cfg.algorithm.group_size, batch.keys)
+        """Under ``generation.max_staleness=k``, once step ``step``'s samples are in: the batches of the steps up to
+        ``step + k`` not yet started, with the current weights (only steps the run will train)."""
+        last = min(step + self.staleness, self.cfg.trainer.steps - 1)
+        while self.staleness and self.next_launch <= last:
+            batch = step_batch(self.cfg, self.prompts.train, self.next_launch)
+            with timer.phase("generate"):
+                self.experience.generate_ahead(batch.prompts, self.cfg.algorithm.group_size, batch.keys)
+            self.next_launch += 1
 
     # ----------------------------------------------------------------- evaluation
     @torch.no_grad()

@@ -40,11 +40,11 @@ def steady(line: dict) -> dict:
     return {k: v for k, v in line.items() if not k.startswith(WALL_TIME)}
 
 
-@pytest.mark.parametrize("staleness", [0, 1])
-def test_each_batch_is_sampled_by_the_weights_one_update_behind(compose, tiny_overrides, tmp_path, monkeypatch,
-                                                                 staleness) -> None:
-    """Weights at each generation against those after each update: staleness 0 samples step t with the weights
-    of t updates, staleness 1 with those of t - 1 (step 0 and step 1 both with the initial ones)."""
+@pytest.mark.parametrize("staleness", [0, 1, 2, 3])
+def test_each_batch_is_sampled_by_the_weights_k_updates_behind(compose, tiny_overrides, tmp_path, monkeypatch,
+                                                               staleness) -> None:
+    """Weights at each generation against those after each update: staleness k samples step t with the weights
+    of max(t − k, 0) updates (staleness 1: step 0 and step 1 both with the initial ones)."""
     sampled, updated = [], []
     generate, update = HFGeneration.generate, Updater.update
 
@@ -61,9 +61,8 @@ def test_each_batch_is_sampled_by_the_weights_one_update_behind(compose, tiny_ov
     monkeypatch.setattr(Updater, "update", recording_update)
     Trainer(compose([*tiny_overrides(None), *STEPS, f"generation.max_staleness={staleness}"]), tmp_path).train()
     assert len(sampled) == 4 and len(updated) == 4 and len(set(updated)) == 4
-    initial = sampled[0]
-    expected = [initial, *updated[:3]] if staleness == 0 else [initial, initial, *updated[:2]]
-    assert sampled == expected
+    versions = [sampled[0], *updated]  # the weights after 0, 1, 2, ... updates
+    assert sampled == [versions[max(step - staleness, 0)] for step in range(4)]
 
 
 def test_pi_old_is_the_trainers_and_the_correction_sees_the_lag(compose, tiny_overrides, tmp_path) -> None:
@@ -79,10 +78,12 @@ def test_pi_old_is_the_trainers_and_the_correction_sees_the_lag(compose, tiny_ov
     assert all(abs(line["rollout/is_weight_mean"] - 1.0) > 1e-6 for line in steps[1:])
 
 
-def test_a_resumed_run_trains_on_the_batch_that_was_in_flight(compose, tiny_overrides, tmp_path) -> None:
-    """Checkpoint after step 1 (step 2's batch already sampled): resumed elsewhere, steps 2 and 3 log exactly what
-    the uninterrupted run logged."""
-    common = [*tiny_overrides(None), *STEPS, "generation.max_staleness=1", "trainer.checkpoint_every=2",
+@pytest.mark.parametrize("staleness", [1, 2])
+def test_a_resumed_run_trains_on_the_batches_that_were_in_flight(compose, tiny_overrides, tmp_path,
+                                                                 staleness: int) -> None:
+    """Checkpoint after step 1 (the next k steps' batches already sampled): resumed elsewhere, steps 2 and 3 log
+    exactly what the uninterrupted run logged."""
+    common = [*tiny_overrides(None), *STEPS, f"generation.max_staleness={staleness}", "trainer.checkpoint_every=2",
               "trainer.keep_last_n=2"]
     whole = tmp_path / "whole"
     Trainer(compose(common), whole).train()
@@ -96,10 +97,12 @@ def test_a_resumed_run_trains_on_the_batch_that_was_in_flight(compose, tiny_over
 
 
 def test_staleness_values_and_dynamic_sampling_are_checked(compose, tiny_overrides) -> None:
-    with pytest.raises(ConfigError, match=r"^generation.max_staleness=2 is not valid; choose from: 0, 1$"):
-        compose([*tiny_overrides(None), "generation.max_staleness=2"])
-    with pytest.raises(ConfigError, match=r"generation.max_staleness=1 samples each batch during the step before it"):
-        compose([*tiny_overrides(None), "generation.max_staleness=1", "algorithm=dapo"])
+    for value in (17, -1):
+        with pytest.raises(ConfigError, match=rf"^generation.max_staleness={value} is out of range; must be an "
+                                              r"integer from 0 \(on-policy\) to 16"):
+            compose([*tiny_overrides(None), f"generation.max_staleness={value}"])
+    with pytest.raises(ConfigError, match=r"generation.max_staleness=2 samples each batch 2 step\(s\) before its own"):
+        compose([*tiny_overrides(None), "generation.max_staleness=2", "algorithm=dapo"])
 
 
 class _GatedServer:
