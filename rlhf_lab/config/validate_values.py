@@ -23,8 +23,8 @@ from rlhf_lab.config.choices import (
     EXACT_KL,
     LOGPROB_SOURCES,
     LR_SCHEDULES,
-    ON_NONFINITE,
     MAX_STALENESS,
+    ON_NONFINITE,
     WEIGHT_SYNC,
     sync_folder_needed,
 )
