@@ -41,7 +41,7 @@ class AlgorithmConfig:
     policy_loss: str = "clip"  # registered kind `policy_loss`: clip | gspo | cispo | reinforce
     clip_ratio_c: float | None = None  # Dual-clip c (> 1): negative-advantage tokens' loss at most −c·A
     tis_cap: float | None = None  # sampler-trainer correction: cap C of the importance weights (e.g. 2); null: off
-    tis_mode: str = "token_truncate"  # token_truncate | token_mask | sequence_truncate | sequence_mask
+    tis_mode: str = "token_truncate"  # token_truncate | token_mask | sequence_truncate | sequence_mask | none
     group_size: int = 8  # samples per prompt; samples per step = prompts_per_step × group_size
     clip_eps: float | None = 0.2  # null: no ratio clipping
     clip_eps_low: float | None = None  # defaults to clip_eps
@@ -115,6 +115,7 @@ class KLConfig:
     clamp_value: float | None = None  # bound the estimate to [-c, c] (verl clamps k3 to 10)
     importance_weight: bool = False  # weight the estimate by sg(pi_theta / pi_old) (off-policy epochs/mini-batches)
     loss_scale: str = "none"  # none | advantage: the loss-placed term scaled as the advantages scale the reward
+    off_policy_correction: str = "policy"  # registered kind `kl_correction`: policy | none | token_ratio | prefix_ratio
     exact: str = "step"  # the exact KL from full logits (kl/exact): every step | eval only | off
 
 

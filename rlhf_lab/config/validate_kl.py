@@ -2,7 +2,9 @@
 
 - ``kl.clamp_log_ratio`` and ``kl.clamp_value`` (> 0) bound the estimate wherever it is placed;
   ``kl.importance_weight`` acts on the loss-placed KL term only: with ``kl.placement=reward`` (samples of the
-  policy that is scored, nothing to reweight) it is an error rather than silently ignored.
+  policy that is scored, nothing to reweight) it is an error rather than silently ignored; so is
+  ``kl.off_policy_correction=token_ratio|prefix_ratio`` (a reward-placed KL is corrected by the policy loss's
+  ``algorithm.tis_mode``), and either ratio beside ``kl.importance_weight`` (the same weight twice).
 - An estimator × placement whose expected gradient is zero (``kl=kl`` in the loss, ``full`` in the reward:
   ``rlhf_lab.kl.ZERO_KL_GRADIENT``) prints one warning line, once per process, naming the table entry.
 - ``model=exact`` enumerates every response, so sampling must be the plain softmax (``trainer.top_p=1``,
@@ -24,15 +26,26 @@ from rlhf_lab.testbed.task import MAX_SEQUENCES
 _WARNED: set[str] = set()  # warnings already printed by this process (the CLI validates before each job)
 
 
+OWN_RATIO_CORRECTIONS = ("token_ratio", "prefix_ratio")  # kl.off_policy_correction values that weigh by pi/mu
+
+
 def check_kl_options(kl: Any) -> None:
     at_least("kl.clamp_log_ratio", kl.clamp_log_ratio, 0.0, strict=True)
     at_least("kl.clamp_value", kl.clamp_value, 0.0, strict=True)
+    correction = kl.get("off_policy_correction", "policy")
+    choice("kl.off_policy_correction", correction, names("kl_correction"))
+    if correction in OWN_RATIO_CORRECTIONS and kl.importance_weight:
+        raise ConfigError(f"kl.off_policy_correction={correction} already weighs the estimate by pi_theta/mu; "
+                          "kl.importance_weight=true would weigh it twice: drop one")
     if kl.placement == "loss":
         return
-    for key in ("importance_weight",):
-        if kl[key] not in (None, False):
-            raise ConfigError(f"kl.{key}={kl[key]!r} acts on the loss-placed KL term; with "
-                              f"kl.placement={kl.placement} it would do nothing: use kl.placement=loss or drop it")
+    if kl.importance_weight not in (None, False):
+        raise ConfigError(f"kl.importance_weight={kl.importance_weight!r} acts on the loss-placed KL term; with "
+                          f"kl.placement={kl.placement} it would do nothing: use kl.placement=loss or drop it")
+    if correction in OWN_RATIO_CORRECTIONS:
+        raise ConfigError(f"kl.off_policy_correction={correction} weighs the loss-placed KL term; with "
+                          f"kl.placement={kl.placement} the KL is in the return, corrected by algorithm.tis_mode: "
+                          "use kl.placement=loss or drop it")
 
 
 LOSS_SCALES = ("none", "advantage")  # kl.loss_scale
