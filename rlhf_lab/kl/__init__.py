@@ -12,7 +12,8 @@ combinations are right.
 - :mod:`~rlhf_lab.kl.truth`: the tables of which estimator × placement is unbiased for ∇KL(π‖π_ref), for one
   token and for sequences, the pairs with zero expected gradient, and the advantage estimators' effect (on a
   reward-placed KL, and on a loss-placed one beside the task reward with ``kl.loss_scale``), and the
-  sampler–trainer correction's reach, and which corrections are exact off-policy.
+  sampler–trainer correction's reach, which corrections are exact off-policy, and the
+  loss aggregations' invariance to micro-batching.
 
 Sources: J. Schulman, "Approximating KL Divergence" (2020); "A Comedy of Estimators" (arXiv 2512.21852);
 "On a few pitfalls in KL divergence gradient estimation for RL" (arXiv 2506.09477); verl's ``kl_penalty``.
@@ -39,6 +40,7 @@ from rlhf_lab.kl.exact import exact_kl
 from rlhf_lab.kl.placements import KLPenalty, LossPlacement, RewardPlacement
 from rlhf_lab.kl.truth import (
     KL_LOSS_SCALE_UNDER_ADVANTAGE,
+    MICRO_BATCH_INVARIANCE,
     MULTI_TURN_MASK,
     OFF_POLICY_CORRECTIONS,
     OFF_POLICY_KL_GRADIENT,
@@ -52,7 +54,7 @@ from rlhf_lab.kl.truth import (
 )
 
 __all__ = [
-    "KL_LOSS_SCALE_UNDER_ADVANTAGE", "MULTI_TURN_MASK", "OFF_POLICY_CORRECTIONS", "OFF_POLICY_KL_GRADIENT",
+    "KL_LOSS_SCALE_UNDER_ADVANTAGE", "MICRO_BATCH_INVARIANCE", "MULTI_TURN_MASK", "OFF_POLICY_CORRECTIONS", "OFF_POLICY_KL_GRADIENT",
     "OFF_POLICY_SEQUENCE_KL_GRADIENT", "REVERSE_KL_GRADIENT_UNBIASED", "REWARD_KL_UNDER_ADVANTAGE", "SAMPLER_CORRECTION",
     "SEQUENCE_KL_GRADIENT_UNBIASED", "ZERO_KL_GRADIENT",
     "AdaptiveKLController", "FixedKLController", "KLPenalty", "LossPlacement", "RewardPlacement", "absolute", "estimate",

@@ -188,3 +188,16 @@ _ESTIMATORS = tuple(sorted({name for name, _ in REVERSE_KL_GRADIENT_UNBIASED}))
 OFF_POLICY_KL_GRADIENT: dict[tuple[str, str, str], bool] = _off_policy_table(_ONE_TOKEN_EXACT, _ESTIMATORS)
 # ... and of whole two-token SEQUENCES sampled from μ (the reward-placed penalties summed into the return)?
 OFF_POLICY_SEQUENCE_KL_GRADIENT: dict[tuple[str, str, str], bool] = _off_policy_table(_SEQUENCE_EXACT, _ESTIMATORS)
+
+
+# Micro-batches: a mini-batch's loss cut into micro-batches whose gradients are accumulated (``trainer.
+# micro_batch_size``, or any cut of the rows). (loss_aggregation, normaliser) -> is the accumulated expected gradient
+# of the whole loss (policy loss + a loss-placed KL reduced the same way) the same for EVERY cut of the batch? By
+# exact enumeration (tests/unit/test_kl_truth_micro_batch.py: every batch of three variable-length responses, every
+# cut). "mini-batch": the aggregation divides by the mini-batch's totals (``LossContext``, what the trainer passes)
+# — every cut gives the one gradient; "micro-batch": by each micro-batch's own tokens or rows — the gradient then
+# depends on the cut (a short response in a small micro-batch weighs more).
+MICRO_BATCH_INVARIANCE: dict[tuple[str, str], bool] = {
+    **{(aggregation, "mini-batch"): True for aggregation in ("token_mean", "sequence_mean", "sequence_sum_constant")},
+    **{(aggregation, "micro-batch"): False for aggregation in ("token_mean", "sequence_mean", "sequence_sum_constant")},
+}
