@@ -323,6 +323,25 @@ class WandbLoggerConfig(LoggerConfig):
     job_type: str | None = None  # null: the stage (train, sft, dpo, reward_model, eval)
 
 
+# --------------------------------------------------------------------------------------------------- claims
+
+
+@dataclass
+class ClaimConfig:
+    """A literature claim an experiment checks (``rlhf-lab report``; rlhf_lab/config/claims.py): arm ``a``'s
+    ``metric`` (a report column) against arm ``b``'s, or against ``value``."""
+
+    name: str = MISSING  # a short identifier (W&B summary key claims/<name>/...)
+    metric: str = MISSING  # a report column, e.g. final_gap (rlhf_lab/tools/report_columns.py)
+    a: str = MISSING  # an arm of the sweep: its swept overrides, e.g. "kl_arm=kl_reward" or "algorithm=grpo,kl_arm=mse_loss"
+    kind: str = "less"  # less (a < b) | equal (|a - b| <= tolerance) | at_most (a <= value) | at_least (a >= value)
+    b: str | None = None  # the other arm (less, equal)
+    value: float | None = None  # the bound (at_most, at_least)
+    tolerance: float = 0.0  # equal: the largest |a - b| of any seed
+    every_seed: bool = False  # less: also a < b in every seed, not only beyond the interval
+    text: str = ""  # the claim as its source states it
+
+
 # --------------------------------------------------------------------------------------------------- root
 
 
@@ -347,6 +366,7 @@ class Config:
     kl_budget_penalty: float = 10.0
     eval: EvalConfig = field(default_factory=EvalConfig)
     plugins: list[str] = field(default_factory=list)  # modules imported before validation (rlhf_lab/app/plugins.py)
+    claims: list[ClaimConfig] = field(default_factory=list)  # what an experiment's report checks (rlhf-lab report)
 
 
 # group -> {schema name in the ConfigStore: dataclass}; each option's YAML names one in its defaults list.

@@ -38,7 +38,6 @@ import argparse
 import csv
 import json
 import math
-import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,28 +45,18 @@ from typing import Any
 
 import numpy as np
 
-from rlhf_lab.config.overrides import flatten
 from rlhf_lab.errors import ToolError
-from rlhf_lab.tools.report_exact import EXACT_METRICS, exact_job_metrics, exact_plots, rank_by_gap
+from rlhf_lab.tools.claims import ClaimResult, claim_lines, claims_of, claims_table, evaluate_claim
+from rlhf_lab.tools.report_columns import METRICS
+from rlhf_lab.tools.report_exact import exact_job_metrics, exact_plots, rank_by_gap
+from rlhf_lab.tools.report_jobs import SUMMARY_FILE, Job, JobProblem, failure, find_jobs, load_job  # noqa: F401
 from rlhf_lab.tools.report_plots import BANDS, PLOT_FILES, PlotOptions, write_all
 from rlhf_lab.tools.report_search import optuna_section
 
 IGNORED_KEYS = ("seed", "trainer.resume", "trainer.output_dir", "trainer.progress_bar")
 IGNORED_PREFIXES = ("logger.",)
 
-# (column, markdown header); eval_reward is added only when some job has eval lines.
-METRICS = (
-    ("final_reward", "final reward"),
-    ("best_reward", "best reward"),
-    ("final_kl_exact", "final KL (exact)"),
-    ("kl_estimate_minus_exact", "KL est − exact"),
-    ("step_time_s", "s/step"),
-    ("eval_reward", "eval reward"),
-    ("eval_kl_exact", "eval KL (exact)"),
-    *((column, header) for column, header, _ in EXACT_METRICS),
-)
 PLOTS = PLOT_FILES  # rlhf_lab/tools/report_plots.py: styles and legends that hold at 36 arms
-SUMMARY_FILE = "summary.json"  # a run writes it last: a job folder without it did not finish
 
 
 class ReportError(ToolError):
@@ -75,24 +64,16 @@ class ReportError(ToolError):
 
 
 @dataclass
-class Job:
-    folder: Path
-    config: dict[str, Any]  # flattened resolved config (dotted keys) plus chosen group options
-    train: list[dict[str, float]]  # training lines, by step
-    eval: list[dict[str, float]]  # lines with eval/reward/mean, by step
-    failed: str | None = None  # why the job counts as failed (its run did not finish), or None
-
-
-@dataclass
 class Report:
     """What ``rlhf-lab report`` wrote: the markdown table, its rows, every file written, the plots left out (one
-    reason each) and the failed jobs (folder: why)."""
+    reason each), the failed jobs (folder: why) and the experiment's claims, evaluated."""
 
     table: str
     rows: list[dict[str, Any]]
     files: list[Path]
     skipped: list[str]
     failed: list[str]
+    claims: list[ClaimResult] = field(default_factory=list)
 
 
 @dataclass
@@ -103,114 +84,6 @@ class Arm:
     @property
     def name(self) -> str:
         return ",".join(f"{key}={_format_value(value)}" for key, value in self.label.items()) or "all jobs"
-
-
-# ------------------------------------------------------------------------------------------ loading
-
-
-def _to_float(value: Any) -> float:
-    try:
-        return float(value)  # also "nan" / "inf", which metrics.jsonl stores as strings
-    except (TypeError, ValueError):
-        return math.nan
-
-
-class JobProblem(Exception):
-    """A job folder that cannot be read: it is skipped with one warning line naming the file and the problem."""
-
-
-def _read_lines(path: Path) -> list[dict[str, Any]]:
-    records = []
-    try:
-        with open(path, encoding="utf-8") as handle:
-            for number, line in enumerate(handle, start=1):
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:  # a torn last line of a killed run
-                    continue
-                if not isinstance(record, dict):
-                    raise JobProblem(f"{path}: line {number} is not a JSON object ({line.strip()[:30]})")
-                step = record.get("step", 0)
-                if isinstance(step, bool) or not isinstance(step, int | float) or not math.isfinite(step):
-                    raise JobProblem(f"{path}: line {number}: step {step!r} is not a number")
-                records.append(record)
-    except UnicodeDecodeError as error:
-        raise JobProblem(f"{path}: not valid UTF-8 (byte {error.start})") from None
-    return records
-
-
-def _group_choices(hydra_file: Path) -> dict[str, Any]:
-    """Config group options the job ran with (``algorithm -> rloo``), from Hydra's saved runtime config."""
-    if not hydra_file.is_file():
-        return {}
-    from omegaconf import OmegaConf
-
-    try:
-        choices = OmegaConf.select(OmegaConf.load(hydra_file), "hydra.runtime.choices") or {}
-        return {str(k): v for k, v in OmegaConf.to_container(choices).items() if not str(k).startswith("hydra/")}
-    except Exception:
-        return {}
-
-
-def load_job(folder: Path) -> Job:
-    from omegaconf import OmegaConf
-
-    config_file = folder / ".hydra" / "config.yaml"
-    try:
-        loaded = OmegaConf.to_container(OmegaConf.load(config_file), resolve=True)
-    except UnicodeDecodeError as error:
-        raise JobProblem(f"{config_file}: not valid UTF-8 (byte {error.start})") from None
-    except Exception as error:  # noqa: BLE001 (YAML and OmegaConf raise many types)
-        first = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
-        raise JobProblem(f"{config_file}: invalid YAML or config ({first})") from None
-    if not isinstance(loaded, dict):
-        raise JobProblem(f"{config_file}: not a mapping of config keys")
-    config = flatten(loaded)
-    for group, option in _group_choices(folder / ".hydra" / "hydra.yaml").items():
-        if group != "schema" and group not in config:
-            config[group] = option
-    lines = [
-        {key: value if key == "step" else _to_float(value) for key, value in line.items()}
-        for line in _read_lines(folder / "metrics.jsonl")
-    ]
-    train = sorted((line for line in lines if "reward/mean" in line), key=lambda line: line.get("step", 0))
-    evals = sorted((line for line in lines if "eval/reward/mean" in line), key=lambda line: line.get("step", 0))
-    return Job(folder, config, train, evals, failure(folder, config, train))
-
-
-def failure(folder: Path, config: dict[str, Any], train: list[dict[str, Any]]) -> str | None:
-    """Why a job folder holds a failed run: no ``summary.json`` (written last) and fewer training steps than its
-    ``trainer.steps``, so it ended in an error or was killed (or is still running). None for a finished job."""
-    steps = config.get("trainer.steps")
-    if (folder / SUMMARY_FILE).is_file() or not isinstance(steps, int) or len(train) >= steps:
-        return None
-    return (f"failed: {len(train)} of trainer.steps={steps} steps in metrics.jsonl and no {SUMMARY_FILE} (the run "
-            "ended in an error or was killed, or is still running)")
-
-
-def _job_order(folder: Path) -> tuple[int, str]:
-    match = re.match(r"(\d+)(?:_|$)", folder.name)  # Hydra's job number prefix: 2_... before 10_... (or just 2, 10)
-    return (int(match.group(1)) if match else 1 << 30, str(folder))
-
-
-def find_jobs(root: Path) -> list[Job]:
-    """Every job folder under ``root`` (itself included) with metrics.jsonl and .hydra/config.yaml."""
-    folders = {p.parent for p in Path(root).rglob("metrics.jsonl") if (p.parent / ".hydra" / "config.yaml").is_file()}
-    jobs = []
-    for folder in sorted(folders, key=_job_order):
-        try:
-            job = load_job(folder)
-        except (JobProblem, OSError) as problem:
-            print(f"warning: skipping {folder}: {problem}", file=sys.stderr)
-            continue
-        if job.train or job.eval:
-            jobs.append(job)
-        elif not (folder / SUMMARY_FILE).is_file():
-            print(f"skipping failed job {folder}: no training steps or evaluations in metrics.jsonl and no "
-                  f"{SUMMARY_FILE} (the run ended in an error or was killed)", file=sys.stderr)
-        else:
-            print(f"skipping {folder}: no training steps or evaluations in metrics.jsonl", file=sys.stderr)
-    return jobs
 
 
 # ------------------------------------------------------------------------------------------ arms
@@ -390,6 +263,11 @@ def write_report(folder: Path, out: Path | None = None, options: PlotOptions | N
     write_csv(rows, out / "report.csv")
     plots, skipped = write_plots(arms, rows, out, options)
     failed = [f"{job.folder}: {job.failed}" for job in jobs if job.failed]
+    per_job = {id(job): job_metrics(job) for job in jobs}
+    claims = [evaluate_claim(claim, arms, per_job) for claim in claims_of(jobs)]
+    if claims:  # tools/claims.py: each claim's verdict, for machines (the W&B summary's keys)
+        summary = {key: value for result in claims for key, value in result.summary().items()}
+        (out / "claims.json").write_text(json.dumps(summary, indent=1, default=str), encoding="utf-8")
     keys = ", ".join(arms[0].label) or "nothing varies across jobs"
     markdown = "\n".join(
         [
@@ -402,6 +280,9 @@ def write_report(folder: Path, out: Path | None = None, options: PlotOptions | N
             "",
             table,
             "",
+            *(["## Claims", "", "Each claim's effect is the mean over seeds of a − b (or a − the bound), its interval "
+               "the 95% bootstrap over seeds (rlhf_lab/tools/claims.py).", "", claims_table(claims), ""]
+              if claims else []),
             *([f"Failed jobs ({len(failed)}; their steps so far are in the table):", "",
                *(f"- {line}" for line in failed), ""] if failed else []),
             *(f"![{path.stem}]({path.name})" for path in plots),
@@ -410,7 +291,8 @@ def write_report(folder: Path, out: Path | None = None, options: PlotOptions | N
         ]
     )
     (out / "report.md").write_text(markdown, encoding="utf-8")
-    return Report(table, rows, [out / "report.csv", *plots, out / "report.md"], skipped, failed)
+    files = [out / "report.csv", *plots, out / "report.md", *([out / "claims.json"] if claims else [])]
+    return Report(table, rows, files, skipped, failed, claims)
 
 
 def main(args: list[str] | None = None) -> None:
@@ -436,6 +318,10 @@ def main(args: list[str] | None = None) -> None:
     search = optuna_section(options.folder)
     if search:
         print("\n" + "\n".join(line for line in search[:5] if line))
+    if report.claims:
+        print("\nclaims:")
+        for line in claim_lines(report.claims):
+            print(f"  {line}")
     for line in report.failed:
         print(f"failed job {line}")
     for line in report.skipped:
