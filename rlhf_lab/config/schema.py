@@ -126,6 +126,8 @@ class KLConfig:
 class RewardConfig:
     name: str = MISSING  # registered kind `reward`
     on_nonfinite: str = "error"  # error | drop: a NaN/inf score stops the run or drops that sample
+    rescale: str = "none"  # registered kind `reward_rescale`: none | mode_anchor (arXiv 2510.20817), training only
+    rescale_threshold: float | None = None  # mode_anchor: scores >= this count as high-reward modes
 
 
 @dataclass
@@ -196,6 +198,7 @@ class ExactTableRewardConfig(RewardConfig):
     peaks: int = 3  # high-reward sequences: the k-th (k = 0, 1, ...) scores peak_reward·(1 − k/peaks)
     peak_reward: float = 1.0
     noise: float = 0.3  # every sequence also scores noise·u, u ~ U[0, 1)
+    modes: int = 0  # M >= 2: the first M peaks score exactly peak_reward, equally rewarded optimal modes (0: off)
 
 
 @dataclass

@@ -98,6 +98,10 @@ def check_exact_task(cfg: Any) -> None:
     if symbols**length > MAX_SEQUENCES:
         raise ConfigError(f"model=exact with model.exact.symbols={symbols} and trainer.max_new_tokens={length} has "
                           f"{symbols**length} responses, over the {MAX_SEQUENCES} the exact metrics can enumerate")
+    if cfg.reward.name == "exact_table" and (cfg.reward.get("modes", 0) == 1
+                                             or not 0 <= cfg.reward.get("modes", 0) <= cfg.reward.peaks):
+        raise ConfigError(f"reward.modes={cfg.reward.modes} is out of range; must be 0 (off) or in "
+                          f"[2, reward.peaks={cfg.reward.peaks}]")
     if cfg.reward.name == "exact_table" and (cfg.reward.symbols, cfg.reward.length) != (symbols, length):
         raise ConfigError(f"reward.symbols={cfg.reward.symbols} / reward.length={cfg.reward.length} must equal "
                           f"model.exact.symbols={symbols} / trainer.max_new_tokens={length}")

@@ -14,6 +14,7 @@ over seeds (10,000 resamples, a fixed generator, so a report is reproducible). V
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -53,12 +54,17 @@ def bootstrap_interval(values: np.ndarray, resamples: int = RESAMPLES, seed: int
     return float(low), float(high)
 
 
+def _text(value: Any) -> str:
+    """A config value as an override writes it (``0.05``, ``true``, ``kl_reward``)."""
+    return value if isinstance(value, str) else json.dumps(value)
+
+
 def _arm_values(spec: str, arms: list[Any], per_job: dict[int, dict[str, float]], metric: str) -> dict[Any, float] | str:
     """Seed -> the metric of the one arm matching ``spec``; a reason string if none or several match."""
     wanted = parse_arm(spec)
 
     def matches(arm: Any) -> bool:
-        return all(str(arm.jobs[0].config.get(key, arm.jobs[0].config.get(f"{key}.name"))) == value
+        return all(_text(arm.jobs[0].config.get(key, arm.jobs[0].config.get(f"{key}.name"))) == value
                    for key, value in wanted.items())
 
     found = [arm for arm in arms if matches(arm)]

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from rlhf_lab.tools.report_exact import EXACT_METRICS
+from rlhf_lab.tools.report_exact import EXACT_METRICS, MODE_METRICS
 
 # (column, markdown header); eval_reward is added only when some job has eval lines.
 METRICS = (
@@ -15,5 +15,6 @@ METRICS = (
     ("eval_reward", "eval reward"),
     ("eval_kl_exact", "eval KL (exact)"),
     *((column, header) for column, header, _ in EXACT_METRICS),
+    *((column, header) for column, header, _ in MODE_METRICS),
 )
 COLUMNS = tuple(column for column, _ in METRICS)

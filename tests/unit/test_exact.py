@@ -57,6 +57,8 @@ def test_metrics_match_a_two_symbol_two_token_case_by_hand() -> None:
         "exact/total_probability": 1.0,
         "exact/kl_estimate_expected": expected_k2,
         "exact/kl_estimate_bias": expected_k2 - kl,
+        "exact/entropy": -sum(p * math.log(p) for p in policy),
+        "exact/entropy_optimal": -sum(q * math.log(q) for q in optimal),
     }
     assert metrics.keys() == expected.keys()
     for key, value in expected.items():
