@@ -52,6 +52,8 @@ from rlhf_lab.tools.report_exact import exact_job_metrics, exact_plots, rank_by_
 from rlhf_lab.tools.report_jobs import SUMMARY_FILE, Job, JobProblem, failure, find_jobs, load_job  # noqa: F401
 from rlhf_lab.tools.report_plots import BANDS, PLOT_FILES, PlotOptions, write_all
 from rlhf_lab.tools.report_search import optuna_section
+from rlhf_lab.tools.report_wandb import CHOICES as WANDB_CHOICES
+from rlhf_lab.tools.report_wandb import log_claims
 
 IGNORED_KEYS = ("seed", "trainer.resume", "trainer.output_dir", "trainer.progress_bar")
 IGNORED_PREFIXES = ("logger.",)
@@ -74,6 +76,7 @@ class Report:
     skipped: list[str]
     failed: list[str]
     claims: list[ClaimResult] = field(default_factory=list)
+    wandb: str | None = None  # where the claims went in W&B, if they did
 
 
 @dataclass
@@ -241,7 +244,8 @@ def build_report(folder: Path, out: Path | None = None,
     return report.table, report.rows
 
 
-def write_report(folder: Path, out: Path | None = None, options: PlotOptions | None = None) -> Report:
+def write_report(folder: Path, out: Path | None = None, options: PlotOptions | None = None,
+                 wandb: str = "auto") -> Report:
     """Write report.csv, report.md and the plots that have data; return what was written and left out."""
     folder = Path(folder)
     if not folder.is_dir():
@@ -292,7 +296,7 @@ def write_report(folder: Path, out: Path | None = None, options: PlotOptions | N
     )
     (out / "report.md").write_text(markdown, encoding="utf-8")
     files = [out / "report.csv", *plots, out / "report.md", *([out / "claims.json"] if claims else [])]
-    return Report(table, rows, files, skipped, failed, claims)
+    return Report(table, rows, files, skipped, failed, claims, log_claims(jobs, claims, folder, out, wandb))
 
 
 def main(args: list[str] | None = None) -> None:
@@ -301,6 +305,8 @@ def main(args: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=None, help="where to write the report (default: the folder)")
     parser.add_argument("--ema", type=float, default=0.0, help="smooth curves: EMA weight in [0, 1) (default 0: off)")
     parser.add_argument("--band", choices=BANDS, default="sd", help="band over seeds: sd (default) or ci95")
+    parser.add_argument("--wandb", choices=WANDB_CHOICES, default="auto", help="the claims into a W&B run's summary: "
+                        "auto (default: when the jobs logged to W&B), on, off")
     parser.add_argument("--last-k", type=int, default=None, help="frontier: mean of the last K training steps "
                         "(default: 20%% of the steps)")
     options = parser.parse_args(args)
@@ -310,7 +316,7 @@ def main(args: list[str] | None = None) -> None:
         if options.last_k is not None and options.last_k < 1:
             raise ReportError(f"--last-k {options.last_k} is out of range; must be >= 1")
         plot_options = PlotOptions(ema=options.ema, band=options.band, last_k=options.last_k)
-        report = write_report(options.folder, options.out, plot_options)
+        report = write_report(options.folder, options.out, plot_options, options.wandb)
     except ReportError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
@@ -322,6 +328,8 @@ def main(args: list[str] | None = None) -> None:
         print("\nclaims:")
         for line in claim_lines(report.claims):
             print(f"  {line}")
+        if report.wandb:
+            print(f"  {report.wandb}")
     for line in report.failed:
         print(f"failed job {line}")
     for line in report.skipped:

@@ -117,3 +117,4 @@ def test_the_report_prints_verdicts_effects_and_intervals(tmp_path: Path, capsys
     summary = json.loads((tmp_path / "claims.json").read_text())
     assert summary["claims/ordered/pass"] is True and summary["claims/reversed/verdict"] == "FAIL"
     assert summary["claims/ordered/seeds"] == 3
+
