@@ -119,6 +119,18 @@ def claims_of(jobs: list[Any]) -> list[dict[str, Any]]:
     return []
 
 
+def experiment_claims(name: str) -> list[dict[str, Any]]:
+    """The claims ``experiment=NAME`` lists now (``rlhf-lab report --claims NAME``: claims revised after a sweep)."""
+    from omegaconf import OmegaConf
+
+    from rlhf_lab.config.compose import _hydra_compose, group_options
+    from rlhf_lab.errors import ToolError
+
+    if name not in group_options("experiment"):
+        raise ToolError(f"--claims {name}: no such experiment; choose from: {', '.join(group_options('experiment'))}")
+    return list(OmegaConf.to_container(_hydra_compose([f"experiment={name}"]).claims, resolve=True))
+
+
 def claims_table(results: list[ClaimResult]) -> str:
     """The markdown table of verdicts."""
     lines = ["| claim | verdict | metric | comparison | seeds | effect (a − b) | 95% interval |",

@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 
 from rlhf_lab.errors import ToolError
-from rlhf_lab.tools.claims import ClaimResult, claim_lines, claims_of, claims_table, evaluate_claim
+from rlhf_lab.tools.claims import ClaimResult, claim_lines, claims_of, claims_table, evaluate_claim, experiment_claims
 from rlhf_lab.tools.report_columns import METRICS
 from rlhf_lab.tools.report_exact import exact_job_metrics, exact_plots, rank_by_gap
 from rlhf_lab.tools.report_jobs import SUMMARY_FILE, Job, JobProblem, failure, find_jobs, load_job  # noqa: F401
@@ -245,7 +245,7 @@ def build_report(folder: Path, out: Path | None = None,
 
 
 def write_report(folder: Path, out: Path | None = None, options: PlotOptions | None = None,
-                 wandb: str = "auto") -> Report:
+                 wandb: str = "auto", claims_from: str | None = None) -> Report:
     """Write report.csv, report.md and the plots that have data; return what was written and left out."""
     folder = Path(folder)
     if not folder.is_dir():
@@ -268,7 +268,8 @@ def write_report(folder: Path, out: Path | None = None, options: PlotOptions | N
     plots, skipped = write_plots(arms, rows, out, options)
     failed = [f"{job.folder}: {job.failed}" for job in jobs if job.failed]
     per_job = {id(job): job_metrics(job) for job in jobs}
-    claims = [evaluate_claim(claim, arms, per_job) for claim in claims_of(jobs)]
+    listed = claims_of(jobs) if claims_from is None else experiment_claims(claims_from)
+    claims = [evaluate_claim(claim, arms, per_job) for claim in listed]
     if claims:  # tools/claims.py: each claim's verdict, for machines (the W&B summary's keys)
         summary = {key: value for result in claims for key, value in result.summary().items()}
         (out / "claims.json").write_text(json.dumps(summary, indent=1, default=str), encoding="utf-8")
@@ -307,6 +308,8 @@ def main(args: list[str] | None = None) -> None:
     parser.add_argument("--band", choices=BANDS, default="sd", help="band over seeds: sd (default) or ci95")
     parser.add_argument("--wandb", choices=WANDB_CHOICES, default="auto", help="the claims into a W&B run's summary: "
                         "auto (default: when the jobs logged to W&B), on, off")
+    parser.add_argument("--claims", default=None, metavar="EXPERIMENT", help="check the claims experiment=EXPERIMENT "
+                        "lists now (default: those the jobs ran with)")
     parser.add_argument("--last-k", type=int, default=None, help="frontier: mean of the last K training steps "
                         "(default: 20%% of the steps)")
     options = parser.parse_args(args)
@@ -316,8 +319,8 @@ def main(args: list[str] | None = None) -> None:
         if options.last_k is not None and options.last_k < 1:
             raise ReportError(f"--last-k {options.last_k} is out of range; must be >= 1")
         plot_options = PlotOptions(ema=options.ema, band=options.band, last_k=options.last_k)
-        report = write_report(options.folder, options.out, plot_options, options.wandb)
-    except ReportError as error:
+        report = write_report(options.folder, options.out, plot_options, options.wandb, options.claims)
+    except ToolError as error:  # ReportError, and an unknown --claims experiment
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
     print(report.table)

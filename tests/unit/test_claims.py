@@ -118,3 +118,20 @@ def test_the_report_prints_verdicts_effects_and_intervals(tmp_path: Path, capsys
     assert summary["claims/ordered/pass"] is True and summary["claims/reversed/verdict"] == "FAIL"
     assert summary["claims/ordered/seeds"] == 3
 
+
+
+def test_the_report_checks_an_experiments_current_claims_on_request(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    from rlhf_lab.tools.report import main
+
+    for number, (arm, seed, gap) in enumerate([("kl_reward", 0, 0.01), ("kl_reward", 1, 0.02), ("mse_loss", 0, 0.3),
+                                               ("mse_loss", 1, 0.2)]):
+        write_job(tmp_path / f"{number}_{arm},seed={seed}", arm, seed, gap, [])
+    report = write_report(tmp_path, claims_from="kl_to_go")
+    verdicts = {result.name: result.verdict for result in report.claims}
+    assert verdicts["per_position_keeps_too_much_kl"] == "FAIL"  # equal KL in both arms here
+    assert verdicts["to_go_beats_per_position"] == "NO DATA"  # no sequence_k1_loss arm in this folder
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(tmp_path), "--claims", "kl_to_gone"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.startswith("error: --claims kl_to_gone: no such experiment; choose from: ")
