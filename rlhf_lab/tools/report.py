@@ -28,6 +28,10 @@ its Pareto front. A plot with no data (no job logged its keys) is left out, and 
 which and why. The markdown table is printed, then every file written. A job whose run did not finish (no
 ``summary.json`` and fewer training steps than its ``trainer.steps``) is named as failed in both.
 
+An experiment's claims (``claims:`` in its YAML, or ``--claims EXPERIMENT`` for the ones it lists now) are checked
+on the arms (:mod:`rlhf_lab.tools.claims`): PASS / FAIL, seeds, effect and a 95% bootstrap interval, printed, in
+report.md and ``claims.json``, and (``--wandb auto|on``) in a W&B run's summary (:mod:`rlhf_lab.tools.report_wandb`).
+
 An Optuna search's folder (``hydra/sweeper=optuna``) also holds ``optimization_results.yaml``: the report then
 starts with the best trial (value, parameters, folder) and a table of every trial by objective value.
 """
