@@ -26,15 +26,13 @@ from rlhf_lab.testbed.task import MAX_SEQUENCES
 _WARNED: set[str] = set()  # warnings already printed by this process (the CLI validates before each job)
 
 
-OWN_RATIO_CORRECTIONS = ("token_ratio", "prefix_ratio")  # kl.off_policy_correction values that weigh by pi/mu
-
-
 def check_kl_options(kl: Any) -> None:
     at_least("kl.clamp_log_ratio", kl.clamp_log_ratio, 0.0, strict=True)
     at_least("kl.clamp_value", kl.clamp_value, 0.0, strict=True)
     correction = kl.get("off_policy_correction", "policy")
     choice("kl.off_policy_correction", correction, names("kl_correction"))
-    if correction in OWN_RATIO_CORRECTIONS and kl.importance_weight:
+    own_ratio = getattr(get("kl_correction", correction), "own_ratio", False)  # rlhf_lab/kl/corrections.py
+    if own_ratio and kl.importance_weight:
         raise ConfigError(f"kl.off_policy_correction={correction} already weighs the estimate by pi_theta/mu; "
                           "kl.importance_weight=true would weigh it twice: drop one")
     if kl.placement == "loss":
@@ -42,7 +40,7 @@ def check_kl_options(kl: Any) -> None:
     if kl.importance_weight not in (None, False):
         raise ConfigError(f"kl.importance_weight={kl.importance_weight!r} acts on the loss-placed KL term; with "
                           f"kl.placement={kl.placement} it would do nothing: use kl.placement=loss or drop it")
-    if correction in OWN_RATIO_CORRECTIONS:
+    if own_ratio:
         raise ConfigError(f"kl.off_policy_correction={correction} weighs the loss-placed KL term; with "
                           f"kl.placement={kl.placement} the KL is in the return, corrected by algorithm.tis_mode: "
                           "use kl.placement=loss or drop it")

@@ -62,3 +62,7 @@ def prefix_ratio(logprobs: Tensor, batch: Any, mask: Tensor) -> Tensor:
     """Π_{s≤t} π_θ(y_s)/μ(y_s) over the response's positions up to t, with gradient; 0 off the response."""
     log_ratio = (logprobs - behaviour_logprobs(logprobs, batch).detach()) * mask
     return torch.exp(log_ratio.cumsum(-1)) * mask
+
+
+for _correction in (token_ratio, prefix_ratio):
+    _correction.own_ratio = True  # the estimator's own ratio π_θ/μ: a loss-placed KL only, not beside importance_weight
