@@ -105,7 +105,7 @@ def truncated_importance_weights(train_logprobs: Tensor, sampler_logprobs: Tenso
     return torch.exp(train_logprobs - sampler_logprobs).clamp(max=cap).detach()
 
 
-CORRECTIONS = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+CORRECTIONS = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "none")
 
 
 def sampler_correction(train_logprobs: Tensor, sampler_logprobs: Tensor, mask: Tensor, cap: float,
@@ -115,11 +115,14 @@ def sampler_correction(train_logprobs: Tensor, sampler_logprobs: Tensor, mask: T
 
     - ``token_truncate``: w_t = min(r_t, C) with r_t = π_train(y_t) / π_sampler(y_t) (TIS);
     - ``token_mask``: w_t = r_t where r_t ≤ C, else 0 (the token leaves the loss);
-    - ``sequence_truncate`` / ``sequence_mask``: the same with the sequence's ratio Π_t r_t on every token.
+    - ``sequence_truncate`` / ``sequence_mask``: the same with the sequence's ratio Π_t r_t on every token;
+    - ``none``: w_t = 1 (the control arm: the log-probs rescored, the samples left uncorrected).
 
     The modes are TRL's ``vllm_importance_sampling_mode`` and verl's token/sequence rollout correction."""
     if mode not in CORRECTIONS:
         raise ValueError(f"algorithm.tis_mode={mode!r}; valid: {', '.join(CORRECTIONS)}")
+    if mode == "none":
+        return torch.ones_like(mask) * mask
     log_ratio = (train_logprobs - sampler_logprobs).detach() * mask
     if mode.startswith("sequence"):
         log_ratio = log_ratio.sum(-1, keepdim=True).expand_as(mask)

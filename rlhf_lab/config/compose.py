@@ -19,6 +19,7 @@ from omegaconf import DictConfig
 
 import rlhf_lab.config.schema_offline  # noqa: F401  (the offline stages' schemas join OPTION_SCHEMAS)
 from rlhf_lab.app.plugins import load_plugins, plugins_in_overrides
+from rlhf_lab.config.claims import check_claims
 from rlhf_lab.config.objective import check_objective
 from rlhf_lab.config.schema import register_configs
 from rlhf_lab.config.sweep_arms import identical_arms
@@ -142,6 +143,8 @@ def compose(overrides: list[str], pending_paths: Collection[str] = ()) -> DictCo
         hydra_cfg = check_sweep(first_job, job_overrides, cfg)
         check_study(hydra_cfg, [o for o in overrides if not o.startswith(HYDRA_PREFIXES)])
     params = sweeper_params(hydra_cfg)
+    if params and cfg.get("claims"):  # a claim's arms against the experiment's own grid, before any job starts
+        check_claims(cfg.claims, expand_jobs(params, [], CONF_DIR, paths))
     if params is not None:  # the basic sweeper: every job it would launch, composed and validated now
         task = [o for o in overrides if "=" in o and not o.startswith(HYDRA_PREFIXES)]
         jobs = expand_jobs(params, task, CONF_DIR, paths)

@@ -41,7 +41,7 @@ class AlgorithmConfig:
     policy_loss: str = "clip"  # registered kind `policy_loss`: clip | gspo | cispo | reinforce
     clip_ratio_c: float | None = None  # Dual-clip c (> 1): negative-advantage tokens' loss at most −c·A
     tis_cap: float | None = None  # sampler-trainer correction: cap C of the importance weights (e.g. 2); null: off
-    tis_mode: str = "token_truncate"  # token_truncate | token_mask | sequence_truncate | sequence_mask
+    tis_mode: str = "token_truncate"  # token_truncate | token_mask | sequence_truncate | sequence_mask | none
     group_size: int = 8  # samples per prompt; samples per step = prompts_per_step × group_size
     clip_eps: float | None = 0.2  # null: no ratio clipping
     clip_eps_low: float | None = None  # defaults to clip_eps
@@ -115,6 +115,7 @@ class KLConfig:
     clamp_value: float | None = None  # bound the estimate to [-c, c] (verl clamps k3 to 10)
     importance_weight: bool = False  # weight the estimate by sg(pi_theta / pi_old) (off-policy epochs/mini-batches)
     loss_scale: str = "none"  # none | advantage: the loss-placed term scaled as the advantages scale the reward
+    off_policy_correction: str = "policy"  # registered kind `kl_correction`: policy | none | token_ratio | prefix_ratio
     exact: str = "step"  # the exact KL from full logits (kl/exact): every step | eval only | off
 
 
@@ -125,6 +126,8 @@ class KLConfig:
 class RewardConfig:
     name: str = MISSING  # registered kind `reward`
     on_nonfinite: str = "error"  # error | drop: a NaN/inf score stops the run or drops that sample
+    rescale: str = "none"  # registered kind `reward_rescale`: none | mode_anchor (arXiv 2510.20817), training only
+    rescale_threshold: float | None = None  # mode_anchor: scores >= this count as high-reward modes
 
 
 @dataclass
@@ -195,6 +198,7 @@ class ExactTableRewardConfig(RewardConfig):
     peaks: int = 3  # high-reward sequences: the k-th (k = 0, 1, ...) scores peak_reward·(1 − k/peaks)
     peak_reward: float = 1.0
     noise: float = 0.3  # every sequence also scores noise·u, u ~ U[0, 1)
+    modes: int = 0  # M >= 2: the first M peaks score exactly peak_reward, equally rewarded optimal modes (0: off)
 
 
 @dataclass
@@ -322,6 +326,25 @@ class WandbLoggerConfig(LoggerConfig):
     job_type: str | None = None  # null: the stage (train, sft, dpo, reward_model, eval)
 
 
+# --------------------------------------------------------------------------------------------------- claims
+
+
+@dataclass
+class ClaimConfig:
+    """A literature claim an experiment checks (``rlhf-lab report``; rlhf_lab/config/claims.py): arm ``a``'s
+    ``metric`` (a report column) against arm ``b``'s, or against ``value``."""
+
+    name: str = MISSING  # a short identifier (W&B summary key claims/<name>/...)
+    metric: str = MISSING  # a report column, e.g. final_gap (rlhf_lab/tools/report_columns.py)
+    a: str = MISSING  # an arm of the sweep: its swept overrides, e.g. "kl_arm=kl_reward" or "algorithm=grpo,kl_arm=mse_loss"
+    kind: str = "less"  # less (a < b) | equal (|a - b| <= tolerance) | at_most (a <= value) | at_least (a >= value)
+    b: str | None = None  # the other arm (less, equal)
+    value: float | None = None  # the bound (at_most, at_least)
+    tolerance: float = 0.0  # equal: the largest |a - b| of any seed
+    every_seed: bool = False  # less: also a < b in every seed, not only beyond the interval
+    text: str = ""  # the claim as its source states it
+
+
 # --------------------------------------------------------------------------------------------------- root
 
 
@@ -346,6 +369,7 @@ class Config:
     kl_budget_penalty: float = 10.0
     eval: EvalConfig = field(default_factory=EvalConfig)
     plugins: list[str] = field(default_factory=list)  # modules imported before validation (rlhf_lab/app/plugins.py)
+    claims: list[ClaimConfig] = field(default_factory=list)  # what an experiment's report checks (rlhf-lab report)
 
 
 # group -> {schema name in the ConfigStore: dataclass}; each option's YAML names one in its defaults list.

@@ -78,6 +78,7 @@ class EvalConfig:
     rewards: list[str] = field(default_factory=list)  # extra eval-only reward options, each eval/reward/<name>/mean
     win_rate: bool = False  # the reference answers too: eval/win_rate under win_rate_reward
     win_rate_reward: str | None = None  # a reward option; null: the run's reward
+    pass_threshold: float | None = None  # a score at or above it is correct: eval/pass@k (k = 1, 4, 16 <= samples_per_prompt)
 
 
 # ------------------------------------------------------------------------------------------------ hardware

@@ -2,7 +2,9 @@
 
 - ``kl.clamp_log_ratio`` and ``kl.clamp_value`` (> 0) bound the estimate wherever it is placed;
   ``kl.importance_weight`` acts on the loss-placed KL term only: with ``kl.placement=reward`` (samples of the
-  policy that is scored, nothing to reweight) it is an error rather than silently ignored.
+  policy that is scored, nothing to reweight) it is an error rather than silently ignored; so is
+  ``kl.off_policy_correction=token_ratio|prefix_ratio`` (a reward-placed KL is corrected by the policy loss's
+  ``algorithm.tis_mode``), and either ratio beside ``kl.importance_weight`` (the same weight twice).
 - An estimator × placement whose expected gradient is zero (``kl=kl`` in the loss, ``full`` in the reward:
   ``rlhf_lab.kl.ZERO_KL_GRADIENT``) prints one warning line, once per process, naming the table entry.
 - ``model=exact`` enumerates every response, so sampling must be the plain softmax (``trainer.top_p=1``,
@@ -27,12 +29,21 @@ _WARNED: set[str] = set()  # warnings already printed by this process (the CLI v
 def check_kl_options(kl: Any) -> None:
     at_least("kl.clamp_log_ratio", kl.clamp_log_ratio, 0.0, strict=True)
     at_least("kl.clamp_value", kl.clamp_value, 0.0, strict=True)
+    correction = kl.get("off_policy_correction", "policy")
+    choice("kl.off_policy_correction", correction, names("kl_correction"))
+    own_ratio = getattr(get("kl_correction", correction), "own_ratio", False)  # rlhf_lab/kl/corrections.py
+    if own_ratio and kl.importance_weight:
+        raise ConfigError(f"kl.off_policy_correction={correction} already weighs the estimate by pi_theta/mu; "
+                          "kl.importance_weight=true would weigh it twice: drop one")
     if kl.placement == "loss":
         return
-    for key in ("importance_weight",):
-        if kl[key] not in (None, False):
-            raise ConfigError(f"kl.{key}={kl[key]!r} acts on the loss-placed KL term; with "
-                              f"kl.placement={kl.placement} it would do nothing: use kl.placement=loss or drop it")
+    if kl.importance_weight not in (None, False):
+        raise ConfigError(f"kl.importance_weight={kl.importance_weight!r} acts on the loss-placed KL term; with "
+                          f"kl.placement={kl.placement} it would do nothing: use kl.placement=loss or drop it")
+    if own_ratio:
+        raise ConfigError(f"kl.off_policy_correction={correction} weighs the loss-placed KL term; with "
+                          f"kl.placement={kl.placement} the KL is in the return, corrected by algorithm.tis_mode: "
+                          "use kl.placement=loss or drop it")
 
 
 LOSS_SCALES = ("none", "advantage")  # kl.loss_scale
@@ -85,6 +96,10 @@ def check_exact_task(cfg: Any) -> None:
     if symbols**length > MAX_SEQUENCES:
         raise ConfigError(f"model=exact with model.exact.symbols={symbols} and trainer.max_new_tokens={length} has "
                           f"{symbols**length} responses, over the {MAX_SEQUENCES} the exact metrics can enumerate")
+    if cfg.reward.name == "exact_table" and (cfg.reward.get("modes", 0) == 1
+                                             or not 0 <= cfg.reward.get("modes", 0) <= cfg.reward.peaks):
+        raise ConfigError(f"reward.modes={cfg.reward.modes} is out of range; must be 0 (off) or in "
+                          f"[2, reward.peaks={cfg.reward.peaks}]")
     if cfg.reward.name == "exact_table" and (cfg.reward.symbols, cfg.reward.length) != (symbols, length):
         raise ConfigError(f"reward.symbols={cfg.reward.symbols} / reward.length={cfg.reward.length} must equal "
                           f"model.exact.symbols={symbols} / trainer.max_new_tokens={length}")

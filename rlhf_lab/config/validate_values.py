@@ -58,6 +58,10 @@ def check_choices(cfg: Any) -> None:
     choice("kl.placement", kl.placement, names("kl_placement"))
     choice("kl.controller", kl.controller, names("kl_controller"))
     choice("reward", reward.name, names("reward"))
+    choice("reward.rescale", reward.get("rescale", "none"), names("reward_rescale"))
+    if reward.get("rescale", "none") != "none" and reward.get("rescale_threshold") is None:
+        raise ConfigError(f"reward.rescale={reward.rescale} rescores the samples at or above "
+                          "reward.rescale_threshold, which is null: set it (e.g. reward.rescale_threshold=1.0)")
     choice("logger", cfg.logger.name, names("logger"))
     choice("logger.mode", cfg.logger.mode, MODES)
     choice("algorithm.loss_aggregation", algorithm.loss_aggregation, names("loss_aggregation"))

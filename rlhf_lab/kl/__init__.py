@@ -8,10 +8,12 @@ combinations are right.
 - :mod:`~rlhf_lab.kl.controllers`: coefficient controllers (kind ``kl_controller``): ``fixed``, ``adaptive``.
 - :mod:`~rlhf_lab.kl.placements`: placements (kind ``kl_placement``): ``reward``, ``loss``; :class:`KLPenalty`,
   the run's penalty at both points of a step.
+- :mod:`~rlhf_lab.kl.corrections`: the off-policy weights of a loss-placed KL (kind ``kl_correction``).
 - :mod:`~rlhf_lab.kl.truth`: the tables of which estimator × placement is unbiased for ∇KL(π‖π_ref), for one
   token and for sequences, the pairs with zero expected gradient, and the advantage estimators' effect (on a
   reward-placed KL, and on a loss-placed one beside the task reward with ``kl.loss_scale``), and the
-  sampler–trainer correction's reach.
+  sampler–trainer correction's reach, which corrections are exact off-policy, and the
+  loss aggregations' invariance to micro-batching.
 
 Sources: J. Schulman, "Approximating KL Divergence" (2020); "A Comedy of Estimators" (arXiv 2512.21852);
 "On a few pitfalls in KL divergence gradient estimation for RL" (arXiv 2506.09477); verl's ``kl_penalty``.
@@ -38,7 +40,11 @@ from rlhf_lab.kl.exact import exact_kl
 from rlhf_lab.kl.placements import KLPenalty, LossPlacement, RewardPlacement
 from rlhf_lab.kl.truth import (
     KL_LOSS_SCALE_UNDER_ADVANTAGE,
+    MICRO_BATCH_INVARIANCE,
     MULTI_TURN_MASK,
+    OFF_POLICY_CORRECTIONS,
+    OFF_POLICY_KL_GRADIENT,
+    OFF_POLICY_SEQUENCE_KL_GRADIENT,
     REVERSE_KL_GRADIENT_UNBIASED,
     REWARD_KL_UNDER_ADVANTAGE,
     SAMPLER_CORRECTION,
@@ -48,7 +54,8 @@ from rlhf_lab.kl.truth import (
 )
 
 __all__ = [
-    "KL_LOSS_SCALE_UNDER_ADVANTAGE", "MULTI_TURN_MASK", "REVERSE_KL_GRADIENT_UNBIASED", "REWARD_KL_UNDER_ADVANTAGE", "SAMPLER_CORRECTION",
+    "KL_LOSS_SCALE_UNDER_ADVANTAGE", "MICRO_BATCH_INVARIANCE", "MULTI_TURN_MASK", "OFF_POLICY_CORRECTIONS", "OFF_POLICY_KL_GRADIENT",
+    "OFF_POLICY_SEQUENCE_KL_GRADIENT", "REVERSE_KL_GRADIENT_UNBIASED", "REWARD_KL_UNDER_ADVANTAGE", "SAMPLER_CORRECTION",
     "SEQUENCE_KL_GRADIENT_UNBIASED", "ZERO_KL_GRADIENT",
     "AdaptiveKLController", "FixedKLController", "KLPenalty", "LossPlacement", "RewardPlacement", "absolute", "estimate",
     "exact_kl", "full", "importance_weights", "k1", "k1_plus", "k2", "k3", "k3_plus", "log_ratio", "no_kl",

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+import rlhf_lab.kl.corrections  # noqa: F401  (registers kind kl_correction)
 from rlhf_lab.kl.estimators import estimate, importance_weights
 from rlhf_lab.kl.exact import exact_kl
 from rlhf_lab.masked import masked_mean
@@ -76,7 +77,7 @@ register("kl_placement", "loss")(LossPlacement())
 
 class KLPenalty:
     """The run's KL penalty (``cfg.kl``): estimator ``kl.name``, placement ``kl.placement``, and the estimate's
-    options (``clamp_log_ratio``, ``clamp_value``, ``importance_weight``)."""
+    options (``clamp_log_ratio``, ``clamp_value``, ``importance_weight``, ``off_policy_correction``)."""
 
     def __init__(self, kl_cfg: Any) -> None:
         self.estimator = get("kl", kl_cfg.name)
@@ -85,6 +86,7 @@ class KLPenalty:
         self.clamp_value = kl_cfg.get("clamp_value")
         self.importance_weight = bool(kl_cfg.get("importance_weight", False))
         self.scale_like_advantages = kl_cfg.get("loss_scale", "none") == "advantage"
+        self.off_policy_weights = get("kl_correction", kl_cfg.get("off_policy_correction", "policy"))
 
     @property
     def reads_logits(self) -> bool:
@@ -131,8 +133,10 @@ class KLPenalty:
         sg(π_θ/π_old), so its expectation is under π_θ. With ``loss_scale=advantage`` each sample's estimate is
         multiplied by the factor its advantage gave the task reward (``Rollout.kl_loss_scale``): under GRPO's
         std division the regulariser keeps its weight β against the task reward as the groups' spread shrinks.
-        Under ``algorithm.tis_cap`` the sampler–trainer correction weighs it as it weighs the policy loss: the
-        samples are the engine's, the KL is the trainer's policy's (``SAMPLER_CORRECTION`` in :mod:`.truth`)."""
+        ``off_policy_correction`` weighs it for samples of a behaviour policy μ (:mod:`.corrections`): by default
+        (``policy``) as the policy loss under ``algorithm.tis_cap`` — the samples are the engine's, the KL is the
+        trainer's policy's (``SAMPLER_CORRECTION`` in :mod:`.truth`) — or by the estimator's own ratio π_θ/μ
+        (``token_ratio``, ``prefix_ratio``: ``OFF_POLICY_KL_GRADIENT``)."""
         if not self.in_loss:
             return None
         mask = batch.response_mask
@@ -141,6 +145,7 @@ class KLPenalty:
             values = values * importance_weights(logprobs, batch.logprobs, mask)
         if self.scale_like_advantages:  # each sample's term × the factor its advantage gave the task reward
             values = values * batch.kl_loss_scale[:, None].to(values.dtype)
-        if getattr(batch, "tis_weights", None) is not None:  # samples of the engine, expectation under the trainer's
-            values = values * batch.tis_weights
+        weights = self.off_policy_weights(logprobs, batch, mask)  # samples of μ, expectation under π
+        if weights is not None:
+            values = values * weights
         return self.placement.loss_term(values, mask, coef, reduce=reduce)

@@ -137,3 +137,67 @@ def zero_gradient_warning(estimator: str, placement: str) -> str | None:
         return None
     return (f"warning: kl={estimator} with kl.placement={placement} has zero expected KL gradient "
             f"(rlhf_lab.kl.REVERSE_KL_GRADIENT_UNBIASED[({estimator!r}, {placement!r})] is False): {advice}")
+
+
+# Off-policy: samples of a behaviour policy μ ≠ π (a policy k updates stale, an engine with other numbers), the
+# gradient wanted ∇KL(π‖π_ref) under π. A correction is the pair of options the trainer composes: the policy loss's
+# weight ``algorithm.tis_mode`` (``none``; ``token_truncate``: sg(π/μ) per token; ``sequence_mask``: sg(Π_t π/μ) on
+# every token; caps above every ratio here — a binding cap is biased, ``SAMPLER_CORRECTION``), which also weighs a
+# loss-placed KL under ``kl.off_policy_correction=policy``; or the KL's own weight ``kl.off_policy_correction``
+# (``token_ratio``: π/μ per token WITH gradient, DeepSeek-V3.2's unbiased k3, arXiv 2510.01555; ``prefix_ratio``:
+# Π_{s≤t} π/μ, with gradient), for a loss-placed KL only. By exact enumeration (tests/unit/test_kl_truth_off_policy.py):
+#   E_μ[sg(π/μ)·X] = E_π[X]: an sg weight moves the expectation to π and leaves each pair as it is on-policy.
+#   ∇E_μ[(π/μ)·f] = ∇E_π[f]: a weight with gradient makes the VALUE the objective, so an estimator whose value is
+#   unbiased (k1, k3, full) gets the exact gradient — k3 included, whose sg-weighted gradient is the forward KL's —
+#   and one whose GRADIENT is the unbiased part (k2, k1_plus, k3_plus) gets a wrong one (k1_plus: twice the target).
+#   Sequences: the prefix y_<t is μ's, so a per-token weight corrects only the last step; the sequence's weight
+#   (``sequence_mask`` for the return, ``prefix_ratio`` for a loss) is needed, and with gradient its ∇ of the
+#   prefix carries the KL to go.
+OFF_POLICY_CORRECTIONS: dict[str, tuple[str, ...]] = {  # placement -> the corrections that act on its KL
+    "reward": ("none", "token_truncate", "sequence_mask"),
+    "loss": ("none", "token_truncate", "sequence_mask", "token_ratio", "prefix_ratio"),
+}
+_ONE_TOKEN_EXACT = {
+    # the return's score function, importance-weighted: E_π[k1 ∇log π]
+    *((name, "reward", c) for name in ("kl", "k1_plus", "sequence_k1") for c in ("token_truncate", "sequence_mask")),
+    # one token's exact KL does not depend on the sampled token, and every weight here has mean 1 under μ
+    *((name, "loss", c) for name in ("full", "sequence_full") for c in OFF_POLICY_CORRECTIONS["loss"]),
+    # gradient-unbiased estimators under an sg weight
+    *((name, "loss", c) for name in ("mse", "k1_plus", "k3_plus", "sequence_k1") for c in ("token_truncate", "sequence_mask")),
+    # value-unbiased estimators under the weight with gradient
+    *((name, "loss", c) for name in ("kl", "k3") for c in ("token_ratio", "prefix_ratio")),
+}
+_SEQUENCE_EXACT = {
+    # the return's score function needs the whole sequence's weight: a token's weight leaves the prefix μ's
+    ("kl", "reward", "sequence_mask"), ("k1_plus", "reward", "sequence_mask"), ("sequence_k1", "reward", "sequence_mask"),
+    # the KL-to-go estimators need the sequence's sg weight (their own score-function term is on-policy exact)
+    ("sequence_k1", "loss", "sequence_mask"), ("sequence_full", "loss", "sequence_mask"),
+    # value-unbiased per-position estimators under the prefix's weight with gradient: Σ_t E_π[f_t] = KL(π‖π_ref)
+    ("kl", "loss", "prefix_ratio"), ("k3", "loss", "prefix_ratio"), ("full", "loss", "prefix_ratio"),
+}
+
+
+def _off_policy_table(exact: set[tuple[str, str, str]], estimators: tuple[str, ...]) -> dict[tuple[str, str, str], bool]:
+    return {(name, placement, correction): (name, placement, correction) in exact
+            for name in estimators for placement, corrections in OFF_POLICY_CORRECTIONS.items()
+            for correction in corrections}
+
+
+_ESTIMATORS = tuple(sorted({name for name, _ in REVERSE_KL_GRADIENT_UNBIASED}))
+# (estimator, placement, correction) -> is E_μ[gradient] = ∇KL(π‖π_ref) for ONE token sampled from μ ≠ π?
+OFF_POLICY_KL_GRADIENT: dict[tuple[str, str, str], bool] = _off_policy_table(_ONE_TOKEN_EXACT, _ESTIMATORS)
+# ... and of whole two-token SEQUENCES sampled from μ (the reward-placed penalties summed into the return)?
+OFF_POLICY_SEQUENCE_KL_GRADIENT: dict[tuple[str, str, str], bool] = _off_policy_table(_SEQUENCE_EXACT, _ESTIMATORS)
+
+
+# Micro-batches: a mini-batch's loss cut into micro-batches whose gradients are accumulated (``trainer.
+# micro_batch_size``, or any cut of the rows). (loss_aggregation, normaliser) -> is the accumulated expected gradient
+# of the whole loss (policy loss + a loss-placed KL reduced the same way) the same for EVERY cut of the batch? By
+# exact enumeration (tests/unit/test_kl_truth_micro_batch.py: every batch of three variable-length responses, every
+# cut). "mini-batch": the aggregation divides by the mini-batch's totals (``LossContext``, what the trainer passes)
+# — every cut gives the one gradient; "micro-batch": by each micro-batch's own tokens or rows — the gradient then
+# depends on the cut (a short response in a small micro-batch weighs more).
+MICRO_BATCH_INVARIANCE: dict[tuple[str, str], bool] = {
+    **{(aggregation, "mini-batch"): True for aggregation in ("token_mean", "sequence_mean", "sequence_sum_constant")},
+    **{(aggregation, "micro-batch"): False for aggregation in ("token_mean", "sequence_mean", "sequence_sum_constant")},
+}

@@ -12,14 +12,15 @@ from rlhf_lab.testbed.task import parse_response, reward_table, table_index
 @register("reward", "exact_table")
 class ExactTableReward(Reward):
     """R(y) looked up in :func:`rlhf_lab.testbed.task.reward_table`: ``noise``·u(y), u ~ U[0, 1) for every
-    response, plus peak_reward·(1 − k/peaks) for the k-th of ``peaks`` seeded high-reward responses.
+    response, plus peak_reward·(1 − k/peaks) for the k-th of ``peaks`` seeded high-reward responses; with
+    ``modes`` = M ≥ 2 the first M score exactly peak_reward (equally rewarded optimal modes).
 
-    Config fields: symbols (V), length (T), seed, peaks, peak_reward, noise. A response that is not T of
+    Config fields: symbols (V), length (T), seed, peaks, peak_reward, noise, modes. A response that is not T of
     the V symbols is an error (the task's model cannot produce one).
     """
 
     name = "exact_table"
-    config_fields = ("symbols", "length", "seed", "peaks", "peak_reward", "noise")
+    config_fields = ("symbols", "length", "seed", "peaks", "peak_reward", "noise", "modes")
 
     def __init__(self, cfg: ConfigLike, device: str | torch.device = "cpu") -> None:
         super().__init__(cfg, device)
@@ -27,7 +28,7 @@ class ExactTableReward(Reward):
         self.length = int(self.option("length", 4))
         self.table = reward_table(self.symbols, self.length, int(self.option("seed", 0)),
                                   int(self.option("peaks", 3)), float(self.option("peak_reward", 1.0)),
-                                  float(self.option("noise", 0.3)))
+                                  float(self.option("noise", 0.3)), int(self.option("modes", 0)))
 
     def score(self, prompts: list[str], responses: list[str]) -> RewardOutput:
         indices = torch.tensor([parse_response(text, self.symbols, self.length) for text in responses],

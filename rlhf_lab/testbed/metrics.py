@@ -10,7 +10,8 @@ With π(y) the policy's sequence probability, π_ref the reference's, R the rewa
     E_π[Σ_t estimate_t] − KL(π‖π_ref)                  exact/kl_estimate_bias (the run's estimator's value,
                                                        in expectation: 0 for k1, k3, full and their variants)
 
-(β = 0: π* spreads π_ref over the best responses and J* = max R.) The trainer calls
+(β = 0: π* spreads π_ref over the best responses and J* = max R.) The entropy and, with several equally
+rewarded optimal responses, how π splits its mass over them: :mod:`rlhf_lab.testbed.modes`. The trainer calls
 :func:`exact_step_metrics` after every step; it returns ``{}`` unless the run's model is ``exact``.
 """
 
@@ -29,6 +30,7 @@ from rlhf_lab.registry import get
 from rlhf_lab.runtime import distributed
 from rlhf_lab.scoring.forward import response_logits
 from rlhf_lab.scoring.logprobs import gather_logprobs
+from rlhf_lab.testbed.modes import mode_metrics
 from rlhf_lab.testbed.task import PROMPT, all_responses, symbols, token_ids
 
 ENUMERATION_CHUNK = 4096  # responses per forward pass
@@ -77,6 +79,7 @@ def exact_metrics(logprobs: Tensor, ref_logprobs: Tensor, rewards: Tensor, beta:
         "exact/tv_to_optimal": 0.5 * float((policy - optimal).abs().sum()),
         "exact/total_probability": float(policy.sum()),  # 1 up to rounding: the enumeration is complete
     }
+    metrics.update(mode_metrics(log_policy, log_optimal, log_ref, rewards))  # entropy; the optimal modes' split
     if estimates is not None:
         expected = float((policy * estimates.double().sum(-1)).sum())
         metrics["exact/kl_estimate_expected"] = expected

@@ -147,15 +147,20 @@ def parse_response(text: str, symbol_count: int, length: int) -> list[int]:
 
 
 def reward_table(symbol_count: int, length: int, seed: int, peaks: int, peak_reward: float,
-                 noise: float) -> Tensor:
+                 noise: float, modes: int = 0) -> Tensor:
     """R(y) for all V^T responses (float64, table order): noise·u(y) with u ~ U[0, 1) for every y, plus, for
     ``peaks`` responses drawn without replacement, peak_reward·(1 − k/peaks) for the k-th (k = 0, 1, ...).
+    With ``modes`` = M ≥ 2 the first M of them instead score exactly ``peak_reward`` (no noise): M equally rewarded
+    optimal responses, over which π* spreads its mass by the reference's weights (the mode-collapse variant).
     Seeded by ``seed`` alone, so the table is the same for every run of the task."""
     count = symbol_count**length
     if not 0 <= peaks <= count:
         raise ValueError(f"reward.peaks={peaks} is out of range; must be in [0, {count}] (V^T responses)")
+    if modes == 1 or not 0 <= modes <= peaks:
+        raise ValueError(f"reward.modes={modes} is out of range; must be 0 (off) or in [2, reward.peaks={peaks}]")
     generator = torch.Generator().manual_seed(seed)
     rewards = noise * torch.rand(count, generator=generator, dtype=torch.float64)
     chosen = torch.randperm(count, generator=generator)[:peaks]
     rewards[chosen] += peak_reward * (1.0 - torch.arange(peaks, dtype=torch.float64) / max(peaks, 1))
+    rewards[chosen[:modes]] = peak_reward  # ties: the optimal modes
     return rewards

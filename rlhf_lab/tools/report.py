@@ -28,6 +28,10 @@ its Pareto front. A plot with no data (no job logged its keys) is left out, and 
 which and why. The markdown table is printed, then every file written. A job whose run did not finish (no
 ``summary.json`` and fewer training steps than its ``trainer.steps``) is named as failed in both.
 
+An experiment's claims (``claims:`` in its YAML, or ``--claims EXPERIMENT`` for the ones it lists now) are checked
+on the arms (:mod:`rlhf_lab.tools.claims`): PASS / FAIL, seeds, effect and a 95% bootstrap interval, printed, in
+report.md and ``claims.json``, and (``--wandb auto|on``) in a W&B run's summary (:mod:`rlhf_lab.tools.report_wandb`).
+
 An Optuna search's folder (``hydra/sweeper=optuna``) also holds ``optimization_results.yaml``: the report then
 starts with the best trial (value, parameters, folder) and a table of every trial by objective value.
 """
@@ -38,7 +42,6 @@ import argparse
 import csv
 import json
 import math
-import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,28 +49,20 @@ from typing import Any
 
 import numpy as np
 
-from rlhf_lab.config.overrides import flatten
 from rlhf_lab.errors import ToolError
-from rlhf_lab.tools.report_exact import EXACT_METRICS, exact_job_metrics, exact_plots, rank_by_gap
+from rlhf_lab.tools.claims import ClaimResult, claim_lines, claims_of, claims_table, evaluate_claim, experiment_claims
+from rlhf_lab.tools.report_columns import METRICS
+from rlhf_lab.tools.report_exact import exact_job_metrics, exact_plots, rank_by_gap
+from rlhf_lab.tools.report_jobs import SUMMARY_FILE, Job, JobProblem, failure, find_jobs, load_job  # noqa: F401
 from rlhf_lab.tools.report_plots import BANDS, PLOT_FILES, PlotOptions, write_all
 from rlhf_lab.tools.report_search import optuna_section
+from rlhf_lab.tools.report_wandb import CHOICES as WANDB_CHOICES
+from rlhf_lab.tools.report_wandb import log_claims
 
 IGNORED_KEYS = ("seed", "trainer.resume", "trainer.output_dir", "trainer.progress_bar")
 IGNORED_PREFIXES = ("logger.",)
 
-# (column, markdown header); eval_reward is added only when some job has eval lines.
-METRICS = (
-    ("final_reward", "final reward"),
-    ("best_reward", "best reward"),
-    ("final_kl_exact", "final KL (exact)"),
-    ("kl_estimate_minus_exact", "KL est − exact"),
-    ("step_time_s", "s/step"),
-    ("eval_reward", "eval reward"),
-    ("eval_kl_exact", "eval KL (exact)"),
-    *((column, header) for column, header, _ in EXACT_METRICS),
-)
 PLOTS = PLOT_FILES  # rlhf_lab/tools/report_plots.py: styles and legends that hold at 36 arms
-SUMMARY_FILE = "summary.json"  # a run writes it last: a job folder without it did not finish
 
 
 class ReportError(ToolError):
@@ -75,24 +70,17 @@ class ReportError(ToolError):
 
 
 @dataclass
-class Job:
-    folder: Path
-    config: dict[str, Any]  # flattened resolved config (dotted keys) plus chosen group options
-    train: list[dict[str, float]]  # training lines, by step
-    eval: list[dict[str, float]]  # lines with eval/reward/mean, by step
-    failed: str | None = None  # why the job counts as failed (its run did not finish), or None
-
-
-@dataclass
 class Report:
     """What ``rlhf-lab report`` wrote: the markdown table, its rows, every file written, the plots left out (one
-    reason each) and the failed jobs (folder: why)."""
+    reason each), the failed jobs (folder: why) and the experiment's claims, evaluated."""
 
     table: str
     rows: list[dict[str, Any]]
     files: list[Path]
     skipped: list[str]
     failed: list[str]
+    claims: list[ClaimResult] = field(default_factory=list)
+    wandb: str | None = None  # where the claims went in W&B, if they did
 
 
 @dataclass
@@ -103,114 +91,6 @@ class Arm:
     @property
     def name(self) -> str:
         return ",".join(f"{key}={_format_value(value)}" for key, value in self.label.items()) or "all jobs"
-
-
-# ------------------------------------------------------------------------------------------ loading
-
-
-def _to_float(value: Any) -> float:
-    try:
-        return float(value)  # also "nan" / "inf", which metrics.jsonl stores as strings
-    except (TypeError, ValueError):
-        return math.nan
-
-
-class JobProblem(Exception):
-    """A job folder that cannot be read: it is skipped with one warning line naming the file and the problem."""
-
-
-def _read_lines(path: Path) -> list[dict[str, Any]]:
-    records = []
-    try:
-        with open(path, encoding="utf-8") as handle:
-            for number, line in enumerate(handle, start=1):
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:  # a torn last line of a killed run
-                    continue
-                if not isinstance(record, dict):
-                    raise JobProblem(f"{path}: line {number} is not a JSON object ({line.strip()[:30]})")
-                step = record.get("step", 0)
-                if isinstance(step, bool) or not isinstance(step, int | float) or not math.isfinite(step):
-                    raise JobProblem(f"{path}: line {number}: step {step!r} is not a number")
-                records.append(record)
-    except UnicodeDecodeError as error:
-        raise JobProblem(f"{path}: not valid UTF-8 (byte {error.start})") from None
-    return records
-
-
-def _group_choices(hydra_file: Path) -> dict[str, Any]:
-    """Config group options the job ran with (``algorithm -> rloo``), from Hydra's saved runtime config."""
-    if not hydra_file.is_file():
-        return {}
-    from omegaconf import OmegaConf
-
-    try:
-        choices = OmegaConf.select(OmegaConf.load(hydra_file), "hydra.runtime.choices") or {}
-        return {str(k): v for k, v in OmegaConf.to_container(choices).items() if not str(k).startswith("hydra/")}
-    except Exception:
-        return {}
-
-
-def load_job(folder: Path) -> Job:
-    from omegaconf import OmegaConf
-
-    config_file = folder / ".hydra" / "config.yaml"
-    try:
-        loaded = OmegaConf.to_container(OmegaConf.load(config_file), resolve=True)
-    except UnicodeDecodeError as error:
-        raise JobProblem(f"{config_file}: not valid UTF-8 (byte {error.start})") from None
-    except Exception as error:  # noqa: BLE001 (YAML and OmegaConf raise many types)
-        first = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
-        raise JobProblem(f"{config_file}: invalid YAML or config ({first})") from None
-    if not isinstance(loaded, dict):
-        raise JobProblem(f"{config_file}: not a mapping of config keys")
-    config = flatten(loaded)
-    for group, option in _group_choices(folder / ".hydra" / "hydra.yaml").items():
-        if group != "schema" and group not in config:
-            config[group] = option
-    lines = [
-        {key: value if key == "step" else _to_float(value) for key, value in line.items()}
-        for line in _read_lines(folder / "metrics.jsonl")
-    ]
-    train = sorted((line for line in lines if "reward/mean" in line), key=lambda line: line.get("step", 0))
-    evals = sorted((line for line in lines if "eval/reward/mean" in line), key=lambda line: line.get("step", 0))
-    return Job(folder, config, train, evals, failure(folder, config, train))
-
-
-def failure(folder: Path, config: dict[str, Any], train: list[dict[str, Any]]) -> str | None:
-    """Why a job folder holds a failed run: no ``summary.json`` (written last) and fewer training steps than its
-    ``trainer.steps``, so it ended in an error or was killed (or is still running). None for a finished job."""
-    steps = config.get("trainer.steps")
-    if (folder / SUMMARY_FILE).is_file() or not isinstance(steps, int) or len(train) >= steps:
-        return None
-    return (f"failed: {len(train)} of trainer.steps={steps} steps in metrics.jsonl and no {SUMMARY_FILE} (the run "
-            "ended in an error or was killed, or is still running)")
-
-
-def _job_order(folder: Path) -> tuple[int, str]:
-    match = re.match(r"(\d+)(?:_|$)", folder.name)  # Hydra's job number prefix: 2_... before 10_... (or just 2, 10)
-    return (int(match.group(1)) if match else 1 << 30, str(folder))
-
-
-def find_jobs(root: Path) -> list[Job]:
-    """Every job folder under ``root`` (itself included) with metrics.jsonl and .hydra/config.yaml."""
-    folders = {p.parent for p in Path(root).rglob("metrics.jsonl") if (p.parent / ".hydra" / "config.yaml").is_file()}
-    jobs = []
-    for folder in sorted(folders, key=_job_order):
-        try:
-            job = load_job(folder)
-        except (JobProblem, OSError) as problem:
-            print(f"warning: skipping {folder}: {problem}", file=sys.stderr)
-            continue
-        if job.train or job.eval:
-            jobs.append(job)
-        elif not (folder / SUMMARY_FILE).is_file():
-            print(f"skipping failed job {folder}: no training steps or evaluations in metrics.jsonl and no "
-                  f"{SUMMARY_FILE} (the run ended in an error or was killed)", file=sys.stderr)
-        else:
-            print(f"skipping {folder}: no training steps or evaluations in metrics.jsonl", file=sys.stderr)
-    return jobs
 
 
 # ------------------------------------------------------------------------------------------ arms
@@ -368,7 +248,8 @@ def build_report(folder: Path, out: Path | None = None,
     return report.table, report.rows
 
 
-def write_report(folder: Path, out: Path | None = None, options: PlotOptions | None = None) -> Report:
+def write_report(folder: Path, out: Path | None = None, options: PlotOptions | None = None,
+                 wandb: str = "auto", claims_from: str | None = None) -> Report:
     """Write report.csv, report.md and the plots that have data; return what was written and left out."""
     folder = Path(folder)
     if not folder.is_dir():
@@ -390,6 +271,12 @@ def write_report(folder: Path, out: Path | None = None, options: PlotOptions | N
     write_csv(rows, out / "report.csv")
     plots, skipped = write_plots(arms, rows, out, options)
     failed = [f"{job.folder}: {job.failed}" for job in jobs if job.failed]
+    per_job = {id(job): job_metrics(job) for job in jobs}
+    listed = claims_of(jobs) if claims_from is None else experiment_claims(claims_from)
+    claims = [evaluate_claim(claim, arms, per_job) for claim in listed]
+    if claims:  # tools/claims.py: each claim's verdict, for machines (the W&B summary's keys)
+        summary = {key: value for result in claims for key, value in result.summary().items()}
+        (out / "claims.json").write_text(json.dumps(summary, indent=1, default=str), encoding="utf-8")
     keys = ", ".join(arms[0].label) or "nothing varies across jobs"
     markdown = "\n".join(
         [
@@ -402,6 +289,9 @@ def write_report(folder: Path, out: Path | None = None, options: PlotOptions | N
             "",
             table,
             "",
+            *(["## Claims", "", "Each claim's effect is the mean over seeds of a − b (or a − the bound), its interval "
+               "the 95% bootstrap over seeds (rlhf_lab/tools/claims.py).", "", claims_table(claims), ""]
+              if claims else []),
             *([f"Failed jobs ({len(failed)}; their steps so far are in the table):", "",
                *(f"- {line}" for line in failed), ""] if failed else []),
             *(f"![{path.stem}]({path.name})" for path in plots),
@@ -410,7 +300,8 @@ def write_report(folder: Path, out: Path | None = None, options: PlotOptions | N
         ]
     )
     (out / "report.md").write_text(markdown, encoding="utf-8")
-    return Report(table, rows, [out / "report.csv", *plots, out / "report.md"], skipped, failed)
+    files = [out / "report.csv", *plots, out / "report.md", *([out / "claims.json"] if claims else [])]
+    return Report(table, rows, files, skipped, failed, claims, log_claims(jobs, claims, folder, out, wandb))
 
 
 def main(args: list[str] | None = None) -> None:
@@ -419,6 +310,10 @@ def main(args: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=None, help="where to write the report (default: the folder)")
     parser.add_argument("--ema", type=float, default=0.0, help="smooth curves: EMA weight in [0, 1) (default 0: off)")
     parser.add_argument("--band", choices=BANDS, default="sd", help="band over seeds: sd (default) or ci95")
+    parser.add_argument("--wandb", choices=WANDB_CHOICES, default="auto", help="the claims into a W&B run's summary: "
+                        "auto (default: when the jobs logged to W&B), on, off")
+    parser.add_argument("--claims", default=None, metavar="EXPERIMENT", help="check the claims experiment=EXPERIMENT "
+                        "lists now (default: those the jobs ran with)")
     parser.add_argument("--last-k", type=int, default=None, help="frontier: mean of the last K training steps "
                         "(default: 20%% of the steps)")
     options = parser.parse_args(args)
@@ -428,14 +323,20 @@ def main(args: list[str] | None = None) -> None:
         if options.last_k is not None and options.last_k < 1:
             raise ReportError(f"--last-k {options.last_k} is out of range; must be >= 1")
         plot_options = PlotOptions(ema=options.ema, band=options.band, last_k=options.last_k)
-        report = write_report(options.folder, options.out, plot_options)
-    except ReportError as error:
+        report = write_report(options.folder, options.out, plot_options, options.wandb, options.claims)
+    except ToolError as error:  # ReportError, and an unknown --claims experiment
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
     print(report.table)
     search = optuna_section(options.folder)
     if search:
         print("\n" + "\n".join(line for line in search[:5] if line))
+    if report.claims:
+        print("\nclaims:")
+        for line in claim_lines(report.claims):
+            print(f"  {line}")
+        if report.wandb:
+            print(f"  {report.wandb}")
     for line in report.failed:
         print(f"failed job {line}")
     for line in report.skipped:

@@ -5,7 +5,9 @@ Per job, from its last training line that has ``exact/gap`` (the final policy):
 - final gap: ``exact/gap`` = J* − J(π) = β·KL(π‖π*), 0 at the regularised optimum;
 - KL(π‖π_ref): ``exact/kl_sequence``, the true sequence-level KL, beside KL(π*‖π_ref) (``exact/kl_optimal``);
 - TV to π*: ``exact/tv_to_optimal``;
-- estimate bias: ``exact/kl_estimate_bias``, E_π[Σ_t estimate_t] − KL(π‖π_ref) under the final policy.
+- estimate bias: ``exact/kl_estimate_bias``, E_π[Σ_t estimate_t] − KL(π‖π_ref) under the final policy;
+- with several equally rewarded optimal responses (``exact/mode_coverage`` logged): the entropies H(π), H(π*), the
+  mass on the modes, the mode coverage and the effective number of modes of π and of π*.
 
 Arms are ranked by final gap (mean over seeds), and ``gap_vs_step.png`` / ``kl_sequence_vs_step.png`` plot
 gap and true KL against steps with a band over seeds.
@@ -26,6 +28,16 @@ EXACT_METRICS = (
     ("final_tv", "TV to π*", "exact/tv_to_optimal"),
     ("estimate_bias", "estimate bias", "exact/kl_estimate_bias"),
 )
+# With several equally rewarded optimal responses (reward.modes, rlhf_lab/testbed/modes.py): columns only for jobs
+# that logged them.
+MODE_METRICS = (
+    ("final_entropy", "H(π)", "exact/entropy"),
+    ("entropy_optimal", "H(π*)", "exact/entropy_optimal"),
+    ("mode_mass", "mass on modes", "exact/mode_mass"),
+    ("mode_coverage", "mode coverage", "exact/mode_coverage"),
+    ("modes_effective", "effective modes", "exact/modes_effective"),
+    ("modes_effective_optimal", "effective modes of π*", "exact/modes_effective_optimal"),
+)
 EXACT_PLOTS = (("exact/gap", "gap J* − J(π) (exact)", "gap_vs_step.png"),
                ("exact/kl_sequence", "KL(π‖π_ref) per sequence (exact)", "kl_sequence_vs_step.png"))
 
@@ -36,7 +48,10 @@ def exact_job_metrics(train_lines: list[dict[str, Any]]) -> dict[str, float]:
     if not exact_lines:
         return {}
     last = exact_lines[-1]
-    return {column: last.get(key, math.nan) for column, _, key in EXACT_METRICS}
+    metrics = {column: last.get(key, math.nan) for column, _, key in EXACT_METRICS}
+    if "exact/mode_coverage" in last:
+        metrics.update({column: last.get(key, math.nan) for column, _, key in MODE_METRICS})
+    return metrics
 
 
 def rank_by_gap(rows: list[dict[str, Any]], arms: list[Any]) -> tuple[list[dict[str, Any]], list[Any]]:

@@ -8,7 +8,8 @@ likely token at every position: sampling restricted to top-k = 1 at temperature 
 each extra reward's ``reward/<name>/mean`` (a second opinion that catches reward hacking); with
 ``eval.win_rate=true`` the reference policy answers the same prompts and ``win_rate`` is the share of prompts
 where the policy's response scores higher under ``eval.win_rate_reward`` (default: the run's reward; ties
-count half).
+count half). With ``eval.samples_per_prompt`` = G > 1: ``group_distinct_1|2`` (one prompt's responses), and with
+``eval.pass_threshold`` set, ``pass@k`` for k in 1, 4, 16 up to G (:mod:`rlhf_lab.training.diversity`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from omegaconf import OmegaConf
 from rlhf_lab.data.prompts import EVAL_CHUNK
 from rlhf_lab.masked import masked_sum
 from rlhf_lab.runtime import distributed
+from rlhf_lab.training.diversity import group_metrics
 from rlhf_lab.training.records import StepTimer, distinct_n
 
 
@@ -50,6 +52,7 @@ class EvalSettings:
     rewards: list[str]
     win_rate: bool
     win_rate_reward: str | None
+    pass_threshold: float | None = None
 
 
 def settings(cfg: Any) -> EvalSettings:
@@ -71,6 +74,7 @@ def settings(cfg: Any) -> EvalSettings:
         rewards=[str(name) for name in pick("rewards", [])],
         win_rate=bool(pick("win_rate", False)),
         win_rate_reward=pick("win_rate_reward", None),
+        pass_threshold=pick("pass_threshold", None),
     )
 
 
@@ -178,6 +182,7 @@ class Evaluation:
             "eval/response/length_mean": all_lengths.mean().item(),
             "eval/distinct_2": distinct_n(texts, 2),
         }
+        metrics.update(group_metrics(all_shown, texts, group, self.settings.pass_threshold))  # pass@k, group distinct-n
         if (group > 1 or self.extra_rewards or all_wins is not None) and "eval/kl/exact" in metrics:
             metrics["eval/kl/exact_sequence"] = exacts.sum().item() / max(len(all_lengths), 1)
         for name, values in extra_scores.items():

@@ -26,6 +26,7 @@ from rlhf_lab.generation.sync_check import SyncCheck, tolerance
 from rlhf_lab.generation.worker import RolloutWorker
 from rlhf_lab.hardware import HardwareProfile
 from rlhf_lab.kl.placements import KLPenalty
+from rlhf_lab.masked import masked_sum
 from rlhf_lab.models.loading import PolicyAndReference
 from rlhf_lab.registry import get
 from rlhf_lab.rewards.base import Reward, fill_nonfinite
@@ -117,6 +118,7 @@ class ExperienceMaker:
         env = get("env", env_cfg["name"])(env_cfg)
         self.episodes = None if env.single_turn else EpisodeRunner(env, tokenizer, cfg)
         self.rescore = rescores(cfg, self.precision) or self.episodes is not None
+        self.rescale = get("reward_rescale", cfg.reward.get("rescale", "none"))  # rlhf_lab/rewards/rescale.py
         # An engine that reports no entropies, logits or hidden states (vLLM): the scoring pass runs wherever a batch
         # needs them (:meth:`rescores_batch`); elsewhere the training pass measures the entropy.
         self.engine_reports_logits = getattr(engine_class, "reports_entropy", True)
@@ -175,11 +177,22 @@ class ExperienceMaker:
         if then is not None:
             then()
         self.scoring(experience.rollout, timer, exact, rescore)
+        if train:
+            self._rescale(experience.rollout, group_size, kl_coef)
         self.kl.score_rollout(experience.rollout, kl_coef)
         rollout = experience.rollout
         rollout.old_from_update = self.old_from_update and not rescore
         rollout.entropy_from_update = train and not rescore and not self.engine_reports_logits
         return experience
+
+    def _rescale(self, rollout: Rollout, group_size: int, kl_coef: float) -> None:
+        """``reward.rescale`` on a training batch, with the reference's sequence log-probs: the scores the algorithm
+        optimises; the task's own are logged beside them (``reward/task``)."""
+        rescaled = self.rescale(rollout.scores, masked_sum(rollout.ref_logprobs, rollout.response_mask, dim=-1),
+                                group_size, kl_coef, self.cfg.reward.get("rescale_threshold"))
+        if rescaled is not rollout.scores:
+            rollout.extras["reward/task"] = rollout.scores
+            rollout.scores = rescaled
 
     def rescores_batch(self, exact: bool, train: bool) -> bool:
         """Whether this batch gets the scoring pass of the training model: where the config asks for it

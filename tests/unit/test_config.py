@@ -143,14 +143,15 @@ def test_group_options_are_yaml_files_not_stored_schemas() -> None:
     assert {"dapo", "grpo", "ppo", "remax"} <= set(group_options("algorithm"))
     assert group_options("experiment") == ["algo_comparison", "algo_comparison_exact", "exact", "exact_two_turn",
                                            "grpo_kl_scale", "kl_ablation", "kl_ablation_exact", "kl_placement_bias",
-                                           "kl_to_go", "multi_turn_mask", "smoke"]
+                                           "kl_to_go", "mode_collapse", "multi_turn_mask", "smoke"]
 
 
 @pytest.mark.parametrize(
     ("overrides", "expected"),
     [
         (["reward=sentiment", "reward.min_words=3"],
-         "unknown key 'reward.min_words' for reward=sentiment; valid keys: name, on_nonfinite, target"),
+         "unknown key 'reward.min_words' for reward=sentiment; valid keys: name, on_nonfinite, rescale, "
+         "rescale_threshold, target"),
         (["algorithm=ppo", "algorithm.weight_by=reward"],
          f"unknown key 'algorithm.weight_by' for algorithm=ppo; valid keys: {keys(PPOConfig)}"),
         (["algorithm=grpo", "algorithm.critic=separate"],
@@ -177,7 +178,8 @@ def test_a_key_of_another_option_is_an_error_naming_the_option(overrides: list[s
     ("overrides", "expected"),
     [
         (["reward=sentiment", "+reward.min_words=3"],
-         "unknown key 'reward.min_words' for reward=sentiment; valid keys: name, on_nonfinite, target"),
+         "unknown key 'reward.min_words' for reward=sentiment; valid keys: name, on_nonfinite, rescale, "
+         "rescale_threshold, target"),
         (["algorithm=ppo", "+algorithm.scale_by_std=false"],
          f"unknown key 'algorithm.scale_by_std' for algorithm=ppo; valid keys: {keys(PPOConfig)}"),
         (["model=tiny", "+model.tiny.depth=3"],
@@ -314,6 +316,6 @@ def test_unknown_option_lists_the_yaml_options() -> None:
     )
     assert compose_error(["+experiment=nope"]) == (
         "experiment='nope' is not an option; choose from: algo_comparison, algo_comparison_exact, exact, "
-        "exact_two_turn, grpo_kl_scale, kl_ablation, kl_ablation_exact, kl_placement_bias, kl_to_go, multi_turn_mask, "
-        "smoke"
+        "exact_two_turn, grpo_kl_scale, kl_ablation, kl_ablation_exact, kl_placement_bias, kl_to_go, mode_collapse, "
+        "multi_turn_mask, smoke"
     )

@@ -57,6 +57,8 @@ def test_metrics_match_a_two_symbol_two_token_case_by_hand() -> None:
         "exact/total_probability": 1.0,
         "exact/kl_estimate_expected": expected_k2,
         "exact/kl_estimate_bias": expected_k2 - kl,
+        "exact/entropy": -sum(p * math.log(p) for p in policy),
+        "exact/entropy_optimal": -sum(q * math.log(q) for q in optimal),
     }
     assert metrics.keys() == expected.keys()
     for key, value in expected.items():
@@ -124,6 +126,10 @@ def test_reward_table_structure_and_lookup() -> None:
     (["reward.length=2"], "reward.length=2"),
     (["kl.importance_weight=true"], "kl.importance_weight=True acts on the loss-placed KL term"),
     (["kl=k3", "kl.clamp_log_ratio=0"], "kl.clamp_log_ratio=0.0 is out of range"),
+    (["kl.off_policy_correction=ratio"], "kl.off_policy_correction='ratio' is not valid; choose from: .*prefix_ratio"),
+    (["kl.off_policy_correction=token_ratio"], "kl.off_policy_correction=token_ratio weighs the loss-placed KL"),
+    (["kl=k3", "kl.off_policy_correction=prefix_ratio", "kl.importance_weight=true"], "would weigh it twice"),
+    (["algorithm.tis_mode=off"], "algorithm.tis_mode='off' is not valid; choose from: .*, none"),
 ])
 def test_config_rules(compose, overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
