@@ -4,7 +4,7 @@ With π(y) the policy's sequence probability, π_ref the reference's, R the rewa
 
     J(π) = E_π[R] − β·KL(π‖π_ref)                      exact/objective
     π*(y) = π_ref(y)·exp(R(y)/β) / Z,  J* = β·log Z    the regularised optimum (exact/optimal_objective)
-    J* − J(π) = β·KL(π‖π*) ≥ 0                         exact/gap
+    J* − J(π) = β·KL(π‖π*) ≥ 0                         exact/gap, and KL(π‖π*) itself: exact/kl_to_optimal
     KL(π‖π_ref), KL(π*‖π_ref)                           exact/kl_sequence, exact/kl_optimal
     E_π[R], ½ Σ_y |π(y) − π*(y)|                        exact/reward, exact/tv_to_optimal
     E_π[Σ_t estimate_t] − KL(π‖π_ref)                  exact/kl_estimate_bias (the run's estimator's value,
@@ -77,6 +77,10 @@ def exact_metrics(logprobs: Tensor, ref_logprobs: Tensor, rewards: Tensor, beta:
         "exact/reward": reward,
         "exact/reward_optimal": float((optimal * rewards).sum()),
         "exact/tv_to_optimal": 0.5 * float((policy - optimal).abs().sum()),
+        # KL(π‖π*) directly (β = 0: infinite where π leaves π*'s support, so from the log-probs on it).
+        "exact/kl_to_optimal": float((policy * (log_policy - log_optimal)).sum()) if bool(on_support.all())
+        else float("inf") if bool((policy[~on_support] > 0).any()) else float(
+            (policy[on_support] * (log_policy - log_optimal)[on_support]).sum()),
         "exact/total_probability": float(policy.sum()),  # 1 up to rounding: the enumeration is complete
     }
     metrics.update(mode_metrics(log_policy, log_optimal, log_ref, rewards))  # entropy; the optimal modes' split

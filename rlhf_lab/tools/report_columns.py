@@ -15,6 +15,7 @@ METRICS = (
     ("eval_reward", "eval reward"),
     ("eval_kl_exact", "eval KL (exact)"),
     *((column, header) for column, header, _ in EXACT_METRICS),
+    ("diverged", "diverged"),  # share of seeds that ended further from π* than they started
     *((column, header) for column, header, _ in MODE_METRICS),
 )
 COLUMNS = tuple(column for column, _ in METRICS)

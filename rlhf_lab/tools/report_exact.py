@@ -26,6 +26,7 @@ EXACT_METRICS = (
     ("final_kl_sequence", "KL(π‖π_ref)", "exact/kl_sequence"),
     ("kl_optimal", "KL(π*‖π_ref)", "exact/kl_optimal"),
     ("final_tv", "TV to π*", "exact/tv_to_optimal"),
+    ("kl_to_optimal", "KL(π‖π*)", "exact/kl_to_optimal"),
     ("estimate_bias", "estimate bias", "exact/kl_estimate_bias"),
 )
 # With several equally rewarded optimal responses (reward.modes, rlhf_lab/testbed/modes.py): columns only for jobs
@@ -49,6 +50,9 @@ def exact_job_metrics(train_lines: list[dict[str, Any]]) -> dict[str, float]:
         return {}
     last = exact_lines[-1]
     metrics = {column: last.get(key, math.nan) for column, _, key in EXACT_METRICS}
+    # Diverged: the run ended further from π* than it started (or at a non-finite objective).
+    first_gap, last_gap = exact_lines[0]["exact/gap"], last["exact/gap"]
+    metrics["diverged"] = float(not math.isfinite(last_gap) or last_gap > first_gap)
     if "exact/mode_coverage" in last:
         metrics.update({column: last.get(key, math.nan) for column, _, key in MODE_METRICS})
     return metrics

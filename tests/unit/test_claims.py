@@ -56,7 +56,8 @@ def test_an_arm_must_be_one_arm_of_the_grid() -> None:
         check_claims([claim(metric="final_gap", a="kl_arm=mse_loss", b="algorithm=rloo,kl_arm=k3_loss")], grid)
 
 
-@pytest.mark.parametrize("experiment", ["kl_to_go", "kl_placement_bias", "grpo_kl_scale", "mode_collapse"])
+@pytest.mark.parametrize("experiment", ["kl_to_go", "kl_placement_bias", "grpo_kl_scale", "mode_collapse",
+                                        "off_policy_kl"])
 def test_the_experiments_claims_pass_the_check(experiment: str) -> None:
     """Each experiment's claims against its own grid (what ``compose`` checks before the jobs; composing every job
     of the three sweeps here would take a minute)."""

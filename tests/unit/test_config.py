@@ -143,7 +143,8 @@ def test_group_options_are_yaml_files_not_stored_schemas() -> None:
     assert {"dapo", "grpo", "ppo", "remax"} <= set(group_options("algorithm"))
     assert group_options("experiment") == ["algo_comparison", "algo_comparison_exact", "exact", "exact_two_turn",
                                            "grpo_kl_scale", "kl_ablation", "kl_ablation_exact", "kl_placement_bias",
-                                           "kl_to_go", "mode_collapse", "multi_turn_mask", "smoke"]
+                                           "kl_to_go", "mode_collapse", "multi_turn_mask", "off_policy_kl",
+                                           "smoke"]
 
 
 @pytest.mark.parametrize(
@@ -317,5 +318,5 @@ def test_unknown_option_lists_the_yaml_options() -> None:
     assert compose_error(["+experiment=nope"]) == (
         "experiment='nope' is not an option; choose from: algo_comparison, algo_comparison_exact, exact, "
         "exact_two_turn, grpo_kl_scale, kl_ablation, kl_ablation_exact, kl_placement_bias, kl_to_go, mode_collapse, "
-        "multi_turn_mask, smoke"
+        "multi_turn_mask, off_policy_kl, smoke"
     )

@@ -54,6 +54,7 @@ def test_metrics_match_a_two_symbol_two_token_case_by_hand() -> None:
         "exact/kl_optimal": sum(q * math.log(q / 0.25) for q in optimal),
         "exact/reward_optimal": sum(q * r for q, r in zip(optimal, (1.0, 0.0, 0.0, 0.5))),
         "exact/tv_to_optimal": 0.5 * sum(abs(p - q) for p, q in zip(policy, optimal)),
+        "exact/kl_to_optimal": sum(p * math.log(p / q) for p, q in zip(policy, optimal)),
         "exact/total_probability": 1.0,
         "exact/kl_estimate_expected": expected_k2,
         "exact/kl_estimate_bias": expected_k2 - kl,

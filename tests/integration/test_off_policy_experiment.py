@@ -1,0 +1,42 @@
+"""``experiment=off_policy_kl``: its grid is the one its page describes (staleness {0, 1, 2, 4, 8} x correction x
+KL, the on-policy cells' corrections merged), every job composes to the staleness and correction its arm names, and
+a short job runs on the exact task with KL(π‖π*) = gap / β logged."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+
+from rlhf_lab.training.loop import Trainer
+
+ARMS = ["s0"] + [f"s{k}_{c}" for k in (1, 2, 4, 8) for c in ("none", "token", "sequence")]
+KL_ARMS = ["none", "kl_reward", "k3_loss", "mse_loss"]
+MODES = {"none": "none", "token": "token_truncate", "sequence": "sequence_mask"}
+
+
+def test_the_grid_is_staleness_by_correction_by_kl(compose) -> None:
+    from rlhf_lab.config.compose import _hydra_compose
+
+    sweep = _hydra_compose(["experiment=off_policy_kl"], return_hydra_config=True).hydra.sweeper.params
+    assert {key: str(value) for key, value in sweep.items()} == {
+        "+off_policy_arm": ",".join(ARMS), "+kl_arm": ",".join(KL_ARMS), "seed": "0,1,2,3,4"}
+    for arm, kl_arm in itertools.product(ARMS, KL_ARMS):
+        cfg = compose(["experiment=off_policy_kl", f"+off_policy_arm={arm}", f"+kl_arm={kl_arm}"])
+        staleness, _, correction = arm[1:].partition("_")
+        assert cfg.generation.max_staleness == int(staleness)
+        assert cfg.algorithm.tis_mode == MODES[correction or "none"] and cfg.algorithm.tis_cap == 2.0
+        assert cfg.model.name == "exact" and cfg.kl.coef == 0.2
+
+
+def test_a_stale_corrected_job_runs_and_logs_its_distance_to_the_optimum(compose, tmp_path) -> None:
+    cfg = compose(["experiment=off_policy_kl", "+off_policy_arm=s2_sequence", "+kl_arm=k3_loss", "trainer.steps=4",
+                   "trainer.exact_every=1", f"trainer.output_dir={tmp_path / 'run'}", "logger=none"])
+    Trainer(cfg, tmp_path / "run").train()
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    exact = [line for line in lines if "exact/gap" in line]
+    assert len(exact) == 4
+    for line in exact:
+        assert line["exact/kl_to_optimal"] == pytest.approx(line["exact/gap"] / 0.2, rel=1e-6)
+    assert all("rollout/is_weight_mean" in line for line in lines if "reward/mean" in line)
