@@ -270,3 +270,36 @@ def test_a_token_given_by_file_or_environment_is_used_and_none_is_one_line(tmp_p
     first = serving.server_token(tmp_path)
     assert first != serving.server_token(tmp_path)  # a new secret at every start
     assert os.stat(tmp_path / serving.TOKEN_FILE).st_mode & 0o077 == 0
+
+
+def test_serve_options_it_cannot_run_are_one_line(tmp_path: Path, run_cli) -> None:
+    """Checked before any engine is built (no vLLM needed to see them)."""
+    sync = tmp_path / "sync"
+    sync.mkdir()
+    base = ["serve", str(tmp_path), "--sync-folder", str(sync)]
+    cases = [
+        (["--gpu-memory-utilization", "0"], "--gpu-memory-utilization 0.0: a share of the GPU in (0, 1]; the default "
+                                            "0.3 fits a 7B policy beside its trainer on 80 GB"),
+        (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization 1.5: a share of the GPU in (0, 1]; the "
+                                              "default 0.3 fits a 7B policy beside its trainer on 80 GB"),
+        (["--dtype", "float16"], "--dtype float16: vLLM's CPU backend runs float32 or bfloat16; use --dtype float32 "
+                                 "(or auto)"),
+        (["--dtype", "int8"], "argument --dtype: invalid choice: 'int8' (choose from 'auto', 'float32', "
+                              "'bfloat16', 'float16')"),
+    ]
+    for extra, message in cases:
+        assert run_cli([*base, *extra]) == (2, "", f"error: {message}\n"), extra
+    code, _, err = run_cli(["serve", str(tmp_path)])
+    assert code == 2 and err == "error: the following arguments are required: --sync-folder\n"
+    code, _, err = run_cli(["serve", str(tmp_path), "--sync-folder", str(tmp_path / "nope")])
+    assert code == 2 and err == (f"error: --sync-folder '{tmp_path / 'nope'}' is not a folder; create it (the "
+                                 "trainer's generation.sync_folder)\n")
+
+
+def test_the_dtype_follows_the_device() -> None:
+    from rlhf_lab.generation.serve_engine import check_dtype
+
+    assert check_dtype("auto", cuda=False) == "float32"
+    assert check_dtype("bfloat16", cuda=False) == "bfloat16"
+    if torch.cuda.is_available():
+        assert check_dtype("auto", cuda=True) == ("bfloat16" if torch.cuda.is_bf16_supported() else "float16")
