@@ -46,7 +46,7 @@ from torch import nn
 from rlhf_lab.errors import CheckpointError
 from rlhf_lab.training.checkpoint_sharded import SHARDED_FOLDER, load_sharded, save_sharded  # noqa: F401
 from rlhf_lab.training.state_encoding import decode_state, encode_state, rng_state, set_rng_state
-from rlhf_lab.training.verify import fsync, fsync_tree, full_disk, manifest, seal
+from rlhf_lab.training.verify import fsync, fsync_tree, full_disk, manifest, outside_entry, read_regular_text, seal
 
 STATE_FILE = "trainer_state.json"  # written last inside a checkpoint folder; holds the manifest
 COMPLETE_MARKER = STATE_FILE
@@ -196,7 +196,7 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
 def read_state(folder: Path) -> dict[str, Any] | None:
     """The parsed ``trainer_state.json`` of a checkpoint folder, or None if missing or torn."""
     try:
-        state = json.loads((Path(folder) / STATE_FILE).read_text(encoding="utf-8"))
+        state = json.loads(read_regular_text(Path(folder) / STATE_FILE))  # never blocks on a named pipe
     except (OSError, ValueError):
         return None
     return state if isinstance(state, dict) else None
@@ -224,6 +224,8 @@ def is_complete(folder: Path) -> bool:
         return False
     for relative, size in state["files"].items():
         path = folder / relative
+        if outside_entry(relative):
+            return False
         try:
             if path.stat().st_size != size:
                 return False
@@ -250,7 +252,7 @@ def latest_checkpoint(root: Path) -> Path | None:
     root = Path(root)
     pointer = root / LATEST
     try:
-        named = root / pointer.read_text(encoding="utf-8").strip()
+        named = root / read_regular_text(pointer).strip()
     except (OSError, UnicodeDecodeError):
         named = None
     inside = named is not None and named.resolve().parent == root.resolve()  # never followed out of root
@@ -308,6 +310,9 @@ def locate_checkpoint(path: Path, label: str) -> Path | None:
             raise CheckpointError(f"{label} is an incomplete checkpoint (a save was interrupted)")
         return path
     for root in (path, path / "checkpoints"):
+        if root.is_symlink():  # a run's checkpoints are its own folder, never followed elsewhere
+            raise CheckpointError(f"{label}: {root} is a symbolic link; a run's checkpoints are read only from its "
+                                  "own folder (give the folder it points to instead)")
         found = latest_checkpoint(root)
         if found is not None:
             return found
