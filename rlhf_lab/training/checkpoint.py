@@ -32,6 +32,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -259,7 +260,31 @@ def latest_checkpoint(root: Path) -> Path | None:
     if inside and STEP_FOLDER.match(named.name) and is_complete(named):
         return named
     complete = complete_checkpoints(root)
-    return complete[-1] if complete else None
+    found = complete[-1] if complete else None
+    _warn_skipped(root, found)
+    return found
+
+
+_WARNED: set[Path] = set()  # checkpoints already named in a warning by this process
+
+
+def _warn_skipped(root: Path, found: Path | None) -> None:
+    """A ``step_N`` newer than the checkpoint used that is not complete (a file torn, cut short or removed) is
+    named in one warning line, as a damaged checkpoint the digests catch is: never passed over in silence."""
+    from rlhf_lab.training.verify import damage
+
+    def number(path: Path) -> int:
+        return int(STEP_FOLDER.match(path.name).group(1))
+
+    if found is None:  # nothing to fall back to: the caller says so in its own line
+        return
+    skipped = sorted((child for child in root.iterdir() if STEP_FOLDER.match(child.name) and child.is_dir()
+                      and number(child) > number(found)), key=number)
+    if skipped and skipped[-1] not in _WARNED:
+        _WARNED.add(skipped[-1])
+        problem = damage(skipped[-1], STATE_FILE) or "incomplete"
+        print(f"warning: checkpoint {skipped[-1]} is damaged ({problem}); falling back to {found} (step "
+              f"{number(found)})", file=sys.stderr, flush=True)
 
 
 def prepare_run_folder(resume: str | None, run_dir: Path, clear_logs: bool = True) -> Path | None:
@@ -438,7 +463,11 @@ def load_checkpoint(
 
 def _finish_load(folder: Path, state: dict[str, Any]) -> dict[str, Any]:
     """The generators restored; the trainer's state without the checkpoint's bookkeeping."""
-    set_rng_state(load_file(str(folder / RNG_FILE)), state.pop("rng"))
+    try:
+        set_rng_state(load_file(str(folder / RNG_FILE)), state.pop("rng"))
+    except (SafetensorError, KeyError, TypeError, ValueError, RuntimeError) as error:  # an older save without digests
+        raise CheckpointError(f"checkpoint {folder} has an unreadable {RNG_FILE} ({type(error).__name__}); use "
+                              "another checkpoint of the run (checkpoints/step_N)") from None
     for key in ("files", "modules", "sha256", "keys", "state_sha256"):
         state.pop(key, None)
     return state
