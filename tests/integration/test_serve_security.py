@@ -303,3 +303,47 @@ def test_the_dtype_follows_the_device() -> None:
     assert check_dtype("bfloat16", cuda=False) == "bfloat16"
     if torch.cuda.is_available():
         assert check_dtype("auto", cuda=True) == ("bfloat16" if torch.cuda.is_bf16_supported() else "float16")
+
+
+def test_the_trainer_reads_the_token_and_only_rank_0_writes(compose, tiny_overrides, tmp_path: Path,
+                                                             monkeypatch) -> None:
+    """The client engine (``generation=vllm_server``) against a server over the tiny policy: it finds the token the
+    server wrote, its weights arrive in the sync folder by name and pass the server's checks, and it samples. A rank
+    other than 0 gathers along but writes and sends nothing."""
+    from rlhf_lab.generation.backend import SamplingSettings
+    from rlhf_lab.generation.server import VLLMServerGeneration
+    from rlhf_lab.models.loading import build_policy, load_tokenizer
+    from rlhf_lab.runtime import distributed
+
+    cfg = compose(tiny_overrides(None))
+    tokenizer = load_tokenizer(cfg.model)
+    policy = build_policy(cfg.model, tokenizer, "float32", 0).policy
+    model, sync = tmp_path / "model", tmp_path / "sync"
+    policy.save_pretrained(model)
+    sync.mkdir()
+
+    class Sampler(StandInEngine):
+        def generate(self, request):
+            return [[[7, 8], [-0.5, -0.25]] for _ in request["prompt_ids"] for _ in range(request["group_size"])]
+
+    engine = Sampler({})
+    started, holder = threading.Event(), {}
+    thread = threading.Thread(target=serving.serve, args=(str(model), "127.0.0.1", 0), daemon=True, kwargs=dict(
+        sync_folder=sync, engine_factory=lambda *args: engine,
+        on_ready=lambda http: (holder.setdefault("http", http), started.set())))
+    thread.start()
+    assert started.wait(30)
+    try:
+        url = f"http://127.0.0.1:{holder['http'].server_address[1]}"
+        client = VLLMServerGeneration(policy, tokenizer, SamplingSettings(max_new_tokens=2),
+                                      options={"url": url, "sync_folder": str(sync)})
+        state = policy.state_dict()
+        assert engine.fed == ["stream"] and set(engine.weights) >= set(state)
+        assert all(torch.equal(engine.weights[name], tensor) for name, tensor in state.items())
+        assert client.generate(["a prompt"], 2).response_ids.tolist() == [[7, 8]] * 2
+        monkeypatch.setattr(distributed, "is_main_process", lambda: False)
+        before = sorted(path.name for path in sync.iterdir())
+        client.sync_weights(policy)
+        assert sorted(path.name for path in sync.iterdir()) == before and engine.fed == ["stream"]
+    finally:
+        holder["http"].shutdown()
