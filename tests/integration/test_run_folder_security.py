@@ -156,3 +156,16 @@ def test_a_named_pipe_in_a_checkpoint_blocks_no_reader(trained: Path, tmp_path: 
     else:
         assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
         assert "holds no checkpoint with a model" in result.stderr or "is not a regular file" in result.stderr
+
+
+@pytest.mark.parametrize("name", ["metrics.jsonl", "samples.jsonl"])
+def test_a_named_pipe_as_a_log_blocks_no_run(tmp_path: Path, name: str) -> None:
+    """Before: opening the pipe to write (or, on resume, to read) waited for a reader forever."""
+    run = tmp_path / "run"
+    run.mkdir()
+    os.mkfifo(run / name)
+    result = subprocess.run([sys.executable, "-m", "rlhf_lab", *TINY, f"trainer.output_dir={run}"],
+                            capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr == (f"error: '{run / name}' is not a regular file (a named pipe or a device); a run folder's "
+                             "files are only regular files (remove it, or choose another trainer.output_dir)\n")
