@@ -83,7 +83,7 @@ def server_token(sync_folder: Path, token_file: str | None = None) -> str:
     folder for the trainer to read."""
     if token_file:
         return _read_token(Path(token_file), "--token-file")
-    if os.environ.get(TOKEN_ENV):
+    if os.environ.get(TOKEN_ENV, "").strip():  # a blank one is no secret
         return os.environ[TOKEN_ENV].strip()
     token = secrets.token_urlsafe(32)
     path = Path(sync_folder) / TOKEN_FILE
@@ -100,7 +100,7 @@ def client_token(sync_folder: str | None, token_file: str | None) -> str:
     """The trainer's copy of the server's secret, from where the server put it (see :func:`server_token`)."""
     if token_file:
         return _read_token(Path(token_file), "generation.token_file")
-    if os.environ.get(TOKEN_ENV):
+    if os.environ.get(TOKEN_ENV, "").strip():  # a blank one is no secret
         return os.environ[TOKEN_ENV].strip()
     if sync_folder:
         path = Path(sync_folder).expanduser() / TOKEN_FILE
@@ -137,6 +137,8 @@ class WeightServer:
             "/open_group": self.open_group, "/receive_weights": self.receive_weights}
 
     def allowed(self, authorization: str | None) -> bool:
+        if not self.token:  # never: an empty secret would let in an empty header
+            return False
         given = (authorization or "").removeprefix("Bearer ").strip()
         return hmac.compare_digest(given.encode(), self.token.encode())
 
@@ -377,7 +379,8 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8765, dtype: str = "a
         print(f"warning: rlhf-lab serve is bound to {host}, beyond this machine: whoever reaches it with the token "
               "can load weights into it, and plain HTTP carries the token in clear (bind 127.0.0.1 behind an SSH "
               "tunnel or a TLS proxy)", file=sys.stderr, flush=True)
-    where = "--token-file" if token_file else TOKEN_ENV if os.environ.get(TOKEN_ENV) else str(folder / TOKEN_FILE)
+    where = ("--token-file" if token_file else TOKEN_ENV if os.environ.get(TOKEN_ENV, "").strip()
+             else str(folder / TOKEN_FILE))
     print(f"rlhf-lab serve: {model} ({dtype}) on http://{host}:{http.server_address[1]}, token in {where}",
           flush=True)
     if on_ready is not None:

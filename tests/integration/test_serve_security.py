@@ -261,6 +261,9 @@ def test_a_token_given_by_file_or_environment_is_used_and_none_is_one_line(tmp_p
     assert serving.client_token(None, str(token_file)) == "from-a-file"
     monkeypatch.setenv(serving.TOKEN_ENV, "from-the-environment")
     assert serving.server_token(tmp_path) == serving.client_token(None, None) == "from-the-environment"
+    monkeypatch.setenv(serving.TOKEN_ENV, "  ")  # blank: no secret, so the server makes one
+    assert len(serving.server_token(tmp_path)) > 30 and serving.client_token(str(tmp_path), None) != ""
+    (tmp_path / serving.TOKEN_FILE).unlink()
     monkeypatch.delenv(serving.TOKEN_ENV)
     from rlhf_lab.errors import ConfigError
 
