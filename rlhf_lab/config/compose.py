@@ -75,11 +75,27 @@ def _split_sweep(override: str, value: str) -> list[str]:
     return [v.strip() for v in value.split(",")]
 
 
+def check_deletion(override: str) -> None:
+    """``~section`` of a section every run reads (``~trainer``, ``~eval``) is one line naming it; Hydra would report a
+    key of it as missing later."""
+    from dataclasses import fields
+
+    from rlhf_lab.config.schema import Config
+
+    key = override.partition("=")[0]
+    name = key.removeprefix("~")
+    sections = [field.name for field in fields(Config) if field.name not in GROUPS]
+    if key.startswith("~") and "." not in name and name in sections:
+        raise ConfigError(f"{override} removes {name} from the config, and every run reads it; remove or set one of "
+                          f"its keys instead (~{name}.KEY, {name}.KEY=VALUE)")
+
+
 def check_overrides(overrides: list[str]) -> list[str]:
     """Reject unknown group options with the valid list; return the first job's overrides (sweeps -> first)."""
     first_job = []
     paths = search_paths(overrides)
     for override in overrides:
+        check_deletion(override)
         if "=" not in override:
             first_job.append(override)
             continue
@@ -186,6 +202,19 @@ def check_sweep(first_job: list[str], job_overrides: list[str], cfg: DictConfig)
 
 def one_line(error: Exception, overrides: list[str] = ()) -> str:
     """Hydra/OmegaConf messages span lines; say in one which key is wrong and what it accepts."""
+    from hydra.errors import OverrideParseException
+
+    if isinstance(error, OverrideParseException):  # a character Hydra's override grammar does not take unquoted
+        key, _, value = error.override.partition("=")
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        try:  # Hydra's parser alone names the character (the composed error shows a caret on another line)
+            OverridesParser.create().parse_override(error.override)
+            reason = "a character it does not take unquoted"
+        except Exception as parse_error:
+            reason = str(parse_error).splitlines()[0]
+        return (f"{error.override!r} is not an override Hydra's grammar reads ({reason}); quote the value, in the "
+                f"shell: \"{key}='{value}'\"")
     cause = error.__cause__ if error.__cause__ is not None else error
     full_key = getattr(cause, "full_key", None)
     message = _key_message(cause, full_key, list(overrides)) if full_key else None

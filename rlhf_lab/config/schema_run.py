@@ -145,5 +145,6 @@ class VLLMServerGenerationConfig(GenerationConfig):
     # server (NCCL between GPUs, else gloo), at group_host:group_port (rank 0's address); LoRA adapters: the folder
     weight_sync: str = "folder"
     sync_folder: str | None = None  # a folder the trainer and the server both read: weights go through it
+    token_file: str | None = None  # the server's secret (default: RLHF_LAB_SERVE_TOKEN, else sync_folder/.serve_token)
     group_host: str = "127.0.0.1"
     group_port: int = 29650

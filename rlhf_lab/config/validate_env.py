@@ -21,6 +21,7 @@ def check_env(cfg: Any) -> None:
     at_least("env.max_tokens", env.max_tokens, 1)
     at_least("env.step_timeout", env.step_timeout, 0, strict=True)
     at_least("env.workers", env.workers, 1)
+    check_builtin_options(env)
     if get("env", env.name).single_turn:
         return
     algorithm, where = cfg.algorithm, f"env={env.name} plays multi-turn episodes"
@@ -42,6 +43,25 @@ def check_env(cfg: Any) -> None:
                           "max_staleness>0 samples a batch ahead in one go: use generation.max_staleness=0")
     if env.name == "exact_two_turn":
         check_exact_two_turn(cfg)
+
+
+CALCULATOR_OPERATORS = "+-*/%"  # one character each, as the problem writes them
+
+
+def check_builtin_options(env: Any) -> None:
+    """The built-in environments' own options, before the run (each names its key)."""
+    if env.name == "guess_number" and env.low > env.high:
+        raise ConfigError(f"env.low={env.low} is more than env.high={env.high}; the secret is drawn from "
+                          "[env.low, env.high]")
+    if env.name == "calculator":
+        at_least("env.operands", env.operands, 1)
+        at_least("env.max_operand", env.max_operand, 1)
+        operators = str(env.operators)
+        wrong = [item for item in operators if item not in CALCULATOR_OPERATORS]
+        if not operators or wrong:
+            problem = f"has {wrong[0]!r}, not an operator" if wrong else "names no operator"
+            raise ConfigError(f"env.operators={operators!r} {problem}; choose characters from "
+                              f"{CALCULATOR_OPERATORS!r}")
 
 
 def check_exact_two_turn(cfg: Any) -> None:

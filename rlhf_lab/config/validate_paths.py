@@ -30,6 +30,7 @@ def check_model_location(key: str, path: str, classifier: bool = False) -> None:
             raise ConfigError(f"{key}={path!r} has no config.json; it must be a folder written by save_pretrained")
         if (folder / "config.json").is_file():
             check_model_config(key, path, folder / "config.json", classifier)
+            check_model_weights(key, path, folder)
         return
     if path.startswith((".", "/", "~")) or path.count("/") > 1:
         raise ConfigError(f"{key}={path!r} is not a folder")
@@ -52,11 +53,32 @@ def check_model_config(key: str, path: str, config_file: Path, classifier: bool)
         raise ConfigError(f"{key}={path!r}: its config.json is unreadable ({type(error).__name__})") from None
     if not isinstance(config, dict):
         raise ConfigError(f"{key}={path!r}: its config.json is not a JSON object")
+    if config.get("auto_map") and not _known_model_type(config.get("model_type")):
+        raise ConfigError(f"{key}={path!r} needs its own Python code to load (auto_map in its config.json, "
+                          f"model_type {config.get('model_type')!r} unknown to transformers); rlhf_lab runs no code "
+                          "from a model folder: give a model of an architecture transformers ships")
     architectures = config.get("architectures") or []
     if classifier and architectures and all(name.endswith("ForCausalLM") for name in architectures):
         raise ConfigError(f"{key}={path!r} is a causal language model ({architectures[0]}), not a sequence "
                           "classifier: its score head would be random; give a classifier or reward model folder "
                           "(algorithm=reward_model writes one)")
+
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+def check_model_weights(key: str, path: str, folder: Path) -> None:
+    """A model folder's weights must be safetensors: pickle files can run code when loaded, so they are refused
+    by name (torch's ``weights_only`` guard would stop them with a traceback)."""
+    if any(folder.glob("*.safetensors")):
+        return
+    pickled = sorted(item.name for item in folder.iterdir() if item.suffix in PICKLE_SUFFIXES)
+    if pickled:
+        raise ConfigError(f"{key}={path!r} holds its weights only as pickle ({pickled[0]}), which rlhf_lab never "
+                          "loads; convert it once where you trust it: model.save_pretrained(folder, "
+                          "safe_serialization=True)")
+    raise ConfigError(f"{key}={path!r} has no weights (*.safetensors); it must be a folder written by "
+                      "save_pretrained")
 
 
 def check_cache() -> None:
@@ -86,6 +108,11 @@ def check_model(model: Any) -> None:
 
 
 def check_data(data: Any) -> None:
+    if data.name == "reasoning_gym":
+        for key, minimum in (("size", 1), ("eval_size", 0)):
+            if data[key] < minimum:
+                raise ConfigError(f"data.{key}={data[key]} is out of range; must be >= {minimum} (examples of "
+                                  f"data.task={data.task})")
     if data.name in FILE_FORMATS and (not data.path or not Path(data.path).exists()):
         raise ConfigError(f"data.path={data.path!r} does not exist (data={data.name})")
 
@@ -108,3 +135,9 @@ def check_paths(cfg: Any, pending_paths: Collection[str] = ()) -> None:
     check_model(cfg.model)
     check_data(cfg.data)
     check_reward(cfg.reward, pending_paths)
+
+
+def _known_model_type(model_type: Any) -> bool:
+    from transformers import CONFIG_MAPPING
+
+    return isinstance(model_type, str) and model_type in CONFIG_MAPPING

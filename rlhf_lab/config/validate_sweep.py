@@ -141,6 +141,13 @@ def check_plugin_targets(hydra_cfg: Any) -> None:
 # ------------------------------------------------------------------------------------------ search space
 
 
+def check_interval(key: str, start: float, end: float) -> None:
+    """An ``interval(low, high)`` whose low end is above its high end is one line (a sampler would raise)."""
+    if start > end:
+        raise ConfigError(f"{key}=interval({override_text(start)}, {override_text(end)}): the low end is more than "
+                          f"the high end; write interval({override_text(end)}, {override_text(start)})")
+
+
 def sweep_values(override: str) -> list[str] | None:
     """The values of a sweep override as override text (``a,b`` / ``choice`` / ``range``: all of them;
     ``interval``: its lower bound), or None when it is not a sweep or cannot be parsed."""
@@ -154,6 +161,7 @@ def sweep_values(override: str) -> list[str] | None:
         return None
     if parsed.is_interval_sweep():
         sweep = parsed.value()
+        check_interval(parsed.key_or_group, sweep.start, sweep.end)
         start = math.ceil(sweep.start) if "int" in sweep.tags else sweep.start
         return [override_text(start)]
     if parsed.is_discrete_sweep():

@@ -21,6 +21,7 @@ may hold tools (:mod:`rlhf_lab.envs.tools`). The runner (:mod:`rlhf_lab.envs.epi
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -109,6 +110,8 @@ def as_step_result(value: Any) -> StepResult:
     check_messages(value.messages, "step", allow_none=True)
     if isinstance(value.reward, bool) or not isinstance(value.reward, int | float):
         raise ValueError(f"step's reward is {value.reward!r}; expected a number")
+    if not math.isfinite(value.reward):  # NaN would skip the update in silence
+        raise ValueError(f"step's reward is {value.reward!r}; expected a finite number")
     if not isinstance(value.done, bool):
         raise ValueError(f"step's done is {value.done!r}; expected True or False")
     if not isinstance(value.info, Mapping) or not all(isinstance(v, int | float) for v in value.info.values()):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import threading
 import warnings
 import weakref
 from collections import defaultdict
@@ -80,7 +81,7 @@ class EpisodeRunner:
         self.env, self.tokenizer = env, tokenizer
         env.tokenizer = tokenizer  # type: ignore[attr-defined]  (tool calls are parsed in its format)
         self.chat = ChatFormat(tokenizer, cfg.model.chat_template, cfg.model.system_prompt,
-                               tool_schemas(env.tools) if env.tools else None)
+                               described_tools(env) if env.tools else None)
         self.max_turns, self.budget = int(options.max_turns), int(options.max_tokens)
         self.timeout, self.on_error = float(options.step_timeout), options.on_error
         self.loss_on_env_tokens = bool(options.get("loss_on_env_tokens", False))
@@ -88,21 +89,37 @@ class EpisodeRunner:
         self.stop = tuple(options.get("stop") or ())
         self.settings: SamplingSettings | None = None  # the batch's own (:meth:`run`)
         self.openings: list[str] = []  # the last batch's opening conversation of each sample, as text
-        self.pool = ThreadPool(int(options.workers))  # daemon threads: a hung tool cannot keep the process alive
-        weakref.finalize(self, self.pool.terminate)  # closed with the runner, or at exit before the interpreter's teardown
+        self.workers = int(options.workers)
+        self.pool = self._new_pool()
+        self._longest_token: int | None = None  # characters of the vocabulary's longest token (:meth:`_too_long`)
 
     # ------------------------------------------------------------------------------------------------ calls
 
+    def _new_pool(self) -> ThreadPool:
+        pool = ThreadPool(self.workers)  # daemon threads: a hung tool cannot keep the process alive
+        weakref.finalize(self, pool.terminate)  # closed with the runner, or at exit before the interpreter's teardown
+        return pool
+
     def _call_all(self, calls: list[tuple[str, Callable[[], Any]]]) -> list[Any]:
-        """Run the calls in the pool; each result, or the failure's one-line text (an EnvError under ``error``)."""
-        pending = [self.pool.apply_async(call) for _, call in calls]
+        """Run the calls in the pool; each result, or the failure's one-line text (an EnvError under ``error``).
+        A call that times out keeps its worker: the pool is replaced, and the calls that had not started yet go
+        to the new one, so they are not timed out behind it."""
+        started = [threading.Event() for _ in calls]
+        pending = [self.pool.apply_async(_marking(call, flag)) for (_, call), flag in zip(calls, started, strict=True)]
         results = []
-        for (where, _), job in zip(calls, pending, strict=True):
+        for index, (where, _) in enumerate(calls):
             try:
-                results.append(job.get(timeout=self.timeout))
+                results.append(pending[index].get(timeout=self.timeout))
                 continue
             except PoolTimeout:
                 problem = f"timed out after env.step_timeout={self.timeout:g}s"
+                stuck, self.pool = self.pool, self._new_pool()
+                for later in range(index + 1, len(calls)):
+                    if not started[later].is_set():
+                        pending[later] = self.pool.apply_async(_marking(calls[later][1], started[later]))
+                stuck.terminate()  # its queue is dropped; the hung daemon thread is left to end with the process
+            except _Exited as exited:
+                problem = str(exited)
             except Exception as error:  # the environment's own code failed: named, one line
                 problem = f"raised {type(error).__name__}: {first_line(error)}"
             message = f"{self.env.describe()} {where} {problem}"
@@ -128,7 +145,12 @@ class EpisodeRunner:
         for i, start in enumerate(starts):
             failed = isinstance(start, _Failure)
             messages = [{"role": "user", "content": prompts[i]}] if failed else start
-            prompt_ids = self.chat.prompt_ids(messages)
+            try:
+                prompt_ids = self.chat.prompt_ids(messages)
+            except Exception as error:  # messages the chat template cannot render: the environment's, named
+                raise EnvError(f"{self.env.describe()} reset of {names[i]} ({_short(prompts[i])}) returned messages "
+                               f"the chat template cannot render ({type(error).__name__}: {first_line(error)})"
+                               ) from None
             for member in range(group_size):
                 state = EnvState(dict(tasks[i]), keys[i], messages=[dict(m) for m in messages])
                 episodes.append(Episode(i, member, state, prompt_ids, error=start.text if failed else None))
@@ -204,10 +226,16 @@ class EpisodeRunner:
         if episode.state.turn >= self.max_turns:
             episode.done = episode.truncated = True
             return
+        if self._too_long(result.messages, self.budget - len(episode.ids)):  # cut before tokenising, not after
+            episode.done = episode.truncated = True
+            return
         try:
             added = self.chat.continuation_ids(result.messages)
         except ValueError as error:
             raise EnvError(f"{self.env.describe()} {where}: {error}") from None
+        except Exception as error:  # messages the chat template cannot render
+            raise EnvError(f"{self.env.describe()} {where} returned messages the chat template cannot render "
+                           f"({type(error).__name__}: {first_line(error)})") from None
         if len(episode.ids) + len(added) >= self.budget:  # no room left for another model token
             episode.done = episode.truncated = True
             return
@@ -215,6 +243,14 @@ class EpisodeRunner:
         episode.model += [False] * len(added)
         episode.logprobs += [0.0] * len(added)
         episode.state.messages.extend(result.messages)
+
+    def _too_long(self, messages: list[Message], room: int) -> bool:
+        """Whether ``messages`` cannot fit in ``room`` tokens, told from their length in characters: no token
+        decodes to more characters than the vocabulary's longest, so a text longer than ``room`` times that is more
+        than ``room`` tokens (a 20 MB reply is not tokenised to learn it)."""
+        if self._longest_token is None:
+            self._longest_token = max((len(token) for token in self.tokenizer.get_vocab()), default=1)
+        return sum(len(message["content"]) for message in messages) > room * max(self._longest_token, 1)
 
     def _cut(self, ids: list[int], limit: int) -> bool:
         """Whether a turn was cut at the call's token ``limit`` before its end (an EOS; the engine stops earlier at
@@ -256,6 +292,9 @@ class EpisodeRunner:
                           scores=turn_rewards.sum(-1).to(device), turn_rewards=turn_rewards.to(device),
                           truncated=torch.tensor([e.truncated for e in episodes]).to(device),
                           extras={key: value.to(device) for key, value in extras.items()})
+        if not any(e.error is None for e in episodes):  # env.on_error=drop would train on nothing
+            raise EnvError(f"every one of the {len(episodes)} samples failed ({episodes[0].error}); env.on_error=drop "
+                           "would train on nothing")
         texts = [self.tokenizer.decode(e.ids) for e in episodes]
         for e in episodes:
             if e.error is not None:
@@ -266,6 +305,32 @@ class EpisodeRunner:
 @dataclass
 class _Failure:
     text: str
+
+
+class _Exited(Exception):
+    """An environment's call that ended its thread with ``sys.exit`` (caught, so it is named as such)."""
+
+
+def _marking(call: Callable[[], Any], started: threading.Event) -> Callable[[], Any]:
+    """``call``, setting ``started`` when a worker takes it; ``sys.exit`` inside it becomes :class:`_Exited`."""
+    def run() -> Any:
+        started.set()
+        try:
+            return call()
+        except SystemExit as exit_:
+            raise _Exited(f"called sys.exit({exit_.code!r})") from None
+    return run
+
+
+def described_tools(env: Environment) -> list[dict[str, Any]]:
+    """The JSON schemas of ``env.tools``; a tool transformers cannot describe is one line naming it."""
+    try:
+        return tool_schemas(env.tools)
+    except Exception as error:  # transformers' DocstringParsingException, TypeHintParsingException
+        names = ", ".join(getattr(tool, "__name__", repr(tool)) for tool in env.tools)
+        raise EnvError(f"{env.describe()}: a tool of {names} cannot be described to the model ({first_line(error)}); "
+                       "give each a type hint per argument and a Google-style docstring with an Args: section"
+                       ) from None
 
 
 def task_of(prompt: str) -> dict[str, Any]:

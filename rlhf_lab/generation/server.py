@@ -25,150 +25,35 @@ barrier, so no rank samples with the old weights.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import threading
 import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
 from rlhf_lab.config.choices import sync_folder_needed
 from rlhf_lab.errors import ConfigError
 from rlhf_lab.generation.backend import Prompt, SamplingSettings, encode_prompts
 from rlhf_lab.generation.rollout import Rollout
-from rlhf_lab.generation.vllm import (
-    IN_PROCESS,
-    hf_name,
-    import_vllm,
-    lora_rank_slot,
-    memory_settings,
-    sampled_logprob,
-    samples_rollout,
-    sampling_params,
-    streamed_state,
-)
+from rlhf_lab.generation.serve_engine import VLLMServerEngine
+from rlhf_lab.generation.serving import WeightServer, client_token, serve
+from rlhf_lab.generation.vllm import hf_name, samples_rollout, streamed_state
 from rlhf_lab.generation.weight_group import WeightGroup
 from rlhf_lab.registry import register
 from rlhf_lab.runtime import distributed
 from rlhf_lab.runtime.precision import Precision
 
-
-# ------------------------------------------------------------------------------------------ the server
-class _Engine:
-    """The server's vLLM engine and what it samples with (weights, adapter), used by one request at a time."""
-
-    def __init__(self, model: str, dtype: str, enforce_eager: bool, max_model_len: int, lora_rank: int) -> None:
-        os.environ.setdefault(IN_PROCESS, "0")  # weights reach the engine by reference, in this process
-        vllm = import_vllm()
-        self.vllm, self.lock, self.adapter = vllm, threading.Lock(), None
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        kwargs = dict(model=model, tokenizer=model, dtype=dtype, enforce_eager=enforce_eager,
-                      max_model_len=max_model_len, enable_prefix_caching=False, **memory_settings(device, {}))
-        if lora_rank:
-            kwargs.update(enable_lora=True, max_lora_rank=lora_rank_slot(lora_rank), max_loras=1)
-        self.llm = vllm.LLM(**kwargs)
-        self.adapter_version = 0
-        self.group: WeightGroup | None = None  # the trainer's weights arrive over it (weight_sync=collective)
-
-    def generate(self, request: dict[str, Any]) -> dict[str, Any]:
-        settings = SamplingSettings(request["max_new_tokens"], request["temperature"], request["top_p"],
-                                    request["top_k"], request["max_prompt_tokens"], tuple(request.get("stop", ())))
-        params = sampling_params(self.vllm, settings, request["group_size"], request.get("seeds"),
-                                 request.get("greedy", False), len(request["prompt_ids"]))
-        with self.lock:
-            outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in request["prompt_ids"]], params,
-                                        use_tqdm=False, lora_request=self.adapter)
-        return {"samples": [[list(c.token_ids), [sampled_logprob(step, token) for step, token in
-                                                  zip(c.logprobs or [], c.token_ids)]]
-                            for output in outputs for c in output.outputs]}
-
-    def load_weights(self, folder: str) -> dict[str, Any]:
-        from safetensors.torch import load_file
-
-        with self.lock:
-            weights = [item for shard in sorted(Path(folder).glob("*.safetensors"))
-                       for item in load_file(str(shard)).items()]
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights,
-                                                              "is_checkpoint_format": True})
-            self.llm.reset_prefix_cache()
-        return {"loaded": folder}
-
-    def open_group(self, request: dict[str, Any]) -> dict[str, Any]:
-        self.group = WeightGroup(request["host"], int(request["port"]), 1, request["backend"])
-        return {"group": request["backend"]}
-
-    def receive_weights(self) -> dict[str, Any]:
-        if self.group is None:
-            raise RuntimeError("no weight group: the trainer opens one first (POST /open_group)")
-        with self.lock:
-            weights = self.group.receive()
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights,
-                                                              "is_checkpoint_format": True})
-            self.llm.reset_prefix_cache()
-        return {"loaded": len(weights)}
-
-    def load_adapter(self, folder: str) -> dict[str, Any]:
-        from vllm.lora.request import LoRARequest
-
-        with self.lock:
-            self.adapter_version += 1
-            self.adapter = LoRARequest("policy", self.adapter_version, folder)
-        return {"adapter": self.adapter_version}
-
-
-def serve(model: str, host: str = "127.0.0.1", port: int = 8765, dtype: str = "float32", enforce_eager: bool = True,
-          max_model_len: int = 2048, lora_rank: int = 0, ready: threading.Event | None = None) -> None:
-    """Run the server until interrupted (``rlhf-lab serve``)."""
-    engine = _Engine(model, dtype, enforce_eager, max_model_len, lora_rank)
-
-    class Handler(BaseHTTPRequestHandler):
-        def _reply(self, status: int, body: dict[str, Any]) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def do_GET(self) -> None:  # noqa: N802  (http.server's name)
-            self._reply(200, {"ok": True}) if self.path == "/health" else self._reply(404, {"error": self.path})
-
-        def do_POST(self) -> None:  # noqa: N802
-            routes = {"/generate": engine.generate, "/load_weights": lambda r: engine.load_weights(r["folder"]),
-                      "/load_adapter": lambda r: engine.load_adapter(r["folder"]), "/open_group": engine.open_group,
-                      "/receive_weights": lambda r: engine.receive_weights()}
-            if self.path not in routes:
-                self._reply(404, {"error": f"no route {self.path}"})
-                return
-            request = json.loads(self.rfile.read(int(self.headers.get("Content-Length", "0"))))
-            try:
-                self._reply(200, routes[self.path](request))
-            except Exception as error:  # the trainer gets the server's one line
-                self._reply(500, {"error": f"{type(error).__name__}: {error}"})
-
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    server = ThreadingHTTPServer((host, port), Handler)
-    print(f"rlhf-lab serve: {model} on http://{host}:{port}", flush=True)
-    if ready is not None:
-        ready.set()
-    try:
-        server.serve_forever()
-    finally:
-        server.server_close()
+__all__ = ["VLLMServerEngine", "VLLMServerGeneration", "WeightServer", "serve"]  # the server: .serving
 
 
 # ------------------------------------------------------------------------------------------ the client engine
 
-def _post(url: str, body: dict[str, Any], timeout: float = 600.0) -> dict[str, Any]:
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+def _post(url: str, body: dict[str, Any], token: str, timeout: float = 600.0) -> dict[str, Any]:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={
+        "Content-Type": "application/json", "Authorization": f"Bearer {token}"})
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             return json.loads(response.read())
@@ -202,6 +87,7 @@ class VLLMServerGeneration:
         if not collective and not options.get("sync_folder"):
             raise ConfigError(sync_folder_needed(self.lora))
         self.folder = Path(options.get("sync_folder") or ".")
+        self.token = client_token(options.get("sync_folder"), options.get("token_file"))  # as the server has it
         self.version = 0
         self.requests = ThreadPoolExecutor(1, thread_name_prefix="rlhf-lab-generate")  # submit's requests
         self.group: WeightGroup | None = None
@@ -213,14 +99,14 @@ class VLLMServerGeneration:
         """Rank 0 and the server form their process group (rank 0 hosts its store; both join at once)."""
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         joined = self.requests.submit(_post, f"{self.url}/open_group", {"host": host, "port": port,
-                                                                        "backend": backend})
+                                                                        "backend": backend}, self.token)
         self.group = WeightGroup(host, port, 0, backend)
         joined.result()
 
     def generate(self, prompts: list[Prompt], group_size: int, seeds: list[int] | None = None,
                  greedy: bool = False, settings: SamplingSettings | None = None) -> Rollout:
         encoded, body = self._request(prompts, group_size, seeds, greedy, settings)
-        return self._rollout(encoded, _post(f"{self.url}/generate", body), group_size)
+        return self._rollout(encoded, _post(f"{self.url}/generate", body, self.token), group_size)
 
     def submit(self, prompts: list[Prompt], group_size: int, seeds: list[int] | None = None,
                settings: SamplingSettings | None = None) -> Callable[[], Rollout]:
@@ -228,7 +114,7 @@ class VLLMServerGeneration:
         waits for its answer (the prompts are tokenised here, the rollout built by the claim, both in the
         trainer's thread)."""
         encoded, body = self._request(prompts, group_size, seeds, False, settings)
-        reply = self.requests.submit(_post, f"{self.url}/generate", body)
+        reply = self.requests.submit(_post, f"{self.url}/generate", body, self.token)
         return lambda: self._rollout(encoded, reply.result(), group_size)
 
     def _request(self, prompts: list[Prompt], group_size: int, seeds: list[int] | None, greedy: bool,
@@ -252,7 +138,8 @@ class VLLMServerGeneration:
         folder = self.folder / f"v{self.version}"
         if self.collective:
             group = self.group  # rank 0's; the other ranks only gather
-            loaded = self.requests.submit(_post, f"{self.url}/receive_weights", {}) if group is not None else None
+            loaded = (self.requests.submit(_post, f"{self.url}/receive_weights", {}, self.token) if group is not None
+                      else None)
             for name, tensor in streamed_state(policy):
                 if group is not None:
                     group.send(hf_name(name), tensor)
@@ -262,21 +149,27 @@ class VLLMServerGeneration:
         elif self.lora:
             if distributed.is_main_process():
                 policy.save_pretrained(folder)
-                _post(f"{self.url}/load_adapter", {"folder": str(folder)})
+                _post(f"{self.url}/load_adapter", {"folder": folder.name}, self.token)  # in the server's sync folder
         else:
             from safetensors.torch import save_file
 
+            # Every rank gathers (FSDP needs all of them); only rank 0 keeps the full state, in host memory, and
+            # writes it.
+            main = distributed.is_main_process()
             state, stored = {}, set()
             for name, tensor in streamed_state(policy):
+                if not main:
+                    continue
                 # A tied weight (the LM head) goes under each of its names (vLLM reloads layer by layer), each a
                 # tensor of its own (safetensors refuses shared ones).
                 shared = tensor.untyped_storage().data_ptr() in stored
                 stored.add(tensor.untyped_storage().data_ptr())
-                state[hf_name(name)] = tensor.clone() if shared else tensor.contiguous()
-            if distributed.is_main_process():
+                state[hf_name(name)] = tensor.to("cpu", copy=shared).contiguous()
+            if main:
                 folder.mkdir(parents=True, exist_ok=True)
                 save_file(state, str(folder / "model.safetensors"))
-                _post(f"{self.url}/load_weights", {"folder": str(folder)})
+                del state
+                _post(f"{self.url}/load_weights", {"folder": folder.name}, self.token)  # in the server's sync folder
         if distributed.is_main_process() and not self.collective:
             shutil.rmtree(self.folder / f"v{self.version - 1}", ignore_errors=True)
         distributed.barrier()

@@ -14,6 +14,7 @@ and the sender streams (FSDP2 gathers one parameter at a time):
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -66,14 +67,18 @@ class WeightGroup:
 
     def receive(self) -> list[tuple[str, Tensor]]:
         """Rank 1: every weight up to the end of the stream, as (name, tensor on this end's device)."""
-        weights = []
+        return list(self.stream())
+
+    def stream(self) -> Iterator[tuple[str, Tensor]]:
+        """Rank 1: the weights one at a time as they arrive (only the one being taken is held); a consumer that
+        stops early leaves the rest unread, so the stream is always read to its end."""
         while True:
             header = self._broadcast(torch.empty(HEADER, dtype=torch.int64, device=self.device)).tolist()
             if header[0] == 0:
-                return weights
+                return
             dtype, ndim = DTYPES[header[1]], header[2]
             shape, name_length = header[3:3 + ndim], header[-1]
             name = bytes(self._broadcast(torch.empty(name_length, dtype=torch.uint8, device=self.device)).tolist())
             size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
             data = self._broadcast(torch.empty(size, dtype=torch.uint8, device=self.device))
-            weights.append((name.decode(), data.view(dtype).reshape(shape)))
+            yield name.decode(), data.view(dtype).reshape(shape)

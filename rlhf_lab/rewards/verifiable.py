@@ -49,7 +49,10 @@ class MathVerifyReward(Reward):
     def score(self, prompts: list[str], responses: list[str], **columns: Any) -> RewardOutput:
         answers = column(columns, self.option("answer_column", "answer"), self.name)
         scores = []
-        for answer, response in zip(answers, responses, strict=True):
+        for prompt, answer, response in zip(prompts, answers, responses, strict=True):
+            if answer is None or (isinstance(answer, float) and answer != answer):  # null / NaN, never the text "None"
+                raise RewardError(f"reward=math_verify: the data's {self.option('answer_column', 'answer')!r} is "
+                                  f"empty (null) for the prompt {prompt[:40]!r}; give every row an answer")
             gold = self._gold(answer)
             if not gold:
                 raise RewardError(f"reward=math_verify cannot read the data's answer {str(answer)[:40]!r}")

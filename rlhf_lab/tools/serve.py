@@ -1,6 +1,8 @@
-"""``rlhf-lab serve MODEL [--host H] [--port N] [--dtype D] [--max-model-len L] [--lora-rank R] [--compile]``: a vLLM
-server the trainer's ranks generate on (``generation=vllm_server generation.url=http://H:N
-generation.sync_folder=DIR``); see :mod:`rlhf_lab.generation.server`. MODEL is a model folder (``save_pretrained``)."""
+"""``rlhf-lab serve MODEL --sync-folder DIR [--host H] [--port N] [--dtype D] [--gpu-memory-utilization F]
+[--trainer-host H] [--token-file F] [--max-model-len L] [--lora-rank R] [--compile]``: a vLLM server the trainer's
+ranks generate on (``generation=vllm_server generation.url=http://H:N generation.sync_folder=DIR``); see
+:mod:`rlhf_lab.generation.serving` for whom it lets in and what it loads. MODEL is a model folder
+(``save_pretrained``)."""
 
 from __future__ import annotations
 
@@ -16,20 +18,40 @@ class _Parser(argparse.ArgumentParser):
 
 
 def main(args: list[str] | None = None) -> None:
+    from rlhf_lab.generation.serve_engine import DEFAULT_MEMORY_SHARE, DTYPES
+    from rlhf_lab.generation.serving import TOKEN_ENV, TOKEN_FILE
+
     parser = _Parser(prog="rlhf-lab serve", description=__doc__)
     parser.add_argument("model", help="the model folder the engine loads (the policy's initial weights)")
-    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--sync-folder", required=True,
+                        help=f"the trainer's generation.sync_folder: weights are loaded only from inside it, and the "
+                             f"token is written there ({TOKEN_FILE}, mode 0600)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (beyond loopback: a warning)")
     parser.add_argument("--port", type=int, default=8765)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--dtype", default="auto", choices=DTYPES,
+                        help="auto: bfloat16 on a GPU (the trainer's default precision), float32 on a CPU")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=DEFAULT_MEMORY_SHARE,
+                        help="the GPU's share for weights and KV cache, in (0, 1] (default fits a 7B policy beside "
+                             "its trainer on 80 GB)")
+    parser.add_argument("--kv-cache-mib", type=int, default=512, help="on a CPU: the KV cache")
+    parser.add_argument("--trainer-host", default="127.0.0.1",
+                        help="the only address /open_group dials (generation.group_host)")
+    parser.add_argument("--token-file", default=None,
+                        help=f"read the shared secret from this file (default: {TOKEN_ENV}, else a new one)")
     parser.add_argument("--max-model-len", type=int, default=2048, help="prompt + response tokens")
     parser.add_argument("--lora-rank", type=int, default=0, help="the policy's LoRA rank (0: full weights)")
     parser.add_argument("--compile", action="store_true", help="vLLM's compiled mode (eager otherwise)")
     try:
         options = parser.parse_args(sys.argv[1:] if args is None else args)
-        from rlhf_lab.generation.server import serve
+        from rlhf_lab.generation.serve_engine import VLLMServerEngine
+        from rlhf_lab.generation.serving import serve
+
+        def engine(model, dtype, eager, length, rank, share):  # noqa: ANN001, ANN202  (serve's factory)
+            return VLLMServerEngine(model, dtype, eager, length, rank, share, options.kv_cache_mib)
 
         serve(options.model, options.host, options.port, options.dtype, not options.compile, options.max_model_len,
-              options.lora_rank)
+              options.lora_rank, sync_folder=options.sync_folder, token_file=options.token_file,
+              trainer_host=options.trainer_host, memory_share=options.gpu_memory_utilization, engine_factory=engine)
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)

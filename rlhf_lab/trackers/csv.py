@@ -9,6 +9,8 @@ from __future__ import annotations
 import csv
 import math
 import os
+import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,21 @@ def _cell(value: Any) -> Any:
     return value
 
 
+def keep_damaged(path: Path) -> Path | None:
+    """A ``metrics.csv`` that is not UTF-8 text is copied aside, byte for byte, before the resumed run rewrites it
+    (its damaged bytes as U+FFFD), with a warning line naming the copy; returns the copy."""
+    try:
+        path.read_bytes().decode("utf-8")
+        return None
+    except UnicodeDecodeError as error:
+        copies = (path.with_name(f"{path.name}.damaged" + (f".{n}" if n else "")) for n in range(1000))
+        damaged = next(copy for copy in copies if not copy.exists())
+        shutil.copyfile(path, damaged)
+        print(f"warning: {path} is not UTF-8 text (byte {error.start}); kept as {damaged.name}, and the resumed "
+              "run rewrites it with the damaged bytes replaced", file=sys.stderr, flush=True)
+        return damaged
+
+
 @register("logger", "csv")
 class CsvTracker(Tracker):
     def __init__(self, logger_cfg: Any, config: dict[str, Any], run_dir: Path, resuming: bool = False) -> None:
@@ -34,6 +51,7 @@ class CsvTracker(Tracker):
         self.columns: list[str] = ["step"]
         self._trim_from: bool = resuming and self.path.is_file()
         if self._trim_from:
+            keep_damaged(self.path)
             with open(self.path, newline="", encoding="utf-8", errors="replace") as handle:  # damaged bytes kept out
                 reader = csv.DictReader(handle)
                 self.columns = list(reader.fieldnames or ["step"])

@@ -12,6 +12,7 @@ import errno
 import json
 import math
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -31,15 +32,25 @@ def open_in_folder(path: Path, mode: str, newline: str | None = None) -> Any:
     """``open(path, mode)`` for a run folder's own file (``a`` or ``w``, text), never through a symbolic link: a
     link planted in a run folder (dangling or not) would make the run create or truncate a file outside it.
     A link is a one-line :class:`~rlhf_lab.errors.RunFolderError`."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_APPEND if mode == "a" else os.O_TRUNC)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | (os.O_APPEND if mode == "a" else os.O_TRUNC)
     try:
         descriptor = os.open(path, flags, 0o644)
     except OSError as error:
         if error.errno == errno.ELOOP:
             raise RunFolderError(f"{str(path)!r} is a symbolic link; a run folder's files are never written through "
                                  "one (remove it, or choose another trainer.output_dir)") from None
+        if error.errno == errno.ENXIO:  # a named pipe nobody reads: opened without waiting for one
+            raise not_regular(path) from None
         raise
+    if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+        os.close(descriptor)
+        raise not_regular(path)
     return os.fdopen(descriptor, mode, encoding="utf-8", newline=newline)
+
+
+def not_regular(path: Path) -> RunFolderError:
+    return RunFolderError(f"{str(path)!r} is not a regular file (a named pipe or a device); a run folder's files "
+                          "are only regular files (remove it, or choose another trainer.output_dir)")
 
 
 class JsonlWriter:
@@ -62,7 +73,10 @@ class JsonlWriter:
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     """Every complete line of a JSON Lines file (a torn last line, or one that is not UTF-8, is skipped)."""
     records = []
-    with open(path, "rb") as handle:
+    descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a named pipe is refused below, never waited on
+    with os.fdopen(descriptor, "rb") as handle:
+        if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+            raise not_regular(Path(path))
         for line in handle:
             try:
                 records.append(json.loads(line.decode("utf-8")))

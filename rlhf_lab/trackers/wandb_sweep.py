@@ -51,7 +51,10 @@ def parameter(override: Any) -> dict[str, Any]:
         return {"value": _plain(override.value())}
     sweep = override.value()
     if isinstance(sweep, IntervalSweep):
+        from rlhf_lab.config.validate_sweep import check_interval
+
         start, end = sweep.start, sweep.end
+        check_interval(override.key_or_group, start, end)
         if "log" in sweep.tags:
             return {"distribution": "log_uniform_values", "min": _plain(float(start)), "max": _plain(float(end))}
         if "int" in sweep.tags:
@@ -75,9 +78,13 @@ def search_space(overrides: list[str]) -> tuple[dict[str, dict[str, Any]], Any]:
     params = OmegaConf.select(hydra_cfg, "hydra.sweeper.params")
     params = OmegaConf.to_container(params, resolve=False) if params is not None else {}
     lines = {str(key): f"{key}={value}" for key, value in params.items()}
+    given: dict[str, str] = {}
     for override in overrides:  # the command line's value for a key replaces the experiment's, in its place
         if "=" in override and not override.startswith(("hydra.", "hydra/", "+hydra")):
-            lines[override.partition("=")[0].lstrip("+~")] = override
+            key = override.partition("=")[0].lstrip("+~")
+            if key in given:  # one would silently drop the other
+                raise ToolError(f"{key} is given twice ({given[key]!r} and {override!r}); keep one")
+            given[key] = lines[key] = override
     space = {}
     for override in parse_overrides(list(lines.values()), str(CONF_DIR), paths):
         prefix = "+" if override.input_line.startswith("+") and not override.input_line.startswith("++") else ""
@@ -149,8 +156,7 @@ def main(args: list[str]) -> None:
     parser.add_argument("--goal", help=" | ".join(GOALS))
     parser.add_argument("--name", help="the sweep's name (default: experiment_name)")
     options = parser.parse_args(args)
-    if options.out.is_dir():
-        raise ToolError(f"--out {str(options.out)!r} is a folder; give a file name such as sweep.yaml")
+    check_out(options.out, "sweep.yaml")
     config = sweep_config(options.overrides, options.method, options.metric, options.goal, options.name)
     options.out.parent.mkdir(parents=True, exist_ok=True)
     options.out.write_text(yaml.safe_dump(config, sort_keys=False))
@@ -160,3 +166,12 @@ def main(args: list[str]) -> None:
     runs = f"{count} runs" if config["method"] == "grid" else "sampled runs"
     print(f"wrote {options.out} ({config['method']}, {runs}, ranked by {config['metric']['name']} "
           f"{config['metric']['goal']}); start it with: wandb sweep {options.out}")
+
+
+def check_out(out: Path, example: str) -> None:
+    """``--out`` names a file to write: not a folder, and inside a folder (made if missing), not under a file."""
+    if out.is_dir():
+        raise ToolError(f"--out {str(out)!r} is a folder; give a file name such as {example}")
+    parent = next((folder for folder in out.parents if folder.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise ToolError(f"--out {str(out)!r}: {str(parent)!r} is a file, not a folder; give a path in a folder")

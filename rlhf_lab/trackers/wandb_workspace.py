@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_lab.errors import ToolError
+from rlhf_lab.trackers.wandb_sweep import check_out
 
 GROUP_BY = ("algorithm_name", "kl_name", "kl_placement")
 SECTIONS: dict[str, list[dict[str, Any]]] = {
@@ -108,10 +109,12 @@ def main(args: list[str]) -> None:
     parser.add_argument("--out", type=Path, help="write the view's JSON spec here")
     parser.add_argument("--save", action="store_true", help="save the view to W&B (needs an API key)")
     options = parser.parse_args(args)
+    if not options.entity.strip():
+        raise ToolError(f"--entity {options.entity!r} is empty; give your W&B user or team name")
     view = workspace(options.entity, options.project, options.name, options.group)
     if options.out is not None:
-        if options.out.is_dir():
-            raise ToolError(f"--out {str(options.out)!r} is a folder; give a file name such as workspace.json")
+        check_out(options.out, "workspace.json")
+        options.out.parent.mkdir(parents=True, exist_ok=True)  # as wandb sweep --out: a missing folder is made
         options.out.write_text(json.dumps(spec(view), indent=1))
         print(f"wrote {options.out}: {sum(len(p) for p in SECTIONS.values())} panels in {len(SECTIONS)} sections")
     if options.save:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -44,18 +43,29 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from rlhf_lab.errors import CheckpointError
+from rlhf_lab.training.checkpoint_find import (  # noqa: F401  (the layout's names and the finders, used as ckpt.X)
+    COMPLETE_MARKER,
+    CONFIG_FILE,
+    LATEST,
+    MODEL_FOLDER,
+    OPTIMIZER_FILE,
+    RNG_FILE,
+    STATE_FILE,
+    STEP_FOLDER,
+    complete_checkpoints,
+    is_complete,
+    latest_checkpoint,
+    locate_checkpoint,
+    prepare_run_folder,
+    read_state,
+    resolve_resume,
+    run_folder_of,
+    updates_held,
+)
 from rlhf_lab.training.checkpoint_sharded import SHARDED_FOLDER, load_sharded, save_sharded  # noqa: F401
 from rlhf_lab.training.state_encoding import decode_state, encode_state, rng_state, set_rng_state
 from rlhf_lab.training.verify import fsync, fsync_tree, full_disk, manifest, seal
 
-STATE_FILE = "trainer_state.json"  # written last inside a checkpoint folder; holds the manifest
-COMPLETE_MARKER = STATE_FILE
-OPTIMIZER_FILE = "optimizer.safetensors"
-RNG_FILE = "rng.safetensors"
-CONFIG_FILE = "config.json"
-MODEL_FOLDER = "model"
-LATEST = "latest"
-STEP_FOLDER = re.compile(r"^step_(\d+)$")
 TEMP_PREFIX = ".step_"
 
 
@@ -192,151 +202,6 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
     return load_file(str(path)) if Path(path).is_file() else {}
 
 
-# ----------------------------------------------------------------------------- find
-def read_state(folder: Path) -> dict[str, Any] | None:
-    """The parsed ``trainer_state.json`` of a checkpoint folder, or None if missing or torn."""
-    try:
-        state = json.loads((Path(folder) / STATE_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return state if isinstance(state, dict) else None
-
-
-def updates_held(folder: Path) -> int:
-    """The optimizer updates checkpoint ``folder`` holds: its last trained step + 1, whatever the folder is called
-    (checkpoints written before folders were named by their updates are called ``step_<last step>``); without a
-    readable state, the N of its name ``step_N``."""
-    state = read_state(folder)
-    if state is not None and isinstance(state.get("step"), int):
-        return state["step"] + 1
-    match = STEP_FOLDER.match(Path(folder).name)
-    return int(match.group(1)) if match else 0
-
-
-def is_complete(folder: Path) -> bool:
-    """A checkpoint folder whose state file parses and whose every file in its manifest is there, whole."""
-    folder = Path(folder)
-    state = read_state(folder)
-    if state is None or not isinstance(state.get("files"), dict) or "step" not in state:
-        return False
-    files = state["files"]
-    if not {OPTIMIZER_FILE, RNG_FILE} <= files.keys() or not any(f.startswith(f"{MODEL_FOLDER}/") for f in files):
-        return False
-    for relative, size in state["files"].items():
-        path = folder / relative
-        try:
-            if path.stat().st_size != size:
-                return False
-        except OSError:
-            return False
-    return True
-
-
-def complete_checkpoints(root: Path) -> list[Path]:
-    """Complete ``step_N`` folders under ``root``, oldest first (temporary or torn ones are skipped)."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = []
-    for child in root.iterdir():
-        match = STEP_FOLDER.match(child.name)
-        if match and child.is_dir() and not child.is_symlink() and is_complete(child):
-            found.append((int(match.group(1)), child))
-    return [path for _, path in sorted(found)]
-
-
-def latest_checkpoint(root: Path) -> Path | None:
-    """The checkpoint ``root/latest`` names if it is complete, else the newest complete one, else None."""
-    root = Path(root)
-    pointer = root / LATEST
-    try:
-        named = root / pointer.read_text(encoding="utf-8").strip()
-    except (OSError, UnicodeDecodeError):
-        named = None
-    inside = named is not None and named.resolve().parent == root.resolve()  # never followed out of root
-    if inside and STEP_FOLDER.match(named.name) and is_complete(named):
-        return named
-    complete = complete_checkpoints(root)
-    return complete[-1] if complete else None
-
-
-def prepare_run_folder(resume: str | None, run_dir: Path, clear_logs: bool = True) -> Path | None:
-    """The checkpoint a run in ``run_dir`` resumes from (see :func:`resolve_resume`), or None to start fresh.
-
-    A fresh start never mixes with an earlier run's files: it refuses a folder that holds a complete
-    checkpoint unless asked to resume (``trainer.resume=auto``), and (``clear_logs``) empties the
-    ``metrics.jsonl``/``samples.jsonl`` left by a run that died before its first checkpoint.
-    """
-    from rlhf_lab.trackers.jsonl import repair_jsonl
-
-    run_dir = Path(run_dir)
-    root = run_dir / "checkpoints"
-    folder = resolve_resume(resume, root)
-    if folder is not None:
-        return folder
-    if not resume and latest_checkpoint(root) is not None:
-        raise CheckpointError(
-            f"run folder {str(run_dir)!r} already holds checkpoints; continue it with trainer.resume=auto "
-            "or choose another trainer.output_dir"
-        )
-    if resume == "auto":
-        print(f"trainer.resume=auto: no checkpoint in {root}, starting fresh")
-    if clear_logs:
-        for name in ("metrics.jsonl", "samples.jsonl"):
-            repair_jsonl(run_dir / name, before_step=0)
-    return None
-
-
-def run_folder_of(resume: str | Path) -> Path | None:
-    """The run folder a resume path belongs to: ``RUN``, ``RUN/checkpoints`` or ``RUN/checkpoints/step_N``."""
-    path = Path(resume).expanduser()
-    if STEP_FOLDER.match(path.name) and path.parent.name == "checkpoints":
-        return path.parent.parent
-    if path.name == "checkpoints" and path.is_dir():
-        return path.parent
-    if (path / "checkpoints").is_dir():
-        return path
-    return None
-
-
-def locate_checkpoint(path: Path, label: str) -> Path | None:
-    """The complete checkpoint an existing ``path`` names: a ``checkpoints/step_N`` folder itself, else the
-    latest complete one under ``path`` or ``path/checkpoints`` (a run folder); None when it holds none.
-    An interrupted ``step_N`` is a one-line :class:`CheckpointError` naming ``label``."""
-    if STEP_FOLDER.match(path.name) or read_state(path) is not None:
-        if not is_complete(path):
-            raise CheckpointError(f"{label} is an incomplete checkpoint (a save was interrupted)")
-        return path
-    for root in (path, path / "checkpoints"):
-        found = latest_checkpoint(root)
-        if found is not None:
-            return found
-    return None
-
-
-def resolve_resume(resume: str | None, checkpoint_root: Path) -> Path | None:
-    """The checkpoint folder ``trainer.resume`` names, or None for a fresh start.
-
-    ``null``: fresh. ``auto``: the latest complete checkpoint under ``checkpoint_root``, fresh if there is
-    none. A path: a checkpoint folder, a ``checkpoints`` folder or a run folder; it must hold a complete
-    checkpoint (:class:`CheckpointError` otherwise).
-    """
-    if not resume:
-        return None
-    if resume == "auto":
-        return latest_checkpoint(checkpoint_root)
-    path = Path(resume).expanduser()
-    if not path.exists():
-        raise CheckpointError(f"trainer.resume={resume!r} does not exist; give a checkpoint or run folder, or auto")
-    found = locate_checkpoint(path, f"trainer.resume={resume!r}")
-    if found is not None:
-        return found
-    raise CheckpointError(
-        f"trainer.resume={resume!r} holds no complete checkpoint; give a checkpoints/step_N folder, "
-        "a run folder, or auto"
-    )
-
-
 # ----------------------------------------------------------------------------- load
 def load_policy_weights(folder: Path, policy: nn.Module, uses_adapter: bool, sharded: bool = False) -> None:
     """The policy's weights of checkpoint ``folder`` into ``policy``: its LoRA adapter, or its full weights
@@ -433,7 +298,11 @@ def load_checkpoint(
 
 def _finish_load(folder: Path, state: dict[str, Any]) -> dict[str, Any]:
     """The generators restored; the trainer's state without the checkpoint's bookkeeping."""
-    set_rng_state(load_file(str(folder / RNG_FILE)), state.pop("rng"))
+    try:
+        set_rng_state(load_file(str(folder / RNG_FILE)), state.pop("rng"))
+    except (SafetensorError, KeyError, TypeError, ValueError, RuntimeError) as error:  # an older save without digests
+        raise CheckpointError(f"checkpoint {folder} has an unreadable {RNG_FILE} ({type(error).__name__}); use "
+                              "another checkpoint of the run (checkpoints/step_N)") from None
     for key in ("files", "modules", "sha256", "keys", "state_sha256"):
         state.pop(key, None)
     return state

@@ -5,6 +5,10 @@ the state without it). :func:`damage` re-reads a folder and says in a few words 
 state file that is missing, torn or edited, a key that is gone, a file that is missing, of another size or
 with other bytes (a flipped bit in the weights or a rewritten safetensors header). Checkpoints written
 before checksums existed are checked by size, as they were.
+
+A checkpoint holds only its own files: a symbolic link anywhere under it, a file that is not a regular file (a
+named pipe would block every reader), or a manifest entry that leaves the folder (``..`` or an absolute path) is
+damage, never followed.
 """
 
 from __future__ import annotations
@@ -13,12 +17,55 @@ import errno
 import hashlib
 import json
 import os
-from pathlib import Path
+import stat
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 REQUIRED_KEYS = ("step", "files", "optimizer", "rng")  # every checkpoint's state has these
 CHUNK = 1 << 20
 FULL_DISK = {errno.ENOSPC: "no space left", errno.EDQUOT: "disk quota exceeded"}  # errno -> what to tell
+
+
+class NotRegularFile(OSError):
+    """A path that is a symbolic link, a named pipe, a device or a folder where a regular file was expected."""
+
+
+def read_regular_text(path: Path) -> str:
+    """The text of ``path`` if it is a regular file, read without following a final symbolic link and without
+    blocking on a named pipe; :class:`NotRegularFile` otherwise."""
+    try:
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as error:
+        if Path(path).is_symlink():
+            raise NotRegularFile(f"{path} is a symbolic link") from None
+        raise error
+    with os.fdopen(descriptor, "rb") as handle:
+        if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
+            raise NotRegularFile(f"{path} is not a regular file")
+        return handle.read().decode("utf-8")
+
+
+def outside_entry(relative: str) -> bool:
+    """A manifest entry that would name a file outside its checkpoint (absolute, or with ``..``)."""
+    path = PurePosixPath(relative)
+    return path.is_absolute() or ".." in path.parts or "\\" in relative
+
+
+def foreign_entry(folder: Path) -> str | None:
+    """The first thing under ``folder`` (itself included) that a checkpoint never holds: a symbolic link, or a file
+    that is not a regular file or folder; as a short phrase, or None."""
+    if Path(folder).is_symlink():
+        return f"{Path(folder).name} is a symbolic link (a checkpoint holds only its own files)"
+    for root, folders, files in os.walk(folder, followlinks=False):
+        for name in sorted(folders + files):
+            path = Path(root) / name
+            mode = path.lstat().st_mode
+            relative = path.relative_to(folder).as_posix()
+            if stat.S_ISLNK(mode):
+                return f"{relative} is a symbolic link (a checkpoint holds only its own files)"
+            if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+                return f"{relative} is not a regular file"
+    return None
 
 
 def file_digest(path: Path) -> str:
@@ -55,8 +102,11 @@ def seal(state: dict[str, Any], folder: Path, skip: str) -> dict[str, Any]:
 def damage(folder: Path, state_file: str) -> str | None:
     """What is wrong with the checkpoint in ``folder`` (a short phrase), or None when every check passes."""
     folder = Path(folder)
+    foreign = foreign_entry(folder)
+    if foreign is not None:
+        return foreign
     try:
-        state = json.loads((folder / state_file).read_text(encoding="utf-8"))
+        state = json.loads(read_regular_text(folder / state_file))
     except FileNotFoundError:
         return f"{state_file} is missing"
     except (OSError, UnicodeDecodeError) as error:
@@ -74,6 +124,9 @@ def damage(folder: Path, state_file: str) -> str | None:
     sizes, digests = state["files"], state.get("sha256") or {}
     if not isinstance(sizes, dict) or not isinstance(digests, dict):
         return f"{state_file} has a malformed manifest"
+    outside = next((entry for entry in [*sizes, *digests] if outside_entry(str(entry))), None)
+    if outside is not None:
+        return f"{state_file} names {outside!r}, outside the checkpoint (edited)"
     extra = sorted(path.relative_to(folder).as_posix() for path in folder.rglob("*")
                    if path.is_file() and path.name != state_file and path.relative_to(folder).as_posix() not in sizes)
     if extra:  # a loader would read it with the saved files (another weights shard, say)

@@ -73,3 +73,99 @@ def test_a_dist_info_in_the_working_folder_injects_no_plugin(tmp_path: Path) -> 
                             env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "trainer.steps=-1" in result.stderr
     assert not marker.exists()
+
+
+# ------------------------------------------------------------------------------ checkpoints hold only their own files
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("security") / "run"
+    rlhf_lab.train(TINY, run_dir=run)
+    return run
+
+
+def _copy(trained: Path, tmp_path: Path) -> tuple[Path, Path]:
+    import shutil
+
+    run = Path(shutil.copytree(trained, tmp_path / "run"))
+    return run, next((run / "checkpoints").glob("step_*"))
+
+
+def _sizes_only(step: Path, **files: int) -> None:
+    """The checkpoint's manifest as an older save wrote it (sizes, no digests), with ``files`` added."""
+    import json
+
+    state = json.loads((step / "trainer_state.json").read_text())
+    for key in ("sha256", "keys", "state_sha256"):
+        state.pop(key, None)
+    state["files"].update(files)
+    (step / "trainer_state.json").write_text(json.dumps(state))
+
+
+def test_export_copies_nothing_from_outside_the_run_folder(trained: Path, tmp_path: Path, run_cli) -> None:
+    run, step = _copy(trained, tmp_path)
+    secret = tmp_path / "secret.txt"
+    secret.write_text("private key")
+    (step / "model" / "notes.txt").symlink_to(secret)
+    _sizes_only(step, **{"model/notes.txt": secret.stat().st_size})
+    out = tmp_path / "out"
+    code, _, err = run_cli(["export", str(run), str(out)])
+    assert (code, err) == (2, f"error: checkpoint {step} is damaged (model/notes.txt is a symbolic link (a checkpoint "
+                              "holds only its own files)); use another checkpoint of the run (checkpoints/step_N)\n")
+    assert not out.exists()
+
+
+def test_a_manifest_entry_outside_the_checkpoint_is_refused_not_followed(trained: Path, tmp_path: Path,
+                                                                         run_cli) -> None:
+    run, step = _copy(trained, tmp_path)
+    _sizes_only(step, **{"../../../secret.txt": 11})
+    (tmp_path / "secret.txt").write_text("private key")
+    for command in (["eval", str(step)], ["export", str(step), str(tmp_path / "out")]):
+        code, _, err = run_cli(command)
+        assert code == 2 and err.count("\n") == 1, err
+        assert err in (f"error: checkpoint {step} is damaged (trainer_state.json names '../../../secret.txt', outside "
+                       "the checkpoint (edited)); use another checkpoint of the run (checkpoints/step_N)\n",
+                       f"error: '{step}' is an incomplete checkpoint (a save was interrupted)\n"), err
+
+
+def test_a_symlinked_checkpoints_folder_is_not_followed(trained: Path, tmp_path: Path, run_cli) -> None:
+    import shutil
+
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copytree(trained / ".hydra", run / ".hydra")
+    (run / "checkpoints").symlink_to(trained / "checkpoints")
+    for command in (["eval", str(run)], ["export", str(run), str(tmp_path / "out")]):
+        code, _, err = run_cli(command)
+        assert (code, err) == (2, f"error: '{run}': {run / 'checkpoints'} is a symbolic link; a run's checkpoints "
+                                  "are read only from its own folder (give the folder it points to instead)\n")
+
+
+@pytest.mark.parametrize("command", ["eval", "export", "resume"])
+def test_a_named_pipe_in_a_checkpoint_blocks_no_reader(trained: Path, tmp_path: Path, command: str) -> None:
+    """Before: ``eval``, ``export`` and ``trainer.resume=auto`` waited forever on the pipe (a subprocess here, so a
+    hang is a failed test, not a stuck suite)."""
+    run, step = _copy(trained, tmp_path)
+    (step / "trainer_state.json").unlink()
+    os.mkfifo(step / "trainer_state.json")
+    args = {"eval": ["eval", str(run)], "export": ["export", str(run), str(tmp_path / "out")],
+            "resume": [*TINY, "trainer.steps=2", f"trainer.output_dir={run}", "trainer.resume=auto"]}[command]
+    result = subprocess.run([sys.executable, "-m", "rlhf_lab", *args], capture_output=True, text=True, timeout=60,
+                            cwd=tmp_path)
+    if command == "resume":  # the pipe is never opened: its checkpoint is not complete, the run goes on without it
+        assert "Traceback" not in result.stderr, result.stderr
+    else:
+        assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+        assert "holds no checkpoint with a model" in result.stderr or "is not a regular file" in result.stderr
+
+
+@pytest.mark.parametrize("name", ["metrics.jsonl", "samples.jsonl"])
+def test_a_named_pipe_as_a_log_blocks_no_run(tmp_path: Path, name: str) -> None:
+    """Before: opening the pipe to write (or, on resume, to read) waited for a reader forever."""
+    run = tmp_path / "run"
+    run.mkdir()
+    os.mkfifo(run / name)
+    result = subprocess.run([sys.executable, "-m", "rlhf_lab", *TINY, f"trainer.output_dir={run}"],
+                            capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr == (f"error: '{run / name}' is not a regular file (a named pipe or a device); a run folder's "
+                             "files are only regular files (remove it, or choose another trainer.output_dir)\n")

@@ -145,6 +145,8 @@ def test_a_server_engine_samples_while_the_trainer_goes_on(compose, tiny_overrid
     tokenizer = load_tokenizer(cfg.model)
     policy = build_policy(cfg.model, tokenizer, "float32", 0).policy
     server = _GatedServer()
+    (tmp_path / "sync").mkdir()
+    (tmp_path / "sync" / ".serve_token").write_text("a token")  # where rlhf-lab serve writes its own
     try:
         engine = VLLMServerGeneration(policy, tokenizer, SamplingSettings(max_new_tokens=2), options={
             "url": server.url, "sync_folder": str(tmp_path / "sync")})

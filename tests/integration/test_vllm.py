@@ -232,13 +232,18 @@ def test_two_trainer_ranks_share_one_server_and_sync_its_weights(tmp_path: Path)
     port = free_port()
     env = {**{k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")},
            "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
-    server = subprocess.Popen([sys.executable, "-m", "rlhf_lab", "serve", str(model_dir), "--port", str(port)],
+    sync = tmp_path / "sync"
+    sync.mkdir()
+    server = subprocess.Popen([sys.executable, "-m", "rlhf_lab", "serve", str(model_dir), "--port", str(port),
+                               "--sync-folder", str(sync)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         deadline = time.time() + 180
         while True:
             try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).read()
+                token = (sync / ".serve_token").read_text().strip()
+                urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}/health", headers={
+                    "Authorization": f"Bearer {token}"}), timeout=2).read()
                 break
             except OSError:
                 assert server.poll() is None and time.time() < deadline, server.stdout.read()[-3000:]
@@ -265,7 +270,8 @@ def test_two_trainer_ranks_share_one_server_and_sync_its_weights(tmp_path: Path)
         changed = {"trainer.steps": "2", "trainer.output_dir": str(collective), "generation.max_staleness": "0"}
         kept = [arg for arg in command[3:] if arg.split("=")[0] not in changed and "sync_folder" not in arg]
         command = [sys.executable, "-m", "rlhf_lab", *kept, *(f"{k}={v}" for k, v in changed.items()),
-                   "generation.weight_sync=collective", f"generation.group_port={free_port()}"]
+                   "generation.weight_sync=collective", f"generation.group_port={free_port()}",
+                   f"generation.token_file={sync / '.serve_token'}"]
         result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
         assert result.returncode == 0, result.stderr[-3000:]
     finally:

@@ -119,6 +119,7 @@ def test_each_option_composes_with_its_own_schema(group: str, option: str, tmp_p
     folder = tmp_path / "model"
     folder.mkdir()
     (folder / "config.json").write_text("{}")
+    (folder / "model.safetensors").write_bytes(b"")  # a model folder holds weights (their content is not read here)
     (tmp_path / "prompts.jsonl").write_text('{"prompt": "hi"}\n')
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2]))  # so "tests.reward_fns:..." imports
     extra = [o.format(folder=folder, file=tmp_path / "prompts.jsonl") for o in NEEDS.get((group, option), [])]

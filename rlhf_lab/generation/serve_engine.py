@@ -1,0 +1,112 @@
+"""The engine behind ``rlhf-lab serve`` (:mod:`.serving`): what the server needs of one, vLLM's, and the checks
+made before it is built (the dtype the device can run) or before it takes weights (the model's own names and
+shapes)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from rlhf_lab.errors import ToolError
+from rlhf_lab.generation.backend import SamplingSettings
+from rlhf_lab.generation.vllm import IN_PROCESS, import_vllm, lora_rank_slot, sampled_logprob, sampling_params
+
+DEFAULT_MEMORY_SHARE = 0.3  # of an 80 GB GPU: a 7B policy's bf16 weights (~14 GB) and ~10 GB of KV cache
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+class ServerEngine(Protocol):
+    """What the server needs of an engine (one request at a time; the server holds the lock)."""
+
+    def generate(self, request: dict[str, Any]) -> list[list[list[Any]]]:
+        """Per sample (prompt-major, ``group_size`` each): [token ids, their log-probs]."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Take the weights as they come, one at a time (never all on the device at once); returns how many."""
+
+    def set_adapter(self, folder: str | None, version: int) -> None:
+        """Sample with the LoRA adapter in ``folder`` from now on (None: the base weights)."""
+
+
+class VLLMServerEngine:
+    """vLLM's engine for the server: in process, its dtype and memory share as given."""
+
+    def __init__(self, model: str, dtype: str, enforce_eager: bool, max_model_len: int, lora_rank: int,
+                 memory_share: float = DEFAULT_MEMORY_SHARE, kv_cache_mib: int = 512) -> None:
+        os.environ.setdefault(IN_PROCESS, "0")  # weights reach the engine by reference, in this process
+        self.vllm = import_vllm()
+        memory = ({"gpu_memory_utilization": memory_share} if torch.cuda.is_available()
+                  else {"kv_cache_memory_bytes": kv_cache_mib << 20})
+        kwargs = dict(model=model, tokenizer=model, dtype=dtype, enforce_eager=enforce_eager,
+                      max_model_len=max_model_len, enable_prefix_caching=False, **memory)
+        if lora_rank:
+            kwargs.update(enable_lora=True, max_lora_rank=lora_rank_slot(lora_rank), max_loras=1)
+        self.llm, self.adapter = self.vllm.LLM(**kwargs), None
+
+    def generate(self, request: dict[str, Any]) -> list[list[list[Any]]]:
+        settings = SamplingSettings(request["max_new_tokens"], request["temperature"], request["top_p"],
+                                    request["top_k"], request["max_prompt_tokens"], tuple(request.get("stop", ())))
+        params = sampling_params(self.vllm, settings, request["group_size"], request.get("seeds"),
+                                 request.get("greedy", False), len(request["prompt_ids"]))
+        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in request["prompt_ids"]], params,
+                                    use_tqdm=False, lora_request=self.adapter)
+        return [[list(c.token_ids), [sampled_logprob(step, token) for step, token in zip(c.logprobs or [], c.token_ids)]]
+                for output in outputs for c in output.outputs]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        counted = _Counted(weights)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": counted, "is_checkpoint_format": True})
+        self.llm.reset_prefix_cache()
+        return counted.count
+
+    def set_adapter(self, folder: str | None, version: int) -> None:
+        from vllm.lora.request import LoRARequest
+
+        self.adapter = None if folder is None else LoRARequest("policy", version, folder)
+
+
+class _Counted:
+    """An iterator over weights that counts what went through it."""
+
+    def __init__(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.weights, self.count = iter(weights), 0
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for item in self.weights:
+            self.count += 1
+            yield item
+
+
+def weight_names(handle: Any) -> list[str]:
+    """The names in an open safetensors file (``safe_open`` has no ``__iter__``)."""
+    return list(handle.keys())
+
+
+def checkpoint_shapes(model: str) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every weight in the model folder's safetensors (headers only); {} for a hub id."""
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for shard in sorted(Path(model).glob("*.safetensors")) if Path(model).is_dir() else []:
+        with safe_open(str(shard), "pt") as handle:
+            shapes.update({name: tuple(handle.get_slice(name).get_shape()) for name in weight_names(handle)})
+    return shapes
+
+
+def check_dtype(dtype: str, cuda: bool) -> str:
+    """The engine's dtype: ``auto`` follows the trainer's default precision (bf16 on a GPU that runs it, fp32 on a
+    CPU); one the device cannot run is one line."""
+    if dtype not in DTYPES:
+        raise ToolError(f"--dtype {dtype!r} is not valid; choose from: {', '.join(DTYPES)}")
+    bf16 = cuda and torch.cuda.is_bf16_supported()
+    if dtype == "auto":
+        return ("bfloat16" if bf16 else "float16") if cuda else "float32"
+    if dtype == "bfloat16" and cuda and not bf16:
+        raise ToolError("--dtype bfloat16: this GPU cannot run bfloat16; use --dtype float16 (or auto)")
+    if dtype == "float16" and not cuda:
+        raise ToolError("--dtype float16: vLLM's CPU backend runs float32 or bfloat16; use --dtype float32 (or auto)")
+    return dtype

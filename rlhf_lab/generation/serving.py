@@ -1,0 +1,391 @@
+"""The ``rlhf-lab serve`` server: who it lets in, what it loads, and the engine behind it.
+
+Trust rules (the serve guide explains them for users):
+
+- **A shared secret on every route.** The token comes from ``--token-file``, else ``RLHF_LAB_SERVE_TOKEN``, else
+  one generated at start and written (mode 0600) to ``SYNC_FOLDER/.serve_token``; the trainer reads it from the
+  same place (:func:`client_token`) and sends it as ``Authorization: Bearer TOKEN``. It is compared in constant
+  time. Without it a request is answered 401 and nothing else is read.
+- **JSON only, and small.** A POST must say ``Content-Type: application/json`` (a web page's simple cross-site
+  POST cannot) and give a ``Content-Length`` between 0 and :data:`MAX_BODY`; the body is read with a timeout.
+- **Paths stay in the sync folder.** A folder named in ``/load_weights`` or ``/load_adapter`` is taken relative to
+  the server's ``--sync-folder`` and must resolve inside it; its files must be regular files, not symbolic links,
+  and only safetensors are read (pickle files are never loaded).
+- **The group only toward the trainer.** ``/open_group`` dials only ``--trainer-host``.
+- **A load either happens or says it did not.** Weights from a folder are checked (names and shapes against the
+  model's own checkpoint) before the engine takes any; a folder with nothing loadable is refused; an adapter that
+  cannot sample is dropped again. Either way the previous weights keep serving and the reply says so.
+- **Loopback by default.** Bound to any other address, the server prints a warning line: plain HTTP carries the
+  token in clear.
+
+The engine is any object with :class:`ServerEngine`'s methods; :class:`VLLMServerEngine` is vLLM's, and tests use
+a stand-in (no vLLM needed).
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import json
+import os
+import secrets
+import socket
+import stat
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlhf_lab.errors import ConfigError, ToolError
+from rlhf_lab.generation.serve_engine import (
+    DEFAULT_MEMORY_SHARE,
+    ServerEngine,
+    VLLMServerEngine,
+    check_dtype,
+    checkpoint_shapes,
+    weight_names,
+)
+from rlhf_lab.generation.vllm import lora_rank_slot
+from rlhf_lab.generation.weight_group import WeightGroup
+
+TOKEN_ENV = "RLHF_LAB_SERVE_TOKEN"
+TOKEN_FILE = ".serve_token"  # in the sync folder, mode 0600
+MAX_BODY = 64 << 20  # bytes of one request (a generate request of 1,000 prompts of 4,096 tokens is ~30 MB)
+READ_TIMEOUT = 60.0  # seconds a request may take to arrive
+
+
+class RequestError(Exception):
+    """A request the server refuses: its HTTP status and one line."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+# ------------------------------------------------------------------------------------------ the token
+def _read_token(path: Path, where: str) -> str:
+    try:
+        token = Path(path).expanduser().read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigError(f"{where}={str(path)!r} cannot be read ({type(error).__name__}); give the file rlhf-lab "
+                          "serve wrote or was given (--token-file)") from None
+    if not token:
+        raise ConfigError(f"{where}={str(path)!r} is empty; give the file rlhf-lab serve wrote or was given")
+    return token
+
+
+def server_token(sync_folder: Path, token_file: str | None = None) -> str:
+    """The server's secret: ``token_file``'s, else the environment's, else a new one written 0600 to the sync
+    folder for the trainer to read."""
+    if token_file:
+        return _read_token(Path(token_file), "--token-file")
+    if os.environ.get(TOKEN_ENV, "").strip():  # a blank one is no secret
+        return os.environ[TOKEN_ENV].strip()
+    token = secrets.token_urlsafe(32)
+    path = Path(sync_folder) / TOKEN_FILE
+    if path.is_symlink():
+        raise ToolError(f"{str(path)!r} is a symbolic link; remove it (rlhf-lab serve writes its token there)")
+    path.unlink(missing_ok=True)  # a new file, created 0600, never an older one's mode
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
+        handle.write(token + "\n")
+    return token
+
+
+def client_token(sync_folder: str | None, token_file: str | None) -> str:
+    """The trainer's copy of the server's secret, from where the server put it (see :func:`server_token`)."""
+    if token_file:
+        return _read_token(Path(token_file), "generation.token_file")
+    if os.environ.get(TOKEN_ENV, "").strip():  # a blank one is no secret
+        return os.environ[TOKEN_ENV].strip()
+    if sync_folder:
+        path = Path(sync_folder).expanduser() / TOKEN_FILE
+        if path.is_file():
+            return _read_token(path, "the server's token file")
+        raise ConfigError(f"no rlhf-lab serve token at {str(path)!r}: start the server with --sync-folder "
+                          f"{sync_folder} first (it writes the token there), or give generation.token_file or "
+                          f"{TOKEN_ENV}")
+    raise ConfigError(f"generation=vllm_server needs the server's token: give generation.sync_folder (the server "
+                      f"writes it there), generation.token_file, or {TOKEN_ENV}")
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+# ------------------------------------------------------------------------------------------ the routes
+class WeightServer:
+    """The server's decisions, apart from HTTP: which requests it takes and what each does to the engine."""
+
+    def __init__(self, engine: ServerEngine, sync_folder: Path, token: str, trainer_host: str = "127.0.0.1",
+                 shapes: dict[str, tuple[int, ...]] | None = None, lora_rank: int = 0) -> None:
+        self.engine, self.token, self.trainer_host = engine, token, trainer_host
+        self.sync_folder = Path(sync_folder).resolve()
+        self.shapes, self.lora_rank = shapes or {}, lora_rank
+        self.lock = threading.Lock()
+        self.weights_version, self.adapter_version, self.adapter_folder = 0, 0, None
+        self.group: WeightGroup | None = None
+        self.routes: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+            "/generate": self.generate, "/load_weights": self.load_weights, "/load_adapter": self.load_adapter,
+            "/open_group": self.open_group, "/receive_weights": self.receive_weights}
+
+    def allowed(self, authorization: str | None) -> bool:
+        if not self.token:  # never: an empty secret would let in an empty header
+            return False
+        given = (authorization or "").removeprefix("Bearer ").strip()
+        return hmac.compare_digest(given.encode(), self.token.encode())
+
+    def generate(self, request: dict[str, Any]) -> dict[str, Any]:
+        _need(request, "prompt_ids", "group_size", "max_new_tokens", "temperature", "top_p", "top_k",
+              "max_prompt_tokens")
+        with self.lock:
+            return {"samples": self.engine.generate(request)}
+
+    def inside(self, given: Any, what: str) -> Path:
+        """``given`` (relative to the sync folder, or absolute) as a folder inside the sync folder."""
+        if not isinstance(given, str) or not given:
+            raise RequestError(400, f"{what} must be a folder name in the sync folder")
+        path = (self.sync_folder / given).resolve()
+        if not path.is_relative_to(self.sync_folder):
+            raise RequestError(403, f"{what}={given!r} is outside the sync folder {self.sync_folder}; nothing "
+                                    f"loaded, the previous weights still serve")
+        if not path.is_dir():
+            raise RequestError(400, f"{what}={given!r} is not a folder in {self.sync_folder}; nothing loaded, the "
+                                    "previous weights still serve")
+        return path
+
+    def _files(self, folder: Path, pattern: str) -> list[Path]:
+        found = sorted(folder.glob(pattern))
+        for path in found:
+            mode = path.lstat().st_mode
+            if not stat.S_ISREG(mode):
+                kind = "a symbolic link" if stat.S_ISLNK(mode) else "not a regular file"
+                raise RequestError(403, f"{path.name} in {folder} is {kind}; nothing loaded, the previous weights "
+                                        "still serve")
+        return found
+
+    def load_weights(self, request: dict[str, Any]) -> dict[str, Any]:
+        from safetensors import SafetensorError, safe_open
+
+        folder = self.inside(request.get("folder"), "folder")
+        shards = self._files(folder, "*.safetensors")
+        if not shards:
+            raise RequestError(400, f"{folder} holds no *.safetensors (pickle files are never loaded); nothing "
+                                    f"loaded, the previous weights (version {self.weights_version}) still serve")
+        names: list[tuple[Path, str]] = []
+        unchanged = f"nothing loaded, the previous weights (version {self.weights_version}) still serve"
+        try:
+            for shard in shards:  # every header checked before the engine takes any weight
+                with safe_open(str(shard), "pt") as handle:
+                    for name in weight_names(handle):
+                        self._check_shape(name, tuple(handle.get_slice(name).get_shape()), unchanged)
+                        names.append((shard, name))
+        except (SafetensorError, OSError) as error:
+            raise RequestError(400, f"{shard.name} in {folder} is not readable safetensors ({error}); nothing "
+                                    f"loaded, the previous weights (version {self.weights_version}) still "
+                                    "serve") from None
+        if not names:
+            raise RequestError(400, f"{folder} holds no weights; nothing loaded, the previous weights (version "
+                                    f"{self.weights_version}) still serve")
+
+        def streamed() -> Iterator[tuple[str, torch.Tensor]]:
+            for shard in shards:  # one tensor at a time, read from the memory-mapped file
+                with safe_open(str(shard), "pt") as handle:
+                    for name in weight_names(handle):
+                        yield name, handle.get_tensor(name)
+
+        with self.lock:
+            loaded = self.engine.load_weights(streamed())
+            self.weights_version += 1
+        return {"loaded": loaded, "version": self.weights_version}
+
+    def _check_shape(self, name: str, shape: tuple[int, ...], after: str) -> None:
+        if not self.shapes:
+            return
+        known = self.shapes.get(name)
+        if known is None and not name.endswith("lm_head.weight"):  # a tied head is written under its own name
+            raise RequestError(400, f"weight {name!r} is not one of the model's; {after}")
+        if known is not None and known != shape:
+            raise RequestError(400, f"weight {name!r} has shape {list(shape)}, the model's is {list(known)}; {after}")
+
+    def load_adapter(self, request: dict[str, Any]) -> dict[str, Any]:
+        folder = self.inside(request.get("folder"), "folder")
+        config_files = self._files(folder, "adapter_config.json")
+        weights = self._files(folder, "adapter_model.safetensors")
+        if not config_files or not weights:
+            raise RequestError(400, f"{folder} holds no adapter_config.json and adapter_model.safetensors (pickle "
+                                    f"files are never loaded); the previous adapter (version "
+                                    f"{self.adapter_version}) still serves")
+        try:
+            rank = json.loads(config_files[0].read_text(encoding="utf-8")).get("r")
+        except (ValueError, UnicodeDecodeError, AttributeError):
+            raise RequestError(400, f"{config_files[0]} is not a JSON adapter config; the previous adapter (version "
+                                    f"{self.adapter_version}) still serves") from None
+        if self.lora_rank and (not isinstance(rank, int) or rank > lora_rank_slot(self.lora_rank)):
+            raise RequestError(400, f"the adapter's rank r={rank!r} is more than the server's --lora-rank "
+                                    f"{self.lora_rank}; the previous adapter (version {self.adapter_version}) still "
+                                    "serves")
+        with self.lock:
+            version = self.adapter_version + 1
+            self.engine.set_adapter(str(folder), version)
+            try:  # one token from one prompt: an adapter the engine cannot use is dropped here, not at /generate
+                self.engine.generate({"prompt_ids": [[0]], "group_size": 1, "max_new_tokens": 1, "temperature": 1.0,
+                                      "top_p": 1.0, "top_k": 0, "max_prompt_tokens": 1, "greedy": True})
+            except Exception as error:
+                self.engine.set_adapter(self.adapter_folder, self.adapter_version)
+                raise RequestError(400, f"the adapter in {folder} cannot sample ({type(error).__name__}: {error}); "
+                                        f"the previous adapter (version {self.adapter_version}) still "
+                                        "serves") from None
+            self.adapter_version, self.adapter_folder = version, str(folder)
+        return {"adapter": version}
+
+    def open_group(self, request: dict[str, Any]) -> dict[str, Any]:
+        _need(request, "host", "port", "backend")
+        host, port = request["host"], request["port"]
+        try:
+            allowed = socket.gethostbyname(str(host)) == socket.gethostbyname(self.trainer_host)
+        except OSError:
+            allowed = False
+        if not allowed:
+            raise RequestError(403, f"host {host!r} is not the trainer's: this server opens a group only toward "
+                                    f"--trainer-host {self.trainer_host}")
+        if not isinstance(port, int) or not 0 < port < 65536 or request["backend"] not in ("nccl", "gloo"):
+            raise RequestError(400, "port must be 1-65535 and backend nccl or gloo")
+        self.group = WeightGroup(str(host), port, 1, request["backend"])
+        return {"group": request["backend"]}
+
+    def receive_weights(self, request: dict[str, Any]) -> dict[str, Any]:
+        if self.group is None:
+            raise RequestError(409, "no weight group: the trainer opens one first (POST /open_group)")
+        stream = self.group.stream()
+
+        def checked() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in stream:  # the group carries one weight at a time: checked as it arrives
+                self._check_shape(name, tuple(tensor.shape), "the load stopped there (the weights before it were "
+                                                             "taken); sync again with the server's model")
+                yield name, tensor
+
+        with self.lock:
+            try:
+                loaded = self.engine.load_weights(checked())
+            except Exception:
+                for _ in stream:  # read to its end, so the trainer's broadcast finishes
+                    pass
+                raise
+            if loaded == 0:
+                raise RequestError(400, "the trainer sent no weights; the previous weights (version "
+                                        f"{self.weights_version}) still serve")
+            self.weights_version += 1
+        return {"loaded": loaded, "version": self.weights_version}
+
+
+def _need(request: dict[str, Any], *keys: str) -> None:
+    missing = [key for key in keys if key not in request]
+    if missing:
+        raise RequestError(400, f"the request has no {missing[0]!r}")
+
+
+# ------------------------------------------------------------------------------------------ HTTP
+def make_http_server(server: WeightServer, host: str, port: int) -> ThreadingHTTPServer:
+    """An HTTP server answering for ``server`` on ``host:port`` (port 0: any free one)."""
+
+    class Handler(BaseHTTPRequestHandler):
+        timeout = READ_TIMEOUT  # a request that does not arrive in time frees its thread
+
+        def _reply(self, status: int, body: dict[str, Any]) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _authorised(self) -> bool:
+            if server.allowed(self.headers.get("Authorization")):
+                return True
+            self._reply(401, {"error": "no or wrong token: send Authorization: Bearer TOKEN (the server's token "
+                                       "file, see rlhf-lab serve --help)"})
+            return False
+
+        def do_GET(self) -> None:  # noqa: N802  (http.server's name)
+            if self._authorised():
+                self._reply(200, {"ok": True}) if self.path == "/health" else self._reply(404, {"error": self.path})
+
+        def do_POST(self) -> None:  # noqa: N802
+            if not self._authorised():
+                return
+            try:
+                request = self._body()
+                route = server.routes.get(self.path)
+                if route is None:
+                    raise RequestError(404, f"no route {self.path}")
+                self._reply(200, route(request))
+            except RequestError as error:
+                self._reply(error.status, {"error": str(error)})
+            except Exception as error:  # the trainer gets the server's one line
+                self._reply(500, {"error": f"{type(error).__name__}: {error}"})
+
+        def _body(self) -> dict[str, Any]:
+            media = (self.headers.get("Content-Type") or "").split(";")[0].strip().lower()
+            if media != "application/json":
+                raise RequestError(415, f"Content-Type {media or 'none'!r}: this server takes application/json only")
+            length = self.headers.get("Content-Length")
+            if length is None or not length.strip().isdigit():
+                raise RequestError(411, f"Content-Length {length!r}: give the body's length in bytes")
+            if int(length) > MAX_BODY:
+                raise RequestError(413, f"a body of {int(length)} bytes is more than this server takes ({MAX_BODY})")
+            try:
+                request = json.loads(self.rfile.read(int(length)) or b"{}")
+            except (ValueError, UnicodeDecodeError):
+                raise RequestError(400, "the body is not JSON") from None
+            if not isinstance(request, dict):
+                raise RequestError(400, "the body is not a JSON object")
+            return request
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    return ThreadingHTTPServer((host, port), Handler)
+
+
+def serve(model: str, host: str = "127.0.0.1", port: int = 8765, dtype: str = "auto", enforce_eager: bool = True,
+          max_model_len: int = 2048, lora_rank: int = 0, *,
+          sync_folder: str | Path, token_file: str | None = None, trainer_host: str = "127.0.0.1",
+          memory_share: float = DEFAULT_MEMORY_SHARE,
+          engine_factory: Callable[..., ServerEngine] = VLLMServerEngine,
+          on_ready: Callable[[ThreadingHTTPServer], None] | None = None) -> None:
+    """Run the server until interrupted or shut down (``rlhf-lab serve``). ``engine_factory`` builds its engine
+    (vLLM's; tests give a stand-in); ``on_ready`` gets the HTTP server once it listens."""
+    if not 0 < memory_share <= 1:
+        raise ToolError(f"--gpu-memory-utilization {memory_share}: a share of the GPU in (0, 1]; the default "
+                        f"{DEFAULT_MEMORY_SHARE} fits a 7B policy beside its trainer on 80 GB")
+    folder = Path(sync_folder).expanduser()
+    if not folder.is_dir():
+        raise ToolError(f"--sync-folder {str(folder)!r} is not a folder; create it (the trainer's "
+                        "generation.sync_folder)")
+    dtype = check_dtype(dtype, torch.cuda.is_available())
+    token = server_token(folder, token_file)
+    engine = engine_factory(model, dtype, enforce_eager, max_model_len, lora_rank, memory_share)
+    http = make_http_server(WeightServer(engine, folder, token, trainer_host, checkpoint_shapes(model), lora_rank),
+                            host, port)
+    if not is_loopback(host):
+        print(f"warning: rlhf-lab serve is bound to {host}, beyond this machine: whoever reaches it with the token "
+              "can load weights into it, and plain HTTP carries the token in clear (bind 127.0.0.1 behind an SSH "
+              "tunnel or a TLS proxy)", file=sys.stderr, flush=True)
+    where = ("--token-file" if token_file else TOKEN_ENV if os.environ.get(TOKEN_ENV, "").strip()
+             else str(folder / TOKEN_FILE))
+    print(f"rlhf-lab serve: {model} ({dtype}) on http://{host}:{http.server_address[1]}, token in {where}",
+          flush=True)
+    if on_ready is not None:
+        on_ready(http)
+    try:
+        http.serve_forever()
+    finally:
+        http.server_close()
