@@ -47,6 +47,18 @@ class TrainerConfig:
     offload_reference: bool = False  # keep the frozen reference on the CPU between its passes
     skip_memory_check: bool = False  # start even when the memory estimate exceeds what the machine has
     logprob_chunk: int = 0  # rows per chunk of the reference scoring pass; 0: the whole batch at once
+    # Log-probs, entropy and exact KL from the final hidden states through the LM head, lm_head_chunk positions at
+    # a time with a recomputing backward: no [B, T, V] logits in any pass (rlhf_lab/scoring/head.py). null: on
+    # under CUDA, off on the CPU (where the whole logits are faster and fit)
+    chunked_logprobs: bool | None = None
+    lm_head_chunk: int = 1024  # positions per chunk through the LM head under chunked_logprobs
+    # Micro-batches by a token budget instead of micro_batch_size rows: each holds whole rows whose tokens
+    # (prompt + response, padding excluded) sum to at most this. 0: off. On every RL pass (reference, scoring,
+    # training, critic).
+    max_tokens_per_micro_batch: int = 0
+    # Padding-free packing: each micro-batch's rows flattened into one sequence with their own position ids
+    # (transformers' packed-sequence attention: rows never attend across each other). null: on with a token budget
+    pack_rows: bool | None = None
     seed_per_prompt: bool = False  # each prompt group samples from its own seeded generator (batch-independent)
     num_threads: int = 0  # torch intra-op threads; 0: torch's default
     weight_decay: float = 0.0

@@ -54,6 +54,7 @@ def generate(
     logits_float32: bool = True,
     sample: Callable[[Tensor], Tensor] = multinomial,
     stop: tuple[str, ...] = (),
+    head_chunk: int = 0,
 ) -> Rollout:
     """Sample ``group_size`` responses per prompt and collect the sampling policy's log-probs and entropy.
 
@@ -87,7 +88,7 @@ def generate(
     sampled = decode(model, prompt_ids, prompt_mask, cache, cached, max_new_tokens=max_new_tokens,
                      temperature=temperature, top_p=top_p, top_k=top_k, eos_token_id=tokenizer.eos_token_id,
                      pad_token_id=tokenizer.pad_token_id, greedy=greedy, keep_logits=keep_logits,
-                     keep_hidden=keep_hidden, logits_float32=logits_float32, sample=sample,
+                     keep_hidden=keep_hidden, logits_float32=logits_float32, sample=sample, head_chunk=head_chunk,
                      stopped=stop_strings(tokenizer, stop, prompt_width=prompt_ids.shape[1]) if stop else None)
     model.train(was_training)
     prompt_width = prompt_ids.shape[1]
@@ -154,6 +155,7 @@ class HFGeneration(SamplesInPlace):
             hardware = HardwareProfile()
         self.hardware = hardware
         self.keep_logits, self.keep_hidden, self.logits_float32 = keep_logits, keep_hidden, logits_float32
+        self.head_chunk = 0  # > 0: kept logits stay the LM head's inputs (trainer.chunked_logprobs)
 
     def generate(self, prompts: list[Prompt], group_size: int, seeds: list[int] | None = None,
                  greedy: bool = False, settings: SamplingSettings | None = None) -> Rollout:
@@ -175,7 +177,7 @@ class HFGeneration(SamplesInPlace):
                         settings.temperature, settings.top_p, settings.top_k, settings.max_prompt_tokens,
                         keep_logits=self.keep_logits and not greedy, greedy=greedy,
                         keep_hidden=self.keep_hidden and not greedy, logits_float32=self.logits_float32,
-                        sample=self.hardware.sample, stop=settings.stop)
+                        sample=self.hardware.sample, stop=settings.stop, head_chunk=self.head_chunk)
 
     def sync_weights(self, policy: nn.Module) -> None:
         """Nothing to copy: it samples with the policy's own weights."""

@@ -10,7 +10,9 @@ and the hidden states PPO's shared critic reads; the engine's log-probs stay as 
 sampler–trainer correction (``algorithm.tis_cap``) and the ``rollout/logprob_diff_*`` metrics.
 
 Everything runs over row chunks of ``trainer.logprob_chunk`` rows (0: the whole batch): the [rows, T, V] logits of
-a chunk die with it. The exact KL from full logits (``kl.exact``: ``step``, ``eval``, ``off``) is computed per
+a chunk die with it. Under ``trainer.chunked_logprobs`` no pass makes [rows, T, V] logits at all: they stay the LM
+head's inputs (:class:`~rlhf_lab.scoring.head.HeadLogits`) and go through the head ``trainer.lm_head_chunk``
+positions at a time. The exact KL from full logits (``kl.exact``: ``step``, ``eval``, ``off``) is computed per
 chunk from the policy's and the reference's logits, so no [B, T, V] tensor is kept for it; the reference's logits
 are kept only where the loss-placed estimator reads them (``full`` in the loss).
 """
@@ -29,7 +31,9 @@ from rlhf_lab.models.loading import PolicyAndReference
 from rlhf_lab.runtime import distributed
 from rlhf_lab.runtime.precision import Precision
 from rlhf_lab.scoring.forward import response_logits
+from rlhf_lab.scoring.head import HeadLogits, cat_head_logits
 from rlhf_lab.scoring.logprobs import entropy_from_logits, gather_logprobs
+from rlhf_lab.training.compute import head_chunk
 from rlhf_lab.training.records import StepTimer
 
 
@@ -71,6 +75,7 @@ class ScoringPass:
         self.cfg, self.models, self.policy, self.kl, self.device = cfg, models, policy, kl, device
         self.precision = precision
         self.keep_hidden, self.logits_float32 = keep_hidden, logits_float32
+        self.head_chunk = head_chunk(cfg.trainer, device)  # LM-head chunks of the log-probs (0: whole logits)
 
     def __call__(self, rollout: Rollout, timer: StepTimer, exact: bool, rescore: bool = False) -> None:
         """Score ``rollout`` in place; ``exact``: compute ``kl_exact`` (else it stays None); ``rescore``: the
@@ -95,7 +100,8 @@ class ScoringPass:
             if not self.kl.loss_reads_ref_logits:
                 part.ref_logits = None
         for key, values in pieces.items():
-            setattr(rollout, key, None if values[0] is None else values[0] if len(values) == 1 else torch.cat(values))
+            setattr(rollout, key, None if values[0] is None else values[0] if len(values) == 1 else
+                    cat_head_logits(values) if isinstance(values[0], HeadLogits) else torch.cat(values))
         if rescore:
             rollout.sampler_logprobs = sampler_logprobs
         rollout.policy_logits = None
@@ -106,7 +112,7 @@ class ScoringPass:
         with timer.phase("policy_logprobs"), torch.no_grad(), self.precision.autocast():
             logits, hidden = response_logits(self.policy, part.input_ids, part.attention_mask, part.prompt_width,
                                              self.cfg.trainer.temperature, output_hidden_states=self.keep_hidden,
-                                             float32=self.logits_float32)
+                                             float32=self.logits_float32, head_chunk=self.head_chunk)
             part.logprobs = gather_logprobs(logits, part.response_ids) * mask
             part.entropy = entropy_from_logits(logits) * mask
         part.policy_logits, part.hidden = logits, hidden
@@ -120,7 +126,8 @@ class ScoringPass:
             if offload:
                 model.to(self.device)
             part.ref_logits, _ = response_logits(model, part.input_ids, part.attention_mask, part.prompt_width,
-                                                 self.cfg.trainer.temperature, float32=self.logits_float32)
+                                                 self.cfg.trainer.temperature, float32=self.logits_float32,
+                                                 head_chunk=self.head_chunk)
             part.ref_logprobs = gather_logprobs(part.ref_logits, part.response_ids) * part.response_mask
             if offload:
                 model.to("cpu")

@@ -31,6 +31,7 @@ from rlhf_lab.runtime import distributed
 from rlhf_lab.runtime.precision import Precision
 from rlhf_lab.scoring.forward import response_logits
 from rlhf_lab.scoring.logprobs import entropy_from_logits, gather_logprobs, needs_float32_logits
+from rlhf_lab.training.compute import head_chunk
 from rlhf_lab.training.records import StepTimer
 
 
@@ -111,6 +112,7 @@ class Updater:
         self.logits_float32 = needs_float32_logits(
             self.temperature(cfg), getattr(algorithm, "reads_policy_logits", True),
             kl is not None and kl.in_loss and kl.reads_logits)
+        self.head_chunk = head_chunk(trainer, device)  # LM-head chunks of the log-probs (0: whole logits)
         if strategy != "fsdp":  # FSDP2's shards get their state at the first step
             self.hardware.prepare_optimizer(self.optimizer)
         self.consecutive_skips = 0
@@ -142,7 +144,7 @@ class Updater:
             logits, hidden = response_logits(
                 self.policy, batch.input_ids, batch.attention_mask, batch.prompt_width,
                 self.temperature(self.cfg), output_hidden_states=self.algorithm.needs_hidden_states,
-                float32=self.logits_float32,
+                float32=self.logits_float32, head_chunk=self.head_chunk,
             )
         logprobs = gather_logprobs(logits, batch.response_ids) * batch.response_mask
         return PolicyOutput(logprobs=logprobs, logits=logits, hidden=hidden)
