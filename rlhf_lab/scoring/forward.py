@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from rlhf_lab.runtime import distributed
 from rlhf_lab.scoring.head import HeadLogits
 from rlhf_lab.scoring.logprobs import scale_logits
+from rlhf_lab.scoring.packing import pack_rows
 
 
 def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
@@ -92,7 +93,7 @@ def head_logits(head: nn.Linear, hidden: Tensor, temperature: float, chunk: int,
 def response_logits(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, prompt_width: int,
                     temperature: float, output_hidden_states: bool = False,
                     share_prompts: bool = True, float32: bool = True,
-                    head_chunk: int = 0) -> tuple[Tensor | HeadLogits, Tensor | None]:
+                    head_chunk: int = 0, pack: bool = False) -> tuple[Tensor | HeadLogits, Tensor | None]:
     """Temperature-scaled logits predicting each response token: [B, T, V] (and last hidden states [B, T, H]).
 
     With ``head_chunk`` > 0 (``trainer.chunked_logprobs``) and a plain LM head (:func:`plain_head`), the logits
@@ -106,13 +107,23 @@ def response_logits(model: nn.Module, input_ids: Tensor, attention_mask: Tensor,
     ``share_prompts``, rows that share a prompt (the G samples of a group) run that prompt through the
     network once; its key/value cache is then indexed out to every row, and gradients flow back through
     it. The result equals the plain forward pass (see :func:`_plain_response_logits`) to float precision.
+
+    With ``pack`` the rows run padding-free as one packed sequence (:mod:`rlhf_lab.scoring.packing`; no prompt
+    sharing then), their outputs gathered back into the same [B, T, …] layout.
     """
     head = plain_head(model) if head_chunk > 0 else None
     if head is not None:
         with head_skipped(head):
             hidden_in, hidden = response_logits(model, input_ids, attention_mask, prompt_width, 1.0,
-                                                output_hidden_states, share_prompts, float32=False)
+                                                output_hidden_states, share_prompts, float32=False, pack=pack)
         return head_logits(head, hidden_in, temperature, head_chunk, not torch.is_grad_enabled()), hidden
+    packed = pack_rows(input_ids, attention_mask, prompt_width) if pack else None
+    if packed is not None:
+        output = model(input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=None,
+                       use_cache=False, logits_to_keep=packed.keep, output_hidden_states=output_hidden_states)
+        logits = scale_logits(packed.unpack(output.logits), temperature, float32)
+        hidden = packed.unpack(output.hidden_states[-1][:, packed.keep]) if output_hidden_states else None
+        return logits, hidden
     prompt_ids = input_ids[:, :prompt_width]
     unique_prompts, row_to_prompt = torch.unique(prompt_ids, dim=0, return_inverse=True)
     # (a response part of one token leaves nothing to continue with: the plain pass)

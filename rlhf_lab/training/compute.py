@@ -11,6 +11,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import Tensor
+
+from rlhf_lab.runtime import distributed
+from rlhf_lab.scoring.packing import row_tokens, split_to, token_budget_groups
 
 
 def head_chunk(trainer_cfg: Any, device: torch.device) -> int:
@@ -31,3 +35,18 @@ def packs_rows(trainer_cfg: Any) -> bool:
     """Whether micro-batches are packed padding-free (``trainer.pack_rows``; null: where a token budget is set)."""
     pack = trainer_cfg.get("pack_rows")
     return bool(token_budget(trainer_cfg)) if pack is None else bool(pack)
+
+
+def micro_batches(attention_mask: Tensor, rows: int, budget: int, agree: bool) -> list[Tensor]:
+    """The row indices of each micro-batch of a batch: up to ``budget`` tokens each (attended tokens: prompt +
+    response, padding excluded; :func:`~rlhf_lab.scoring.packing.token_budget_groups`) where ``budget`` > 0, else
+    ``rows`` rows each (0: all). ``agree``: every rank runs as many (sharded weights make each forward a
+    collective), the smaller counts split further."""
+    batch = attention_mask.shape[0]
+    if not budget:
+        size = rows or batch
+        return [torch.arange(start, min(start + size, batch)) for start in range(0, batch, size)]
+    groups = token_budget_groups(row_tokens(attention_mask).tolist(), budget)
+    if agree and distributed.world_size() > 1:
+        groups = split_to(groups, int(distributed.maximum(torch.tensor(float(len(groups))))))
+    return [torch.tensor(group, dtype=torch.long) for group in groups]
