@@ -39,7 +39,8 @@ class TrainerConfig:
     # a checkpoint (raise it for checkpoints that take longer to write). A peer that never comes or stops taking
     # part ends the run with an error instead of a hang.
     collective_timeout_s: float = 600.0
-    gradient_checkpointing: bool = False  # recompute activations in backward (transformers' own)
+    # recompute activations in backward (transformers' own). null: on under CUDA, off on the CPU (faster there)
+    gradient_checkpointing: bool | None = None
     # Submodules of every decoder layer recomputed in the backward pass instead of keeping their activations
     # (exact: rlhf_lab/models/recompute.py). null: the hardware profile's choice (hardware.recompute: both norms
     # and the MLP under full fine-tuning; none otherwise); []: none
@@ -54,8 +55,8 @@ class TrainerConfig:
     lm_head_chunk: int = 1024  # positions per chunk through the LM head under chunked_logprobs
     # Micro-batches by a token budget instead of micro_batch_size rows: each holds whole rows whose tokens
     # (prompt + response, padding excluded) sum to at most this. 0: off. On every RL pass (reference, scoring,
-    # training, critic).
-    max_tokens_per_micro_batch: int = 0
+    # training, critic). null: 16384 under CUDA (raised to the longest row where one is longer), off on the CPU
+    max_tokens_per_micro_batch: int | None = None
     # Padding-free packing: each micro-batch's rows flattened into one sequence with their own position ids
     # (transformers' packed-sequence attention: rows never attend across each other). null: on with a token budget
     pack_rows: bool | None = None

@@ -16,7 +16,8 @@ The policy distribution is ``softmax(raw logits / temperature)``, before top-k/t
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,6 +65,26 @@ def logits_processors(prompt_width: int, eos_token_id: int | list[int] | None, g
     if top_p < 1.0:
         processors.append(TopPLogitsWarper(top_p=top_p, min_tokens_to_keep=1))
     return processors
+
+
+@contextmanager
+def gathered_once(model: nn.Module) -> Iterator[None]:
+    """Under FSDP2, the weights the block's first forward pass gathers stay gathered for every later pass, and are
+    resharded when it ends: one all-gather per generation instead of one per decoded token. (Its memory: the whole
+    model's weights for the generation's duration, as any engine that samples with them holds.) Elsewhere nothing.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    modules = [module for module in model.modules() if isinstance(module, FSDPModule)]
+    for module in modules:
+        module.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for index, module in enumerate(modules):
+            module.reshard()
+            # fully_shard's default: every sharded block reshards after its forward, the root (first) does not.
+            module.set_reshard_after_forward(index > 0, recurse=False)
 
 
 def multinomial(probs: Tensor) -> Tensor:

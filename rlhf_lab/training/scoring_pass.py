@@ -77,14 +77,16 @@ class ScoringPass:
         self.precision = precision
         self.keep_hidden, self.logits_float32 = keep_hidden, logits_float32
         self.head_chunk = head_chunk(cfg.trainer, device)  # LM-head chunks of the log-probs (0: whole logits)
-        self.pack = packs_rows(cfg.trainer)  # padding-free chunks (trainer.pack_rows)
+        self.pack = packs_rows(cfg.trainer, device)  # padding-free chunks (trainer.pack_rows)
+        self.token_budget = token_budget(cfg.trainer, device)  # tokens per micro-batch (0: by rows)
         self.sharded = any(map(distributed.sharded, policy.parameters()))  # FSDP: ranks agree on chunk counts
 
     def __call__(self, rollout: Rollout, timer: StepTimer, exact: bool, rescore: bool = False) -> None:
         """Score ``rollout`` in place; ``exact``: compute ``kl_exact`` (else it stays None); ``rescore``: the
         training model's pass too."""
         groups = micro_batches(rollout.attention_mask, self.cfg.trainer.logprob_chunk,
-                               token_budget(self.cfg.trainer), agree=self.sharded)
+                               self.token_budget, agree=self.sharded,
+                               stretch=self.cfg.trainer.max_tokens_per_micro_batch is None)
         sampler_logprobs = rollout.logprobs  # the engine's (the pass below may put the trainer's in their place)
         pieces: dict[str, list[Tensor]] = {}
         for rows in groups:

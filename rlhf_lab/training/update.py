@@ -115,7 +115,8 @@ class Updater:
             self.temperature(cfg), getattr(algorithm, "reads_policy_logits", True),
             kl is not None and kl.in_loss and kl.reads_logits)
         self.head_chunk = head_chunk(trainer, device)  # LM-head chunks of the log-probs (0: whole logits)
-        self.pack = packs_rows(trainer)  # padding-free micro-batches (trainer.pack_rows)
+        self.pack = packs_rows(trainer, device)  # padding-free micro-batches (trainer.pack_rows)
+        self.token_budget = token_budget(cfg.trainer, device)  # tokens per micro-batch (0: by rows)
         self.sharded = any(map(distributed.sharded, policy.parameters()))  # FSDP: ranks agree on micro-batch counts
         if strategy != "fsdp":  # FSDP2's shards get their state at the first step
             self.hardware.prepare_optimizer(self.optimizer)
@@ -200,7 +201,8 @@ class Updater:
     def minibatch_update(self, minibatch: Rollout, coef: float, timer: StepTimer) -> dict[str, float]:
         """Accumulate the micro-batches' gradients and take one optimizer step (or a veto, or a skip)."""
         groups = micro_batches(minibatch.attention_mask, self.cfg.trainer.micro_batch_size,
-                               token_budget(self.cfg.trainer), agree=self.sharded)
+                               self.token_budget, agree=self.sharded,
+                               stretch=self.cfg.trainer.max_tokens_per_micro_batch is None)
         # Rows count only with a response token: a dropped sample (mask zeroed) weighs nothing.
         local = torch.stack([minibatch.response_mask.sum().double(),
                              (minibatch.response_mask.sum(-1) > 0).sum().double()])

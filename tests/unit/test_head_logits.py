@@ -8,13 +8,21 @@ import torch
 from conftest import SCORED_PROMPT, scoring_batch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from rlhf_lab.errors import ConfigError
 from rlhf_lab.generation.decode import decode
 from rlhf_lab.kl.exact import exact_kl
 from rlhf_lab.models import loading as models
 from rlhf_lab.scoring.forward import response_logits
 from rlhf_lab.scoring.head import HeadLogits
 from rlhf_lab.scoring.logprobs import entropy_from_logits, gather_logprobs, scale_logits
-from rlhf_lab.training.compute import head_chunk
+from rlhf_lab.training.compute import (
+    GPU_TOKEN_BUDGET,
+    gradient_checkpointing,
+    head_chunk,
+    micro_batches,
+    packs_rows,
+    token_budget,
+)
 
 
 class LargestTensor(TorchDispatchMode):
@@ -136,9 +144,23 @@ def test_decode_keeps_the_head_s_inputs_not_a_vocabulary_buffer(compose, tiny_ov
     assert close(exact_kl(lazy.logits, whole.logits), torch.zeros_like(lazy.logprobs), tol=1e-5)
 
 
-def test_chunked_logprobs_default_by_device(compose, tiny_overrides):
+def test_compute_defaults_by_device(compose, tiny_overrides):
     trainer = compose(tiny_overrides(None)).trainer
-    assert head_chunk(trainer, torch.device("cpu")) == 0  # the whole logits: the CPU's fastest
-    assert head_chunk(trainer, torch.device("cuda")) == trainer.lm_head_chunk > 0
-    trainer.chunked_logprobs = True
-    assert head_chunk(trainer, torch.device("cpu")) == trainer.lm_head_chunk
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    # The CPU keeps what is fastest there: whole logits, no checkpointing, micro-batches by rows, padded.
+    assert (head_chunk(trainer, cpu), gradient_checkpointing(trainer, cpu), token_budget(trainer, cpu),
+            packs_rows(trainer, cpu)) == (0, False, 0, False)
+    assert (head_chunk(trainer, cuda), gradient_checkpointing(trainer, cuda), token_budget(trainer, cuda),
+            packs_rows(trainer, cuda)) == (trainer.lm_head_chunk, True, GPU_TOKEN_BUDGET, True)
+    trainer.chunked_logprobs, trainer.max_tokens_per_micro_batch, trainer.gradient_checkpointing = True, 0, False
+    assert (head_chunk(trainer, cpu), token_budget(trainer, cuda), gradient_checkpointing(trainer, cuda)) == \
+        (trainer.lm_head_chunk, 0, False)
+
+
+def test_a_default_budget_stretches_to_the_longest_row_and_a_set_one_does_not():
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [0, 1, 1, 0]])  # rows of 3, 4 and 2 tokens
+    assert [g.tolist() for g in micro_batches(mask, 0, 3, agree=False, stretch=True)] == [[0], [1], [2]]
+    assert [g.tolist() for g in micro_batches(mask, 0, 6, agree=False)] == [[0], [1, 2]]
+    assert [g.tolist() for g in micro_batches(mask, 2, 0, agree=False)] == [[0, 1], [2]]
+    with pytest.raises(ConfigError, match="max_tokens_per_micro_batch=3 is smaller than the longest row"):
+        micro_batches(mask, 0, 3, agree=False)
