@@ -54,8 +54,14 @@ def agreed(model: nn.Module, local: bool) -> bool:
 
 def plain_head(model: nn.Module) -> nn.Linear | None:
     """``model``'s LM head where :class:`~rlhf_lab.scoring.head.HeadLogits` can stand for its output: a plain
-    ``nn.Linear`` (not a LoRA-wrapped one) with unsharded weights, and no soft-capping after it; else None."""
+    ``nn.Linear`` (not a LoRA-wrapped one), and no soft-capping after it; else None. Not under FSDP: a sharded
+    head's gathered weight lives only while FSDP holds it gathered, and its gradient must flow through FSDP's own
+    hooks, so sharded models keep the whole logits (each pass's micro-batches bound them)."""
+    from torch.distributed.fsdp import FSDPModule
+
     inner = distributed.unwrap(model)
+    if any(isinstance(module, FSDPModule) for module in inner.modules()):
+        return None
     getter = getattr(inner, "get_output_embeddings", None)
     head = getter() if getter is not None else None
     config = getattr(inner, "config", None)

@@ -33,7 +33,7 @@ DEFAULT_CHUNK = 1024  # positions per chunk through the LM head (trainer.lm_head
 
 @dataclass
 class HeadLogits:
-    """Temperature-scaled logits [B, T, V] = ``hidden @ weightᵀ (+ bias)) / temperature``, never held whole.
+    """Temperature-scaled logits [B, T, V] = ``(hidden @ weightᵀ + bias) / temperature``, never held whole.
 
     ``autocast`` is the dtype the head ran under (None: no autocast), so each chunk rounds as the model's own
     LM head would. Indexing rows (``select_rows``) and concatenation (:func:`cat_head_logits`) act on ``hidden``.
@@ -45,6 +45,10 @@ class HeadLogits:
     temperature: float = 1.0
     chunk: int = DEFAULT_CHUNK
     autocast: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        if self.chunk < 1:
+            raise ValueError(f"HeadLogits chunk must be a positive number of positions; got {self.chunk}")
 
     @property
     def shape(self) -> torch.Size:
