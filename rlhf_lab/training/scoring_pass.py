@@ -86,7 +86,7 @@ class ScoringPass:
         training model's pass too."""
         groups = micro_batches(rollout.attention_mask, self.cfg.trainer.logprob_chunk,
                                self.token_budget, agree=self.sharded,
-                               stretch=self.cfg.trainer.max_tokens_per_micro_batch is None)
+                               stretch=self.cfg.trainer.get("max_tokens_per_micro_batch") is None)
         sampler_logprobs = rollout.logprobs  # the engine's (the pass below may put the trainer's in their place)
         pieces: dict[str, list[Tensor]] = {}
         for rows in groups:

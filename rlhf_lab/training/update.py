@@ -202,7 +202,7 @@ class Updater:
         """Accumulate the micro-batches' gradients and take one optimizer step (or a veto, or a skip)."""
         groups = micro_batches(minibatch.attention_mask, self.cfg.trainer.micro_batch_size,
                                self.token_budget, agree=self.sharded,
-                               stretch=self.cfg.trainer.max_tokens_per_micro_batch is None)
+                               stretch=self.cfg.trainer.get("max_tokens_per_micro_batch") is None)
         # Rows count only with a response token: a dropped sample (mask zeroed) weighs nothing.
         local = torch.stack([minibatch.response_mask.sum().double(),
                              (minibatch.response_mask.sum(-1) > 0).sum().double()])
