@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from rlhf_lab.scoring.forward import position_ids_from_mask
+from rlhf_lab.scoring.packing import pack_rows, packing
 
 
 class ValueHead(nn.Module):
@@ -65,6 +66,11 @@ class SeparateCritic(nn.Module):
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor, prompt_width: int) -> Tensor:
         """Values of the response tokens of ``[prompt (width P) | response]`` rows: [B, P+T] -> [B, T]."""
+        packed = pack_rows(input_ids, attention_mask, prompt_width) if packing() else None
+        if packed is not None:  # padding-free (trainer.pack_rows): the same values at every response token
+            output = self.trunk(input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=None,
+                                use_cache=False)
+            return self.value_head(packed.unpack(output.last_hidden_state[:, packed.keep]))
         output = self.trunk(
             input_ids=input_ids,
             attention_mask=attention_mask,

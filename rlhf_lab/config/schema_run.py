@@ -39,7 +39,8 @@ class TrainerConfig:
     # a checkpoint (raise it for checkpoints that take longer to write). A peer that never comes or stops taking
     # part ends the run with an error instead of a hang.
     collective_timeout_s: float = 600.0
-    gradient_checkpointing: bool = False  # recompute activations in backward (transformers' own)
+    # recompute activations in backward (transformers' own). null: on under CUDA, off on the CPU (faster there)
+    gradient_checkpointing: bool | None = None
     # Submodules of every decoder layer recomputed in the backward pass instead of keeping their activations
     # (exact: rlhf_lab/models/recompute.py). null: the hardware profile's choice (hardware.recompute: both norms
     # and the MLP under full fine-tuning; none otherwise); []: none
@@ -47,6 +48,18 @@ class TrainerConfig:
     offload_reference: bool = False  # keep the frozen reference on the CPU between its passes
     skip_memory_check: bool = False  # start even when the memory estimate exceeds what the machine has
     logprob_chunk: int = 0  # rows per chunk of the reference scoring pass; 0: the whole batch at once
+    # Log-probs, entropy and exact KL from the final hidden states through the LM head, lm_head_chunk positions at
+    # a time with a recomputing backward: no [B, T, V] logits in any pass (rlhf_lab/scoring/head.py). null: on
+    # under CUDA, off on the CPU (where the whole logits are faster and fit)
+    chunked_logprobs: bool | None = None
+    lm_head_chunk: int = 1024  # positions per chunk through the LM head under chunked_logprobs
+    # Micro-batches by a token budget instead of micro_batch_size rows: each holds whole rows whose tokens
+    # (prompt + response, padding excluded) sum to at most this. 0: off. On every RL pass (reference, scoring,
+    # training, critic). null: 16384 under CUDA (raised to the longest row where one is longer), off on the CPU
+    max_tokens_per_micro_batch: int | None = None
+    # Padding-free packing: each micro-batch's rows flattened into one sequence with their own position ids
+    # (transformers' packed-sequence attention: rows never attend across each other). null: on with a token budget
+    pack_rows: bool | None = None
     seed_per_prompt: bool = False  # each prompt group samples from its own seeded generator (batch-independent)
     num_threads: int = 0  # torch intra-op threads; 0: torch's default
     weight_decay: float = 0.0

@@ -60,6 +60,8 @@ def check_scale(cfg: Any) -> None:
     if trainer.precision != "auto" or trainer.dtype is not None:  # auto never needs CUDA; resolved (measured) later
         check_device(resolve_precision(trainer.precision, trainer.dtype, warn=False, device=device), device)
     at_least("trainer.logprob_chunk", trainer.logprob_chunk, 0)
+    at_least("trainer.lm_head_chunk", trainer.lm_head_chunk, 1)
+    at_least("trainer.max_tokens_per_micro_batch", trainer.max_tokens_per_micro_batch, 0)
     check_recompute(trainer)
     strategy = distributed.resolve_strategy(trainer.strategy)
     if strategy == "fsdp" and cfg.model.lora.enabled:

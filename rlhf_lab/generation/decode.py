@@ -16,7 +16,8 @@ The policy distribution is ``softmax(raw logits / temperature)``, before top-k/t
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +33,7 @@ from transformers import (
 
 from rlhf_lab.runtime import distributed
 from rlhf_lab.runtime.distributed import sharded
+from rlhf_lab.scoring.forward import head_logits, plain_head
 from rlhf_lab.scoring.logprobs import entropy_from_logits, gather_logprobs, scale_logits
 
 
@@ -42,7 +44,7 @@ class Sampled:
     response_ids: Tensor  # [B, T] sampled tokens, pad after a row's EOS
     logprobs: Tensor  # [B, T] log softmax(logits / temperature) at the sampled token (unmasked)
     entropy: Tensor  # [B, T] entropy of softmax(logits / temperature) (unmasked)
-    logits: Tensor | None  # [B, T, V] raw logits / temperature, float32 (``keep_logits``; a view of a
+    logits: Any  # [B, T, V] raw logits / temperature (a HeadLogits under ``head_chunk``), float32 (``keep_logits``; a view of a
     # [B, max_new_tokens, V] buffer when every row ended early); with ``logits_float32=False`` at temperature 1
     # the LM head's own logits (bf16 under autocast: the numbers whose float32 copy the sampler reads)
     hidden: Tensor | None  # [B, T, H] last hidden state that predicted each token (``keep_hidden``)
@@ -65,6 +67,26 @@ def logits_processors(prompt_width: int, eos_token_id: int | list[int] | None, g
     return processors
 
 
+@contextmanager
+def gathered_once(model: nn.Module) -> Iterator[None]:
+    """Under FSDP2, the weights the block's first forward pass gathers stay gathered for every later pass, and are
+    resharded when it ends: one all-gather per generation instead of one per decoded token. (Its memory: the whole
+    model's weights for the generation's duration, as any engine that samples with them holds.) Elsewhere nothing.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    modules = [module for module in model.modules() if isinstance(module, FSDPModule)]
+    for module in modules:
+        module.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for index, module in enumerate(modules):
+            module.reshard()
+            # fully_shard's default: every sharded block reshards after its forward, the root (first) does not.
+            module.set_reshard_after_forward(index > 0, recurse=False)
+
+
 def multinomial(probs: Tensor) -> Tensor:
     """One token per row of [B, V] ``probs``: ``torch.multinomial``'s draw, as ``generate`` makes it."""
     return torch.multinomial(probs, num_samples=1).squeeze(1)
@@ -74,7 +96,7 @@ def multinomial(probs: Tensor) -> Tensor:
 def decode(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, past_key_values: Any, cached: int,
            max_new_tokens: int, temperature: float, top_p: float, top_k: int, eos_token_id: int | list[int] | None,
            pad_token_id: int, greedy: bool = False, keep_logits: bool = False,
-           keep_hidden: bool = False, logits_float32: bool = True,
+           keep_hidden: bool = False, logits_float32: bool = True, head_chunk: int = 0,
            sample: Callable[[Tensor], Tensor] = multinomial,
            stopped: Callable[[Tensor], Tensor] | None = None) -> Sampled:
     """Sample up to ``max_new_tokens`` tokens after left-padded prompts ``prompt_ids`` [B, P].
@@ -83,6 +105,9 @@ def decode(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, past_key_v
     the rest of the prompt goes through the model in the first step. ``sample`` draws one token per row from
     the processed [B, V] probabilities (:func:`multinomial`; a hardware profile may give its own with the same
     draws); ``stopped`` (the sequences so far [B, P + t] -> [B] bool) ends a row besides its EOS (stop strings).
+    With ``head_chunk`` > 0 and a plain LM head, ``keep_logits`` keeps the head's inputs instead of [B, T, V]
+    logits (``Sampled.logits`` is then a :class:`~rlhf_lab.scoring.head.HeadLogits`, ``head_chunk`` positions
+    at a time): no [B, T, V] buffer.
     """
     batch, prompt_width = prompt_ids.shape
     device = prompt_ids.device
@@ -100,6 +125,10 @@ def decode(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, past_key_v
     lengths = torch.zeros(batch, dtype=torch.long, device=device)
     tokens, logprobs, entropies, hidden_states = [], [], [], []
     kept_logits = None  # [B, max_new_tokens, V], written step by step (see below)
+    head = plain_head(model) if keep_logits and head_chunk > 0 else None
+    head_inputs: list[Tensor] = []  # [B, H] per step: what the LM head read, in place of its [B, V] output
+    hook = None if head is None else head.register_forward_pre_hook(
+        lambda _module, args: head_inputs.append(args[0][:, -1]))
     step_ids, step_positions = prompt_ids[:, cached:], positions[:, cached:]
     # Without autocast the model call runs in inference mode (no view or version bookkeeping, the same
     # numbers); under autocast inference mode would bypass autocast's cache of weight casts,
@@ -121,7 +150,7 @@ def decode(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, past_key_v
         next_tokens = torch.where(unfinished, next_tokens, pad_token_id)
         logprobs.append(gather_logprobs(scaled, next_tokens))
         entropies.append(entropy_from_logits(scaled))
-        if keep_logits:  # into one buffer: a list of [B, V] tensors stacked at the end is a second full copy
+        if keep_logits and head is None:  # into one buffer: a list of [B, V] tensors stacked at the end is a second full copy
             kept = scaled if logits_float32 or temperature != 1.0 else output.logits[:, -1]
             if kept_logits is None:
                 kept_logits = kept.new_empty(batch, max_new_tokens, kept.shape[-1])
@@ -140,11 +169,15 @@ def decode(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, past_key_v
             break
         step_ids = next_tokens[:, None]
         step_positions = next_position + step
+    kept = kept_logits[:, : len(tokens)] if kept_logits is not None else None
+    if hook is not None:
+        hook.remove()
+        kept = head_logits(head, torch.stack(head_inputs, dim=1), temperature, head_chunk, detach=True)
     return Sampled(
         response_ids=torch.stack(tokens, dim=1),
         logprobs=torch.stack(logprobs, dim=1),
         entropy=torch.stack(entropies, dim=1),
-        logits=kept_logits[:, : len(tokens)] if keep_logits else None,
+        logits=kept,
         hidden=torch.stack(hidden_states, dim=1) if keep_hidden else None,
         lengths=lengths,
     )

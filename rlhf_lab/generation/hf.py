@@ -25,9 +25,10 @@ from rlhf_lab.generation.backend import (
     encode_prompts,
     left_padded,
 )
-from rlhf_lab.generation.decode import decode, multinomial
+from rlhf_lab.generation.decode import decode, gathered_once, multinomial
 from rlhf_lab.generation.kv_cache import decode_cache
-from rlhf_lab.generation.rollout import Rollout, concat_rollouts
+from rlhf_lab.generation.rollout import Rollout
+from rlhf_lab.generation.seeded import SeededDraws
 from rlhf_lab.registry import register
 from rlhf_lab.runtime.precision import Precision
 from rlhf_lab.scoring.forward import agreed, position_ids_from_mask, prefill_shared
@@ -54,6 +55,7 @@ def generate(
     logits_float32: bool = True,
     sample: Callable[[Tensor], Tensor] = multinomial,
     stop: tuple[str, ...] = (),
+    head_chunk: int = 0,
 ) -> Rollout:
     """Sample ``group_size`` responses per prompt and collect the sampling policy's log-probs and entropy.
 
@@ -77,18 +79,19 @@ def generate(
     prompt_mask = encoded["attention_mask"].repeat_interleave(group_size, 0).to(device)
     was_training = model.training
     model.eval()
-    cache, cached = decode_cache(max_new_tokens), 0
-    if agreed(model, share_prompts and group_size > 1 and encoded["input_ids"].shape[1] > 1):
-        unique_ids, unique_mask = encoded["input_ids"].to(device), encoded["attention_mask"].to(device)
-        rows = torch.arange(unique_ids.shape[0], device=device).repeat_interleave(group_size)
-        prefix = prefill_shared(model, unique_ids[:, :-1], unique_mask[:, :-1],
-                                position_ids_from_mask(unique_mask)[:, :-1], rows, past_key_values=cache)
-        cache, cached = prefix.past_key_values, unique_ids.shape[1] - 1
-    sampled = decode(model, prompt_ids, prompt_mask, cache, cached, max_new_tokens=max_new_tokens,
-                     temperature=temperature, top_p=top_p, top_k=top_k, eos_token_id=tokenizer.eos_token_id,
-                     pad_token_id=tokenizer.pad_token_id, greedy=greedy, keep_logits=keep_logits,
-                     keep_hidden=keep_hidden, logits_float32=logits_float32, sample=sample,
-                     stopped=stop_strings(tokenizer, stop, prompt_width=prompt_ids.shape[1]) if stop else None)
+    with gathered_once(model):  # FSDP: one all-gather of the weights for the whole generation, not one per token
+        cache, cached = decode_cache(max_new_tokens), 0
+        if agreed(model, share_prompts and group_size > 1 and encoded["input_ids"].shape[1] > 1):
+            unique_ids, unique_mask = encoded["input_ids"].to(device), encoded["attention_mask"].to(device)
+            rows = torch.arange(unique_ids.shape[0], device=device).repeat_interleave(group_size)
+            prefix = prefill_shared(model, unique_ids[:, :-1], unique_mask[:, :-1],
+                                    position_ids_from_mask(unique_mask)[:, :-1], rows, past_key_values=cache)
+            cache, cached = prefix.past_key_values, unique_ids.shape[1] - 1
+        sampled = decode(model, prompt_ids, prompt_mask, cache, cached, max_new_tokens=max_new_tokens,
+                         temperature=temperature, top_p=top_p, top_k=top_k, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, greedy=greedy, keep_logits=keep_logits,
+                         keep_hidden=keep_hidden, logits_float32=logits_float32, sample=sample, head_chunk=head_chunk,
+                         stopped=stop_strings(tokenizer, stop, prompt_width=prompt_ids.shape[1]) if stop else None)
     model.train(was_training)
     prompt_width = prompt_ids.shape[1]
     response_ids = sampled.response_ids
@@ -154,28 +157,27 @@ class HFGeneration(SamplesInPlace):
             hardware = HardwareProfile()
         self.hardware = hardware
         self.keep_logits, self.keep_hidden, self.logits_float32 = keep_logits, keep_hidden, logits_float32
+        self.head_chunk = 0  # > 0: kept logits stay the LM head's inputs (trainer.chunked_logprobs)
 
     def generate(self, prompts: list[Prompt], group_size: int, seeds: list[int] | None = None,
                  greedy: bool = False, settings: SamplingSettings | None = None) -> Rollout:
         """``group_size`` samples per prompt (see :class:`~rlhf_lab.generation.backend.GenerationBackend`)."""
         settings = settings or self.settings
-        rows = group_size if seeds is not None else len(prompts) * group_size
-        with self.precision.autocast(), self.hardware.decode_weights(self.policy, rows=rows):
-            if seeds is None:
-                return self._generate(prompts, group_size, greedy, settings)
-            parts = []
-            for prompt, seed in zip(prompts, seeds, strict=True):
-                with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-                    torch.manual_seed(seed)
-                    parts.append(self._generate([prompt], group_size, greedy, settings))
-        return concat_rollouts(parts, self.tokenizer.pad_token_id)
+        sample = self.hardware.sample
+        if seeds is not None:  # one decode for every group, each group drawing from its own seeded stream
+            if len(seeds) != len(prompts):
+                raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts: one seed per prompt group")
+            sample = SeededDraws(sample, list(seeds), group_size, self.device)
+        with self.precision.autocast(), self.hardware.decode_weights(self.policy, rows=len(prompts) * group_size):
+            return self._generate(prompts, group_size, greedy, settings, sample)
 
-    def _generate(self, prompts: list[Prompt], group_size: int, greedy: bool, settings: SamplingSettings) -> Rollout:
+    def _generate(self, prompts: list[Prompt], group_size: int, greedy: bool, settings: SamplingSettings,
+                  sample: Callable[[Tensor], Tensor]) -> Rollout:
         return generate(self.policy, self.tokenizer, prompts, group_size, settings.max_new_tokens,
                         settings.temperature, settings.top_p, settings.top_k, settings.max_prompt_tokens,
                         keep_logits=self.keep_logits and not greedy, greedy=greedy,
                         keep_hidden=self.keep_hidden and not greedy, logits_float32=self.logits_float32,
-                        sample=self.hardware.sample, stop=settings.stop)
+                        sample=sample, stop=settings.stop, head_chunk=self.head_chunk)
 
     def sync_weights(self, policy: nn.Module) -> None:
         """Nothing to copy: it samples with the policy's own weights."""

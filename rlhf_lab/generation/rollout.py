@@ -16,7 +16,7 @@ truncation) and the one whose log-probabilities, entropies and KL the algorithms
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 from torch import Tensor
@@ -93,6 +93,8 @@ class Rollout:
             value = getattr(self, f.name)
             if isinstance(value, Tensor) and value.dim() > 0:
                 value = value[rows]
+            elif hasattr(value, "select_rows"):  # logits kept as the LM head's inputs (scoring.head.HeadLogits)
+                value = value.select_rows(rows)
             elif f.name == "extras":
                 value = {k: v[rows] for k, v in value.items()}
             values[f.name] = value
@@ -128,6 +130,8 @@ def concat_rollouts(parts: list[Rollout], pad_token_id: int) -> Rollout:
 
     def pad(tensor: Tensor, left: int, right: int, value: float = 0) -> Tensor:
         # F.pad pads the last dimensions first: move [B, T, V]'s T last, pad, move back.
+        if hasattr(tensor, "select_rows"):  # a HeadLogits: pad its hidden states [B, T, H]
+            return replace(tensor, hidden=pad(tensor.hidden, left, right, value))
         if tensor.dim() == 3:
             return torch.nn.functional.pad(tensor.transpose(1, 2), (left, right), value=value).transpose(1, 2)
         return torch.nn.functional.pad(tensor, (left, right), value=value)
@@ -151,8 +155,8 @@ def concat_rollouts(parts: list[Rollout], pad_token_id: int) -> Rollout:
             if getattr(part, key) is not None:
                 pieces[key].append(getattr(part, key))
     optional = {key: pieces.pop(key) for key in ("policy_logits", "hidden", "scores", "turn_rewards", "truncated")}
-    optional = {key: torch.cat(values) if getattr(parts[0], key) is not None else None
-                for key, values in optional.items()}
+    optional = {key: (values[0].cat(values) if hasattr(values[0], "select_rows") else torch.cat(values))
+                if getattr(parts[0], key) is not None else None for key, values in optional.items()}
     extras = {key: torch.cat([part.extras[key] for part in parts]) for key in parts[0].extras}
     return Rollout(prompt_width=prompt_width, group_size=parts[0].group_size, extras=extras, **optional,
                    **{key: torch.cat(values) for key, values in pieces.items()})

@@ -99,8 +99,12 @@ def exact_kl(logits: Tensor, ref_logits: Tensor, chunk_size: int | None = None) 
 
     π = softmax(logits), π_ref = softmax(ref_logits), computed in float32 (or float64 if given) over at
     most ``chunk_size`` rows at a time, so the [B, T, V] float32 log-softmaxes are never materialised
-    whole, in forward or backward. Differentiable w.r.t. ``logits`` (and ``ref_logits``).
+    whole, in forward or backward. Differentiable w.r.t. ``logits`` (and ``ref_logits``). Either may be a
+    :class:`~rlhf_lab.scoring.head.HeadLogits`: then the logits are made from the hidden states chunk by chunk.
     """
+    if not isinstance(logits, Tensor) or not isinstance(ref_logits, Tensor):  # a HeadLogits on either side
+        head = ref_logits if isinstance(logits, Tensor) else logits
+        return head.exact_kl(logits, ref_logits)
     if logits.dim() != 3 or logits.shape != ref_logits.shape:
         raise ValueError(
             f"exact_kl needs logits and ref_logits of the same shape [B, T, V]; got {tuple(logits.shape)} "

@@ -60,7 +60,9 @@ def recompute_modules(model: nn.Module, trainer_cfg: Any, auto: bool = False) ->
     names = trainer_cfg.recompute
     blocks = transformer_blocks(model)
     if names is None:
-        if not auto or trainer_cfg.gradient_checkpointing or not blocks or hasattr(unwrap(model), "peft_config"):
+        checkpointed = any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
+        if not auto or trainer_cfg.gradient_checkpointing or checkpointed or not blocks or \
+                hasattr(unwrap(model), "peft_config"):
             return []
         names = [name for name in AUTO if all(name in _candidates(block) for block in blocks)]
     check_config(trainer_cfg)

@@ -7,13 +7,17 @@ run that prompt through the network once; its key/value cache is indexed out to 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from rlhf_lab.runtime import distributed
+from rlhf_lab.scoring.head import HeadLogits
 from rlhf_lab.scoring.logprobs import scale_logits
+from rlhf_lab.scoring.packing import pack_rows
 
 
 def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
@@ -48,10 +52,59 @@ def agreed(model: nn.Module, local: bool) -> bool:
     return local
 
 
+def plain_head(model: nn.Module) -> nn.Linear | None:
+    """``model``'s LM head where :class:`~rlhf_lab.scoring.head.HeadLogits` can stand for its output: a plain
+    ``nn.Linear`` (not a LoRA-wrapped one), and no soft-capping after it; else None. Not under FSDP: a sharded
+    head's gathered weight lives only while FSDP holds it gathered, and its gradient must flow through FSDP's own
+    hooks, so sharded models keep the whole logits (each pass's micro-batches bound them)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    inner = distributed.unwrap(model)
+    if any(isinstance(module, FSDPModule) for module in inner.modules()):
+        return None
+    getter = getattr(inner, "get_output_embeddings", None)
+    head = getter() if getter is not None else None
+    config = getattr(inner, "config", None)
+    if type(head) is not nn.Linear or distributed.sharded(head.weight):
+        return None
+    if getattr(config, "final_logit_softcapping", None) is not None:
+        return None
+    return head
+
+
+@contextmanager
+def head_skipped(head: nn.Linear) -> Iterator[None]:
+    """Within the block ``head`` hands its input on unchanged: the model's "logits" are the hidden states the
+    head reads (an instance ``forward``, removed after the block)."""
+    head.forward = lambda hidden: hidden
+    try:
+        yield
+    finally:
+        del head.forward
+
+
+def head_logits(head: nn.Linear, hidden: Tensor, temperature: float, chunk: int, detach: bool) -> HeadLogits:
+    """The :class:`HeadLogits` of ``hidden`` through ``head``, under the autocast now active (the model's).
+
+    ``detach``: a pass without gradient keeps the weight as it is now (a reference moved off the device after
+    its pass keeps these on it)."""
+    device = hidden.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+    weight, bias = head.weight, head.bias
+    if detach:
+        weight, bias = weight.detach(), None if bias is None else bias.detach()
+    return HeadLogits(hidden, weight, bias, temperature, chunk, dtype)
+
+
 def response_logits(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, prompt_width: int,
                     temperature: float, output_hidden_states: bool = False,
-                    share_prompts: bool = True, float32: bool = True) -> tuple[Tensor, Tensor | None]:
+                    share_prompts: bool = True, float32: bool = True,
+                    head_chunk: int = 0, pack: bool = False) -> tuple[Tensor | HeadLogits, Tensor | None]:
     """Temperature-scaled logits predicting each response token: [B, T, V] (and last hidden states [B, T, H]).
+
+    With ``head_chunk`` > 0 (``trainer.chunked_logprobs``) and a plain LM head (:func:`plain_head`), the logits
+    are a :class:`~rlhf_lab.scoring.head.HeadLogits`: the head's inputs, never made whole; the log-probs, the
+    entropy and the exact KL are then computed from them ``head_chunk`` positions at a time.
 
     In float32, or with ``float32=False`` at temperature 1 in the LM head's own dtype (bfloat16 under autocast:
     the same numbers, without the [B, T, V] float32 copy, for a caller that upcasts them in chunks itself).
@@ -60,7 +113,23 @@ def response_logits(model: nn.Module, input_ids: Tensor, attention_mask: Tensor,
     ``share_prompts``, rows that share a prompt (the G samples of a group) run that prompt through the
     network once; its key/value cache is then indexed out to every row, and gradients flow back through
     it. The result equals the plain forward pass (see :func:`_plain_response_logits`) to float precision.
+
+    With ``pack`` the rows run padding-free as one packed sequence (:mod:`rlhf_lab.scoring.packing`; no prompt
+    sharing then), their outputs gathered back into the same [B, T, …] layout.
     """
+    head = plain_head(model) if head_chunk > 0 else None
+    if head is not None:
+        with head_skipped(head):
+            hidden_in, hidden = response_logits(model, input_ids, attention_mask, prompt_width, 1.0,
+                                                output_hidden_states, share_prompts, float32=False, pack=pack)
+        return head_logits(head, hidden_in, temperature, head_chunk, not torch.is_grad_enabled()), hidden
+    packed = pack_rows(input_ids, attention_mask, prompt_width) if pack else None
+    if packed is not None:
+        output = model(input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=None,
+                       use_cache=False, logits_to_keep=packed.keep, output_hidden_states=output_hidden_states)
+        logits = scale_logits(packed.unpack(output.logits), temperature, float32)
+        hidden = packed.unpack(output.hidden_states[-1][:, packed.keep]) if output_hidden_states else None
+        return logits, hidden
     prompt_ids = input_ids[:, :prompt_width]
     unique_prompts, row_to_prompt = torch.unique(prompt_ids, dim=0, return_inverse=True)
     # (a response part of one token leaves nothing to continue with: the plain pass)

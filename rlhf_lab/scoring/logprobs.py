@@ -115,12 +115,17 @@ def gather_logprobs(logits: Tensor, tokens: Tensor, chunk_size: int | None = Non
     ``logits`` [B, T, V], ``tokens`` [B, T] -> [B, T]. Chunking keeps only one [chunk, V] float32
     temporary alive at a time instead of the whole [B, T, V] log-softmax, in the forward and (written in
     place, :class:`_GatherLogprobs`) the backward pass; the result equals
-    ``logits.log_softmax(-1).gather(-1, tokens[..., None])`` to float precision.
+    ``logits.log_softmax(-1).gather(-1, tokens[..., None])`` to float precision. ``logits`` may be a
+    :class:`~rlhf_lab.scoring.head.HeadLogits` (computed from the hidden states in chunks, never whole).
     """
+    if not isinstance(logits, Tensor):  # a HeadLogits
+        return logits.logprobs(tokens)
     return _GatherLogprobs.apply(logits, tokens, row_chunk() if chunk_size is None else chunk_size)
 
 def entropy_from_logits(logits: Tensor, chunk_size: int | None = None) -> Tensor:
-    """Full-vocabulary entropy −Σ_v p(v) log p(v) per position: [B, T, V] -> [B, T]."""
+    """Full-vocabulary entropy −Σ_v p(v) log p(v) per position: [B, T, V] (or a ``HeadLogits``) -> [B, T]."""
+    if not isinstance(logits, Tensor):  # a HeadLogits
+        return logits.entropy()
     chunk_size = row_chunk() if chunk_size is None else chunk_size
     flat_logits = logits.reshape(-1, logits.shape[-1])
     pieces = []

@@ -33,6 +33,7 @@ from rlhf_lab.rewards.base import Reward, fill_nonfinite
 from rlhf_lab.runtime import distributed
 from rlhf_lab.runtime.precision import Precision
 from rlhf_lab.scoring.logprobs import needs_float32_logits
+from rlhf_lab.training.compute import head_chunk
 from rlhf_lab.training.records import StepTimer
 from rlhf_lab.training.sampling import SamplingRules, informative_groups, overlong_penalty, truncated
 from rlhf_lab.training.scoring_pass import ScoringPass, rescores, sampler_differs, single_update
@@ -166,6 +167,8 @@ class ExperienceMaker:
         rescore = self.rescores_batch(exact, train)
         if not rescore:  # the exact KL (and a logits-reading estimator) read the sampler's own logits
             self.engine.keep_logits = exact or self.kl.reads_logits
+            if hasattr(self.engine, "head_chunk"):  # kept as the LM head's inputs (trainer.chunked_logprobs)
+                self.engine.head_chunk = head_chunk(self.cfg.trainer, self.device)
         if not train:
             rollout, responses, valid = self.sample_and_score(prompts, group_size, timer, names, rng_keys)
             experience = Experience(rollout, self._sample_prompts(prompts, group_size), responses,

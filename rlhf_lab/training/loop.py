@@ -37,6 +37,7 @@ from rlhf_lab.training import checkpoint as ckpt
 from rlhf_lab.training import resume_contract
 from rlhf_lab.training.ahead import AHEAD_FILE, decode_ahead, encode_ahead, refill_source, staleness, step_batch
 from rlhf_lab.training.budget import TrainingClock
+from rlhf_lab.training.compute import gradient_checkpointing
 from rlhf_lab.training.evaluation import Evaluation
 from rlhf_lab.training.experience import ExperienceMaker
 from rlhf_lab.training.memory_check import check_memory
@@ -76,7 +77,7 @@ class Trainer:
                      self.device, shards=distributed.world_size() if self.strategy == "fsdp" else 1)
         self.models = build_policy(cfg.model, self.tokenizer, self.precision.weights_dtype, cfg.seed)
         check_model_prompts(self.prompts, self.tokenizer, self.models.policy, cfg)
-        if cfg.trainer.gradient_checkpointing:
+        if gradient_checkpointing(cfg.trainer, self.device):  # null: on under CUDA
             enable_activation_checkpointing(self.models.policy)
         fsdp = self.strategy == "fsdp"
         # Under FSDP the policy stays on the CPU until it is sharded (below): each block moves its shard only.

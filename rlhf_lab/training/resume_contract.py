@@ -53,7 +53,8 @@ MAY_CHANGE = (
     "trainer.resume", "trainer.output_dir",
     "trainer.device", "trainer.strategy", "trainer.num_threads", "trainer.micro_batch_size",
     "trainer.gradient_checkpointing", "trainer.recompute", "trainer.offload_reference", "trainer.logprob_chunk",
-    "trainer.skip_memory_check",
+    "trainer.skip_memory_check", "trainer.chunked_logprobs", "trainer.lm_head_chunk",
+    "trainer.max_tokens_per_micro_batch", "trainer.pack_rows",  # how the same update is cut (equal by design)
     "logger.*", "eval.*", "experiment_name", "experiment_time", "claims", "optimized_metric", "kl_budget",
     "kl_budget_penalty",
     "hardware.*",  # how the machine computes the same steps (a CPU profile's pieces are float-rounding apart)

@@ -9,8 +9,11 @@ reads them: ``ExperienceMaker.rescores_batch``) one no-grad pass of the training
 and the hidden states PPO's shared critic reads; the engine's log-probs stay as ``sampler_logprobs`` for the
 sampler–trainer correction (``algorithm.tis_cap``) and the ``rollout/logprob_diff_*`` metrics.
 
-Everything runs over row chunks of ``trainer.logprob_chunk`` rows (0: the whole batch): the [rows, T, V] logits of
-a chunk die with it. The exact KL from full logits (``kl.exact``: ``step``, ``eval``, ``off``) is computed per
+Everything runs over row chunks of ``trainer.logprob_chunk`` rows (0: the whole batch), or of up to
+``trainer.max_tokens_per_micro_batch`` tokens, packed padding-free under ``trainer.pack_rows``: the [rows, T, V] logits of
+a chunk die with it. Under ``trainer.chunked_logprobs`` no pass makes [rows, T, V] logits at all: they stay the LM
+head's inputs (:class:`~rlhf_lab.scoring.head.HeadLogits`) and go through the head ``trainer.lm_head_chunk``
+positions at a time. The exact KL from full logits (``kl.exact``: ``step``, ``eval``, ``off``) is computed per
 chunk from the policy's and the reference's logits, so no [B, T, V] tensor is kept for it; the reference's logits
 are kept only where the loss-placed estimator reads them (``full`` in the loss).
 """
@@ -29,7 +32,9 @@ from rlhf_lab.models.loading import PolicyAndReference
 from rlhf_lab.runtime import distributed
 from rlhf_lab.runtime.precision import Precision
 from rlhf_lab.scoring.forward import response_logits
+from rlhf_lab.scoring.head import HeadLogits, cat_head_logits
 from rlhf_lab.scoring.logprobs import entropy_from_logits, gather_logprobs
+from rlhf_lab.training.compute import head_chunk, micro_batches, packs_rows, token_budget
 from rlhf_lab.training.records import StepTimer
 
 
@@ -71,16 +76,21 @@ class ScoringPass:
         self.cfg, self.models, self.policy, self.kl, self.device = cfg, models, policy, kl, device
         self.precision = precision
         self.keep_hidden, self.logits_float32 = keep_hidden, logits_float32
+        self.head_chunk = head_chunk(cfg.trainer, device)  # LM-head chunks of the log-probs (0: whole logits)
+        self.pack = packs_rows(cfg.trainer, device)  # padding-free chunks (trainer.pack_rows)
+        self.token_budget = token_budget(cfg.trainer, device)  # tokens per micro-batch (0: by rows)
+        self.sharded = any(map(distributed.sharded, policy.parameters()))  # FSDP: ranks agree on chunk counts
 
     def __call__(self, rollout: Rollout, timer: StepTimer, exact: bool, rescore: bool = False) -> None:
         """Score ``rollout`` in place; ``exact``: compute ``kl_exact`` (else it stays None); ``rescore``: the
         training model's pass too."""
-        chunk = self.cfg.trainer.logprob_chunk or rollout.batch_size
+        groups = micro_batches(rollout.attention_mask, self.cfg.trainer.logprob_chunk,
+                               self.token_budget, agree=self.sharded,
+                               stretch=self.cfg.trainer.get("max_tokens_per_micro_batch") is None)
         sampler_logprobs = rollout.logprobs  # the engine's (the pass below may put the trainer's in their place)
         pieces: dict[str, list[Tensor]] = {}
-        for start in range(0, rollout.batch_size, chunk):
-            rows = torch.arange(start, min(start + chunk, rollout.batch_size), device=rollout.input_ids.device)
-            part = rollout if chunk >= rollout.batch_size else rollout.select(rows)
+        for rows in groups:
+            part = rollout if len(groups) == 1 else rollout.select(rows.to(rollout.input_ids.device))
             if rescore:
                 self._policy_pass(part, timer)
             self._reference_pass(part, timer)
@@ -95,7 +105,8 @@ class ScoringPass:
             if not self.kl.loss_reads_ref_logits:
                 part.ref_logits = None
         for key, values in pieces.items():
-            setattr(rollout, key, None if values[0] is None else values[0] if len(values) == 1 else torch.cat(values))
+            setattr(rollout, key, None if values[0] is None else values[0] if len(values) == 1 else
+                    cat_head_logits(values) if isinstance(values[0], HeadLogits) else torch.cat(values))
         if rescore:
             rollout.sampler_logprobs = sampler_logprobs
         rollout.policy_logits = None
@@ -106,7 +117,7 @@ class ScoringPass:
         with timer.phase("policy_logprobs"), torch.no_grad(), self.precision.autocast():
             logits, hidden = response_logits(self.policy, part.input_ids, part.attention_mask, part.prompt_width,
                                              self.cfg.trainer.temperature, output_hidden_states=self.keep_hidden,
-                                             float32=self.logits_float32)
+                                             float32=self.logits_float32, head_chunk=self.head_chunk, pack=self.pack)
             part.logprobs = gather_logprobs(logits, part.response_ids) * mask
             part.entropy = entropy_from_logits(logits) * mask
         part.policy_logits, part.hidden = logits, hidden
@@ -120,7 +131,8 @@ class ScoringPass:
             if offload:
                 model.to(self.device)
             part.ref_logits, _ = response_logits(model, part.input_ids, part.attention_mask, part.prompt_width,
-                                                 self.cfg.trainer.temperature, float32=self.logits_float32)
+                                                 self.cfg.trainer.temperature, float32=self.logits_float32,
+                                                 head_chunk=self.head_chunk, pack=self.pack)
             part.ref_logprobs = gather_logprobs(part.ref_logits, part.response_ids) * part.response_mask
             if offload:
                 model.to("cpu")

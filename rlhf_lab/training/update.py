@@ -2,8 +2,9 @@
 
 :class:`Updater` owns everything that changes weights. Per step it runs ``algorithm.epochs`` passes over the
 rollout in shuffled mini-batches of ``algorithm.mini_batch_size`` samples; each mini-batch accumulates the
-gradients of micro-batches of ``trainer.micro_batch_size`` samples (normalised by mini-batch totals, so the
-split does not change the update), then takes one optimizer step unless the algorithm vetoes it or the loss
+gradients of micro-batches of ``trainer.micro_batch_size`` samples, or of up to ``trainer.max_tokens_per_micro_batch``
+tokens, padded or packed (``trainer.pack_rows``), normalised by mini-batch totals so that the split does not change
+the update (docs/concepts/architecture.md, "Invariance of the update"), then takes one optimizer step unless the algorithm vetoes it or the loss
 or a gradient is not finite (a skip: parameters and optimizer state untouched, counted towards
 ``trainer.max_consecutive_skips``).
 
@@ -31,6 +32,8 @@ from rlhf_lab.runtime import distributed
 from rlhf_lab.runtime.precision import Precision
 from rlhf_lab.scoring.forward import response_logits
 from rlhf_lab.scoring.logprobs import entropy_from_logits, gather_logprobs, needs_float32_logits
+from rlhf_lab.scoring.packing import packed_passes
+from rlhf_lab.training.compute import head_chunk, micro_batches, packs_rows, token_budget
 from rlhf_lab.training.records import StepTimer
 
 
@@ -111,6 +114,10 @@ class Updater:
         self.logits_float32 = needs_float32_logits(
             self.temperature(cfg), getattr(algorithm, "reads_policy_logits", True),
             kl is not None and kl.in_loss and kl.reads_logits)
+        self.head_chunk = head_chunk(trainer, device)  # LM-head chunks of the log-probs (0: whole logits)
+        self.pack = packs_rows(trainer, device)  # padding-free micro-batches (trainer.pack_rows)
+        self.token_budget = token_budget(cfg.trainer, device)  # tokens per micro-batch (0: by rows)
+        self.sharded = any(map(distributed.sharded, policy.parameters()))  # FSDP: ranks agree on micro-batch counts
         if strategy != "fsdp":  # FSDP2's shards get their state at the first step
             self.hardware.prepare_optimizer(self.optimizer)
         self.consecutive_skips = 0
@@ -142,19 +149,19 @@ class Updater:
             logits, hidden = response_logits(
                 self.policy, batch.input_ids, batch.attention_mask, batch.prompt_width,
                 self.temperature(self.cfg), output_hidden_states=self.algorithm.needs_hidden_states,
-                float32=self.logits_float32,
+                float32=self.logits_float32, head_chunk=self.head_chunk, pack=self.pack,
             )
         logprobs = gather_logprobs(logits, batch.response_ids) * batch.response_mask
         return PolicyOutput(logprobs=logprobs, logits=logits, hidden=hidden)
 
     def micro_loss(self, batch: Rollout, context: LossContext, coef: float) -> LossResult:
         """The algorithm's loss of a micro-batch plus the loss-placed KL term; ``loss/total`` in the stats."""
-        with recomputing(self.recompute):
+        with recomputing(self.recompute), packed_passes(self.pack):
             output = self.forward(batch)
         if batch.entropy_from_update:  # an engine with no logits, one update: the entropy of this very pass
             with torch.no_grad():
                 batch.entropy = entropy_from_logits(output.logits.detach()) * batch.response_mask
-        with self.precision.autocast():  # the algorithm's own networks (a separate critic's trunk)
+        with self.precision.autocast(), packed_passes(self.pack):  # the algorithm's own networks (a separate critic)
             result = self.algorithm.loss(batch, output, context)
         loss, stats = result.loss, result.stats
         kl_loss = None if self.kl is None else self.kl.loss_term(  # reduced like the policy loss
@@ -193,7 +200,9 @@ class Updater:
 
     def minibatch_update(self, minibatch: Rollout, coef: float, timer: StepTimer) -> dict[str, float]:
         """Accumulate the micro-batches' gradients and take one optimizer step (or a veto, or a skip)."""
-        micro = self.cfg.trainer.micro_batch_size or minibatch.batch_size
+        groups = micro_batches(minibatch.attention_mask, self.cfg.trainer.micro_batch_size,
+                               self.token_budget, agree=self.sharded,
+                               stretch=self.cfg.trainer.get("max_tokens_per_micro_batch") is None)
         # Rows count only with a response token: a dropped sample (mask zeroed) weighs nothing.
         local = torch.stack([minibatch.response_mask.sum().double(),
                              (minibatch.response_mask.sum(-1) > 0).sum().double()])
@@ -205,13 +214,11 @@ class Updater:
         extremes: dict[str, Tensor] = {}
         veto_sum: Tensor | None = None
         finite: Tensor | None = None
-        starts = range(0, minibatch.batch_size, micro)
         entropies: list[Tensor] = []  # the micro-batches' entropies where the training pass measures them
         with timer.phase("policy_forward_backward"):
-            for micro_start in starts:
-                rows_index = torch.arange(micro_start, min(micro_start + micro, minibatch.batch_size))
+            for index, rows_index in enumerate(groups):
                 # DDP all-reduces the gradients once, in the mini-batch's last backward.
-                with distributed.no_sync(self.sync_modules, skip=micro_start != starts[-1]):
+                with distributed.no_sync(self.sync_modules, skip=index != len(groups) - 1):
                     micro_batch = minibatch.select(rows_index)
                     result = self.micro_loss(micro_batch, context, coef)
                     entropies += [micro_batch.entropy] if minibatch.entropy_from_update else []

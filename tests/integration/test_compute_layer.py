@@ -1,0 +1,76 @@
+"""The compute layer on a real step (tiny model, in-process): LM-head chunks, token-budget micro-batches and
+padding-free packing leave the scoring pass's and the update's numbers alone; its bad inputs are one line."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlhf_lab.training.loop import Trainer
+from rlhf_lab.training.records import StepTimer
+
+WIDER = ["trainer.max_new_tokens=8", "trainer.prompts_per_step=2", "algorithm.group_size=4", "trainer.eval_prompts=0"]
+COMPUTE = ["trainer.chunked_logprobs=true", "trainer.lm_head_chunk=5", "trainer.max_tokens_per_micro_batch=100",
+           "trainer.pack_rows=true"]
+ALGORITHMS = {  # readers of every quantity the layer computes: the full logits in the loss, entropy, a critic
+    "grpo_full_kl_in_loss": ["algorithm=grpo", "kl=full", "kl.placement=loss", "algorithm.entropy_coef=0.01"],
+    "ppo_separate_critic": ["algorithm=ppo", "algorithm.critic=separate", "algorithm.mini_batch_size=0"],
+}
+
+
+def scored_and_updated(compose, tiny_overrides, run_dir: Path, *overrides: str):
+    trainer = Trainer(compose([*tiny_overrides(None), *WIDER, *overrides]), run_dir)
+    torch.manual_seed(0)
+    experience = trainer.experience.make(trainer.prompts.train[:2], 4, StepTimer(), ["a", "b"], kl_coef=0.05)
+    rollout = experience.rollout
+    scored = {key: getattr(rollout, key).clone() for key in ("response_mask", "ref_logprobs", "kl_exact", "kl_estimate")}
+    kept_as_head = type(rollout.ref_logits).__name__  # what the update reads of the reference's logits
+    trainer.algorithm.prepare(rollout, trainer.updater.forward)
+    grads = []
+    trainer.updater.optimizer.register_step_pre_hook(
+        lambda optimizer, args, kwargs: grads.extend(p.grad.clone() for p in trainer.updater.parameters))
+    metrics = trainer.updater.update(rollout, 0.05, 0, StepTimer())
+    return scored, grads, metrics, kept_as_head
+
+
+@pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
+def test_the_compute_options_leave_a_step_s_numbers_alone(compose, tiny_overrides, tmp_path, algorithm):
+    plain, plain_grads, plain_metrics, _ = scored_and_updated(compose, tiny_overrides, tmp_path / "plain",
+                                                              *ALGORITHMS[algorithm])
+    chunked, grads, metrics, kept_as_head = scored_and_updated(compose, tiny_overrides, tmp_path / "chunked",
+                                                               *ALGORITHMS[algorithm], *COMPUTE)
+    # The reference's logits were never made whole: kept as the head's inputs where the loss reads them.
+    assert kept_as_head == ("HeadLogits" if "kl=full" in ALGORITHMS[algorithm] else "NoneType")
+    assert torch.equal(chunked["response_mask"], plain["response_mask"])  # the same samples
+    for key in ("ref_logprobs", "kl_exact", "kl_estimate"):
+        torch.testing.assert_close(chunked[key], plain[key], rtol=1e-5, atol=1e-5, msg=key)
+    assert len(grads) == len(plain_grads) > 0
+    for grad, expected in zip(grads, plain_grads, strict=True):
+        assert (grad - expected).abs().max() <= 1e-5 * expected.abs().max() + 1e-9
+    assert metrics["loss/total"] == pytest.approx(plain_metrics["loss/total"], rel=1e-5, abs=1e-7)
+
+
+def run_cli(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "PYTHONPATH": str(Path.cwd())}
+    command = [sys.executable, "-m", "rlhf_lab", "model=tiny", "trainer.steps=1", "trainer.prompts_per_step=2",
+               "algorithm.group_size=2", "trainer.max_new_tokens=4", "trainer.eval_prompts=0",
+               "trainer.progress_bar=false", f"trainer.output_dir={tmp_path / 'run'}", *overrides]
+    return subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+
+
+@pytest.mark.parametrize("override,message", [
+    ("trainer.lm_head_chunk=0", r"trainer\.lm_head_chunk=0 is out of range; must be >= 1"),
+    ("trainer.max_tokens_per_micro_batch=8", r"trainer\.max_tokens_per_micro_batch=8 is smaller than the longest row "
+                                             r"\(\d+ tokens, prompt \+ response\); raise it to at least \d+ or set it to 0"),
+])
+def test_bad_compute_settings_stop_with_one_line(tmp_path, override, message):
+    result = run_cli(tmp_path, override)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    assert re.fullmatch(f"error: {message}", result.stderr.rstrip().splitlines()[-1]), result.stderr[-2000:]

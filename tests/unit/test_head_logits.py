@@ -1,0 +1,166 @@
+"""Log-probs, entropy and exact KL from the hidden states in LM-head chunks (rlhf_lab/scoring/head.py): the
+unchunked values and gradients to fp32 tolerance, and no [B, T, V] tensor made in any pass or in the decode."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import SCORED_PROMPT, scoring_batch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from rlhf_lab.errors import ConfigError
+from rlhf_lab.generation.decode import decode
+from rlhf_lab.kl.exact import exact_kl
+from rlhf_lab.models import loading as models
+from rlhf_lab.scoring.forward import response_logits
+from rlhf_lab.scoring.head import HeadLogits
+from rlhf_lab.scoring.logprobs import entropy_from_logits, gather_logprobs, scale_logits
+from rlhf_lab.training.compute import (
+    GPU_TOKEN_BUDGET,
+    gradient_checkpointing,
+    head_chunk,
+    micro_batches,
+    packs_rows,
+    token_budget,
+)
+
+
+class LargestTensor(TorchDispatchMode):
+    """The most elements of any tensor an operation returns while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for value in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(value, torch.Tensor):
+                self.largest = max(self.largest, value.numel())
+        return out
+
+
+def close(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-5) -> bool:
+    return bool(((a - b).abs().max() <= tol * (1 + b.abs().max())).item())
+
+
+@pytest.mark.parametrize("temperature,bias", [(1.0, False), (0.7, True)])
+def test_chunked_values_and_gradients_equal_the_whole_logits(temperature, bias):
+    torch.manual_seed(0)
+    rows, width, hidden_size, vocab = 3, 7, 8, 50
+    hidden = torch.randn(rows, width, hidden_size, requires_grad=True)
+    weight = torch.randn(vocab, hidden_size, requires_grad=True)
+    head_bias = torch.randn(vocab, requires_grad=True) if bias else None
+    ref_hidden, ref_weight = torch.randn(rows, width, hidden_size, requires_grad=True), torch.randn(vocab, hidden_size)
+    tokens = torch.randint(0, vocab, (rows, width))
+    lazy = HeadLogits(hidden, weight, head_bias, temperature, chunk=4)
+    lazy_ref = HeadLogits(ref_hidden, ref_weight, None, temperature, chunk=3)
+
+    def whole() -> torch.Tensor:
+        return scale_logits(torch.nn.functional.linear(hidden, weight, head_bias), temperature)
+
+    def whole_ref() -> torch.Tensor:
+        return scale_logits(ref_hidden @ ref_weight.T, temperature)
+
+    inputs = [t for t in (hidden, weight, head_bias, ref_hidden) if t is not None]
+    cases = {"logprobs": (lambda: gather_logprobs(lazy, tokens), lambda: gather_logprobs(whole(), tokens)),
+             "entropy": (lambda: entropy_from_logits(lazy), lambda: entropy_from_logits(whole())),
+             "kl": (lambda: exact_kl(lazy, lazy_ref), lambda: exact_kl(whole(), whole_ref())),
+             "kl_mixed": (lambda: exact_kl(whole(), lazy_ref), lambda: exact_kl(whole(), whole_ref()))}
+    upstream = torch.linspace(0.5, 2.0, rows * width).reshape(rows, width)
+    for name, (chunked, plain) in cases.items():
+        values, expected = chunked(), plain()
+        assert values.shape == (rows, width), name
+        assert close(values, expected), name
+        grads = torch.autograd.grad((values * upstream).sum(), inputs, allow_unused=True)
+        expected_grads = torch.autograd.grad((expected * upstream).sum(), inputs, allow_unused=True)
+        for got, want in zip(grads, expected_grads, strict=True):
+            assert (got is None) == (want is None), name
+            assert got is None or close(got, want), name
+
+
+def test_no_tensor_grows_with_rows_times_vocabulary():
+    torch.manual_seed(0)
+    rows, width, hidden_size, vocab, chunk = 4, 32, 8, 300, 16
+    hidden = torch.randn(rows, width, hidden_size, requires_grad=True)
+    weight = torch.randn(vocab, hidden_size, requires_grad=True)
+    tokens = torch.randint(0, vocab, (rows, width))
+    lazy = HeadLogits(hidden, weight, chunk=chunk)
+    ref = HeadLogits(torch.randn(rows, width, hidden_size), torch.randn(vocab, hidden_size), chunk=chunk)
+    with LargestTensor() as tracked:
+        loss = gather_logprobs(lazy, tokens).sum() + entropy_from_logits(lazy).sum() + exact_kl(lazy, ref).sum()
+        loss.backward()
+    assert tracked.largest <= max(chunk * vocab, vocab * hidden_size) < rows * width * vocab
+    with LargestTensor() as whole:  # the unchunked path does make [B, T, V] tensors: the check can fail
+        gather_logprobs(hidden @ weight.T, tokens).sum().backward()
+    assert whole.largest >= rows * width * vocab
+
+
+@pytest.mark.parametrize("share_prompts", [True, False])
+def test_scoring_pass_through_head_chunks_equals_the_whole_logits(compose, tiny_overrides, tiny_tokenizer,
+                                                                  share_prompts):
+    model = models.build_tiny_llama(tiny_tokenizer, compose(tiny_overrides(None)).model.tiny, seed=0)
+    reference = models.build_tiny_llama(tiny_tokenizer, compose(tiny_overrides(None)).model.tiny, seed=1)
+    input_ids, mask = scoring_batch(500)
+    tokens = input_ids[:, SCORED_PROMPT:]
+
+    def run(chunk: int):
+        model.zero_grad(set_to_none=True)
+        logits, _ = response_logits(model, input_ids, mask, SCORED_PROMPT, 0.8, share_prompts=share_prompts,
+                                    head_chunk=chunk)
+        with torch.no_grad():
+            ref_logits, _ = response_logits(reference, input_ids, mask, SCORED_PROMPT, 0.8,
+                                            share_prompts=share_prompts, head_chunk=chunk)
+        logprobs, entropy = gather_logprobs(logits, tokens), entropy_from_logits(logits)
+        kl = exact_kl(logits, ref_logits)
+        (logprobs.sum() + 0.3 * entropy.sum() + 0.5 * kl.sum()).backward()
+        grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+        return logits, [logprobs.detach(), entropy.detach(), kl.detach()], grads
+
+    lazy, lazy_values, lazy_grads = run(chunk=5)
+    whole, values, grads = run(chunk=0)
+    assert isinstance(lazy, HeadLogits) and lazy.shape == whole.shape and isinstance(whole, torch.Tensor)
+    for got, want in zip(lazy_values, values, strict=True):
+        assert close(got, want)
+    for name, grad in grads.items():
+        assert close(lazy_grads[name], grad), name
+
+
+def test_decode_keeps_the_head_s_inputs_not_a_vocabulary_buffer(compose, tiny_overrides, tiny_tokenizer):
+    model = models.build_tiny_llama(tiny_tokenizer, compose(tiny_overrides(None)).model.tiny, seed=0).eval()
+    input_ids, mask = scoring_batch(500)
+    prompt_ids, prompt_mask = input_ids[:, :SCORED_PROMPT], mask[:, :SCORED_PROMPT]
+
+    def sample(chunk: int):
+        torch.manual_seed(3)
+        return decode(model, prompt_ids, prompt_mask, None, 0, max_new_tokens=6, temperature=0.7, top_p=1.0,
+                      top_k=0, eos_token_id=None, pad_token_id=0, keep_logits=True, head_chunk=chunk)
+
+    lazy, whole = sample(chunk=4), sample(chunk=0)
+    assert torch.equal(lazy.response_ids, whole.response_ids)
+    assert isinstance(lazy.logits, HeadLogits) and lazy.logits.hidden.shape[:2] == whole.logits.shape[:2]
+    assert close(lazy.logits.materialize(), whole.logits)
+    assert close(gather_logprobs(lazy.logits, lazy.response_ids), lazy.logprobs)
+    assert close(exact_kl(lazy.logits, whole.logits), torch.zeros_like(lazy.logprobs), tol=1e-5)
+
+
+def test_compute_defaults_by_device(compose, tiny_overrides):
+    trainer = compose(tiny_overrides(None)).trainer
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    # The CPU keeps what is fastest there: whole logits, no checkpointing, micro-batches by rows, padded.
+    assert (head_chunk(trainer, cpu), gradient_checkpointing(trainer, cpu), token_budget(trainer, cpu),
+            packs_rows(trainer, cpu)) == (0, False, 0, False)
+    assert (head_chunk(trainer, cuda), gradient_checkpointing(trainer, cuda), token_budget(trainer, cuda),
+            packs_rows(trainer, cuda)) == (trainer.lm_head_chunk, True, GPU_TOKEN_BUDGET, True)
+    trainer.chunked_logprobs, trainer.max_tokens_per_micro_batch, trainer.gradient_checkpointing = True, 0, False
+    assert (head_chunk(trainer, cpu), token_budget(trainer, cuda), gradient_checkpointing(trainer, cuda)) == \
+        (trainer.lm_head_chunk, 0, False)
+
+
+def test_a_default_budget_stretches_to_the_longest_row_and_a_set_one_does_not():
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [0, 1, 1, 0]])  # rows of 3, 4 and 2 tokens
+    assert [g.tolist() for g in micro_batches(mask, 0, 3, agree=False, stretch=True)] == [[0], [1], [2]]
+    assert [g.tolist() for g in micro_batches(mask, 0, 6, agree=False)] == [[0], [1, 2]]
+    assert [g.tolist() for g in micro_batches(mask, 2, 0, agree=False)] == [[0, 1], [2]]
+    with pytest.raises(ConfigError, match="max_tokens_per_micro_batch=3 is smaller than the longest row"):
+        micro_batches(mask, 0, 3, agree=False)
