@@ -27,6 +27,9 @@ class TrainerConfig:
     eval_prompts: int = 16
     checkpoint_every: int = 0  # 0: only at the end
     keep_last_n: int = 2
+    # all | model (no optimizer state: evaluates and exports, does not resume) | none (no checkpoint; summary and
+    # metrics as always) | auto: all for a single run, model for a sweep's jobs (rlhf_lab/training/save_policy.py)
+    save: str = "auto"
     resume: str | None = None  # null | auto | path to a checkpoint folder
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     # auto | fp32 | bf16-mixed | bf16-true | fp16-mixed (Lightning's names; rlhf_lab/runtime/precision.py). auto:

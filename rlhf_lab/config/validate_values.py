@@ -33,6 +33,7 @@ from rlhf_lab.registry import get, names
 from rlhf_lab.rewards.classifier import OUTPUTS
 from rlhf_lab.rewards.sentiment import TARGETS
 from rlhf_lab.trackers.wandb_run import MODES
+from rlhf_lab.training.save_policy import SAVE_POLICIES
 
 
 def choice(key: str, value: Any, valid: Sequence[str]) -> None:
@@ -102,6 +103,7 @@ def check_choices(cfg: Any) -> None:
     if "critic" in algorithm:
         choice("algorithm.critic", algorithm.critic, CRITICS)
     choice("trainer.lr_schedule", trainer.lr_schedule, LR_SCHEDULES)
+    choice("trainer.save", trainer.save, SAVE_POLICIES)
     choice("reward.on_nonfinite", reward.on_nonfinite, ON_NONFINITE)
     if "target" in reward:
         choice("reward.target", reward.target, TARGETS)

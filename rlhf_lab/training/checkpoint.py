@@ -6,7 +6,8 @@ A checkpoint holds only safetensors and JSON, so loading one never unpickles any
 - ``<name>.safetensors``: each extra trainable module of the algorithm (``algorithm.modules()``, e.g. a
   value head);
 - ``optimizer.safetensors``: the tensors of the optimizer and scheduler states; their other fields
-  (hyper-parameters, step counts) are JSON inside ``trainer_state.json``;
+  (hyper-parameters, step counts) are JSON inside ``trainer_state.json``. Under ``trainer.save=model``
+  (:mod:`.save_policy`) it holds the scheduler only: the checkpoint evaluates and exports but cannot resume;
 - ``sharded/`` (FSDP runs): the policy, the algorithm's modules and the optimizer as every rank holds them, written
   by every rank through ``torch.distributed.checkpoint`` (DCP) and read back the same way, each rank its own part
   (any process count, one process included); ``model/`` is then the export of the gathered weights and
@@ -118,6 +119,7 @@ def save_checkpoint(
     config: dict[str, Any] | None = None,
     staged: Path | None = None,
     tensor_files: dict[str, dict[str, torch.Tensor]] | None = None,
+    with_optimizer: bool = True,
 ) -> Path:
     """Write ``root/step_{updates}`` (the policy after ``updates`` optimizer updates) atomically, point
     ``root/latest`` at it, keep the newest ``keep_last_n``.
@@ -126,6 +128,7 @@ def save_checkpoint(
     written from them as an unsharded run writes it). ``staged``: the staging folder the ranks wrote the sharded
     state into (:func:`save_sharded`); the optimizer's state is there, and the rest is written beside it.
     ``tensor_files``: further safetensors files by name (the batch generated ahead, :mod:`.ahead`).
+    ``with_optimizer=False`` (``trainer.save=model``): no optimizer state, the model and the run's small state only.
     """
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
@@ -142,7 +145,7 @@ def save_checkpoint(
                 save_file(state, str(tmp / f"{name}.safetensors"))
             optimizer_tensors: dict[str, torch.Tensor] = {}
             states = {"scheduler": scheduler.state_dict()}
-            if staged is None:  # else the optimizer's state is in the sharded folder
+            if staged is None and with_optimizer:  # else in the sharded folder, or not kept
                 states["optimizer"] = optimizer_state or optimizer.state_dict()
             optimizer_plain = encode_state(states, optimizer_tensors)
             save_file(optimizer_tensors, str(tmp / OPTIMIZER_FILE))
@@ -159,6 +162,7 @@ def save_checkpoint(
                 "optimizer": optimizer_plain,
                 "rng": rng_plain,
                 "modules": sorted(modules),
+                "optimizer_saved": with_optimizer,
                 "files": manifest(tmp, skip=STATE_FILE),
             }
             state = seal(state, tmp, skip=STATE_FILE)
@@ -314,6 +318,16 @@ def locate_checkpoint(path: Path, label: str) -> Path | None:
     return None
 
 
+def refuse_model_only(folder: Path, state: dict[str, Any] | None = None) -> None:
+    """A checkpoint written under ``trainer.save=model`` (no optimizer state) cannot resume: one line saying so."""
+    state = read_state(folder) if state is None else state
+    if state is not None and state.get("optimizer_saved") is False:
+        raise CheckpointError(f"checkpoint {folder} holds the model only (written under trainer.save=model): it "
+                              "evaluates and exports but cannot resume training; resume from a checkpoint written "
+                              "under trainer.save=all, or start a new run from its weights (model=path "
+                              f"model.name_or_path={Path(folder) / MODEL_FOLDER})")
+
+
 def resolve_resume(resume: str | None, checkpoint_root: Path) -> Path | None:
     """The checkpoint folder ``trainer.resume`` names, or None for a fresh start.
 
@@ -324,12 +338,16 @@ def resolve_resume(resume: str | None, checkpoint_root: Path) -> Path | None:
     if not resume:
         return None
     if resume == "auto":
-        return latest_checkpoint(checkpoint_root)
+        latest = latest_checkpoint(checkpoint_root)
+        if latest is not None:
+            refuse_model_only(latest)
+        return latest
     path = Path(resume).expanduser()
     if not path.exists():
         raise CheckpointError(f"trainer.resume={resume!r} does not exist; give a checkpoint or run folder, or auto")
     found = locate_checkpoint(path, f"trainer.resume={resume!r}")
     if found is not None:
+        refuse_model_only(found)
         return found
     raise CheckpointError(
         f"trainer.resume={resume!r} holds no complete checkpoint; give a checkpoints/step_N folder, "
@@ -390,6 +408,7 @@ def load_checkpoint(
     if has_adapter != uses_adapter:
         saved, wanted = ("a LoRA adapter", "true") if has_adapter else ("full weights", "false")
         raise CheckpointError(f"checkpoint {folder} holds {saved} but model.lora.enabled is not {wanted}")
+    refuse_model_only(folder, state)
     missing_modules = sorted(set(modules) - set(state.get("modules", [])))
     if missing_modules:
         raise CheckpointError(
@@ -434,6 +453,6 @@ def load_checkpoint(
 def _finish_load(folder: Path, state: dict[str, Any]) -> dict[str, Any]:
     """The generators restored; the trainer's state without the checkpoint's bookkeeping."""
     set_rng_state(load_file(str(folder / RNG_FILE)), state.pop("rng"))
-    for key in ("files", "modules", "sha256", "keys", "state_sha256"):
+    for key in ("files", "modules", "sha256", "keys", "state_sha256", "optimizer_saved"):
         state.pop(key, None)
     return state

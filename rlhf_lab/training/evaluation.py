@@ -120,7 +120,8 @@ class Evaluation:
 
     @torch.no_grad()
     def run(self, prompts: list[str], step: int, seed: int, kl_coef: float) -> tuple[dict[str, Any], list[tuple]]:
-        """Metrics on ``prompts`` (sharded over ranks) and the (prompt, response, reward) examples, in order."""
+        """Metrics on ``prompts`` (sharded over ranks) and the (prompt, response, reward) examples, in order; each
+        example's prompt is the one the model saw (an environment's opening conversation for episodes)."""
         group = self.settings.samples_per_prompt
         positions = shard(len(prompts), distributed.rank(), distributed.world_size())
         real = len(positions) * group  # this rank's samples
@@ -130,7 +131,7 @@ class Evaluation:
             width = -(-len(prompts) // distributed.world_size())
             positions = positions + [positions[-1] if positions else 0] * (width - len(positions))
         timer = StepTimer()
-        scores, valid, estimates, exacts, lengths, texts = [], [], [], [], [], []
+        scores, valid, estimates, exacts, lengths, texts, asked = [], [], [], [], [], [], []
         extra: dict[str, list[torch.Tensor]] = {name: [] for name in self.extra_rewards}
         wins: list[torch.Tensor] = []
         for start in range(0, len(positions), EVAL_CHUNK):
@@ -147,13 +148,14 @@ class Evaluation:
             exacts.append(masked_sum(exact, mask, dim=-1))
             lengths.append(mask.sum(-1))
             texts += experience.responses
+            asked += experience.prompts  # what the model saw: an environment's opening, not the data row
             for name, reward in self.extra_rewards.items():
                 extra[name].append(reward(experience.prompts, experience.responses).scores)
             if self.reference_maker is not None:
                 wins.append(self._wins(experience, chunk_prompts, names, keys, timer))
         all_shown, all_valid, all_lengths, estimates, exacts = (
             torch.cat(values)[:real] for values in (scores, valid, lengths, estimates, exacts))
-        all_scores, texts, tokens = all_shown[all_valid], texts[:real], all_lengths.sum()
+        all_scores, texts, asked, tokens = all_shown[all_valid], texts[:real], asked[:real], all_lengths.sum()
         extra_scores = {name: torch.cat(values)[:real] for name, values in extra.items()}
         all_wins = torch.cat(wins)[:real] if wins else None
         if distributed.world_size() > 1:  # every rank's results, in rank order
@@ -166,8 +168,9 @@ class Evaluation:
             if all_wins is not None:
                 all_wins = torch.tensor(distributed.gather_objects(all_wins.tolist()))
             texts = distributed.gather_objects(texts)
+            asked = distributed.gather_objects(asked)
         total_tokens = tokens.sum()
-        examples = list(zip([p for p in prompts for _ in range(group)], texts, all_shown.tolist()))
+        examples = list(zip(asked, texts, all_shown.tolist()))
         if not len(all_scores):
             all_scores = torch.full((1,), float("nan"))
         metrics = {

@@ -48,7 +48,7 @@ MAY_CHANGE = (
     "trainer.max_train_seconds",  # the budget of the whole run: raise it to continue a run it stopped
     "trainer.lr",  # applied to the optimizer's parameter groups and the schedule
     "kl.coef",  # applied to the KL controller
-    "trainer.eval_every", "trainer.checkpoint_every", "trainer.keep_last_n", "trainer.samples_per_step_logged",
+    "trainer.eval_every", "trainer.checkpoint_every", "trainer.keep_last_n", "trainer.save", "trainer.samples_per_step_logged",
     "trainer.progress_bar", "trainer.exact_every", "trainer.max_consecutive_skips",
     "trainer.resume", "trainer.output_dir",
     "trainer.device", "trainer.strategy", "trainer.num_threads", "trainer.micro_batch_size",
