@@ -122,11 +122,12 @@ def _hydra_compose(overrides: list[str], return_hydra_config: bool = False) -> D
         GlobalHydra.instance().clear()
 
 
-def compose(overrides: list[str], pending_paths: Collection[str] = ()) -> DictConfig:
+def compose(overrides: list[str], pending_paths: Collection[str] = (), study: bool = True) -> DictConfig:
     """Compose the config a job would get (a sweep's first values) and validate it.
 
     ``pending_paths``: folders the config names that an earlier stage writes (``rlhf-lab pipeline`` checks every
-    stage before the first runs); they are not checked for existence. Raises :class:`ConfigError` (a
+    stage before the first runs); they are not checked for existence. ``study=False``: an Optuna search's stored
+    study is not opened (a command that only reads the search space: ``rlhf-lab wandb sweep``). Raises :class:`ConfigError` (a
     ``UserError``), one line, on any mistake.
     """
     overrides = normalize_overrides(list(overrides))
@@ -140,7 +141,8 @@ def compose(overrides: list[str], pending_paths: Collection[str] = ()) -> DictCo
     hydra_cfg = None
     if any(o.startswith(SWEEP_SETTINGS) for o in overrides):
         hydra_cfg = check_sweep(first_job, job_overrides, cfg)
-        check_study(hydra_cfg, [o for o in overrides if not o.startswith(HYDRA_PREFIXES)])
+        if study:
+            check_study(hydra_cfg, [o for o in overrides if not o.startswith(HYDRA_PREFIXES)])
     params = sweeper_params(hydra_cfg)
     if params is not None:  # the basic sweeper: every job it would launch, composed and validated now
         task = [o for o in overrides if "=" in o and not o.startswith(HYDRA_PREFIXES)]

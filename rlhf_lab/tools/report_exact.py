@@ -21,10 +21,10 @@ from typing import Any
 # (column, markdown header, metrics.jsonl key): appended to the report's columns when jobs have them.
 EXACT_METRICS = (
     ("final_gap", "final gap J*−J", "exact/gap"),
-    ("final_kl_sequence", "KL(π‖π_ref)", "exact/kl_sequence"),
-    ("kl_optimal", "KL(π*‖π_ref)", "exact/kl_optimal"),
+    ("final_kl_sequence", "KL(π‖π_ref) per sequence", "exact/kl_sequence"),
+    ("kl_optimal", "KL(π*‖π_ref) per sequence", "exact/kl_optimal"),
     ("final_tv", "TV to π*", "exact/tv_to_optimal"),
-    ("estimate_bias", "estimate bias", "exact/kl_estimate_bias"),
+    ("estimate_bias", "estimate bias per sequence", "exact/kl_estimate_bias"),
 )
 EXACT_PLOTS = (("exact/gap", "gap J* − J(π) (exact)", "gap_vs_step.png"),
                ("exact/kl_sequence", "KL(π‖π_ref) per sequence (exact)", "kl_sequence_vs_step.png"))
@@ -59,6 +59,7 @@ def exact_plots(arms: list[Any], out: Path, curve: Callable[[Any, str], tuple]) 
     legend beside the axes (an ablation has dozens of arms); only for keys some job logs. Returns the paths."""
     import matplotlib.pyplot as plt
     import numpy as np
+    from matplotlib.ticker import MaxNLocator
 
     paths = []
     for key, ylabel, name in EXACT_PLOTS:
@@ -73,6 +74,7 @@ def exact_plots(arms: list[Any], out: Path, curve: Callable[[Any, str], tuple]) 
         if key == "exact/gap":
             axes.set_yscale("log")
         axes.set_xlabel("step")
+        axes.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
         axes.set_ylabel(ylabel)
         axes.grid(alpha=0.3)
         axes.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1.0))

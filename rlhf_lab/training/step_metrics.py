@@ -14,6 +14,7 @@ from torch import Tensor
 from rlhf_lab.generation.rollout import Rollout
 from rlhf_lab.masked import masked_mean
 from rlhf_lab.runtime import distributed
+from rlhf_lab.training.sampling import truncated
 
 
 def rollout_metrics(rollout: Rollout, valid: Tensor, coef: float, kl_per_sequence: Tensor) -> dict[str, Any]:
@@ -39,6 +40,38 @@ def rollout_metrics(rollout: Rollout, valid: Tensor, coef: float, kl_per_sequenc
     return metrics
 
 
+def group_metrics(scores: Tensor, valid: Tensor, group_size: int) -> dict[str, float]:
+    """``rollout/frac_reward_zero_std``: the share of prompt groups whose valid rewards are all equal (TRL's
+    ``frac_reward_zero_std``): group-relative advantages are 0 there, no learning signal. Every rank's groups;
+    nothing without groups (``algorithm.group_size=1``)."""
+    if group_size < 2:
+        return {}
+    scores, valid = distributed.gather_rows(scores), distributed.gather_rows(valid)
+    groups, kept = scores.reshape(-1, group_size), valid.reshape(-1, group_size)
+    low = torch.where(kept, groups, torch.full_like(groups, torch.inf)).amin(-1)
+    high = torch.where(kept, groups, torch.full_like(groups, -torch.inf)).amax(-1)
+    flat = (kept.sum(-1) < 2) | (high - low <= 0)  # fewer than two valid samples: no comparison either
+    return {"rollout/frac_reward_zero_std": flat.float().mean().item()}
+
+
+def clipped_responses(rollout: Rollout, response_mask: Tensor, max_new_tokens: int,
+                      eos_token_id: int | list[int] | None) -> Tensor:
+    """[B] bool: responses cut at the length limit: ``max_new_tokens`` reached without EOS (a stop string ends a
+    response short of it), or, for episodes, cut by the environment's limits (``rollout.truncated``)."""
+    if rollout.truncated is not None:
+        return rollout.truncated.bool()
+    return truncated(rollout.response_ids, response_mask, eos_token_id) & (response_mask.sum(-1) >= max_new_tokens)
+
+
+def length_metrics(response_mask: Tensor, clipped: Tensor) -> dict[str, float]:
+    """``response/length_min|max`` (tokens per response, every rank's samples) and ``response/clipped_frac``: the
+    share of responses cut at the length limit (``clipped`` [B] bool; TRL's ``clipped_ratio``)."""
+    lengths = distributed.gather_rows(response_mask.sum(-1))
+    clipped = distributed.gather_rows(clipped.float())
+    return {"response/length_min": lengths.min().item(), "response/length_max": lengths.max().item(),
+            "response/clipped_frac": clipped.mean().item()}
+
+
 def sampling_metrics(stats: dict[str, float], samples: int, device: torch.device) -> dict[str, float]:
     """The sampling rules' counts over every rank: refill rounds and groups, truncated and masked shares
     (``samples``: every rank's samples of the step)."""
@@ -53,3 +86,14 @@ def sampling_metrics(stats: dict[str, float], samples: int, device: torch.device
         for key in ("groups_dropped", "groups_filled", "refill_prompts"):
             metrics[f"sampling/{key}"] = totals[key]
     return metrics
+
+
+def zero_spread_warning(metrics: dict[str, Any], step: int, warned: bool) -> str | None:
+    """The one warning of a run whose every prompt group got equal rewards at some step (no learning signal for
+    group-relative advantages), or None (already warned, or some group has spread)."""
+    if warned or metrics.get("rollout/frac_reward_zero_std") != 1.0:
+        return None
+    return (f"step {step}: every prompt group's rewards are equal (rollout/frac_reward_zero_std=1): the advantages "
+            "are 0 and this step learns nothing from the reward; a reward that tells the samples apart, more "
+            "samples per prompt (algorithm.group_size) or dynamic sampling (algorithm.dynamic_sampling) helps "
+            "(warned once per run)")
