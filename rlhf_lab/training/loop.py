@@ -7,7 +7,6 @@ config name; this file never asks which algorithm, estimator, placement or rewar
 
 from __future__ import annotations
 
-import logging
 import signal
 import sys
 import time
@@ -44,14 +43,7 @@ from rlhf_lab.training.save_policy import check_disk, checkpoint_size, resolve_s
 from rlhf_lab.training.scoring_pass import sampler_metrics
 from rlhf_lab.training.setup import configure_process, resolve_device, seed_everything
 from rlhf_lab.training.state_encoding import rank_rng_state, set_rank_rng_state
-from rlhf_lab.training.step_metrics import (
-    clipped_responses,
-    group_metrics,
-    length_metrics,
-    rollout_metrics,
-    sampling_metrics,
-    zero_spread_warning,
-)
+from rlhf_lab.training.step_metrics import StepSignals, rollout_metrics, sampling_metrics
 from rlhf_lab.training.update import Updater
 
 
@@ -129,7 +121,7 @@ class Trainer:
         self.stop_requested: str | None = None
         self.stop_signal: int | None = None
         self._eval_examples: list[tuple[str, str, float]] = []
-        self.zero_spread_warned = False  # one warning per run when no group has any reward spread
+        self.signals = StepSignals(cfg, self.tokenizer.eos_token_id, self.precision.name)  # lengths, spread, floor
         self.evaluation: Evaluation | None = None  # built at the first evaluation
         self.clock = TrainingClock(cfg.trainer.max_train_seconds)  # checkpointed: a resume continues it
 
@@ -287,21 +279,8 @@ class Trainer:
                                        rollout.attention_mask.sum())) / elapsed,
                                    **sampling_metrics(experience.stats, rollout.batch_size * distributed.world_size(),
                                                       self.device)}
-        # Lengths of every sample drawn (mask: before dropped samples left the loss); groups with no reward spread.
-        metrics.update(length_metrics(mask, clipped_responses(rollout, mask, cfg.trainer.max_new_tokens,
-                                                              self.tokenizer.eos_token_id)))
-        metrics.update(group_metrics(rollout.scores, valid, cfg.algorithm.group_size))
-        if step == self.start_step == 0 and "kl/exact" in metrics:
-            # The policy is the reference at step 0: its exact KL is the numerical floor of this precision.
-            metrics["kl/exact_floor"] = metrics["kl/exact"]
-            if distributed.is_main_process():
-                say(f"kl/exact_floor: {metrics['kl/exact']:.3g} per token at step 0, where the policy is the "
-                    f"reference (trainer.precision={self.precision.name}: the same weights, computed in "
-                    f"{self.precision.name}); smaller kl/exact values are numerical noise", __name__)
-        warning = zero_spread_warning(metrics, step, self.zero_spread_warned)
-        if warning and distributed.is_main_process():
-            self.zero_spread_warned = True
-            say(warning, __name__, logging.WARNING)
+        # mask: every sample drawn (before dropped ones left the loss)
+        metrics.update(self.signals.measure(rollout, mask, valid, step, fresh=self.start_step == 0, logged=metrics))
         metrics.update(prepare_stats)
         metrics.update(update_stats)
         metrics.setdefault("loss/policy", 0.0)

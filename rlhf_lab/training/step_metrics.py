@@ -6,6 +6,7 @@ what one process logs on the whole batch.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -14,6 +15,7 @@ from torch import Tensor
 from rlhf_lab.generation.rollout import Rollout
 from rlhf_lab.masked import masked_mean
 from rlhf_lab.runtime import distributed
+from rlhf_lab.runtime.console import say
 from rlhf_lab.training.sampling import truncated
 
 
@@ -97,3 +99,33 @@ def zero_spread_warning(metrics: dict[str, Any], step: int, warned: bool) -> str
             "are 0 and this step learns nothing from the reward; a reward that tells the samples apart, more "
             "samples per prompt (algorithm.group_size) or dynamic sampling (algorithm.dynamic_sampling) helps "
             "(warned once per run)")
+
+
+class StepSignals:
+    """What a step says beyond its losses: response lengths and clipping, groups with no reward spread (warned once
+    per run when no group has any), and at step 0 of a fresh run ``kl/exact_floor``: the exact KL where the policy
+    is the reference, the numerical floor of the run's precision (printed)."""
+
+    def __init__(self, cfg: Any, eos_token_id: int | list[int] | None, precision: str) -> None:
+        self.max_new_tokens, self.group_size = int(cfg.trainer.max_new_tokens), int(cfg.algorithm.group_size)
+        self.eos_token_id, self.precision = eos_token_id, precision
+        self.warned = False
+
+    def measure(self, rollout: Rollout, response_mask: Tensor, valid: Tensor, step: int, fresh: bool,
+                logged: dict[str, Any]) -> dict[str, Any]:
+        """This step's signals; ``logged``: the step's metrics so far (``kl/exact``); ``fresh``: a run from step 0."""
+        clipped = clipped_responses(rollout, response_mask, self.max_new_tokens, self.eos_token_id)
+        metrics = {**length_metrics(response_mask, clipped), **group_metrics(rollout.scores, valid, self.group_size)}
+        main = distributed.is_main_process()
+        if fresh and step == 0 and "kl/exact" in logged:
+            metrics["kl/exact_floor"] = logged["kl/exact"]
+            if main:
+                say(f"kl/exact_floor: {logged['kl/exact']:.3g} per token at step 0, where the policy is the reference "
+                    f"(trainer.precision={self.precision}: the same weights, each pass rounded in {self.precision}); "
+                    "kl/exact values near it are numerical noise", __name__)
+        warning = zero_spread_warning(metrics, step, self.warned)
+        if warning:
+            self.warned = True
+            if main:
+                say(warning, __name__, logging.WARNING)
+        return metrics
