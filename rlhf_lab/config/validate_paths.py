@@ -86,7 +86,7 @@ def check_model(model: Any) -> None:
 
 
 def check_data(data: Any) -> None:
-    if data.name in FILE_FORMATS and (not data.path or not Path(data.path).exists()):
+    if data.name in (*FILE_FORMATS, "local") and (not data.path or not Path(data.path).expanduser().exists()):
         raise ConfigError(f"data.path={data.path!r} does not exist (data={data.name})")
 
 

@@ -37,8 +37,11 @@ def rollout_metrics(rollout: Rollout, valid: Tensor, coef: float, kl_per_sequenc
     if rollout.kl_exact is not None:
         metrics["kl/exact"] = masked_mean(rollout.kl_exact, mask, across_ranks=True).item()
         metrics["kl/exact_sequence"] = kl_per_sequence.mean().item()
-    for key, value in rollout.extras.items():
-        metrics[key] = distributed.gather_rows(value)[all_valid].mean().item()
+    for key, value in rollout.extras.items():  # NaN: a sample this component did not score (reward=route)
+        scored = distributed.gather_rows(value)[all_valid]
+        scored = scored[~scored.isnan()]
+        if len(scored):
+            metrics[key] = scored.mean().item()
     return metrics
 
 

@@ -68,7 +68,7 @@ DATA = [
 ]
 
 ARMS = "cispo, dapo, dr_grpo, grpo, gspo, ppo, reinforce, reinforce_pp, remax, rloo"
-REWARDS = ("classifier, composite, exact_table, length, math_verify, pairwise, python, reasoning_gym, reward_model, "
+REWARDS = ("classifier, composite, exact_table, length, math_verify, pairwise, python, reasoning_gym, reward_model, route, "
            "sentiment")
 GOLD_EXAMPLE = "e.g. --gold '{name: sentiment}'"
 PIPELINE = [
