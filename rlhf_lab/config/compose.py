@@ -21,6 +21,7 @@ import rlhf_lab.config.schema_offline  # noqa: F401  (the offline stages' schema
 from rlhf_lab.app.plugins import load_plugins, plugins_in_overrides
 from rlhf_lab.config.objective import check_objective
 from rlhf_lab.config.schema import register_configs
+from rlhf_lab.config.suggest import did_you_mean
 from rlhf_lab.config.sweep_arms import identical_arms
 from rlhf_lab.config.sweep_jobs import (
     check_jobs,
@@ -94,7 +95,8 @@ def check_overrides(overrides: list[str]) -> list[str]:
             valid = group_options(group, paths)
             for choice in (part.strip() for part in value[1:-1].split(",") if part.strip()):
                 if choice not in valid:
-                    raise ConfigError(f"{group}={choice!r} is not an option; choose from: {', '.join(valid)}")
+                    raise ConfigError(f"{group}={choice!r} is not an option; {did_you_mean(choice, valid)}"
+                                      f"choose from: {', '.join(valid)}")
             first_job.append(override)
             continue
         choices = _split_sweep(override, value)
@@ -102,7 +104,8 @@ def check_overrides(overrides: list[str]) -> list[str]:
             valid = group_options(group, paths)
             for choice in choices:
                 if choice not in valid:
-                    raise ConfigError(f"{group}={choice!r} is not an option; choose from: {', '.join(valid)}")
+                    raise ConfigError(f"{group}={choice!r} is not an option; {did_you_mean(choice, valid)}"
+                                      f"choose from: {', '.join(valid)}")
         first_job.append(f"{key}={choices[0]}")
     return first_job
 

@@ -62,6 +62,7 @@ class TrainerConfig:
     samples_per_step_logged: int = 2  # rows appended to samples.jsonl each step
     max_consecutive_skips: int = 5  # non-finite loss/gradient skips before the run stops
     progress_bar: bool = True
+    library_progress_bars: bool = False  # transformers' and datasets' own bars (loading weights, reading data)
     exact_every: int = 1  # model=exact: steps between exact/* metrics (by enumeration); 0: the last step only
     output_dir: str | None = None  # null: Hydra's run folder
 

@@ -28,6 +28,7 @@ from rlhf_lab.config.choices import (
     WEIGHT_SYNC,
     sync_folder_needed,
 )
+from rlhf_lab.config.suggest import did_you_mean
 from rlhf_lab.errors import ConfigError
 from rlhf_lab.registry import get, names
 from rlhf_lab.rewards.classifier import OUTPUTS
@@ -38,7 +39,8 @@ from rlhf_lab.training.save_policy import SAVE_POLICIES
 
 def choice(key: str, value: Any, valid: Sequence[str]) -> None:
     if value not in valid:
-        raise ConfigError(f"{key}={value!r} is not valid; choose from: {', '.join(map(str, valid))}")
+        raise ConfigError(f"{key}={value!r} is not valid; {did_you_mean(value, valid)}"
+                          f"choose from: {', '.join(map(str, valid))}")
 
 
 def at_least(key: str, value: Any, minimum: float, strict: bool = False) -> None:

@@ -47,13 +47,15 @@ from typing import Any
 
 import numpy as np
 
+from rlhf_lab.app.help_text import plain
 from rlhf_lab.config.overrides import flatten
 from rlhf_lab.errors import ToolError
 from rlhf_lab.tools.report_exact import EXACT_METRICS, exact_job_metrics, exact_plots, rank_by_gap
 from rlhf_lab.tools.report_plots import BANDS, PLOT_FILES, PlotOptions, write_all
 from rlhf_lab.tools.report_search import optuna_section
 
-IGNORED_KEYS = ("seed", "trainer.resume", "trainer.output_dir", "trainer.progress_bar", "trainer.save")
+IGNORED_KEYS = ("seed", "trainer.resume", "trainer.output_dir", "trainer.progress_bar", "trainer.library_progress_bars",
+                "trainer.save")
 IGNORED_PREFIXES = ("logger.",)
 
 # (column, markdown header); eval_reward is added only when some job has eval lines.
@@ -426,7 +428,7 @@ def write_report(folder: Path, out: Path | None = None, options: PlotOptions | N
 
 
 def main(args: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="rlhf-lab report", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="rlhf-lab report", description=plain(__doc__.split("\n\n")[0]))
     parser.add_argument("folder", type=Path, help="a multirun folder (or any folder of run folders)")
     parser.add_argument("--out", type=Path, default=None, help="where to write the report (default: the folder)")
     parser.add_argument("--ema", type=float, default=0.0, help="smooth curves: EMA weight in [0, 1) (default 0: off)")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from rlhf_lab.app.help_text import plain
 from rlhf_lab.errors import ToolError, UserError
 
 
@@ -16,7 +17,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def main(args: list[str] | None = None) -> None:
-    parser = _Parser(prog="rlhf-lab serve", description=__doc__)
+    parser = _Parser(prog="rlhf-lab serve", description=plain(__doc__))
     parser.add_argument("model", help="the model folder the engine loads (the policy's initial weights)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8765)

@@ -14,6 +14,7 @@ count half).
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from omegaconf import OmegaConf
 from rlhf_lab.data.prompts import EVAL_CHUNK
 from rlhf_lab.masked import masked_sum
 from rlhf_lab.runtime import distributed
+from rlhf_lab.runtime.console import say
 from rlhf_lab.training.records import StepTimer, distinct_n
 
 
@@ -130,7 +132,10 @@ class Evaluation:
             # prompts; the padding (repeats of a prompt) is generated and dropped.
             width = -(-len(prompts) // distributed.world_size())
             positions = positions + [positions[-1] if positions else 0] * (width - len(positions))
-        timer = StepTimer()
+        timer, started, chunks = StepTimer(), time.perf_counter(), -(-len(positions) // EVAL_CHUNK)
+        if distributed.is_main_process():  # a first evaluation under load takes a minute: say it started
+            say(f"evaluation at step {step}: {len(prompts)} held-out prompts × {group} "
+                f"sample{'s' if group > 1 else ''}", __name__)
         scores, valid, estimates, exacts, lengths, texts, asked = [], [], [], [], [], [], []
         extra: dict[str, list[torch.Tensor]] = {name: [] for name in self.extra_rewards}
         wins: list[torch.Tensor] = []
@@ -153,6 +158,10 @@ class Evaluation:
                 extra[name].append(reward(experience.prompts, experience.responses).scores)
             if self.reference_maker is not None:
                 wins.append(self._wins(experience, chunk_prompts, names, keys, timer))
+            if chunks > 1 and distributed.is_main_process():
+                done = min(start + EVAL_CHUNK, len(positions))
+                say(f"evaluation at step {step}: {done}/{len(positions)} prompts ({time.perf_counter() - started:.0f} s)",
+                    __name__)
         all_shown, all_valid, all_lengths, estimates, exacts = (
             torch.cat(values)[:real] for values in (scores, valid, lengths, estimates, exacts))
         all_scores, texts, asked, tokens = all_shown[all_valid], texts[:real], asked[:real], all_lengths.sum()

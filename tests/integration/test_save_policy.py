@@ -89,7 +89,8 @@ def test_auto_is_all_for_a_run_and_model_in_a_sweep(compose, tiny_overrides):
     assert save_policy.resolve_save(trainer, sweep=False) == "all"
     assert save_policy.resolve_save(trainer, sweep=True) == "model"
     assert save_policy.resolve_save(compose([*tiny_overrides(None), "trainer.save=all"]).trainer, sweep=True) == "all"
-    with pytest.raises(ConfigError, match=r"trainer.save='modle' is not valid; choose from: auto, all, model, none"):
+    with pytest.raises(ConfigError, match=r"trainer.save='modle' is not valid; did you mean 'model'\? choose from: auto, all, "
+                                         r"model, none"):
         compose([*tiny_overrides(None), "trainer.save=modle"])
 
 

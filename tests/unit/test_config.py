@@ -183,8 +183,8 @@ def test_a_key_of_another_option_is_an_error_naming_the_option(overrides: list[s
         (["model=tiny", "+model.tiny.depth=3"],
          "unknown key 'model.tiny.depth'; valid keys of model.tiny: hidden_size, num_hidden_layers, "
          "num_attention_heads, num_key_value_heads, intermediate_size"),
-        (["+trainer.stepz=3"], "unknown key 'trainer.stepz'; valid keys of trainer: steps, lr, "),
-        (["+seeds=3"], "unknown key 'seeds'; valid keys: algorithm, kl, reward, model, data, logger, hardware, generation, env, trainer, "),
+        (["+trainer.stepz=3"], "unknown key 'trainer.stepz'; did you mean 'trainer.steps'? valid keys of trainer: steps, lr, "),
+        (["+seeds=3"], "unknown key 'seeds'; did you mean 'seed'? valid keys: algorithm, kl, reward, model, data, logger, hardware, generation, env, trainer, "),
     ],
 )
 def test_an_appended_key_is_checked_against_the_options_schema(overrides: list[str], expected: str) -> None:
