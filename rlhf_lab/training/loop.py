@@ -382,6 +382,9 @@ class Trainer:
         return run_summary(self.records.history() or history, done, self.run_dir, self.updater.skipped_updates,
                            self.first_eval, final_eval)
 
+    def write_outputs(self) -> None:
+        """What a run writes after its final checkpoint (the offline stages: ``RUN/model``); nothing here."""
+
     def train(self) -> dict[str, Any]:
         """Steps, evaluation before and after, checkpoints, signals, the time budget: every trainer's loop, under
         the run's hardware profile."""
@@ -442,6 +445,7 @@ class Trainer:
             self.records.write_summary(summary)
             if self.save_policy != "none" and done > self.start_step:
                 self.save(done)
+            self.write_outputs()
             self.records.finish(summary)
             return summary
         finally:
