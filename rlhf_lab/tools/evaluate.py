@@ -125,7 +125,10 @@ def evaluate_source(source: str, overrides: list[str], out: Path | None = None,
     locked = lock_folder(out, run_dir)
     run_lock.acquire(locked, instead="give --out a folder outside it")
     try:
-        return _evaluate(cfg, base, overrides, source, checkpoint, run_dir, out)
+        from rlhf_lab.runtime.console import library_progress_bars
+
+        with library_progress_bars(cfg.trainer.library_progress_bars):  # as in training: off by default
+            return _evaluate(cfg, base, overrides, source, checkpoint, run_dir, out)
     finally:
         run_lock.release(locked)
 
