@@ -116,3 +116,31 @@ def test_a_run_whose_checkpoints_cannot_fit_is_refused_before_training(compose, 
         Trainer(compose([*tiny_overrides(tmp_path), "trainer.save=all"]), tmp_path / "run")
     assert not (tmp_path / "run" / "metrics.jsonl").exists() or not (tmp_path / "run" / "metrics.jsonl").read_text()
     Trainer(compose([*tiny_overrides(tmp_path / "none"), "trainer.save=none"]), tmp_path / "none" / "run")
+
+
+def test_a_sharded_run_saves_the_whole_model_only(tmp_path):
+    """Under FSDP ``trainer.save=model`` gathers the whole weights (no DCP shards, no optimizer): the same model an
+    unsharded run writes."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root), "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled",
+           "OMP_NUM_THREADS": "1"}
+    common = ["model=tiny", "trainer.precision=fp32", "trainer.steps=2", "trainer.prompts_per_step=2",
+              "algorithm.group_size=2", "trainer.max_new_tokens=4", "trainer.eval_prompts=0", "trainer.num_threads=1",
+              "trainer.progress_bar=false", "trainer.save=model"]
+    folders = {}
+    for strategy in ("single", "fsdp"):
+        folders[strategy] = tmp_path / strategy
+        done = subprocess.run([sys.executable, "-m", "rlhf_lab", *common, f"trainer.strategy={strategy}",
+                               f"trainer.output_dir={folders[strategy]}"], cwd=tmp_path, env=env, capture_output=True,
+                              text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+    step = {name: folder / "checkpoints" / "step_2" for name, folder in folders.items()}
+    assert not (step["fsdp"] / ckpt.SHARDED_FOLDER).exists() and ckpt.read_state(step["fsdp"])["optimizer_saved"] is False
+    plain, sharded = (load_file(str(step[name] / "model" / "model.safetensors")) for name in ("single", "fsdp"))
+    assert plain.keys() == sharded.keys()
+    for name in plain:
+        torch.testing.assert_close(sharded[name], plain[name], rtol=0, atol=1e-5)
