@@ -25,6 +25,7 @@ import rlhf_lab.rewards.pairwise  # noqa: F401
 import rlhf_lab.rewards.python_function  # noqa: F401
 import rlhf_lab.rewards.rescale  # noqa: F401  (reward.rescale: none, mode_anchor)
 import rlhf_lab.rewards.reward_model  # noqa: F401
+import rlhf_lab.rewards.route  # noqa: F401
 import rlhf_lab.rewards.sentiment  # noqa: F401
 import rlhf_lab.rewards.verifiable  # noqa: F401  (math_verify, reasoning_gym)
 import rlhf_lab.testbed.two_turn  # noqa: F401  (env=exact_two_turn)

@@ -91,6 +91,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.integration)
 
 
+@pytest.fixture(autouse=True)
+def own_folder(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Every test runs in a fresh folder of its own: what a run, a sweep or a search writes under ``outputs/``
+    (Hydra's run folders, an Optuna study's database) never reaches another test or the user's ``outputs/``, and no
+    test reads what an earlier command left there."""
+    folder = tmp_path_factory.mktemp("cwd")
+    monkeypatch.chdir(folder)
+    return folder
+
+
 @pytest.fixture(name="compose", scope="session")
 def compose_fixture() -> Callable[[list[str]], DictConfig]:
     return compose

@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
             report_error(f"error: {error}")  # once per run: rank 0's (every rank composed the same command line)
             sys.exit(2)
         if not printing.intersection(argv):
-            say_experiment_time(cfg)
+            say_experiment_time(cfg, overrides)
             argv += new_folder or _run_dir_override(cfg, argv, overrides)
             argv += _rank_zero_writes_hydra_files(overrides)
     os.environ.setdefault("HF_HUB_OFFLINE", "0")
@@ -91,12 +91,24 @@ def main(argv: list[str] | None = None) -> None:
     _hydra_entry()
 
 
-def say_experiment_time(cfg: Any) -> None:
-    """An experiment states what it costs when launched (``experiment_time``: measured, in its YAML)."""
+# Overrides that leave an experiment's measured time as it is: which experiment, how jobs launch, where logs go.
+SAME_WORK = ("experiment=", "hydra/launcher=", "hydra.launcher.", "hydra.sweep.", "hydra.run.", "logger",
+             "trainer.output_dir=", "trainer.progress_bar=", "trainer.save=")
+
+
+def say_experiment_time(cfg: Any, overrides: list[str] = ()) -> None:
+    """An experiment states what it costs when launched (``experiment_time``: measured, in its YAML), and that the
+    time was measured for the experiment as written when the command line changes its work (fewer seeds, another
+    model, more steps)."""
     from rlhf_lab.training.run_lock import is_rank_zero
 
-    if cfg.get("experiment_time") and is_rank_zero():
-        print(f"experiment={cfg.experiment_name}: {cfg.experiment_time}", file=sys.stderr, flush=True)
+    if not cfg.get("experiment_time") or not is_rank_zero():
+        return
+    changed = [o for o in overrides if not o.lstrip("+~").startswith(SAME_WORK)]
+    note = (f", measured for the experiment as written; this launch changes {' '.join(changed)}, so its time differs"
+            if changed else "")
+    print(f"experiment={cfg.get('experiment_name')}: {cfg.get('experiment_time')}{note}", file=sys.stderr,
+          flush=True)
 
 
 def _refuse_rerun(argv: list[str]) -> None:
@@ -208,8 +220,26 @@ def resume_command(task_overrides: list[str], resume_overrides: tuple[str, ...])
 
     replaced = ("trainer.resume=", "trainer.output_dir=", "+trainer.resume=", "+trainer.output_dir=")
     kept = [o for o in task_overrides if not o.startswith(replaced)]
-    program = "rlhf-lab" if Path(sys.argv[0]).name == "rlhf-lab" else "python -m rlhf_lab"
-    return " ".join([program, *map(shlex.quote, [*kept, *resume_overrides])])
+    return " ".join([program_in_shell(), *map(shlex.quote, [*kept, *resume_overrides])])
+
+
+def program_in_shell() -> str:
+    """How the user's shell starts this program again: ``rlhf-lab`` when that name on PATH is this program, else the
+    path it was started by (``make train`` runs ``.venv/bin/rlhf-lab``, whose folder is not on PATH); ``python -m
+    rlhf_lab`` when that ``python`` is this interpreter, else this interpreter's path."""
+    import shlex
+    import shutil
+
+    invoked = sys.argv[0]
+    if Path(invoked).name == "rlhf-lab":
+        found = shutil.which("rlhf-lab")
+        if found and os.path.abspath(found) == os.path.abspath(invoked):
+            return "rlhf-lab"
+        return shlex.quote(invoked if os.sep in invoked else os.path.abspath(invoked))
+    python = shutil.which("python")
+    if python and os.path.abspath(python) == os.path.abspath(sys.executable):
+        return "python -m rlhf_lab"
+    return f"{shlex.quote(sys.executable)} -m rlhf_lab"
 
 
 def _hydra_entry() -> None:

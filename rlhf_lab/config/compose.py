@@ -22,6 +22,7 @@ from rlhf_lab.app.plugins import load_plugins, plugins_in_overrides
 from rlhf_lab.config.claims import check_claims
 from rlhf_lab.config.objective import check_objective
 from rlhf_lab.config.schema import register_configs
+from rlhf_lab.config.suggest import did_you_mean
 from rlhf_lab.config.sweep_arms import identical_arms
 from rlhf_lab.config.sweep_jobs import (
     check_jobs,
@@ -111,7 +112,8 @@ def check_overrides(overrides: list[str]) -> list[str]:
             valid = group_options(group, paths)
             for choice in (part.strip() for part in value[1:-1].split(",") if part.strip()):
                 if choice not in valid:
-                    raise ConfigError(f"{group}={choice!r} is not an option; choose from: {', '.join(valid)}")
+                    raise ConfigError(f"{group}={choice!r} is not an option; {did_you_mean(choice, valid)}"
+                                      f"choose from: {', '.join(valid)}")
             first_job.append(override)
             continue
         choices = _split_sweep(override, value)
@@ -119,7 +121,8 @@ def check_overrides(overrides: list[str]) -> list[str]:
             valid = group_options(group, paths)
             for choice in choices:
                 if choice not in valid:
-                    raise ConfigError(f"{group}={choice!r} is not an option; choose from: {', '.join(valid)}")
+                    raise ConfigError(f"{group}={choice!r} is not an option; {did_you_mean(choice, valid)}"
+                                      f"choose from: {', '.join(valid)}")
         first_job.append(f"{key}={choices[0]}")
     return first_job
 
@@ -139,11 +142,12 @@ def _hydra_compose(overrides: list[str], return_hydra_config: bool = False) -> D
         GlobalHydra.instance().clear()
 
 
-def compose(overrides: list[str], pending_paths: Collection[str] = ()) -> DictConfig:
+def compose(overrides: list[str], pending_paths: Collection[str] = (), study: bool = True) -> DictConfig:
     """Compose the config a job would get (a sweep's first values) and validate it.
 
     ``pending_paths``: folders the config names that an earlier stage writes (``rlhf-lab pipeline`` checks every
-    stage before the first runs); they are not checked for existence. Raises :class:`ConfigError` (a
+    stage before the first runs); they are not checked for existence. ``study=False``: an Optuna search's stored
+    study is not opened (a command that only reads the search space: ``rlhf-lab wandb sweep``). Raises :class:`ConfigError` (a
     ``UserError``), one line, on any mistake.
     """
     overrides = normalize_overrides(list(overrides))
@@ -157,7 +161,8 @@ def compose(overrides: list[str], pending_paths: Collection[str] = ()) -> DictCo
     hydra_cfg = None
     if any(o.startswith(SWEEP_SETTINGS) for o in overrides):
         hydra_cfg = check_sweep(first_job, job_overrides, cfg)
-        check_study(hydra_cfg, [o for o in overrides if not o.startswith(HYDRA_PREFIXES)])
+        if study:
+            check_study(hydra_cfg, [o for o in overrides if not o.startswith(HYDRA_PREFIXES)])
     params = sweeper_params(hydra_cfg)
     if params and cfg.get("claims"):  # a claim's arms against the experiment's own grid, before any job starts
         check_claims(cfg.claims, expand_jobs(params, [], CONF_DIR, paths))

@@ -206,6 +206,13 @@ class CompositeRewardConfig(RewardConfig):
     components: list[Any] = field(default_factory=list)  # [{name, weight, key, <that reward's fields>}]
 
 
+@dataclass
+class RouteRewardConfig(RewardConfig):
+    by: str = "data_source"  # the data column whose value names each row's reward
+    rewards: Any = None  # {column value: {name, <that reward's fields>}} (a mapping; null until set)
+    default: Any = None  # the reward config of rows whose value is not routed; null: an error
+
+
 # -------------------------------------------------------------------------------------------------- model
 
 
@@ -383,6 +390,7 @@ OPTION_SCHEMAS: dict[str, dict[str, type]] = {
         "python_schema": PythonRewardConfig,
         "length_schema": LengthRewardConfig,
         "composite_schema": CompositeRewardConfig,
+        "route_schema": RouteRewardConfig,
         "exact_table_schema": ExactTableRewardConfig,
         "math_verify_schema": MathVerifyRewardConfig,
         "reasoning_gym_schema": ReasoningGymRewardConfig,

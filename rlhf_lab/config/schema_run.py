@@ -27,6 +27,9 @@ class TrainerConfig:
     eval_prompts: int = 16
     checkpoint_every: int = 0  # 0: only at the end
     keep_last_n: int = 2
+    # all | model (no optimizer state: evaluates and exports, does not resume) | none (no checkpoint; summary and
+    # metrics as always) | auto: all for a single run, model for a sweep's jobs (rlhf_lab/training/save_policy.py)
+    save: str = "auto"
     resume: str | None = None  # null | auto | path to a checkpoint folder
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     # auto | fp32 | bf16-mixed | bf16-true | fp16-mixed (Lightning's names; rlhf_lab/runtime/precision.py). auto:
@@ -72,6 +75,7 @@ class TrainerConfig:
     samples_per_step_logged: int = 2  # rows appended to samples.jsonl each step
     max_consecutive_skips: int = 5  # non-finite loss/gradient skips before the run stops
     progress_bar: bool = True
+    library_progress_bars: bool = False  # transformers' and datasets' own bars (loading weights, reading data)
     exact_every: int = 1  # model=exact: steps between exact/* metrics (by enumeration); 0: the last step only
     output_dir: str | None = None  # null: Hydra's run folder
 

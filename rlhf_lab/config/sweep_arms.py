@@ -34,7 +34,8 @@ def computation(cfg: Any) -> tuple[dict[str, Any], list[str]]:
     plain = OmegaConf.to_container(cfg, resolve=True)
     for key in RUN_KEYS:
         plain.pop(key, None)
-    for key in ("output_dir", "resume", "progress_bar"):
+    for key in ("output_dir", "resume", "progress_bar", "library_progress_bars", "save", "keep_last_n",
+                "checkpoint_every"):
         plain["trainer"].pop(key, None)
     plain.pop("logger", None)
     algorithm, why = plain["algorithm"], []

@@ -32,3 +32,6 @@ def check_code(cfg: Any) -> None:
     for index, component in enumerate(reward.get("components") or []):
         if isinstance(component, Mapping) and component.get("name") == "python":
             check_function(f"reward.components[{index}].function", component.get("function"))
+    for value, routed in (reward.get("rewards") or {}).items():  # reward=route
+        if isinstance(routed, Mapping) and routed.get("name") == "python":
+            check_function(f"reward.rewards.{value}.function", routed.get("function"))

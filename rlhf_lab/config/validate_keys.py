@@ -16,6 +16,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from rlhf_lab.config.schema import Config
+from rlhf_lab.config.suggest import did_you_mean
 from rlhf_lab.errors import ConfigError
 
 OPTION_GROUPS = ("algorithm", "kl", "reward", "model", "data", "logger", "hardware", "generation", "env")  # top-level nodes chosen as GROUP=NAME
@@ -36,13 +37,17 @@ def field_types(schema: type) -> dict[str, Any]:
 def unknown_key_message(cfg: Any, full_key: str, schema: type) -> str:
     """``unknown key 'reward.min_words' for reward=sentiment; valid keys: ...`` (group options), or
     ``unknown key 'trainer.stepz'; valid keys of trainer: ...`` elsewhere."""
-    parent = full_key.rpartition(".")[0]
-    valid = ", ".join(field_types(schema))
+    parent, _, last = full_key.rpartition(".")
+    fields = list(field_types(schema))
+    valid = ", ".join(fields)
+    guess = did_you_mean(last, fields)
+    if guess:  # the whole key, as it is typed
+        guess = did_you_mean(full_key, [f"{parent}.{name}" if parent else name for name in fields])
     if parent in OPTION_GROUPS and isinstance(cfg, DictConfig) and isinstance(cfg.get(parent), DictConfig):
         option = cfg[parent].get("name")
-        return f"unknown key {full_key!r} for {parent}={option}; valid keys: {valid}"
+        return f"unknown key {full_key!r} for {parent}={option}; {guess}valid keys: {valid}"
     where = f" of {parent}" if parent else ""
-    return f"unknown key {full_key!r}; valid keys{where}: {valid}"
+    return f"unknown key {full_key!r}; {guess}valid keys{where}: {valid}"
 
 
 def type_name(annotation: Any) -> str:

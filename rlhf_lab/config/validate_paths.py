@@ -113,7 +113,7 @@ def check_data(data: Any) -> None:
             if data[key] < minimum:
                 raise ConfigError(f"data.{key}={data[key]} is out of range; must be >= {minimum} (examples of "
                                   f"data.task={data.task})")
-    if data.name in FILE_FORMATS and (not data.path or not Path(data.path).exists()):
+    if data.name in (*FILE_FORMATS, "local") and (not data.path or not Path(data.path).expanduser().exists()):
         raise ConfigError(f"data.path={data.path!r} does not exist (data={data.name})")
 
 

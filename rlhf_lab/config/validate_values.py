@@ -28,16 +28,19 @@ from rlhf_lab.config.choices import (
     WEIGHT_SYNC,
     sync_folder_needed,
 )
+from rlhf_lab.config.suggest import did_you_mean
 from rlhf_lab.errors import ConfigError
 from rlhf_lab.registry import get, names
 from rlhf_lab.rewards.classifier import OUTPUTS
 from rlhf_lab.rewards.sentiment import TARGETS
 from rlhf_lab.trackers.wandb_run import MODES
+from rlhf_lab.training.save_policy import SAVE_POLICIES
 
 
 def choice(key: str, value: Any, valid: Sequence[str]) -> None:
     if value not in valid:
-        raise ConfigError(f"{key}={value!r} is not valid; choose from: {', '.join(map(str, valid))}")
+        raise ConfigError(f"{key}={value!r} is not valid; {did_you_mean(value, valid)}"
+                          f"choose from: {', '.join(map(str, valid))}")
 
 
 def at_least(key: str, value: Any, minimum: float, strict: bool = False) -> None:
@@ -109,6 +112,7 @@ def check_choices(cfg: Any) -> None:
     if "critic" in algorithm:
         choice("algorithm.critic", algorithm.critic, CRITICS)
     choice("trainer.lr_schedule", trainer.lr_schedule, LR_SCHEDULES)
+    choice("trainer.save", trainer.save, SAVE_POLICIES)
     choice("reward.on_nonfinite", reward.on_nonfinite, ON_NONFINITE)
     if "target" in reward:
         choice("reward.target", reward.target, TARGETS)

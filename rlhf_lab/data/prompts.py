@@ -17,11 +17,13 @@ from typing import Any
 
 import torch
 
+from rlhf_lab.data.local import root_cause as _root_cause
 from rlhf_lab.data.rows import Prompt, make_prompt, messages_problem
 from rlhf_lab.errors import ConfigError, DataError
 
 EMBEDDED = {"movie_prompts": Path(__file__).parents[1] / "assets" / "movie_prompts"}
 FILE_FORMATS = {"jsonl": ("json", ".jsonl"), "csv": ("csv", ".csv")}
+DEFAULT_COLUMN, MESSAGES_COLUMN = "prompt", "messages"
 EVAL_CHUNK = 16  # held-out prompts generated at once (the offline stages: held-out examples per forward pass)
 
 
@@ -32,7 +34,10 @@ class PromptSplits:
 
 
 def _column(dataset: Any, column: str, where: str) -> list[Prompt]:
-    """The prompts of ``column`` (text, or conversations), each with the row's other columns."""
+    """The prompts of ``column`` (text, or conversations), each with the row's other columns. Without a ``prompt``
+    column, a ``messages`` column (the conversational format) is the prompt, with no flag needed."""
+    if column == DEFAULT_COLUMN and column not in dataset.column_names and MESSAGES_COLUMN in dataset.column_names:
+        column = MESSAGES_COLUMN
     if column not in dataset.column_names:
         raise DataError(f"data.prompt_column={column!r} is not a column of {where}; columns: {dataset.column_names}")
     values = dataset[column]
@@ -142,14 +147,6 @@ def _is_blank(file: Path) -> bool:
     return True
 
 
-def _root_cause(error: BaseException) -> str:
-    """The innermost cause of a chained exception, on one line (datasets wraps the informative one)."""
-    while error.__cause__ is not None or error.__context__ is not None:
-        error = error.__cause__ or error.__context__
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
-
-
 def check_prompt_lengths(splits: PromptSplits, count_tokens: Callable[[list[str]], list[int]], limit: int,
                          why: str) -> None:
     """Raise DataError naming the first prompt (split and index) longer than ``limit`` tokens.
@@ -196,6 +193,8 @@ def load_prompts(data_cfg: Any, seed: int = 0) -> PromptSplits:
     if data_cfg.name in EMBEDDED:
         folder = EMBEDDED[data_cfg.name]
         splits = _load_files(_with_path(data_cfg, folder), "json", ".jsonl", seed)
+    elif data_cfg.name == "local" or (data_cfg.name in FILE_FORMATS and another_format(data_cfg)):
+        splits = _local_prompts(data_cfg, seed)
     elif data_cfg.name in FILE_FORMATS:
         builder, suffix = FILE_FORMATS[data_cfg.name]
         splits = _load_files(data_cfg, builder, suffix, seed)
@@ -211,11 +210,33 @@ def load_prompts(data_cfg: Any, seed: int = 0) -> PromptSplits:
         evaluation = _column(eval_set, data_cfg.prompt_column, f"{data_cfg.path}[{data_cfg.eval_split}]")
         splits = PromptSplits(train=train, eval=evaluation)
     else:
-        valid = sorted([*EMBEDDED, *FILE_FORMATS, "hub", "exact", "reasoning_gym"])
+        valid = sorted([*EMBEDDED, *FILE_FORMATS, "local", "hub", "exact", "reasoning_gym"])
         raise DataError(f"data={data_cfg.name!r} is not a prompt source; valid: {', '.join(valid)}")
     if not splits.train:
         raise DataError(f"data={data_cfg.name!r} has no training prompts")
     return splits
+
+
+def another_format(data_cfg: Any) -> bool:
+    """``data=jsonl|csv`` given a parquet file or a ``save_to_disk`` folder: read as ``data=local`` reads it."""
+    from rlhf_lab.data.local import BUILDERS, is_saved_dataset
+
+    path = Path(str(data_cfg.path)) if data_cfg.get("path") else None
+    if path is None:
+        return False
+    return is_saved_dataset(path) or (path.is_file() and BUILDERS.get(path.suffix.lower()) == "parquet")
+
+
+def _local_prompts(data_cfg: Any, seed: int) -> PromptSplits:
+    from rlhf_lab.data.local import load_local
+
+    train_set, eval_set, where = load_local(data_cfg)
+    train = _column(train_set, data_cfg.prompt_column, where)
+    if eval_set is not None:
+        return PromptSplits(train=train, eval=_column(eval_set, data_cfg.prompt_column, f"{where} ({data_cfg.eval_split})"))
+    if data_cfg.eval_fraction <= 0:
+        return PromptSplits(train=train, eval=[])
+    return _split_off_eval(train, data_cfg.eval_fraction, seed)
 
 
 def _with_path(data_cfg: Any, folder: Path) -> Any:

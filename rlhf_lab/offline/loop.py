@@ -159,9 +159,12 @@ class OfflineTrainer(Trainer):
     def progress_postfix(self, metrics: dict[str, Any]) -> dict[str, str]:
         return {"loss": f"{metrics['loss/total']:.4f}"}
 
-    def summarize(self, history: list[dict[str, Any]], done: int, final_eval: dict[str, Any]) -> dict[str, Any]:
-        """Export the trained model (``RUN/model``), then the summary over the loss curve."""
+    def write_outputs(self) -> None:
+        """Export the trained model (``RUN/model``) after the final checkpoint: merging a LoRA adapter unloads it."""
         if distributed.is_main_process():
             self.export()
+
+    def summarize(self, history: list[dict[str, Any]], done: int, final_eval: dict[str, Any]) -> dict[str, Any]:
+        """The summary over the loss curve (``model_dir``: where :meth:`write_outputs` exports the model)."""
         return offline_summary(self.history() or history, done, self.run_dir, self.updater.skipped_updates,
                                self.first_eval, final_eval)

@@ -28,6 +28,7 @@ from rlhf_lab.training import checkpoint as ckpt
 from rlhf_lab.training.budget import TrainingClock
 from rlhf_lab.training.memory_check import check_memory
 from rlhf_lab.training.records import Records, StepTimer
+from rlhf_lab.training.save_policy import check_disk, checkpoint_size, resolve_save
 from rlhf_lab.training.setup import configure_process, resolve_device, seed_everything
 from rlhf_lab.training.update import Updater
 
@@ -54,6 +55,9 @@ class RewardModelTrainer(OfflineTrainer):
         self.model = build_reward_model(cfg.model, self.tokenizer, DTYPES[self.precision.weights_dtype], cfg.seed)
         self.model.to(self.device)
         self.model.config.pooling = cfg.algorithm.pooling  # read back by reward=reward_model when it scores
+        self.save_policy = resolve_save(cfg.trainer)
+        check_disk(cfg.trainer, checkpoint_size(cfg.trainer, self.model, {}, cfg.model.lora.enabled, self.save_policy),
+                   self.run_dir)
         self.policy = self.model
         self.updater = Updater(cfg, self.model, self.algorithm, None, self.device, self.precision, "single",
                                [self.model], self.hardware)
@@ -78,12 +82,13 @@ class RewardModelTrainer(OfflineTrainer):
         if self.resume_from is not None:
             self.continue_from(self.restore_checkpoint(self.model, {}, self.cfg.model.lora.enabled))
 
-    def save(self, step: int) -> Path | None:
+    def save(self, step: int, full: bool = False) -> Path | None:
         state = {**self.updater.state_dict(), "first_eval": self.first_eval, **self.clock.state_dict(),
                  "precision": self.precision.name}
         return ckpt.save_checkpoint(self.checkpoint_root, step, self.model, self.tokenizer, {}, self.updater.optimizer,
                                     self.updater.scheduler, state, keep_last_n=self.cfg.trainer.keep_last_n,
-                                    config=OmegaConf.to_container(self.cfg, resolve=True))
+                                    config=OmegaConf.to_container(self.cfg, resolve=True),
+                                    with_optimizer=full or self.save_policy == "all")
 
     # ----------------------------------------------------------------- one step
     def train_step(self, step: int) -> dict[str, Any]:

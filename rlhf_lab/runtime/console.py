@@ -54,23 +54,23 @@ def progress_bar(steps: range, enabled: bool, initial: int, total: int) -> Any:
 
 @contextmanager
 def library_progress_bars(enabled: bool) -> Iterator[None]:
-    """transformers' and datasets' own bars (loading and writing weight shards, reading a data file) follow
-    ``trainer.progress_bar`` for the run, and are as they were after it."""
-    import datasets
+    """The libraries' own bars (transformers': loading and writing weight shards; datasets': "Generating train split",
+    "Map") on or off for the run (``trainer.library_progress_bars``, off by default: the run's own bar and lines say
+    what happens), and as they were after it."""
+    from datasets.utils import logging as datasets_logging
     from transformers.utils import logging as transformers_logging
 
-    was_enabled = transformers_logging.is_progress_bar_enabled()
-    datasets_enabled = datasets.is_progress_bar_enabled()
+    was = (transformers_logging.is_progress_bar_enabled(), datasets_logging.is_progress_bar_enabled())
     if not enabled:
         transformers_logging.disable_progress_bar()
-        datasets.disable_progress_bars()
+        datasets_logging.disable_progress_bar()
     try:
         yield
     finally:
-        if was_enabled:
+        if was[0]:
             transformers_logging.enable_progress_bar()
-        if datasets_enabled:
-            datasets.enable_progress_bars()
+        if was[1]:
+            datasets_logging.enable_progress_bar()
 
 
 FINAL_KEYS = (("reward/first_20pct_mean", "reward, first 20% of steps"), ("reward/last_20pct_mean", "last 20%"),

@@ -23,6 +23,7 @@ from typing import Any
 
 import yaml
 
+from rlhf_lab.app.help_text import plain
 from rlhf_lab.errors import ToolError, UserError
 
 DROPPED = ("trainer.resume=", "trainer.output_dir=", "hydra.", "+hydra.")
@@ -124,7 +125,10 @@ def evaluate_source(source: str, overrides: list[str], out: Path | None = None,
     locked = lock_folder(out, run_dir)
     run_lock.acquire(locked, instead="give --out a folder outside it")
     try:
-        return _evaluate(cfg, base, overrides, source, checkpoint, run_dir, out)
+        from rlhf_lab.runtime.console import library_progress_bars
+
+        with library_progress_bars(cfg.trainer.library_progress_bars):  # as in training: off by default
+            return _evaluate(cfg, base, overrides, source, checkpoint, run_dir, out)
     finally:
         run_lock.release(locked)
 
@@ -203,7 +207,7 @@ def evaluated_run(run_dir: Path | None, checkpoint: Path | None, step: int) -> d
 
 
 def main(args: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="rlhf-lab eval", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="rlhf-lab eval", description=plain(__doc__.split("\n\n")[0]))
     parser.add_argument("source", help="a run folder, a checkpoints/step_N, a model folder or a hub id")
     parser.add_argument("overrides", nargs="*", help="config overrides, e.g. eval.samples_per_prompt=4 eval.greedy=true")
     parser.add_argument("--out", type=Path, default=None, help="where to write eval.json (default: RUN/eval/<time>)")

@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from rlhf_lab.app.help_text import plain
 from rlhf_lab.errors import CheckpointError, ToolError, UserError
 
 CARD_KEYS = ("algorithm.name", "algorithm.advantage", "algorithm.policy_loss", "algorithm.group_size", "kl.name",
@@ -195,7 +196,7 @@ def push_to_hub(folder: Path, repo: str, private: bool = False) -> str:
 
 
 def main(args: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="rlhf-lab export", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="rlhf-lab export", description=plain(__doc__.split("\n\n")[0]))
     parser.add_argument("source", type=Path, help="a run folder, its checkpoints/ folder or a checkpoints/step_N")
     parser.add_argument("out", type=Path, help="the folder to write (save_pretrained layout, tokenizer, README.md)")
     parser.add_argument("--adapter", action="store_true", help="LoRA: keep the adapter instead of merging it")

@@ -41,6 +41,7 @@ from typing import Any
 import yaml
 from omegaconf import OmegaConf
 
+from rlhf_lab.app.help_text import plain
 from rlhf_lab.errors import ToolError, UserError
 
 STAGE_PREFIXES = ("build", "rm", "dpo", "gold")
@@ -206,7 +207,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 def run_pipeline(argv: list[str] | None = None) -> dict[str, Any]:
     import rlhf_lab.components  # noqa: F401  (registers every part)
 
-    parser = _Parser(prog="rlhf-lab pipeline", description=__doc__.split("\n")[0])
+    parser = _Parser(prog="rlhf-lab pipeline", description=plain(__doc__.split("\n")[0]))
     parser.add_argument("out", type=Path, help="folder for every stage's run")
     parser.add_argument("--arms", default="grpo,ppo", help="RL algorithms trained against the learned reward")
     parser.add_argument("--gold", default="{name: sentiment}",

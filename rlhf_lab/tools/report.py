@@ -2,9 +2,10 @@
 
 Reads every job's ``metrics.jsonl`` and resolved ``.hydra/config.yaml`` under the folder and groups the
 jobs into arms by every config value that varies across jobs, except ``seed`` and bookkeeping keys
-(``logger.*``, ``trainer.resume``, ``trainer.output_dir``, ``trainer.progress_bar``). Jobs of one arm
-are its seeds. Arms are labelled with the fewest varying keys that tell them apart, using the config group
-options chosen on the command line (``algorithm=rloo``, read from ``.hydra/hydra.yaml``) where known.
+(``logger.*``, ``trainer.resume``, ``trainer.output_dir``, ``trainer.progress_bar``, ``trainer.save``). Jobs of
+one arm are its seeds. Arms are labelled by every key that varies across them, less those a chosen config
+option sets (:func:`arm_keys`), using the options chosen on the command line (``algorithm=rloo``, read from
+``.hydra/hydra.yaml``) where known; floats to 4 significant digits. KL columns say per token or per sequence.
 
 Per arm, as mean ± sample std over seeds (a single seed has no std):
 
@@ -49,6 +50,7 @@ from typing import Any
 
 import numpy as np
 
+from rlhf_lab.app.help_text import plain
 from rlhf_lab.errors import ToolError
 from rlhf_lab.tools.claims import ClaimResult, claim_lines, claims_of, claims_table, evaluate_claim, experiment_claims
 from rlhf_lab.tools.report_columns import METRICS
@@ -59,7 +61,8 @@ from rlhf_lab.tools.report_search import optuna_section
 from rlhf_lab.tools.report_wandb import CHOICES as WANDB_CHOICES
 from rlhf_lab.tools.report_wandb import log_claims
 
-IGNORED_KEYS = ("seed", "trainer.resume", "trainer.output_dir", "trainer.progress_bar")
+IGNORED_KEYS = ("seed", "trainer.resume", "trainer.output_dir", "trainer.progress_bar", "trainer.library_progress_bars",
+                "trainer.save")
 IGNORED_PREFIXES = ("logger.",)
 
 PLOTS = PLOT_FILES  # rlhf_lab/tools/report_plots.py: styles and legends that hold at 36 arms
@@ -101,6 +104,9 @@ def _hashable(value: Any) -> str:
 
 
 def _format_value(value: Any) -> str:
+    """A label's value: floats to 4 significant digits (``kl.coef=0.1398``, not 0.13981961408994045)."""
+    if isinstance(value, float):
+        return f"{value:.4g}"
     return value if isinstance(value, str) else json.dumps(value)
 
 
@@ -109,24 +115,32 @@ def _ignored(key: str) -> bool:
 
 
 def arm_keys(jobs: list[Job]) -> list[str]:
-    """The varying keys that label arms: as few as tell the arms apart, chosen options and names first.
-
-    A key joins only if it splits some arm further, so keys that follow from others (``kl.coef`` of
-    ``kl=none``, ``algorithm.baseline`` of ``algorithm=rloo``) do not clutter the labels; the arms are
-    the same as grouping by every varying key.
+    """Every key that varies across the jobs labels the arms, less the keys a chosen config option sets: a key
+    of group ``g`` (``kl.coef``, ``algorithm.baseline``) that takes one value for each choice of ``g`` (``kl=none``
+    sets ``kl.coef=0``; ``algorithm=rloo`` sets its baseline) follows from that choice. Keys that vary together
+    (``kl.coef`` and ``trainer.lr`` of a search) are all shown: neither follows from the other's option.
     """
     keys = list(dict.fromkeys(key for job in jobs for key in job.config))
     varying = [k for k in keys if not _ignored(k) and len({_hashable(job.config.get(k)) for job in jobs}) > 1]
-    priority = {key: (0 if "." not in key else 1 if key.endswith(".name") else 2, key.count(".")) for key in varying}
-    selected: list[str] = []
-    arms = 1
-    for key in sorted(varying, key=lambda k: priority[k]):
-        count = len({tuple(_hashable(job.config.get(k)) for k in [*selected, key]) for job in jobs})
-        if count > arms:
-            selected.append(key)
-            arms = count
+
+    def set_by(key: str, chooser: str) -> bool:
+        """Whether ``key`` takes one value for each value of ``chooser``."""
+        seen: dict[str, str] = {}
+        return all(seen.setdefault(_hashable(job.config.get(chooser)), _hashable(job.config.get(key)))
+                   == _hashable(job.config.get(key)) for job in jobs)
+
+    def follows(key: str) -> bool:
+        if "." not in key:  # a chosen option (``algorithm=rloo``) is what the others follow from
+            return False
+        group = key.split(".")[0]
+        choosers = [c for c in (group, f"{group}.name") if c in varying and c != key]
+        if key.endswith(".name"):  # the option's registered name, where the option itself is shown
+            choosers = [c for c in choosers if c == group]
+        return any(set_by(key, chooser) for chooser in choosers)
+
+    selected = [key for key in varying if not follows(key)]
     roots = list(dict.fromkeys(key.split(".")[0] for key in keys))  # config order: algorithm, kl, ...
-    return sorted(selected, key=lambda k: (roots.index(k.split(".")[0]), k))
+    return sorted(selected, key=lambda k: (roots.index(k.split(".")[0]), k.count("."), k))
 
 
 def group_arms(jobs: list[Job]) -> list[Arm]:
@@ -305,7 +319,7 @@ def write_report(folder: Path, out: Path | None = None, options: PlotOptions | N
 
 
 def main(args: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="rlhf-lab report", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="rlhf-lab report", description=plain(__doc__.split("\n\n")[0]))
     parser.add_argument("folder", type=Path, help="a multirun folder (or any folder of run folders)")
     parser.add_argument("--out", type=Path, default=None, help="where to write the report (default: the folder)")
     parser.add_argument("--ema", type=float, default=0.0, help="smooth curves: EMA weight in [0, 1) (default 0: off)")

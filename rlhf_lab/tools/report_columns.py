@@ -9,11 +9,11 @@ from rlhf_lab.tools.report_exact import EXACT_METRICS, MODE_METRICS
 METRICS = (
     ("final_reward", "final reward"),
     ("best_reward", "best reward"),
-    ("final_kl_exact", "final KL (exact)"),
-    ("kl_estimate_minus_exact", "KL est − exact"),
+    ("final_kl_exact", "final KL (exact, per token)"),
+    ("kl_estimate_minus_exact", "KL est − exact (per token)"),
     ("step_time_s", "s/step"),
     ("eval_reward", "eval reward"),
-    ("eval_kl_exact", "eval KL (exact)"),
+    ("eval_kl_exact", "eval KL (exact, per token)"),
     *((column, header) for column, header, _ in EXACT_METRICS),
     ("diverged", "diverged"),  # share of seeds that ended further from π* than they started
     *((column, header) for column, header, _ in MODE_METRICS),

@@ -23,11 +23,11 @@ from typing import Any
 # (column, markdown header, metrics.jsonl key): appended to the report's columns when jobs have them.
 EXACT_METRICS = (
     ("final_gap", "final gap J*−J", "exact/gap"),
-    ("final_kl_sequence", "KL(π‖π_ref)", "exact/kl_sequence"),
-    ("kl_optimal", "KL(π*‖π_ref)", "exact/kl_optimal"),
+    ("final_kl_sequence", "KL(π‖π_ref) per sequence", "exact/kl_sequence"),
+    ("kl_optimal", "KL(π*‖π_ref) per sequence", "exact/kl_optimal"),
     ("final_tv", "TV to π*", "exact/tv_to_optimal"),
-    ("kl_to_optimal", "KL(π‖π*)", "exact/kl_to_optimal"),
-    ("estimate_bias", "estimate bias", "exact/kl_estimate_bias"),
+    ("kl_to_optimal", "KL(π‖π*) per sequence", "exact/kl_to_optimal"),
+    ("estimate_bias", "estimate bias per sequence", "exact/kl_estimate_bias"),
 )
 # With several equally rewarded optimal responses (reward.modes, rlhf_lab/testbed/modes.py): columns only for jobs
 # that logged them.
@@ -78,6 +78,7 @@ def exact_plots(arms: list[Any], out: Path, curve: Callable[[Any, str], tuple]) 
     legend beside the axes (an ablation has dozens of arms); only for keys some job logs. Returns the paths."""
     import matplotlib.pyplot as plt
     import numpy as np
+    from matplotlib.ticker import MaxNLocator
 
     paths = []
     for key, ylabel, name in EXACT_PLOTS:
@@ -92,6 +93,7 @@ def exact_plots(arms: list[Any], out: Path, curve: Callable[[Any, str], tuple]) 
         if key == "exact/gap":
             axes.set_yscale("log")
         axes.set_xlabel("step")
+        axes.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
         axes.set_ylabel(ylabel)
         axes.grid(alpha=0.3)
         axes.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1.0))

@@ -142,6 +142,7 @@ def plot_curves(arms: list[Any], key: str, ylabel: str, path: Path, options: Plo
 def plot_kl_estimate_vs_exact(arms: list[Any], path: Path, options: PlotOptions) -> None:
     """One small panel per arm: ``kl/estimate`` (dashed) and ``kl/exact`` (solid), means over seeds."""
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     columns = min(4, max(1, len(arms)))
     rows = math.ceil(len(arms) / columns) or 1
@@ -155,6 +156,7 @@ def plot_kl_estimate_vs_exact(arms: list[Any], path: Path, options: PlotOptions)
                 mean, _ = mean_band([ema(c, options.ema) for c in curves], options.band)
                 axes.plot(steps, mean, color=style["color"], linestyle=linestyle, linewidth=1.2, label=label)
         axes.set_title(arm.name, fontsize="x-small")
+        axes.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
         axes.tick_params(labelsize="x-small")
         axes.grid(alpha=0.3)
     for index in range(len(arms), rows * columns):
@@ -162,10 +164,13 @@ def plot_kl_estimate_vs_exact(arms: list[Any], path: Path, options: PlotOptions)
     handles, labels = grid[0][0].get_legend_handles_labels()
     figure.suptitle("KL per token: the penalised estimate (dashed) vs the exact KL (solid), mean over seeds",
                     fontsize="small")
-    if handles:
-        figure.legend(handles, labels, loc="upper right", fontsize="x-small", frameon=False)
     figure.supxlabel("step", fontsize="small")
-    figure.tight_layout()
+    # The legend in a band of its own under the title (at the top right it covered the title's end).
+    figure.tight_layout(rect=(0, 0, 1, 0.9 if rows == 1 else 0.95))
+    if handles:
+        top = grid[0][0].get_position().y1
+        figure.legend(handles, labels, loc="lower center", bbox_to_anchor=(0.5, top + 0.035 / rows), ncols=2,
+                      fontsize="x-small", frameon=False)
     figure.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(figure)
 

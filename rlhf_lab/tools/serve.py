@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from rlhf_lab.app.help_text import plain
 from rlhf_lab.errors import ToolError, UserError
 
 
@@ -21,7 +22,7 @@ def main(args: list[str] | None = None) -> None:
     from rlhf_lab.generation.serve_engine import DEFAULT_MEMORY_SHARE, DTYPES
     from rlhf_lab.generation.serving import TOKEN_ENV, TOKEN_FILE
 
-    parser = _Parser(prog="rlhf-lab serve", description=__doc__)
+    parser = _Parser(prog="rlhf-lab serve", description=plain(__doc__))
     parser.add_argument("model", help="the model folder the engine loads (the policy's initial weights)")
     parser.add_argument("--sync-folder", required=True,
                         help=f"the trainer's generation.sync_folder: weights are loaded only from inside it, and the "

@@ -73,7 +73,9 @@ def search_space(overrides: list[str]) -> tuple[dict[str, dict[str, Any]], Any]:
     paths = search_paths(overrides)
     overrides = expand_globs(overrides, CONF_DIR, paths)
     checked = [low_end(o, paths) if is_interval(o) else o for o in overrides]
-    cfg = compose(checked)  # every job checked as the CLI would, with its one-line errors
+    # Every job checked as the CLI would, with its one-line errors; an Optuna study of the same name (another search's
+    # database under outputs/) is no concern of a W&B sweep: not opened.
+    cfg = compose(checked, study=False)
     hydra_cfg = _hydra_compose(check_overrides(checked), return_hydra_config=True)
     params = OmegaConf.select(hydra_cfg, "hydra.sweeper.params")
     params = OmegaConf.to_container(params, resolve=False) if params is not None else {}

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -102,16 +103,20 @@ def main(args: list[str]) -> None:
         prog="rlhf-lab wandb workspace",
         description="Build the W&B workspace view for comparing KL estimators, placements and algorithms "
                     "(reward vs exact KL, estimate vs exact, clip fractions); write its spec, or --save it.")
-    parser.add_argument("--entity", required=True, help="the W&B entity (user or team)")
+    parser.add_argument("--entity", default=os.environ.get("WANDB_ENTITY"),
+                        help="the W&B entity (user or team); needed by --save only (default: $WANDB_ENTITY)")
     parser.add_argument("--project", default="rlhf_lab", help="the W&B project (rlhf_lab)")
     parser.add_argument("--name", default="rlhf_lab: KL ablation", help="the view's name")
     parser.add_argument("--group", help="show only this W&B group's runs (a sweep's group)")
     parser.add_argument("--out", type=Path, help="write the view's JSON spec here")
     parser.add_argument("--save", action="store_true", help="save the view to W&B (needs an API key)")
     options = parser.parse_args(args)
-    if not options.entity.strip():
+    if options.entity is not None and not options.entity.strip():
         raise ToolError(f"--entity {options.entity!r} is empty; give your W&B user or team name")
-    view = workspace(options.entity, options.project, options.name, options.group)
+    if options.save and not options.entity:
+        raise ToolError("--save needs --entity (the W&B user or team the view is saved under); --out writes the spec "
+                        "without one")
+    view = workspace(options.entity or "", options.project, options.name, options.group)
     if options.out is not None:
         check_out(options.out, "workspace.json")
         options.out.parent.mkdir(parents=True, exist_ok=True)  # as wandb sweep --out: a missing folder is made

@@ -6,7 +6,8 @@ A checkpoint holds only safetensors and JSON, so loading one never unpickles any
 - ``<name>.safetensors``: each extra trainable module of the algorithm (``algorithm.modules()``, e.g. a
   value head);
 - ``optimizer.safetensors``: the tensors of the optimizer and scheduler states; their other fields
-  (hyper-parameters, step counts) are JSON inside ``trainer_state.json``;
+  (hyper-parameters, step counts) are JSON inside ``trainer_state.json``. Under ``trainer.save=model``
+  (:mod:`.save_policy`) it holds the scheduler only: the checkpoint evaluates and exports but cannot resume;
 - ``sharded/`` (FSDP runs): the policy, the algorithm's modules and the optimizer as every rank holds them, written
   by every rank through ``torch.distributed.checkpoint`` (DCP) and read back the same way, each rank its own part
   (any process count, one process included); ``model/`` is then the export of the gathered weights and
@@ -58,6 +59,7 @@ from rlhf_lab.training.checkpoint_find import (  # noqa: F401  (the layout's nam
     locate_checkpoint,
     prepare_run_folder,
     read_state,
+    refuse_model_only,
     resolve_resume,
     run_folder_of,
     updates_held,
@@ -128,6 +130,7 @@ def save_checkpoint(
     config: dict[str, Any] | None = None,
     staged: Path | None = None,
     tensor_files: dict[str, dict[str, torch.Tensor]] | None = None,
+    with_optimizer: bool = True,
 ) -> Path:
     """Write ``root/step_{updates}`` (the policy after ``updates`` optimizer updates) atomically, point
     ``root/latest`` at it, keep the newest ``keep_last_n``.
@@ -136,6 +139,7 @@ def save_checkpoint(
     written from them as an unsharded run writes it). ``staged``: the staging folder the ranks wrote the sharded
     state into (:func:`save_sharded`); the optimizer's state is there, and the rest is written beside it.
     ``tensor_files``: further safetensors files by name (the batch generated ahead, :mod:`.ahead`).
+    ``with_optimizer=False`` (``trainer.save=model``): no optimizer state, the model and the run's small state only.
     """
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
@@ -152,7 +156,7 @@ def save_checkpoint(
                 save_file(state, str(tmp / f"{name}.safetensors"))
             optimizer_tensors: dict[str, torch.Tensor] = {}
             states = {"scheduler": scheduler.state_dict()}
-            if staged is None:  # else the optimizer's state is in the sharded folder
+            if staged is None and with_optimizer:  # else in the sharded folder, or not kept
                 states["optimizer"] = optimizer_state or optimizer.state_dict()
             optimizer_plain = encode_state(states, optimizer_tensors)
             save_file(optimizer_tensors, str(tmp / OPTIMIZER_FILE))
@@ -169,6 +173,7 @@ def save_checkpoint(
                 "optimizer": optimizer_plain,
                 "rng": rng_plain,
                 "modules": sorted(modules),
+                "optimizer_saved": with_optimizer,
                 "files": manifest(tmp, skip=STATE_FILE),
             }
             state = seal(state, tmp, skip=STATE_FILE)
@@ -255,6 +260,7 @@ def load_checkpoint(
     if has_adapter != uses_adapter:
         saved, wanted = ("a LoRA adapter", "true") if has_adapter else ("full weights", "false")
         raise CheckpointError(f"checkpoint {folder} holds {saved} but model.lora.enabled is not {wanted}")
+    refuse_model_only(folder, state)
     missing_modules = sorted(set(modules) - set(state.get("modules", [])))
     if missing_modules:
         raise CheckpointError(
@@ -303,6 +309,6 @@ def _finish_load(folder: Path, state: dict[str, Any]) -> dict[str, Any]:
     except (SafetensorError, KeyError, TypeError, ValueError, RuntimeError) as error:  # an older save without digests
         raise CheckpointError(f"checkpoint {folder} has an unreadable {RNG_FILE} ({type(error).__name__}); use "
                               "another checkpoint of the run (checkpoints/step_N)") from None
-    for key in ("files", "modules", "sha256", "keys", "state_sha256"):
+    for key in ("files", "modules", "sha256", "keys", "state_sha256", "optimizer_saved"):
         state.pop(key, None)
     return state

@@ -177,6 +177,16 @@ def locate_checkpoint(path: Path, label: str) -> Path | None:
     return None
 
 
+def refuse_model_only(folder: Path, state: dict[str, Any] | None = None) -> None:
+    """A checkpoint written under ``trainer.save=model`` (no optimizer state) cannot resume: one line saying so."""
+    state = read_state(folder) if state is None else state
+    if state is not None and state.get("optimizer_saved") is False:
+        raise CheckpointError(f"checkpoint {folder} holds the model only (written under trainer.save=model): it "
+                              "evaluates and exports but cannot resume training; resume from a checkpoint written "
+                              "under trainer.save=all, or start a new run from its weights (model=path "
+                              f"model.name_or_path={Path(folder) / MODEL_FOLDER})")
+
+
 def resolve_resume(resume: str | None, checkpoint_root: Path) -> Path | None:
     """The checkpoint folder ``trainer.resume`` names, or None for a fresh start.
 
@@ -187,12 +197,16 @@ def resolve_resume(resume: str | None, checkpoint_root: Path) -> Path | None:
     if not resume:
         return None
     if resume == "auto":
-        return latest_checkpoint(checkpoint_root)
+        latest = latest_checkpoint(checkpoint_root)
+        if latest is not None:
+            refuse_model_only(latest)
+        return latest
     path = Path(resume).expanduser()
     if not path.exists():
         raise CheckpointError(f"trainer.resume={resume!r} does not exist; give a checkpoint or run folder, or auto")
     found = locate_checkpoint(path, f"trainer.resume={resume!r}")
     if found is not None:
+        refuse_model_only(found)
         return found
     raise CheckpointError(
         f"trainer.resume={resume!r} holds no complete checkpoint; give a checkpoints/step_N folder, "

@@ -15,6 +15,7 @@ count half). With ``eval.samples_per_prompt`` = G > 1: ``group_distinct_1|2`` (o
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from omegaconf import OmegaConf
 from rlhf_lab.data.prompts import EVAL_CHUNK
 from rlhf_lab.masked import masked_sum
 from rlhf_lab.runtime import distributed
+from rlhf_lab.runtime.console import say
 from rlhf_lab.training.diversity import group_metrics
 from rlhf_lab.training.records import StepTimer, distinct_n
 
@@ -124,7 +126,8 @@ class Evaluation:
 
     @torch.no_grad()
     def run(self, prompts: list[str], step: int, seed: int, kl_coef: float) -> tuple[dict[str, Any], list[tuple]]:
-        """Metrics on ``prompts`` (sharded over ranks) and the (prompt, response, reward) examples, in order."""
+        """Metrics on ``prompts`` (sharded over ranks) and the (prompt, response, reward) examples, in order; each
+        example's prompt is the one the model saw (an environment's opening conversation for episodes)."""
         group = self.settings.samples_per_prompt
         positions = shard(len(prompts), distributed.rank(), distributed.world_size())
         real = len(positions) * group  # this rank's samples
@@ -133,8 +136,11 @@ class Evaluation:
             # prompts; the padding (repeats of a prompt) is generated and dropped.
             width = -(-len(prompts) // distributed.world_size())
             positions = positions + [positions[-1] if positions else 0] * (width - len(positions))
-        timer = StepTimer()
-        scores, valid, estimates, exacts, lengths, texts = [], [], [], [], [], []
+        timer, started, chunks = StepTimer(), time.perf_counter(), -(-len(positions) // EVAL_CHUNK)
+        if distributed.is_main_process():  # a first evaluation under load takes a minute: say it started
+            say(f"evaluation at step {step}: {len(prompts)} held-out prompts × {group} "
+                f"sample{'s' if group > 1 else ''}", __name__)
+        scores, valid, estimates, exacts, lengths, texts, asked = [], [], [], [], [], [], []
         extra: dict[str, list[torch.Tensor]] = {name: [] for name in self.extra_rewards}
         wins: list[torch.Tensor] = []
         for start in range(0, len(positions), EVAL_CHUNK):
@@ -151,13 +157,18 @@ class Evaluation:
             exacts.append(masked_sum(exact, mask, dim=-1))
             lengths.append(mask.sum(-1))
             texts += experience.responses
+            asked += experience.prompts  # what the model saw: an environment's opening, not the data row
             for name, reward in self.extra_rewards.items():
                 extra[name].append(reward(experience.prompts, experience.responses).scores)
             if self.reference_maker is not None:
                 wins.append(self._wins(experience, chunk_prompts, names, keys, timer))
+            if chunks > 1 and distributed.is_main_process():
+                done = min(start + EVAL_CHUNK, len(positions))
+                say(f"evaluation at step {step}: {done}/{len(positions)} prompts ({time.perf_counter() - started:.0f} s)",
+                    __name__)
         all_shown, all_valid, all_lengths, estimates, exacts = (
             torch.cat(values)[:real] for values in (scores, valid, lengths, estimates, exacts))
-        all_scores, texts, tokens = all_shown[all_valid], texts[:real], all_lengths.sum()
+        all_scores, texts, asked, tokens = all_shown[all_valid], texts[:real], asked[:real], all_lengths.sum()
         extra_scores = {name: torch.cat(values)[:real] for name, values in extra.items()}
         all_wins = torch.cat(wins)[:real] if wins else None
         if distributed.world_size() > 1:  # every rank's results, in rank order
@@ -170,8 +181,9 @@ class Evaluation:
             if all_wins is not None:
                 all_wins = torch.tensor(distributed.gather_objects(all_wins.tolist()))
             texts = distributed.gather_objects(texts)
+            asked = distributed.gather_objects(asked)
         total_tokens = tokens.sum()
-        examples = list(zip([p for p in prompts for _ in range(group)], texts, all_shown.tolist()))
+        examples = list(zip(asked, texts, all_shown.tolist()))
         if not len(all_scores):
             all_scores = torch.full((1,), float("nan"))
         metrics = {

@@ -24,7 +24,7 @@ def run(cfg: Any, run_dir: Path) -> dict[str, Any]:
     if path:
         module, _, name = path.partition(":")
         trainer_class = getattr(importlib.import_module(module), name)
-    with resume_contract.holding(run_dir), library_progress_bars(cfg.trainer.progress_bar):
+    with resume_contract.holding(run_dir), library_progress_bars(cfg.trainer.library_progress_bars):
         trainer = trainer_class(cfg, run_dir)  # (rank 0 holds the run folder's lock: one writer per folder)
         resume_contract.record_segment(trainer.start_step, cfg)
         summary = trainer.train()

@@ -42,10 +42,11 @@ from rlhf_lab.training.evaluation import Evaluation
 from rlhf_lab.training.experience import ExperienceMaker
 from rlhf_lab.training.memory_check import check_memory
 from rlhf_lab.training.records import Records, StepTimer, run_summary, sample_columns, synchronize
+from rlhf_lab.training.save_policy import check_disk, checkpoint_size, resolve_save
 from rlhf_lab.training.scoring_pass import sampler_metrics
 from rlhf_lab.training.setup import configure_process, resolve_device, seed_everything
 from rlhf_lab.training.state_encoding import rank_rng_state, set_rank_rng_state
-from rlhf_lab.training.step_metrics import rollout_metrics, sampling_metrics
+from rlhf_lab.training.step_metrics import StepSignals, rollout_metrics, sampling_metrics
 from rlhf_lab.training.update import Updater
 
 
@@ -90,6 +91,10 @@ class Trainer:
         self.algorithm.setup(policy)
         for module in self.algorithm.modules().values():
             module.to(self.device)
+        self.save_policy = resolve_save(cfg.trainer)  # all | model | none (rlhf_lab/training/save_policy.py)
+        if distributed.is_main_process():  # the whole weights, before they are sharded
+            check_disk(cfg.trainer, checkpoint_size(cfg.trainer, policy, self.algorithm.modules(),
+                                                    self.models.uses_adapter, self.save_policy), self.run_dir)
         # Under ddp/fsdp the policy and the algorithm's own modules train wrapped; generation uses the module.
         compute_dtype = self.precision.compute_dtype
         self.policy = distributed.wrap(policy, self.strategy, self.device, compute_dtype)
@@ -122,6 +127,7 @@ class Trainer:
         self.stop_requested: str | None = None
         self.stop_signal: int | None = None
         self._eval_examples: list[tuple[str, str, float]] = []
+        self.signals = StepSignals(cfg, self.tokenizer.eos_token_id, self.precision.name)  # lengths, spread, floor
         self.evaluation: Evaluation | None = None  # built at the first evaluation
         self.clock = TrainingClock(cfg.trainer.max_train_seconds)  # checkpointed: a resume continues it
 
@@ -198,15 +204,20 @@ class Trainer:
         """The train and held-out prompts (the offline stages read them from their examples)."""
         return load_prompts(self.cfg.data, seed=self.cfg.seed)
 
-    def save(self, updates: int) -> Path | None:
-        """Write the checkpoint ``step_{updates}``, the policy after ``updates`` updates: under FSDP every rank writes
-        its shards (``sharded/``, DCP) and the whole weights are gathered for ``model/``; rank 0 writes the rest while
-        the other ranks wait at a barrier (not in a collective of the next step). Returns its folder (None on other
-        ranks)."""
+    def save(self, updates: int, full: bool = False) -> Path | None:
+        """Write the checkpoint ``step_{updates}``, the policy after ``updates`` updates, with the optimizer's state
+        under ``trainer.save=all`` or when ``full`` (a stop by signal: its resume command needs it): under FSDP every
+        rank writes its shards (``sharded/``, DCP) and the whole weights are gathered for ``model/``; rank 0 writes
+        the rest while the other ranks wait at a barrier (not in a collective of the next step). Returns its folder
+        (None on other ranks)."""
         updater, modules = self.updater, self.algorithm.modules()
         policy = distributed.unwrap(self.policy)
+        with_optimizer = full or self.save_policy == "all"
         whole: dict[str, Any] = {}
-        if self.strategy == "fsdp":  # collectives: every rank takes part
+        if self.strategy == "fsdp" and not with_optimizer:  # collectives: the whole weights only
+            whole = {"model_state": distributed.full_model_state(policy),
+                     "module_states": {name: distributed.full_model_state(m) for name, m in modules.items()}}
+        elif self.strategy == "fsdp":  # collectives: every rank takes part
             staged = ckpt.staging_folder(self.checkpoint_root, updates)
             if distributed.is_main_process():
                 ckpt.prepare_staging(self.checkpoint_root, updates)
@@ -227,7 +238,8 @@ class Trainer:
                                           updater.optimizer, updater.scheduler, trainer_state,
                                           keep_last_n=self.cfg.trainer.keep_last_n,
                                           config=OmegaConf.to_container(self.cfg, resolve=True),
-                                          tensor_files={AHEAD_FILE: ahead_tensors} if ahead else None, **whole)
+                                          tensor_files={AHEAD_FILE: ahead_tensors} if ahead else None,
+                                          with_optimizer=with_optimizer, **whole)
         distributed.barrier()
         return folder
 
@@ -276,6 +288,8 @@ class Trainer:
                                        rollout.attention_mask.sum())) / elapsed,
                                    **sampling_metrics(experience.stats, rollout.batch_size * distributed.world_size(),
                                                       self.device)}
+        # mask: every sample drawn (before dropped ones left the loss)
+        metrics.update(self.signals.measure(rollout, mask, valid, step, fresh=self.start_step == 0, logged=metrics))
         metrics.update(prepare_stats)
         metrics.update(update_stats)
         metrics.setdefault("loss/policy", 0.0)
@@ -397,6 +411,9 @@ class Trainer:
         return run_summary(self.records.history() or history, done, self.run_dir, self.updater.skipped_updates,
                            self.first_eval, final_eval)
 
+    def write_outputs(self) -> None:
+        """What a run writes after its final checkpoint (the offline stages: ``RUN/model``); nothing here."""
+
     def train(self) -> dict[str, Any]:
         """Steps, evaluation before and after, checkpoints, signals, the time budget: every trainer's loop, under
         the run's hardware profile."""
@@ -435,10 +452,12 @@ class Trainer:
                     progress.set_postfix(**self.progress_postfix(metrics))
                 every = cfg.trainer.checkpoint_every
                 stop = self.agree_on_stop()  # the same answer on every rank, whichever rank got the signal
-                if stop or last_step or (every > 0 and (step + 1) % every == 0):
-                    self.save(step + 1)
                 if stop:
+                    self.save(step + 1, full=True)
                     raise self._stopped(step)
+                periodic = every > 0 and (step + 1) % every == 0 and self.save_policy != "none"
+                if periodic and not last_step:  # the last one is written after the final evaluation
+                    self.save(step + 1)
                 if out_of_time:
                     self.clock.announce(step)
                     break
@@ -450,6 +469,12 @@ class Trainer:
             summary = self.summarize(history, done, final_eval)
             summary.update(self.clock.summary(done, steps))  # stopped_by: steps | max_train_seconds
             summary["precision"] = self.precision.name  # what trainer.precision (auto by default) resolved to
+            summary["save"] = self.save_policy
+            # The final evaluation and summary.json first: a save that fails (a full disk) loses no result.
+            self.records.write_summary(summary)
+            if self.save_policy != "none" and done > self.start_step:
+                self.save(done)
+            self.write_outputs()
             self.records.finish(summary)
             return summary
         finally:

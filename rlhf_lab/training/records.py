@@ -151,6 +151,11 @@ class Records:
             for record in records if "reward/mean" in record
         ]
 
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        """Write ``summary.json`` now (before the final checkpoint: a save that fails loses no result)."""
+        if self.local is not None:
+            self.local.finish(summary)
+
     def finish(self, summary: dict[str, Any]) -> None:
         """Write ``summary.json`` and close the tracker's run."""
         if self.local is not None:

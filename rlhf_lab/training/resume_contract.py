@@ -48,8 +48,8 @@ MAY_CHANGE = (
     "trainer.max_train_seconds",  # the budget of the whole run: raise it to continue a run it stopped
     "trainer.lr",  # applied to the optimizer's parameter groups and the schedule
     "kl.coef",  # applied to the KL controller
-    "trainer.eval_every", "trainer.checkpoint_every", "trainer.keep_last_n", "trainer.samples_per_step_logged",
-    "trainer.progress_bar", "trainer.exact_every", "trainer.max_consecutive_skips",
+    "trainer.eval_every", "trainer.checkpoint_every", "trainer.keep_last_n", "trainer.save", "trainer.samples_per_step_logged",
+    "trainer.progress_bar", "trainer.library_progress_bars", "trainer.exact_every", "trainer.max_consecutive_skips",
     "trainer.resume", "trainer.output_dir",
     "trainer.device", "trainer.strategy", "trainer.num_threads", "trainer.micro_batch_size",
     "trainer.gradient_checkpointing", "trainer.recompute", "trainer.offload_reference", "trainer.logprob_chunk",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 from typing import Any
@@ -11,6 +12,7 @@ import torch
 
 from rlhf_lab.hardware import HardwareProfile
 from rlhf_lab.runtime import distributed
+from rlhf_lab.runtime.console import say
 
 
 def resolve_device(name: str) -> torch.device:
@@ -28,6 +30,21 @@ def configure_process(trainer_cfg: Any, hardware: HardwareProfile) -> None:
     if trainer_cfg.num_threads > 0:
         torch.set_num_threads(trainer_cfg.num_threads)
     hardware.apply_process_settings()
+    if distributed.is_main_process() and resolve_device(trainer_cfg.device).type == "cpu":
+        hint = thread_hint(trainer_cfg.num_threads, torch.get_num_threads(), os.getloadavg()[0], os.cpu_count() or 1)
+        if hint:
+            say(hint, __name__, logging.WARNING)
+
+
+def thread_hint(num_threads: int, threads: int, load: float, cores: int) -> str | None:
+    """A hint to set ``trainer.num_threads`` when the CPU is already busy (a 1-minute load average of at least one
+    core) and torch would run several threads on it by default: they spin-wait on each other and a step takes
+    several times as long (docs/guides/hardware.md). None when the setting is given or nothing suggests it helps."""
+    if num_threads > 0 or threads <= 1 or load < 1.0:
+        return None
+    return (f"the CPU is busy before this run starts (load average {load:.1f} on {cores} cores) and torch runs "
+            f"{threads} threads, which wait on each other under load: set trainer.num_threads=1 (measured on 2 "
+            "shared cores: 10 s a step against 45 s with the default, docs/guides/hardware.md)")
 
 
 def seed_everything(seed: int) -> None:

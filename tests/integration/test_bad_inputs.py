@@ -125,7 +125,7 @@ def prepare(folder: Path) -> list[Case]:
              "trainer.dtype='int8' is not valid; choose from: float32, bfloat16, float16"),
         Case("data_option_unknown", ["data=parquet"],
              "data='parquet' is not an option; choose from: csv, demonstrations, embedded_preferences, exact, hub, "
-             "jsonl, movie_prompts, preferences, reasoning_gym"),
+             "jsonl, local, movie_prompts, preferences, reasoning_gym"),
         Case("resume_path_missing", ["trainer.resume=no_such_run"],
              "trainer.resume='no_such_run' does not exist; give a checkpoint or run folder, or auto"),
         Case("resume_checkpoint_torn", ["trainer.resume=half/checkpoints/step_3"],

@@ -68,7 +68,7 @@ DATA = [
 ]
 
 ARMS = "cispo, dapo, dr_grpo, grpo, gspo, ppo, reinforce, reinforce_pp, remax, rloo"
-REWARDS = ("classifier, composite, exact_table, length, math_verify, pairwise, python, reasoning_gym, reward_model, "
+REWARDS = ("classifier, composite, exact_table, length, math_verify, pairwise, python, reasoning_gym, reward_model, route, "
            "sentiment")
 GOLD_EXAMPLE = "e.g. --gold '{name: sentiment}'"
 PIPELINE = [
@@ -87,8 +87,9 @@ PIPELINE = [
     Case("gold_a_list", ["--gold", "[sentiment]"],
          f"--gold '[sentiment]' is not a reward config; give a mapping with a reward's name, {GOLD_EXAMPLE}"),
     Case("gold_key_typo", ["--gold", "{name: length, min_wrds: 3}"],
-         "pipeline stage dpo: unknown key 'reward.min_wrds' for reward=length; valid keys: name, on_nonfinite, "
-         "rescale, rescale_threshold, min_words, max_words, slope_words, require_terminal_punctuation, format_weight"),
+         "pipeline stage dpo: unknown key 'reward.min_wrds' for reward=length; did you mean 'reward.min_words'? valid "
+         "keys: name, on_nonfinite, rescale, rescale_threshold, min_words, max_words, slope_words, "
+         "require_terminal_punctuation, format_weight"),
     Case("arms_unknown", ["--arms", "grpo,nosuch"],
          f"--arms grpo,nosuch: 'nosuch' is not an RL algorithm; choose from: {ARMS}"),
     Case("arms_offline_stage", ["--arms", "dpo"], f"--arms dpo: 'dpo' is not an RL algorithm; choose from: {ARMS}"),
@@ -160,4 +161,4 @@ def test_a_stage_override_error_stops_before_the_pairs_are_built(folder: Path, m
     monkeypatch.setattr(builder, "ensure_preferences", build)
     err = one_line(["pipeline", str(folder / "late_typo"), "model=tiny", "gold:trainer.eval_prompt=4"], folder,
                    monkeypatch, capsys)
-    assert err.startswith("error: pipeline stage gold: unknown key 'trainer.eval_prompt'; valid keys of trainer: ")
+    assert err.startswith("error: pipeline stage gold: unknown key 'trainer.eval_prompt'; did you mean 'trainer.eval_prompts'? valid keys of trainer: ")

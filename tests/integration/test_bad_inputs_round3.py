@@ -207,7 +207,7 @@ def test_printing_the_config_checks_it_first(tmp_path: Path, monkeypatch, capsys
     with pytest.raises(SystemExit) as exited:
         cli.main(["--cfg", "job", "model=tiny", "trainer.stpes=3"])
     err = capsys.readouterr().err
-    assert exited.value.code == 2 and err.startswith("error: unknown key 'trainer.stpes'; valid keys of trainer: ")
+    assert exited.value.code == 2 and err.startswith("error: unknown key 'trainer.stpes'; did you mean 'trainer.steps'? valid keys of trainer: ")
     assert err.count("\n") == 1
     # The good one in its own process: Hydra's --cfg leaves its config set in the process that printed it.
     import subprocess

@@ -94,10 +94,10 @@ CASES: dict[str, tuple[list[str], str]] = {
         "(trainer.prompts_per_step=3 x algorithm.group_size=2)",
     ),
     "zero new tokens": (["trainer.max_new_tokens=0"], "trainer.max_new_tokens=0 is out of range; must be >= 1"),
-    "typo in a key": (["trainer.stepz=3"], f"unknown key 'trainer.stepz'; valid keys of trainer: {keys(TrainerConfig)}"),
+    "typo in a key": (["trainer.stepz=3"], f"unknown key 'trainer.stepz'; did you mean 'trainer.steps'? valid keys of trainer: {keys(TrainerConfig)}"),
     "typo in an appended key": (
         ["+trainer.stepz=3"],
-        f"unknown key 'trainer.stepz'; valid keys of trainer: {keys(TrainerConfig)}",
+        f"unknown key 'trainer.stepz'; did you mean 'trainer.steps'? valid keys of trainer: {keys(TrainerConfig)}",
     ),
     "appended key in a nested section": (
         ["+model.lora.rank=4"],

@@ -197,9 +197,9 @@ def test_the_wheel_ships_the_plugin(tmp_path: Path) -> None:
 
 BAD = {
     "unknown key": (["+hydra.sweeper.params.trainer.lrr='interval(1e-5,1e-3)'"],
-                    "search space (hydra.sweeper.params): unknown key 'trainer.lrr'; valid keys of trainer: steps, lr, "),
+                    "search space (hydra.sweeper.params): unknown key 'trainer.lrr'; did you mean 'trainer.lr'? valid keys of trainer: steps, lr, "),
     "unknown section": (["+hydra.sweeper.params.trainr.lr='interval(1e-5,1e-3)'"],
-                        "search space (hydra.sweeper.params): unknown key 'trainr'; valid keys: algorithm, "),
+                        "search space (hydra.sweeper.params): unknown key 'trainr'; did you mean 'trainer'? valid keys: algorithm, "),
     "unknown option": (["+hydra.sweeper.params.kl='choice(k3,k9)'"],
                        "search space (hydra.sweeper.params): kl='k9' is not an option; choose from: abs, full"),
     "key of another option": (["algorithm=ppo", "algorithm.mini_batch_size=0", "+hydra.sweeper.params.algorithm.weight_by='choice(advantage,reward)'"],
@@ -208,7 +208,7 @@ BAD = {
     "wrong type": (["+hydra.sweeper.params.trainer.steps='interval(0.5,2.5)'"],
                    "search space (hydra.sweeper.params): trainer.steps=0.5 has the wrong type; expected int"),
     "unknown key as a sweep override": (["trainer.lrr=tag(log,interval(1e-5,1e-3))"],
-                                        "unknown key 'trainer.lrr'; valid keys of trainer: steps, lr, "),
+                                        "unknown key 'trainer.lrr'; did you mean 'trainer.lr'? valid keys of trainer: steps, lr, "),
     "unquoted sweep of hydra's config": (["hydra.sweeper.params.trainer.lr=interval(1e-5,1e-3)"],
                                          "hydra.sweeper.params.trainer.lr=interval(1e-5,1e-3) is a sweep over Hydra's "
                                          "own config; quote the value for Hydra"),

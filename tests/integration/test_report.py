@@ -232,7 +232,7 @@ def test_offline_stages_share_the_table_and_the_frontier_through_their_evaluatio
     assert math.isnan(by_arm["algorithm=dpo"]["final_reward_mean"])  # no sampled training reward
     assert by_arm["algorithm=grpo"]["eval_reward_mean"] == pytest.approx(0.55)
     assert by_arm["algorithm=grpo"]["final_reward_mean"] == pytest.approx(0.2)
-    assert "eval KL (exact)" in table
+    assert "eval KL (exact, per token)" in table
     # The frontier uses every arm's final evaluation: GRPO (KL .04, reward .55) and DPO (.01, .35) both on it.
     from rlhf_lab.tools.report_plots import last_k_point
 
@@ -241,3 +241,24 @@ def test_offline_stages_share_the_table_and_the_frontier_through_their_evaluatio
     assert points["algorithm=dpo"] == pytest.approx((0.01, 0.35))
     assert points["algorithm=grpo"] == pytest.approx((0.04, 0.55))
     assert (tmp_path / "reward_vs_kl.png").stat().st_size > 0
+
+
+def test_arms_are_labelled_by_every_varying_key_with_short_floats(tmp_path: Path) -> None:
+    """A search varies kl.coef and trainer.lr together: both label the arms (the fewest keys that tell them apart
+    would drop one), floats to 4 significant digits; kl.coef of kl=none (set by the option) stays out."""
+
+    def job_config(kl: str, coef: float, lr: float) -> dict:
+        return {"algorithm": {"name": "grpo"}, "kl": {"name": kl, "coef": coef}, "trainer": {"lr": lr, "steps": 1},
+                "seed": 0, "experiment_name": "search"}
+
+    for number, (coef, lr) in enumerate([(0.13981961408994045, 1.2345678e-05), (0.5, 3e-06)]):
+        write_job(tmp_path / str(number), job_config("k3", coef, lr), [train_line(0, 0.1, 0.02, 0.01, 1.0)],
+                  choices={"kl": "k3"})
+    names = [arm.name for arm in report.group_arms(report.find_jobs(tmp_path))]
+    assert names == ["kl.coef=0.1398,trainer.lr=1.235e-05", "kl.coef=0.5,trainer.lr=3e-06"]
+
+    options = tmp_path / "options"
+    for number, (kl, coef) in enumerate([("k3", 0.1), ("none", 0.0)]):
+        write_job(options / str(number), job_config(kl, coef, 1e-5), [train_line(0, 0.1, 0.02, 0.01, 1.0)],
+                  choices={"kl": kl})
+    assert [arm.name for arm in report.group_arms(report.find_jobs(options))] == ["kl=k3", "kl=none"]

@@ -103,3 +103,28 @@ def test_bad_plot_options_are_one_line(tmp_path: Path, capsys) -> None:
         report.main([str(folder), "--ema", "1.5"])
     assert stop.value.code == 2
     assert capsys.readouterr().err.strip() == "error: --ema 1.5 is out of range; must be in [0, 1)"
+
+
+@pytest.mark.parametrize("arms", [12, 1])
+def test_the_legend_clears_the_title_and_steps_are_whole_numbers(tmp_path: Path, figures, arms: int) -> None:
+    folder = write_sweep(tmp_path / "sweep", steps=3)
+    if arms == 1:  # one arm's jobs only: one row of panels, where a corner legend met the title
+        for job in [p for p in folder.iterdir() if not p.name.startswith(("0_", "1_", "2_"))]:
+            for path in sorted(job.rglob("*"), reverse=True):
+                path.unlink() if path.is_file() else path.rmdir()
+            job.rmdir()
+    report.main([str(folder)])
+    figure = figures["kl_estimate_vs_exact.png"]
+    renderer = figure.canvas.get_renderer()
+    title = figure._suptitle.get_window_extent(renderer)
+    (legend,) = figure.legends
+    box = legend.get_window_extent(renderer)
+    assert not box.overlaps(title)
+    panels = [a for a in figure.axes if a.get_lines()]
+    assert len(panels) == arms
+    for axes in panels:
+        assert not box.overlaps(axes.get_window_extent(renderer))
+    for name in ("kl_estimate_vs_exact.png", "reward_vs_step.png", "kl_exact_vs_step.png"):
+        for axes in (a for a in figures[name].axes if a.get_lines()):
+            ticks = [t for t in axes.get_xticks() if axes.get_xlim()[0] <= t <= axes.get_xlim()[1]]
+            assert ticks and all(float(t).is_integer() for t in ticks), (name, ticks)

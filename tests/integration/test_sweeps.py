@@ -272,7 +272,8 @@ def test_joblib_launcher_runs_two_jobs_in_parallel(tmp_path_factory, basic_sweep
         for name in (".hydra/config.yaml", "metrics.jsonl", "samples.jsonl", "summary.json"):
             assert (job / name).is_file(), f"{job}/{name} missing"
         assert_complete_metrics(read_metrics(job))
-        assert (job / "checkpoints" / f"step_{SMOKE_STEPS}").is_dir()
+        state = json.loads((job / "checkpoints" / f"step_{SMOKE_STEPS}" / "trainer_state.json").read_text())
+        assert state["optimizer_saved"] is False  # a sweep's job saves its model only (trainer.save=auto)
         run = read_offline_run(job / "wandb")
         assert run["group"] == f"smoke-{sweep.folder.name}"
         assert run["name"] == swept(job)

@@ -59,7 +59,7 @@ def test_csv_tensorboard_and_mlflow_together_across_a_resume(tmp_path: Path, mon
 
 
 def test_unknown_tracker_is_one_line_with_the_choices() -> None:
-    with pytest.raises(ConfigError, match=r"^logger='nope' is not an option; choose from: csv, mlflow, none, "):
+    with pytest.raises(ConfigError, match=r"^logger='nope' is not an option; did you mean 'none'\? choose from: csv, "):
         rlhf_lab.compose(["model=tiny", "logger=[wandb,nope]"])
 
 

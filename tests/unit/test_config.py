@@ -37,6 +37,7 @@ from rlhf_lab.config.schema import (
     ReasoningGymRewardConfig,
     ReinforceConfig,
     RewardModelConfig,
+    RouteRewardConfig,
     SentimentRewardConfig,
     TinyModelConfig,
     WandbLoggerConfig,
@@ -69,10 +70,11 @@ SCHEMAS = {
         "math_verify": MathVerifyRewardConfig,
         "reasoning_gym": ReasoningGymRewardConfig,
         "pairwise": PairwiseRewardConfig,
+        "route": RouteRewardConfig,
     },
     "model": {"smollm2_135m": ModelConfig, "path": ModelConfig, "tiny": TinyModelConfig, "exact": ExactModelConfig},
     "data": {"movie_prompts": DataConfig, "jsonl": DataPathConfig, "csv": DataPathConfig, "hub": DataPathConfig,
-             "exact": DataConfig, "preferences": PreferenceDataConfig, "demonstrations": DemonstrationDataConfig,
+             "local": DataPathConfig, "exact": DataConfig, "preferences": PreferenceDataConfig, "demonstrations": DemonstrationDataConfig,
              "embedded_preferences": EmbeddedPreferenceConfig, "reasoning_gym": ReasoningGymDataConfig},
     "env": {"single_turn": EnvConfig, "guess_number": GuessNumberEnvConfig, "calculator": CalculatorEnvConfig,
             "exact_two_turn": ExactTwoTurnEnvConfig},
@@ -88,6 +90,7 @@ NEEDS = {
     ("model", "path"): ["model.name_or_path={folder}"],
     ("data", "jsonl"): ["data.path={file}"],
     ("data", "csv"): ["data.path={file}"],
+    ("data", "local"): ["data.path={file}"],
     ("data", "hub"): ["data.path=org/name"],
     ("model", "exact"): ["data=exact", "trainer.max_new_tokens=3"],  # the exact task's prompt and a small T
     ("reward", "exact_table"): ["model=exact", "data=exact", "trainer.max_new_tokens=3"],
@@ -187,8 +190,8 @@ def test_a_key_of_another_option_is_an_error_naming_the_option(overrides: list[s
         (["model=tiny", "+model.tiny.depth=3"],
          "unknown key 'model.tiny.depth'; valid keys of model.tiny: hidden_size, num_hidden_layers, "
          "num_attention_heads, num_key_value_heads, intermediate_size"),
-        (["+trainer.stepz=3"], "unknown key 'trainer.stepz'; valid keys of trainer: steps, lr, "),
-        (["+seeds=3"], "unknown key 'seeds'; valid keys: algorithm, kl, reward, model, data, logger, hardware, generation, env, trainer, "),
+        (["+trainer.stepz=3"], "unknown key 'trainer.stepz'; did you mean 'trainer.steps'? valid keys of trainer: steps, lr, "),
+        (["+seeds=3"], "unknown key 'seeds'; did you mean 'seed'? valid keys: algorithm, kl, reward, model, data, logger, hardware, generation, env, trainer, "),
     ],
 )
 def test_an_appended_key_is_checked_against_the_options_schema(overrides: list[str], expected: str) -> None:

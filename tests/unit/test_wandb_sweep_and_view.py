@@ -120,3 +120,21 @@ def test_pipeline_stages_share_a_group_and_name_their_stage(tmp_path: Path) -> N
                          tmp_path / "study" / "dpo")
     assert (cfg.logger.job_type, cfg.logger.group) == ("x", "mine")  # what the user set stays
     assert "job_type" not in stage_identity(compose(["model=tiny"]), tmp_path / "study" / "dpo").logger
+
+
+def test_the_sweep_file_never_opens_an_optuna_study(own_folder: Path) -> None:
+    """Another search's study under this folder's ``outputs/optuna/lr_kl.db`` (the README's Optuna example leaves
+    one) stops a second, different search from joining it, and is no concern of a W&B sweep file."""
+    import optuna
+
+    from rlhf_lab.config.validate_sweep import SEARCH_ATTR
+    from rlhf_lab.errors import ConfigError
+
+    (own_folder / "outputs" / "optuna").mkdir(parents=True)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(study_name="default_lr_kl", storage="sqlite:///outputs/optuna/lr_kl.db")
+    study.set_user_attr(SEARCH_ATTR, {"space": ["kl.coef"], "fixed": [], "direction": "maximize"})
+    search = ["+hparams_search=lr_kl", "model=tiny"]
+    with pytest.raises(ConfigError, match="holds a search with other searched keys"):
+        compose(search)
+    assert sweep_config(search)["parameters"]["kl.coef"]["distribution"] == "log_uniform_values"
