@@ -30,7 +30,7 @@ def configure_process(trainer_cfg: Any, hardware: HardwareProfile) -> None:
     if trainer_cfg.num_threads > 0:
         torch.set_num_threads(trainer_cfg.num_threads)
     hardware.apply_process_settings()
-    if distributed.is_main_process() and resolve_device(trainer_cfg.device).type == "cpu":
+    if distributed.is_main_process() and resolve_device(trainer_cfg.get("device", "auto")).type == "cpu":
         hint = thread_hint(trainer_cfg.num_threads, torch.get_num_threads(), os.getloadavg()[0], os.cpu_count() or 1)
         if hint:
             say(hint, __name__, logging.WARNING)

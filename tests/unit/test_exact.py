@@ -127,7 +127,7 @@ def test_reward_table_structure_and_lookup() -> None:
     (["reward.length=2"], "reward.length=2"),
     (["kl.importance_weight=true"], "kl.importance_weight=True acts on the loss-placed KL term"),
     (["kl=k3", "kl.clamp_log_ratio=0"], "kl.clamp_log_ratio=0.0 is out of range"),
-    (["kl.off_policy_correction=ratio"], "kl.off_policy_correction='ratio' is not valid; choose from: .*prefix_ratio"),
+    (["kl.off_policy_correction=ratio"], "kl.off_policy_correction='ratio' is not valid; did you mean 'token_ratio'\\? choose from: .*prefix_ratio"),
     (["kl.off_policy_correction=token_ratio"], "kl.off_policy_correction=token_ratio weighs the loss-placed KL"),
     (["kl=k3", "kl.off_policy_correction=prefix_ratio", "kl.importance_weight=true"], "would weigh it twice"),
     (["algorithm.tis_mode=off"], "algorithm.tis_mode='off' is not valid; choose from: .*, none"),
