@@ -1,0 +1,332 @@
+"""One training step of a composed config, run on fake tensors (or real ones), phase by phase.
+
+The parts are the run's own, built as :class:`rlhf_lab.training.loop.Trainer` builds them: the policy and its
+reference (LoRA: the adapter-disabled policy), the precision's frozen weights, the algorithm, the KL penalty, the
+:class:`~rlhf_lab.training.update.Updater` and the :class:`~rlhf_lab.training.experience.ExperienceMaker`'s engine
+and scoring pass. The step is theirs too: the engine's ``generate``, the scoring pass, the algorithm's ``prepare``
+and the updater's ``update``. So the plan follows the step wherever its code goes (chunked log-probs, token
+budgets, packing), with no formula of its own to keep in line.
+
+The batch: ``trainer.prompts_per_step`` prompts of ``prompt_tokens`` tokens (default ``data.max_prompt_tokens``,
+the longest a run admits), each sampled ``algorithm.group_size`` times to ``trainer.max_new_tokens`` (no response
+ends early): the step at its largest. The optimizer holds its state from an earlier step (a step after the first).
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from contextlib import ExitStack, nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses import FakeTensorMode
+from torch.utils.flop_counter import FlopCounterMode
+
+import rlhf_lab.components  # noqa: F401  (registers the built-in parts)
+from rlhf_lab.errors import ConfigError
+from rlhf_lab.hardware import HardwareProfile
+from rlhf_lab.kl.placements import KLPenalty
+from rlhf_lab.models.loading import DTYPES, PolicyAndReference, apply_lora, enable_activation_checkpointing
+from rlhf_lab.planner.fake import RealIndices, StepMemory
+from rlhf_lab.registry import get
+from rlhf_lab.runtime.precision import Precision
+from rlhf_lab.training.experience import ExperienceMaker
+from rlhf_lab.training.records import StepTimer
+from rlhf_lab.training.update import Updater
+
+GIB = 1 << 30
+KL_COEF = 0.1  # any coefficient: memory and FLOPs do not depend on it
+
+
+@dataclass
+class StepPlan:
+    """What one step holds (bytes) and computes (FLOPs), by phase."""
+
+    weights: int  # the policy's parameters and buffers (and the algorithm's own networks)
+    reference: int  # the frozen reference's (none under LoRA)
+    optimizer: int  # AdamW's state
+    kv_cache: int  # generation's key/value cache at its longest
+    peaks: dict[str, int]  # phase -> bytes live at its peak: generation, scoring, training
+    flops: dict[str, int]  # phase -> FLOPs
+    tokens: dict[str, int]  # sampled (generated) and trained (through the training pass) tokens
+    rows: int
+    sequence_tokens: int  # prompt + response of one row
+    engine_reservation: int = 0  # an engine's own memory beside the trainer's (vLLM's share of the GPU)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def peak(self) -> int:
+        return max(self.peaks.values()) + self.engine_reservation
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.peaks, key=self.peaks.__getitem__)
+
+    @property
+    def flops_per_step(self) -> int:
+        return sum(self.flops.values())
+
+
+def transformers_config(model_cfg: Any, tokenizer: Any) -> Any:
+    """The model's transformers config, no weights read; a one-line error where ``model=`` names no causal LM."""
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_lab.training.memory_check import model_config
+
+    if model_cfg.name == "exact":
+        from rlhf_lab.testbed.task import build_model
+
+        with torch.device("meta"):
+            return build_model(tokenizer, model_cfg.exact).config
+    try:
+        config = model_config(model_cfg, tokenizer)
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"model.name_or_path={model_cfg.name_or_path!r}: no readable config.json "
+                          f"({str(error).splitlines()[0]})") from None
+    if type(config) not in AutoModelForCausalLM._model_mapping:
+        kinds = getattr(config, "architectures", None) or [type(config).__name__]
+        raise ConfigError(f"model.name_or_path={model_cfg.name_or_path!r} is not a causal language model "
+                          f"({', '.join(kinds)}); give a model AutoModelForCausalLM loads (Llama, Qwen2, ...)")
+    return config
+
+
+def build_on_meta(cfg: Any, tokenizer: Any, precision: Precision) -> PolicyAndReference:
+    """The policy and reference as ``build_policy`` makes them, on the meta device (no memory, no weights read)."""
+    from transformers import AutoModelForCausalLM
+
+    config = transformers_config(cfg.model, tokenizer)
+    dtype = DTYPES[precision.weights_dtype]
+    with torch.device("meta"):
+        if cfg.model.name == "exact":
+            from rlhf_lab.testbed.task import build_model
+
+            model = build_model(tokenizer, cfg.model.exact).to(dtype)
+        else:
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        if cfg.model.lora.enabled:
+            models = PolicyAndReference(apply_lora(model, cfg.model.lora), None, True)
+        else:
+            models = PolicyAndReference(model, copy.deepcopy(model).eval().requires_grad_(False), False)
+    if cfg.trainer.gradient_checkpointing:
+        enable_activation_checkpointing(models.policy)
+    precision.store_frozen_weights(models.reference_model())  # as Trainer.place_reference does
+    return models
+
+
+def materialize(module: nn.Module, device: torch.device) -> None:
+    """``module.to_empty(device=device)`` keeping tied parameters tied (``to_empty`` gives each its own tensor)."""
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    for owner in module.modules():
+        for name, parameter in owner._parameters.items():
+            if parameter is not None:
+                owners.setdefault(id(parameter), []).append((owner, name))
+    module.to_empty(device=device)
+    for places in owners.values():
+        first_owner, first_name = places[0]
+        for owner, name in places[1:]:
+            owner._parameters[name] = first_owner._parameters[first_name]
+
+
+def storage_bytes(*modules: nn.Module | None) -> int:
+    """Bytes of the distinct storages of the modules' parameters and buffers (a tied weight counts once)."""
+    seen: dict[int, int] = {}
+    for module in modules:
+        if module is None:
+            continue
+        for tensor in [*module.parameters(), *module.buffers()]:
+            storage = tensor.untyped_storage()
+            seen[id(storage) if isinstance(tensor, torch._subclasses.FakeTensor) else storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def kv_cache_bytes(config: Any, rows: int, tokens: int, dtype: torch.dtype) -> int:
+    """Keys and values of every layer for ``rows`` × ``tokens`` positions."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return 2 * text.num_hidden_layers * rows * tokens * heads * head_dim * dtype.itemsize
+
+
+def synthetic_prompts(prompts: int, tokens: int, vocab: int) -> list[list[int]]:
+    """``prompts`` distinct prompts of ``tokens`` token ids each (ids as the engines take them)."""
+    return [[(11 + index + position) % vocab for position in range(tokens)] for index in range(prompts)]
+
+
+def ordinary_token(tokenizer: Any, vocab: int) -> int:
+    """A token id that is no special token (the synthetic responses never end)."""
+    special = set(getattr(tokenizer, "all_special_ids", []))
+    return next(token for token in range(min(vocab, len(special) + 100)) if token not in special)
+
+
+class _Phases:
+    """The tracker's peak and the FLOP counter's count, per phase of the step."""
+
+    def __init__(self, memory: StepMemory | None, flops: FlopCounterMode | None) -> None:
+        self.memory, self.flop_counter = memory, flops
+        self.peaks: dict[str, int] = {}
+        self.flops: dict[str, int] = {}
+
+    def run(self, name: str, work: Any) -> Any:
+        if self.memory is not None:
+            self.memory.start_phase()
+        before = self.flop_counter.get_total_flops() if self.flop_counter is not None else 0
+        result = work()
+        if self.memory is not None:
+            self.peaks[name] = self.memory.phase_peak
+        if self.flop_counter is not None:
+            self.flops[name] = self.flop_counter.get_total_flops() - before
+        return result
+
+
+def per_rank(cfg: Any, world_size: int) -> Any:
+    """``cfg`` as one of ``world_size`` ranks sees its batch: its share of the prompts (whole groups) and of the
+    mini-batch."""
+    if world_size <= 1:
+        return cfg
+    from omegaconf import OmegaConf, open_dict
+
+    cfg = copy.deepcopy(cfg)
+    with open_dict(cfg):
+        cfg.trainer.prompts_per_step = max(1, -(-cfg.trainer.prompts_per_step // world_size))
+        if cfg.algorithm.get("mini_batch_size"):
+            cfg.algorithm.mini_batch_size = max(1, cfg.algorithm.mini_batch_size // world_size)
+    OmegaConf.set_readonly(cfg, False)
+    return cfg
+
+
+def plan_step(cfg: Any, tokenizer: Any, precision: Precision, prompt_tokens: int | None = None,
+              fake: bool = True, count_flops: bool = True, world_size: int = 1) -> StepPlan:
+    """Run one step of ``cfg`` (see the module's docstring) on one of ``world_size`` ranks and return what it held
+    and computed.
+
+    ``fake=False`` runs the same step on real tensors (the calibration of the fake run); ``precision`` is the
+    run's (its autocast runs on the CPU here: the byte counts are the same on a GPU)."""
+    cfg = per_rank(cfg, world_size)
+    prompt_tokens = int(prompt_tokens or cfg.data.max_prompt_tokens)
+    group, prompts = cfg.algorithm.get("group_size", 1), cfg.trainer.prompts_per_step
+    rows, response = prompts * group, cfg.trainer.max_new_tokens
+    device = torch.device("cpu")
+    models = build_on_meta(cfg, tokenizer, precision)
+    config = models.policy.config
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else nullcontext()
+    with ExitStack() as stack:
+        stack.enter_context(fake_mode)
+        stack.enter_context(warnings.catch_warnings())
+        warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+        for module in (models.policy, models.reference):
+            if module is not None:
+                materialize(module, device)
+        if not fake:
+            _initialise(models)
+        parts = _build_parts(cfg, tokenizer, models, precision, device)
+        updater, algorithm = parts["updater"], parts["algorithm"]
+        _optimizer_state(updater)
+        memory = stack.enter_context(StepMemory())
+        memory.track_external(models.policy, models.reference, updater.optimizer,
+                              *algorithm.modules().values())
+        counter = stack.enter_context(FlopCounterMode(display=False)) if count_flops else None
+        if fake:
+            stack.enter_context(RealIndices(ordinary_token(tokenizer, config.vocab_size)))
+        phases = _Phases(memory, counter)
+        rollout = _run_step(cfg, parts, phases, synthetic_prompts(prompts, prompt_tokens, config.vocab_size), group)
+        trained = int(rollout.attention_mask.sum()) * cfg.algorithm.get("epochs", 1)
+        del rollout
+    weights = storage_bytes(models.policy, *algorithm.modules().values())
+    engine = cfg.generation.get("name", "hf")
+    return StepPlan(
+        weights=weights,
+        reference=storage_bytes(models.policy, models.reference) - storage_bytes(models.policy),
+        optimizer=sum(t.untyped_storage().nbytes() for state in updater.optimizer.state.values()
+                      for t in state.values() if isinstance(t, torch.Tensor)),
+        kv_cache=kv_cache_bytes(config, rows, prompt_tokens + response, _cache_dtype(precision))
+        if engine == "hf" else 0,
+        peaks=phases.peaks, flops=phases.flops,
+        tokens={"sampled": rows * response, "trained": trained},
+        rows=rows, sequence_tokens=prompt_tokens + response)
+
+
+def _cache_dtype(precision: Precision) -> torch.dtype:
+    return precision.compute_dtype or DTYPES[precision.weights_dtype]
+
+
+def _initialise(models: PolicyAndReference) -> None:
+    """Real tensors for a real run of the step: any finite weights do (memory does not depend on their values)."""
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for module in (models.policy, models.reference):
+            for tensor in [] if module is None else [*module.parameters(), *module.buffers()]:
+                if tensor.is_floating_point():
+                    tensor.copy_(torch.randn(tensor.shape, generator=generator) * 0.02)
+        for module in (models.policy, models.reference):
+            for sub in [] if module is None else module.modules():
+                if hasattr(sub, "rope_init_fn") and hasattr(sub, "inv_freq"):  # rotary frequencies: as built
+                    inv_freq, scaling = sub.rope_init_fn(sub.config, sub.inv_freq.device)
+                    sub.inv_freq.copy_(inv_freq)
+                    sub.original_inv_freq = sub.inv_freq
+                    sub.attention_scaling = scaling
+                elif hasattr(sub, "weight") and type(sub).__name__.endswith("RMSNorm"):
+                    sub.weight.fill_(1.0)
+
+
+def _build_parts(cfg: Any, tokenizer: Any, models: PolicyAndReference, precision: Precision,
+                 device: torch.device) -> dict[str, Any]:
+    """The algorithm, KL penalty, updater and experience maker, as the trainer builds them."""
+    algorithm = get("algorithm", cfg.algorithm.name)(cfg.algorithm)
+    algorithm.scales_kl = cfg.kl.get("loss_scale", "none") == "advantage"
+    algorithm.setup(models.policy)
+    kl = KLPenalty(cfg.kl)
+    hardware = HardwareProfile()
+    updater = Updater(cfg, models.policy, algorithm, kl, device, precision, "single", None, hardware)
+    engine = None
+    if cfg.generation.get("name", "hf") != "hf":  # another engine's memory is its reservation: sample with hf's
+        from rlhf_lab.generation.hf import HFGeneration
+        from rlhf_lab.generation.backend import SamplingSettings
+
+        engine = HFGeneration(models.policy, tokenizer, SamplingSettings.from_config(cfg), precision, hardware,
+                              options=cfg.generation, keep_logits=False)
+    maker = ExperienceMaker(cfg, tokenizer, models, models.policy, None, kl, device, precision,
+                            keep_hidden=algorithm.reads_sampling_hidden, hardware=hardware, engine=engine)
+    return {"algorithm": algorithm, "kl": kl, "updater": updater, "maker": maker}
+
+
+def _optimizer_state(updater: Updater) -> None:
+    """AdamW's state as after an earlier step (zero gradients, one optimizer step; then no gradients)."""
+    for parameter in updater.parameters:
+        parameter.grad = torch.zeros_like(parameter)
+    updater.optimizer.step()
+    updater.optimizer.zero_grad(set_to_none=True)
+
+
+def _run_step(cfg: Any, parts: dict[str, Any], phases: _Phases, prompts: list[list[int]], group: int) -> Any:
+    """Generation, the scoring pass, then the algorithm's advantages and the update: the trainer's step
+    (:meth:`rlhf_lab.training.experience.ExperienceMaker.make` and :meth:`rlhf_lab.training.loop.Trainer.train_step`)
+    without the reward and the records."""
+    maker, kl, updater, algorithm = parts["maker"], parts["kl"], parts["updater"], parts["algorithm"]
+    timer = StepTimer()
+    exact = maker.exact_kl == "step"
+    rescore = maker.rescores_batch(exact, train=True)
+    if not rescore:
+        maker.engine.keep_logits = exact or kl.reads_logits
+    rollout = phases.run("generation", lambda: maker.engine.generate(prompts, group))
+    rollout.scores = torch.zeros(rollout.batch_size, device=rollout.logprobs.device)
+
+    def score() -> None:
+        maker.scoring(rollout, timer, exact, rescore)
+        kl.score_rollout(rollout, KL_COEF)
+        rollout.old_from_update = maker.old_from_update and not rescore
+        rollout.entropy_from_update = not rescore and not maker.engine_reports_logits
+
+    phases.run("scoring", score)
+
+    def train() -> None:
+        algorithm.prepare(rollout, updater.forward)
+        rollout.policy_logits = rollout.hidden = None  # as the trainer frees them before the update
+        if not maker.update_needs_ref_logits:
+            rollout.ref_logits = None
+        updater.update(rollout, KL_COEF, 0, timer)
+
+    phases.run("training", train)
+    return rollout
