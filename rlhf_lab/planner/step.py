@@ -38,7 +38,8 @@ from rlhf_lab.training.records import StepTimer
 from rlhf_lab.training.update import Updater
 
 GIB = 1 << 30
-KL_COEF = 0.1  # any coefficient: memory and FLOPs do not depend on it
+KL_COEF = 0.1
+CAUSAL_HEADS = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")  # architectures that predict the next token  # any coefficient: memory and FLOPs do not depend on it
 
 
 @dataclass
@@ -86,8 +87,10 @@ def transformers_config(model_cfg: Any, tokenizer: Any) -> Any:
     except (OSError, ValueError) as error:
         raise ConfigError(f"model.name_or_path={model_cfg.name_or_path!r}: no readable config.json "
                           f"({str(error).splitlines()[0]})") from None
-    if type(config) not in AutoModelForCausalLM._model_mapping:
-        kinds = getattr(config, "architectures", None) or [type(config).__name__]
+    kinds = getattr(config, "architectures", None) or []
+    causal = not kinds or any(kind.endswith(CAUSAL_HEADS) for kind in kinds)
+    if type(config) not in AutoModelForCausalLM._model_mapping or not causal:
+        kinds = kinds or [type(config).__name__]
         raise ConfigError(f"model.name_or_path={model_cfg.name_or_path!r} is not a causal language model "
                           f"({', '.join(kinds)}); give a model AutoModelForCausalLM loads (Llama, Qwen2, ...)")
     return config

@@ -118,7 +118,7 @@ def make_plan(overrides: list[str], device: str | None = None, world_size: int =
 def main(argv: list[str]) -> None:
     from rlhf_lab.planner.report import json_line, table
 
-    args = parser().parse_args(argv)
+    args = parser().parse_intermixed_args(argv)
     try:
         plan, cfg = make_plan(args.overrides, args.device, args.world_size, args.device_memory, args.prompt_tokens)
     except UserError as error:
