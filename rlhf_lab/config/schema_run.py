@@ -46,6 +46,7 @@ class TrainerConfig:
     recompute: list[str] | None = None
     offload_reference: bool = False  # keep the frozen reference on the CPU between its passes
     skip_memory_check: bool = False  # start even when the memory estimate exceeds what the machine has
+    peak_tflops: float | None = None  # the device's peak TFLOP/s for perf/mfu; null: a GPU's by its name (else none)
     logprob_chunk: int = 0  # rows per chunk of the reference scoring pass; 0: the whole batch at once
     seed_per_prompt: bool = False  # each prompt group samples from its own seeded generator (batch-independent)
     num_threads: int = 0  # torch intra-op threads; 0: torch's default

@@ -285,8 +285,8 @@ def _build_parts(cfg: Any, tokenizer: Any, models: PolicyAndReference, precision
     updater = Updater(cfg, models.policy, algorithm, kl, device, precision, "single", None, hardware)
     engine = None
     if cfg.generation.get("name", "hf") != "hf":  # another engine's memory is its reservation: sample with hf's
-        from rlhf_lab.generation.hf import HFGeneration
         from rlhf_lab.generation.backend import SamplingSettings
+        from rlhf_lab.generation.hf import HFGeneration
 
         engine = HFGeneration(models.policy, tokenizer, SamplingSettings.from_config(cfg), precision, hardware,
                               options=cfg.generation, keep_logits=False)

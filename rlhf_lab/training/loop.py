@@ -38,6 +38,7 @@ from rlhf_lab.training.budget import TrainingClock
 from rlhf_lab.training.evaluation import Evaluation
 from rlhf_lab.training.experience import ExperienceMaker
 from rlhf_lab.training.memory_check import check_memory
+from rlhf_lab.training.perf import StepPerformance
 from rlhf_lab.training.records import Records, StepTimer, run_summary, sample_columns, synchronize
 from rlhf_lab.training.scoring_pass import sampler_metrics
 from rlhf_lab.training.setup import configure_process, resolve_device, seed_everything
@@ -118,6 +119,7 @@ class Trainer:
         self._eval_examples: list[tuple[str, str, float]] = []
         self.evaluation: Evaluation | None = None  # built at the first evaluation
         self.clock = TrainingClock(cfg.trainer.max_train_seconds)  # checkpointed: a resume continues it
+        self.performance = StepPerformance(cfg, self.tokenizer, self.precision, self.device)  # perf/* metrics
 
         resolved = OmegaConf.to_container(cfg, resolve=True)
         tracker = build_tracker(cfg.logger, resolved, self.run_dir, resuming=self.resume_from is not None)
@@ -267,6 +269,9 @@ class Trainer:
                                        rollout.attention_mask.sum())) / elapsed,
                                    **sampling_metrics(experience.stats, rollout.batch_size * distributed.world_size(),
                                                       self.device)}
+        sampled = float(distributed.all_reduce_sum(rollout.response_mask.sum()))
+        trained = float(distributed.all_reduce_sum(rollout.attention_mask.sum())) * cfg.algorithm.get("epochs", 1)
+        metrics.update(self.performance.metrics(elapsed, int(sampled), int(trained)))
         metrics.update(prepare_stats)
         metrics.update(update_stats)
         metrics.setdefault("loss/policy", 0.0)
