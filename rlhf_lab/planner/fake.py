@@ -16,6 +16,8 @@ a 7B model runs on this CPU in seconds and allocates nothing. Two things the ste
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -86,13 +88,33 @@ class RealIndices(TorchDispatchMode):
     """Inside a ``FakeTensorMode``: all-real operations with small outputs on real data; a fake scalar read as
     :func:`_answer` says; tokens drawn from fake logits (``multinomial``, ``argmax``, ``max`` over a dimension) are
     real, ``token_id`` each (an ordinary token: no row ends). Enter it after the fake mode (and after any tracker),
-    so it sees each operation first."""
+    so it sees each operation first.
+
+    :meth:`draws` ends a decode early: after ``count`` draws every row draws ``eos_token_id``, and ``on_draw`` is
+    called at each draw (the planner reads the FLOP counter there)."""
 
     SAMPLING = (torch.ops.aten.multinomial.default, torch.ops.aten.argmax.default, torch.ops.aten.max.dim)
 
-    def __init__(self, token_id: int) -> None:
+    def __init__(self, token_id: int, eos_token_id: int | None = None) -> None:
         super().__init__()
-        self.token_id = token_id
+        self.token_id, self.eos_token_id = token_id, eos_token_id
+        self.draws_left: int | None = None
+        self.on_draw: Any = None
+
+    @contextmanager
+    def draws(self, count: int, on_draw: Any) -> Iterator[None]:
+        self.draws_left, self.on_draw = count, on_draw
+        try:
+            yield
+        finally:
+            self.draws_left, self.on_draw = None, None
+
+    def _drawn(self) -> int:
+        if self.draws_left is None:
+            return self.token_id
+        self.draws_left -= 1
+        self.on_draw()
+        return self.token_id if self.draws_left > 0 or self.eos_token_id is None else self.eos_token_id
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -101,7 +123,7 @@ class RealIndices(TorchDispatchMode):
             return _answer(args[0])
         if any(isinstance(t, FakeTensor) for t in tensors):
             result = func(*args, **kwargs)
-            return _sampled(result, self.token_id) if func in self.SAMPLING else result
+            return _sampled(result, self._drawn()) if func in self.SAMPLING else result
         try:  # the output's shape first, from the fake mode: a large one stays fake
             shaped = func(*args, **kwargs)
         except Exception:  # noqa: BLE001  (data-dependent shapes: only real data can say)

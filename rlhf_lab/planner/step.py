@@ -29,7 +29,13 @@ import rlhf_lab.components  # noqa: F401  (registers the built-in parts)
 from rlhf_lab.errors import ConfigError
 from rlhf_lab.hardware import HardwareProfile
 from rlhf_lab.kl.placements import KLPenalty
-from rlhf_lab.models.loading import DTYPES, PolicyAndReference, apply_lora, enable_activation_checkpointing
+from rlhf_lab.models.loading import (
+    DTYPES,
+    PolicyAndReference,
+    apply_lora,
+    enable_activation_checkpointing,
+    model_config,
+)
 from rlhf_lab.planner.fake import RealIndices, StepMemory
 from rlhf_lab.registry import get
 from rlhf_lab.runtime.precision import Precision
@@ -39,6 +45,7 @@ from rlhf_lab.training.update import Updater
 
 GIB = 1 << 30
 KL_COEF = 0.1
+DECODE_STEPS = 3  # decode steps run on fake tensors; the rest are extrapolated (:func:`_generate`)
 CAUSAL_HEADS = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")  # architectures that predict the next token  # any coefficient: memory and FLOPs do not depend on it
 
 
@@ -74,8 +81,6 @@ class StepPlan:
 def transformers_config(model_cfg: Any, tokenizer: Any) -> Any:
     """The model's transformers config, no weights read; a one-line error where ``model=`` names no causal LM."""
     from transformers import AutoModelForCausalLM
-
-    from rlhf_lab.training.memory_check import model_config
 
     if model_cfg.name == "exact":
         from rlhf_lab.testbed.task import build_model
@@ -164,6 +169,11 @@ def ordinary_token(tokenizer: Any, vocab: int) -> int:
     return next(token for token in range(min(vocab, len(special) + 100)) if token not in special)
 
 
+def _eos_id(tokenizer: Any) -> int | None:
+    eos = tokenizer.eos_token_id
+    return eos[0] if isinstance(eos, list) else eos
+
+
 class _Phases:
     """The tracker's peak and the FLOP counter's count, per phase of the step."""
 
@@ -171,6 +181,11 @@ class _Phases:
         self.memory, self.flop_counter = memory, flops
         self.peaks: dict[str, int] = {}
         self.flops: dict[str, int] = {}
+        self.indices: RealIndices | None = None  # fake tensors: the decode may stop early (:func:`_generate`)
+        self.extra_generation_flops = 0  # the FLOPs of decode steps not run (:func:`_generate`)
+
+    def total_flops(self) -> int:
+        return self.flop_counter.get_total_flops() if self.flop_counter is not None else 0
 
     def run(self, name: str, work: Any) -> Any:
         if self.memory is not None:
@@ -180,7 +195,8 @@ class _Phases:
         if self.memory is not None:
             self.peaks[name] = self.memory.phase_peak
         if self.flop_counter is not None:
-            self.flops[name] = self.flop_counter.get_total_flops() - before
+            self.flops[name] = self.flop_counter.get_total_flops() - before + self.extra_generation_flops
+            self.extra_generation_flops = 0
         return result
 
 
@@ -231,9 +247,10 @@ def plan_step(cfg: Any, tokenizer: Any, precision: Precision, prompt_tokens: int
         memory.track_external(models.policy, models.reference, updater.optimizer,
                               *algorithm.modules().values())
         counter = stack.enter_context(FlopCounterMode(display=False)) if count_flops else None
-        if fake:
-            stack.enter_context(RealIndices(ordinary_token(tokenizer, config.vocab_size)))
         phases = _Phases(memory, counter)
+        if fake:
+            phases.indices = stack.enter_context(RealIndices(ordinary_token(tokenizer, config.vocab_size),
+                                                             _eos_id(tokenizer)))
         rollout = _run_step(cfg, parts, phases, synthetic_prompts(prompts, prompt_tokens, config.vocab_size), group)
         trained = int(rollout.attention_mask.sum()) * cfg.algorithm.get("epochs", 1)
         del rollout
@@ -295,6 +312,52 @@ def _build_parts(cfg: Any, tokenizer: Any, models: PolicyAndReference, precision
     return {"algorithm": algorithm, "kl": kl, "updater": updater, "maker": maker}
 
 
+def _generate(engine: Any, prompts: list[list[int]], group: int, phases: _Phases, response_tokens: int) -> Any:
+    """The engine's rollout of ``response_tokens`` per row. On fake tensors the decode stops after
+    ``DECODE_STEPS`` steps (its key/value cache and kept logits are allocated for every step at the first one, so
+    the memory peak is reached by then), the rollout is extended to full length (:func:`extend_rollout`), and the
+    FLOPs of the steps not run are extrapolated from the last ones (a step's FLOPs grow linearly with its
+    context)."""
+    if phases.indices is None or response_tokens <= DECODE_STEPS:
+        return engine.generate(prompts, group)
+    counts: list[int] = []
+    with phases.indices.draws(DECODE_STEPS, lambda: counts.append(phases.total_flops())):
+        rollout = engine.generate(prompts, group)
+    if phases.flop_counter is not None and len(counts) == DECODE_STEPS:
+        first, second = counts[-2] - counts[-3], counts[-1] - counts[-2]  # steps 1 and 2
+        growth, remaining = second - first, response_tokens - DECODE_STEPS
+        # steps DECODE_STEPS .. response_tokens - 1: the last measured step's FLOPs plus the growth per step
+        phases.extra_generation_flops = remaining * second + growth * remaining * (remaining + 1) // 2
+    return extend_rollout(rollout, response_tokens, phases.indices.token_id)
+
+
+def extend_rollout(rollout: Any, width: int, token_id: int) -> Any:
+    """``rollout`` with its response part extended to ``width`` tokens, all valid: sampled ``token_id``, per-token
+    values of zeros (new tensors like the engine's), the kept logits as the whole buffer the decode wrote into."""
+    from dataclasses import fields
+
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    rows, short = rollout.response_mask.shape
+    extra = width - short
+    with unset_fake_temporarily():  # the bookkeeping stays real
+        rollout.input_ids = torch.cat([rollout.input_ids, rollout.input_ids.new_full((rows, extra), token_id)], 1)
+        rollout.attention_mask = torch.cat([rollout.attention_mask, rollout.attention_mask.new_ones(rows, extra)], 1)
+        rollout.response_mask = torch.cat([rollout.response_mask, rollout.response_mask.new_ones(rows, extra)], 1)
+    for item in fields(rollout):
+        value = getattr(rollout, item.name)
+        if item.name in ("input_ids", "attention_mask", "response_mask") or not isinstance(value, torch.Tensor):
+            continue
+        if value.dim() < 2 or value.shape[:2] != (rows, short):
+            continue
+        base = value._base
+        if base is not None and base.shape[0] == rows and base.shape[1] == width and base.shape[2:] == value.shape[2:]:
+            setattr(rollout, item.name, base)  # the decode's buffer for every step (kept logits)
+        else:
+            setattr(rollout, item.name, torch.cat([value, value.new_zeros(rows, extra, *value.shape[2:])], 1))
+    return rollout
+
+
 def _optimizer_state(updater: Updater) -> None:
     """AdamW's state as after an earlier step (zero gradients, one optimizer step; then no gradients)."""
     for parameter in updater.parameters:
@@ -313,7 +376,8 @@ def _run_step(cfg: Any, parts: dict[str, Any], phases: _Phases, prompts: list[li
     rescore = maker.rescores_batch(exact, train=True)
     if not rescore:
         maker.engine.keep_logits = exact or kl.reads_logits
-    rollout = phases.run("generation", lambda: maker.engine.generate(prompts, group))
+    rollout = phases.run("generation", lambda: _generate(maker.engine, prompts, group, phases,
+                                                          cfg.trainer.max_new_tokens))
     rollout.scores = torch.zeros(rollout.batch_size, device=rollout.logprobs.device)
 
     def score() -> None:

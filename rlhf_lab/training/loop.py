@@ -51,6 +51,7 @@ class Trainer:
     """Builds a run's parts from its config and trains; ``experience``, ``updater`` and ``records`` are its units."""
 
     updater_class: type[Updater] = Updater  # the offline stages' own takes packed rows too
+    plans_steps = True  # the memory check plans this trainer's step (rlhf_lab/planner/) where memory is close
 
     def __init__(self, cfg: Any, run_dir: Path) -> None:
         self.cfg = cfg
@@ -72,7 +73,8 @@ class Trainer:
         self.prompts = self.load_prompts()
         self.tokenizer = load_tokenizer(cfg.model)
         check_memory(cfg, self.tokenizer, DTYPES[self.precision.weights_dtype], self.precision.compute_dtype,
-                     self.device, shards=distributed.world_size() if self.strategy == "fsdp" else 1)
+                     self.device, shards=distributed.world_size() if self.strategy == "fsdp" else 1,
+                     precision=self.precision if self.plans_steps else None)
         self.models = build_policy(cfg.model, self.tokenizer, self.precision.weights_dtype, cfg.seed)
         check_model_prompts(self.prompts, self.tokenizer, self.models.policy, cfg)
         if cfg.trainer.gradient_checkpointing:

@@ -121,3 +121,25 @@ def test_a_model_given_by_its_config_json_alone_is_planned(run_cli, tmp_path, ti
     parameters = 1000 * 64 + 2 * (64 * 64 * 2 + 2 * 64 * 32 + 2 * 32 + 64 + 3 * 64 * 128 + 2 * 64) + 64
     assert json.loads(out.strip().splitlines()[-1])["phases"]["weights"] == round(parameters * 4 / (1 << 30), 3)
     assert torch.get_default_dtype() == torch.float32
+
+
+def test_the_trainers_memory_check_refuses_a_run_whose_planned_peak_does_not_fit(compose, tmp_path, monkeypatch,
+                                                                                tiny_tokenizer) -> None:
+    """Close to the memory available the planned step decides, not the per-token estimate (which counts logits at
+    every prompt token too): a run 1% short of its planned peak is refused, one 1% above it starts."""
+    from rlhf_lab.runtime.precision import Precision
+    from rlhf_lab.training import memory_check
+
+    cfg = compose(["model=tiny", "trainer.precision=fp32", *SHORT, f"trainer.output_dir={tmp_path / 'run'}"])
+    floor = memory_check.check_memory(cfg, tiny_tokenizer, torch.float32, None, torch.device("cpu")).total
+    plan = plan_step(cfg, tiny_tokenizer, Precision("fp32", "cpu"), count_flops=False)
+    assert plan.peak < floor < memory_check.PLAN_WITHIN * plan.peak
+    monkeypatch.setattr(memory_check, "available_memory", lambda device: int(plan.peak * 0.99))
+    with pytest.raises(memory_check.ConfigError) as refused:
+        Trainer(cfg, tmp_path / "run")
+    message = str(refused.value)
+    assert message.startswith(f"this run needs about {plan.peak / (1 << 30):.2g}")
+    assert f"GiB at its {plan.peak_phase} peak (planned: weights 0.012, reference 0.012, optimizer 0.024" in message
+    assert message.endswith("or set trainer.skip_memory_check=true to start anyway") and "\n" not in message
+    monkeypatch.setattr(memory_check, "available_memory", lambda device: int(plan.peak * 1.01))
+    Trainer(cfg, tmp_path / "run2")  # fits, though the estimate alone would have refused it
