@@ -3,7 +3,9 @@
 :func:`rlhf_lab.planner.step.plan_step` runs the step of one process. Here the plan is read for a device:
 
 - processes: each rank holds whole prompt groups (``trainer.prompts_per_step / N`` prompts); under
-  ``trainer.strategy=fsdp`` the weights, the reference and the optimizer's state are split over the N ranks;
+  ``trainer.strategy=fsdp`` the step is planned sharded (FSDP2 over a fake process group of N ranks: the shards,
+  the all-gathered layers, the reduce-scattered gradients); where a process group already exists (the trainer's
+  own check under torchrun) the weights, the reference and the optimizer's state are divided by N instead;
 - the engine's reservation: vLLM colocated on a GPU holds ``generation.gpu_memory_utilization`` of the device
   while it samples, and keeps it through the training pass unless it sleeps (``generation.sleep``);
 - MFU: the step's FLOPs over its time and the device's peak throughput.
@@ -40,7 +42,8 @@ class DevicePlan:
 
     def phases(self) -> dict[str, int]:
         """Bytes by phase: the states held through the step, then each phase's peak (all held at that moment)."""
-        step, shards = self.step, self.world_size if self.sharded else 1
+        step = self.step  # sharded by the plan itself (FSDP over a fake group), else divided here
+        shards = self.world_size if self.sharded and step.sharded_over == 1 else 1
         static = step.weights + step.reference + step.optimizer
         saved = static - static // shards  # what sharding takes off every phase's peak
         held = 0 if self.engine_sleeps else self.engine_reservation

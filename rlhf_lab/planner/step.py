@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import copy
 import warnings
-from contextlib import ExitStack, nullcontext
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,6 +64,7 @@ class StepPlan:
     rows: int
     sequence_tokens: int  # prompt + response of one row
     engine_reservation: int = 0  # an engine's own memory beside the trainer's (vLLM's share of the GPU)
+    sharded_over: int = 1  # the ranks FSDP sharded the states over in this plan (the numbers are one rank's)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -145,6 +147,7 @@ def storage_bytes(*modules: nn.Module | None) -> int:
         if module is None:
             continue
         for tensor in [*module.parameters(), *module.buffers()]:
+            tensor = getattr(tensor, "_local_tensor", tensor)  # FSDP's DTensor: this rank's shard
             storage = tensor.untyped_storage()
             seen[id(storage) if isinstance(tensor, torch._subclasses.FakeTensor) else storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())
@@ -200,9 +203,9 @@ class _Phases:
         return result
 
 
-def per_rank(cfg: Any, world_size: int) -> Any:
-    """``cfg`` as one of ``world_size`` ranks sees its batch: its share of the prompts (whole groups) and of the
-    mini-batch."""
+def per_rank(cfg: Any, world_size: int, group_of_ranks: bool) -> Any:
+    """``cfg`` as one of ``world_size`` ranks sees its batch: its share of the prompts (whole groups) and, where no
+    process group tells the updater the ranks (``group_of_ranks``), of the mini-batch."""
     if world_size <= 1:
         return cfg
     from omegaconf import OmegaConf, open_dict
@@ -210,25 +213,55 @@ def per_rank(cfg: Any, world_size: int) -> Any:
     cfg = copy.deepcopy(cfg)
     with open_dict(cfg):
         cfg.trainer.prompts_per_step = max(1, -(-cfg.trainer.prompts_per_step // world_size))
-        if cfg.algorithm.get("mini_batch_size"):
+        if cfg.algorithm.get("mini_batch_size") and not group_of_ranks:
             cfg.algorithm.mini_batch_size = max(1, cfg.algorithm.mini_batch_size // world_size)
     OmegaConf.set_readonly(cfg, False)
     return cfg
 
 
+@contextmanager
+def fake_process_group(world_size: int) -> Iterator[None]:
+    """A process group of ``world_size`` ranks whose collectives do nothing (torch's fake backend), for the block;
+    this process is rank 0."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 def plan_step(cfg: Any, tokenizer: Any, precision: Precision, prompt_tokens: int | None = None,
-              fake: bool = True, count_flops: bool = True, world_size: int = 1) -> StepPlan:
+              fake: bool = True, count_flops: bool = True, world_size: int = 1, fsdp: bool = False) -> StepPlan:
     """Run one step of ``cfg`` (see the module's docstring) on one of ``world_size`` ranks and return what it held
     and computed.
 
     ``fake=False`` runs the same step on real tensors (the calibration of the fake run); ``precision`` is the
-    run's (its autocast runs on the CPU here: the byte counts are the same on a GPU)."""
-    cfg = per_rank(cfg, world_size)
+    run's (its autocast runs on the CPU here: the byte counts are the same on a GPU). ``fsdp``: the policy and the
+    reference sharded as the trainer shards them (FSDP2), over a fake process group of ``world_size`` ranks (this
+    process must have no process group of its own)."""
+    if fsdp:
+        with fake_process_group(world_size):
+            return _plan_step(cfg, tokenizer, precision, prompt_tokens, fake, count_flops, world_size, fsdp)
+    return _plan_step(cfg, tokenizer, precision, prompt_tokens, fake, count_flops, world_size, fsdp)
+
+
+def _plan_step(cfg: Any, tokenizer: Any, precision: Precision, prompt_tokens: int | None, fake: bool,
+               count_flops: bool, world_size: int, fsdp: bool) -> StepPlan:
+    cfg = per_rank(cfg, world_size, group_of_ranks=fsdp)
     prompt_tokens = int(prompt_tokens or cfg.data.max_prompt_tokens)
     group, prompts = cfg.algorithm.get("group_size", 1), cfg.trainer.prompts_per_step
     rows, response = prompts * group, cfg.trainer.max_new_tokens
     device = torch.device("cpu")
     models = build_on_meta(cfg, tokenizer, precision)
+    if fsdp:  # as Trainer.place_reference and distributed.wrap shard them (on the meta device: no memory yet)
+        from rlhf_lab.runtime import distributed
+
+        for module in (models.policy, models.reference):
+            if module is not None:
+                distributed.shard(module, precision.compute_dtype)
     config = models.policy.config
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else nullcontext()
     with ExitStack() as stack:
@@ -240,7 +273,7 @@ def plan_step(cfg: Any, tokenizer: Any, precision: Precision, prompt_tokens: int
                 materialize(module, device)
         if not fake:
             _initialise(models)
-        parts = _build_parts(cfg, tokenizer, models, precision, device)
+        parts = _build_parts(cfg, tokenizer, models, precision, device, "fsdp" if fsdp else "single")
         updater, algorithm = parts["updater"], parts["algorithm"]
         _optimizer_state(updater)
         memory = stack.enter_context(StepMemory())
@@ -259,13 +292,13 @@ def plan_step(cfg: Any, tokenizer: Any, precision: Precision, prompt_tokens: int
     return StepPlan(
         weights=weights,
         reference=storage_bytes(models.policy, models.reference) - storage_bytes(models.policy),
-        optimizer=sum(t.untyped_storage().nbytes() for state in updater.optimizer.state.values()
-                      for t in state.values() if isinstance(t, torch.Tensor)),
+        optimizer=sum(getattr(t, "_local_tensor", t).untyped_storage().nbytes()
+                      for state in updater.optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)),
         kv_cache=kv_cache_bytes(config, rows, prompt_tokens + response, _cache_dtype(precision))
         if engine == "hf" else 0,
         peaks=phases.peaks, flops=phases.flops,
         tokens={"sampled": rows * response, "trained": trained},
-        rows=rows, sequence_tokens=prompt_tokens + response)
+        rows=rows, sequence_tokens=prompt_tokens + response, sharded_over=world_size if fsdp else 1)
 
 
 def _cache_dtype(precision: Precision) -> torch.dtype:
@@ -292,14 +325,14 @@ def _initialise(models: PolicyAndReference) -> None:
 
 
 def _build_parts(cfg: Any, tokenizer: Any, models: PolicyAndReference, precision: Precision,
-                 device: torch.device) -> dict[str, Any]:
+                 device: torch.device, strategy: str) -> dict[str, Any]:
     """The algorithm, KL penalty, updater and experience maker, as the trainer builds them."""
     algorithm = get("algorithm", cfg.algorithm.name)(cfg.algorithm)
     algorithm.scales_kl = cfg.kl.get("loss_scale", "none") == "advantage"
     algorithm.setup(models.policy)
     kl = KLPenalty(cfg.kl)
     hardware = HardwareProfile()
-    updater = Updater(cfg, models.policy, algorithm, kl, device, precision, "single", None, hardware)
+    updater = Updater(cfg, models.policy, algorithm, kl, device, precision, strategy, None, hardware)
     engine = None
     if cfg.generation.get("name", "hf") != "hf":  # another engine's memory is its reservation: sample with hf's
         from rlhf_lab.generation.backend import SamplingSettings

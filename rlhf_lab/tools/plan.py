@@ -109,8 +109,9 @@ def make_plan(overrides: list[str], device: str | None = None, world_size: int =
     except (OSError, ValueError) as error:
         raise ToolError(f"model.name_or_path={cfg.model.name_or_path!r}: no tokenizer to read "
                         f"({str(error).splitlines()[0]})") from None
-    step = plan_step(cfg, tokenizer, run_precision(cfg, device), prompt_tokens=prompt_tokens, world_size=world_size)
     strategy = cfg.trainer.strategy if world_size == 1 else resolve_strategy(cfg.trainer.strategy, world_size)
+    step = plan_step(cfg, tokenizer, run_precision(cfg, device), prompt_tokens=prompt_tokens, world_size=world_size,
+                     fsdp=strategy == "fsdp")
     reservation, sleeps = engine_reservation(cfg, device, memory)
     return DevicePlan(step, device, world_size, memory, strategy == "fsdp", reservation, sleeps), cfg
 

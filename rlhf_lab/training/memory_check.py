@@ -16,7 +16,7 @@ generation, the allocator's slack): it is a floor, not a promise. The estimate i
 available (free CUDA memory on a GPU; the host's available memory otherwise); a run over it stops in one line,
 and ``trainer.skip_memory_check=true`` starts it anyway.
 
-An on-policy training run (the trainer passes its ``precision``) whose estimate comes within a factor
+An on-policy training run in one process (the trainer passes its ``precision``) whose estimate comes within a factor
 ``PLAN_WITHIN`` of the memory available is planned instead (:mod:`rlhf_lab.planner`: the step's own code on fake
 tensors, every phase's peak, the engine's reservation included; the estimate above counts logits at every token and
 no generation), and stops in one line where the planned peak does not fit. Runs far below the memory available
@@ -161,8 +161,8 @@ def check_memory(cfg: Any, tokenizer: Any, weight_dtype: torch.dtype, compute_dt
     estimate = estimate_memory(size, weight_dtype.itemsize, (compute_dtype or weight_dtype).itemsize, rows,
                                tokens, reference=reference and not offloaded, logits_width=logits_width,
                                shards=shards)
-    if precision is not None and estimate.total * PLAN_WITHIN > available:  # close: the planned step decides
-        check_plan(cfg, tokenizer, precision, device, available, shards)
+    if precision is not None and not multi_process() and estimate.total * PLAN_WITHIN > available:
+        check_plan(cfg, tokenizer, precision, device, available)  # close: the planned step decides
         return estimate
     if estimate.total > available:
         raise ConfigError(f"this run needs about {estimate.total / GIB:.3g} GiB ({breakdown(estimate)}), this "
@@ -178,17 +178,25 @@ PHASE_REMEDIES = {
 }
 
 
-def check_plan(cfg: Any, tokenizer: Any, precision: Any, device: torch.device, available: int, shards: int) -> Any:
-    """Plan the run's step (:func:`rlhf_lab.planner.step.plan_step`, as ``rlhf-lab plan`` does) and refuse it in one
-    line where its peak exceeds ``available`` bytes; returns the plan."""
+def multi_process() -> bool:
+    """Whether this process is one rank of several (torchrun): its step is not planned here (the planner runs the
+    step alone; ``rlhf-lab plan --world-size N`` plans a rank of N)."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def check_plan(cfg: Any, tokenizer: Any, precision: Any, device: torch.device, available: int) -> Any:
+    """Plan the step of a one-process run (:func:`rlhf_lab.planner.step.plan_step`, as ``rlhf-lab plan`` does) and
+    refuse it in one line where its peak exceeds ``available`` bytes; returns the plan."""
     from rlhf_lab.planner.report import DevicePlan, engine_reservation
     from rlhf_lab.planner.step import plan_step
     from rlhf_lab.runtime.precision import Precision
 
     total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else available
     reservation, sleeps = engine_reservation(cfg, device.type, total)
-    step = plan_step(cfg, tokenizer, Precision(precision.name, "cpu"), count_flops=False, world_size=shards)
-    plan = DevicePlan(step, device.type, shards, available, shards > 1, reservation, sleeps)
+    step = plan_step(cfg, tokenizer, Precision(precision.name, "cpu"), count_flops=False)
+    plan = DevicePlan(step, device.type, 1, available, False, reservation, sleeps)
     if plan.fits:
         return plan
     phases = plan.phases()

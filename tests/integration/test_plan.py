@@ -84,7 +84,10 @@ def test_fsdp_ranks_hold_a_share_of_the_states(run_cli) -> None:
     one = json.loads(run_cli(base)[1].strip().splitlines()[-1])
     four = json.loads(run_cli([*base, "trainer.strategy=fsdp", "--world-size", "4"])[1].strip().splitlines()[-1])
     assert four["rows_per_rank"] == 2 and one["rows_per_rank"] == 8
+    # FSDP2 over a fake group of 4 ranks: each holds a quarter of the weights and of AdamW's state
+    assert four["phases"]["weights"] == pytest.approx(one["phases"]["weights"] / 4, abs=0.001)
     assert four["phases"]["optimizer"] == pytest.approx(one["phases"]["optimizer"] / 4, abs=0.001)
+    assert four["peak_gib"] < one["peak_gib"]
 
 
 @pytest.mark.parametrize("overrides, message", [
