@@ -1,5 +1,7 @@
 """One training step of a composed config, run on fake tensors (or real ones), phase by phase.
 
+The models come from :mod:`.models` (a config alone, the meta device, then fake storage).
+
 The parts are the run's own, built as :class:`rlhf_lab.training.loop.Trainer` builds them: the policy and its
 reference (LoRA: the adapter-disabled policy), the precision's frozen weights, the algorithm, the KL penalty, the
 :class:`~rlhf_lab.training.update.Updater` and the :class:`~rlhf_lab.training.experience.ExperienceMaker`'s engine
@@ -22,22 +24,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
 from torch._subclasses import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
 import rlhf_lab.components  # noqa: F401  (registers the built-in parts)
-from rlhf_lab.errors import ConfigError
 from rlhf_lab.hardware import HardwareProfile
 from rlhf_lab.kl.placements import KLPenalty
-from rlhf_lab.models.loading import (
-    DTYPES,
-    PolicyAndReference,
-    apply_lora,
-    enable_activation_checkpointing,
-    model_config,
-)
+from rlhf_lab.models.loading import DTYPES, PolicyAndReference
 from rlhf_lab.planner.fake import RealIndices, StepMemory
+from rlhf_lab.planner.models import build_on_meta, initialise, kv_cache_bytes, materialize, storage_bytes
 from rlhf_lab.registry import get
 from rlhf_lab.runtime.precision import Precision
 from rlhf_lab.training.experience import ExperienceMaker
@@ -45,9 +40,8 @@ from rlhf_lab.training.records import StepTimer
 from rlhf_lab.training.update import Updater
 
 GIB = 1 << 30
-KL_COEF = 0.1
+KL_COEF = 0.1  # any coefficient: memory and FLOPs do not depend on it
 DECODE_STEPS = 3  # decode steps run on fake tensors; the rest are extrapolated (:func:`_generate`)
-CAUSAL_HEADS = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")  # architectures that predict the next token  # any coefficient: memory and FLOPs do not depend on it
 
 
 @dataclass
@@ -78,87 +72,6 @@ class StepPlan:
     @property
     def flops_per_step(self) -> int:
         return sum(self.flops.values())
-
-
-def transformers_config(model_cfg: Any, tokenizer: Any) -> Any:
-    """The model's transformers config, no weights read; a one-line error where ``model=`` names no causal LM."""
-    from transformers import AutoModelForCausalLM
-
-    if model_cfg.name == "exact":
-        from rlhf_lab.testbed.task import build_model
-
-        with torch.device("meta"):
-            return build_model(tokenizer, model_cfg.exact).config
-    try:
-        config = model_config(model_cfg, tokenizer)
-    except (OSError, ValueError) as error:
-        raise ConfigError(f"model.name_or_path={model_cfg.name_or_path!r}: no readable config.json "
-                          f"({str(error).splitlines()[0]})") from None
-    kinds = getattr(config, "architectures", None) or []
-    causal = not kinds or any(kind.endswith(CAUSAL_HEADS) for kind in kinds)
-    if type(config) not in AutoModelForCausalLM._model_mapping or not causal:
-        kinds = kinds or [type(config).__name__]
-        raise ConfigError(f"model.name_or_path={model_cfg.name_or_path!r} is not a causal language model "
-                          f"({', '.join(kinds)}); give a model AutoModelForCausalLM loads (Llama, Qwen2, ...)")
-    return config
-
-
-def build_on_meta(cfg: Any, tokenizer: Any, precision: Precision) -> PolicyAndReference:
-    """The policy and reference as ``build_policy`` makes them, on the meta device (no memory, no weights read)."""
-    from transformers import AutoModelForCausalLM
-
-    config = transformers_config(cfg.model, tokenizer)
-    dtype = DTYPES[precision.weights_dtype]
-    with torch.device("meta"):
-        if cfg.model.name == "exact":
-            from rlhf_lab.testbed.task import build_model
-
-            model = build_model(tokenizer, cfg.model.exact).to(dtype)
-        else:
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-        if cfg.model.lora.enabled:
-            models = PolicyAndReference(apply_lora(model, cfg.model.lora), None, True)
-        else:
-            models = PolicyAndReference(model, copy.deepcopy(model).eval().requires_grad_(False), False)
-    if cfg.trainer.gradient_checkpointing:
-        enable_activation_checkpointing(models.policy)
-    precision.store_frozen_weights(models.reference_model())  # as Trainer.place_reference does
-    return models
-
-
-def materialize(module: nn.Module, device: torch.device) -> None:
-    """``module.to_empty(device=device)`` keeping tied parameters tied (``to_empty`` gives each its own tensor)."""
-    owners: dict[int, list[tuple[nn.Module, str]]] = {}
-    for owner in module.modules():
-        for name, parameter in owner._parameters.items():
-            if parameter is not None:
-                owners.setdefault(id(parameter), []).append((owner, name))
-    module.to_empty(device=device)
-    for places in owners.values():
-        first_owner, first_name = places[0]
-        for owner, name in places[1:]:
-            owner._parameters[name] = first_owner._parameters[first_name]
-
-
-def storage_bytes(*modules: nn.Module | None) -> int:
-    """Bytes of the distinct storages of the modules' parameters and buffers (a tied weight counts once)."""
-    seen: dict[int, int] = {}
-    for module in modules:
-        if module is None:
-            continue
-        for tensor in [*module.parameters(), *module.buffers()]:
-            tensor = getattr(tensor, "_local_tensor", tensor)  # FSDP's DTensor: this rank's shard
-            storage = tensor.untyped_storage()
-            seen[id(storage) if isinstance(tensor, torch._subclasses.FakeTensor) else storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
-
-
-def kv_cache_bytes(config: Any, rows: int, tokens: int, dtype: torch.dtype) -> int:
-    """Keys and values of every layer for ``rows`` × ``tokens`` positions."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    return 2 * text.num_hidden_layers * rows * tokens * heads * head_dim * dtype.itemsize
 
 
 def synthetic_prompts(prompts: int, tokens: int, vocab: int) -> list[list[int]]:
@@ -272,7 +185,7 @@ def _plan_step(cfg: Any, tokenizer: Any, precision: Precision, prompt_tokens: in
             if module is not None:
                 materialize(module, device)
         if not fake:
-            _initialise(models)
+            initialise(models)
         parts = _build_parts(cfg, tokenizer, models, precision, device, "fsdp" if fsdp else "single")
         updater, algorithm = parts["updater"], parts["algorithm"]
         _optimizer_state(updater)
@@ -303,25 +216,6 @@ def _plan_step(cfg: Any, tokenizer: Any, precision: Precision, prompt_tokens: in
 
 def _cache_dtype(precision: Precision) -> torch.dtype:
     return precision.compute_dtype or DTYPES[precision.weights_dtype]
-
-
-def _initialise(models: PolicyAndReference) -> None:
-    """Real tensors for a real run of the step: any finite weights do (memory does not depend on their values)."""
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for module in (models.policy, models.reference):
-            for tensor in [] if module is None else [*module.parameters(), *module.buffers()]:
-                if tensor.is_floating_point():
-                    tensor.copy_(torch.randn(tensor.shape, generator=generator) * 0.02)
-        for module in (models.policy, models.reference):
-            for sub in [] if module is None else module.modules():
-                if hasattr(sub, "rope_init_fn") and hasattr(sub, "inv_freq"):  # rotary frequencies: as built
-                    inv_freq, scaling = sub.rope_init_fn(sub.config, sub.inv_freq.device)
-                    sub.inv_freq.copy_(inv_freq)
-                    sub.original_inv_freq = sub.inv_freq
-                    sub.attention_scaling = scaling
-                elif hasattr(sub, "weight") and type(sub).__name__.endswith("RMSNorm"):
-                    sub.weight.fill_(1.0)
 
 
 def _build_parts(cfg: Any, tokenizer: Any, models: PolicyAndReference, precision: Precision,
