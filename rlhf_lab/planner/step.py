@@ -17,6 +17,7 @@ ends early): the step at its largest. The optimizer holds its state from an earl
 from __future__ import annotations
 
 import copy
+import gc
 import warnings
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager, nullcontext
@@ -104,6 +105,7 @@ class _Phases:
         return self.flop_counter.get_total_flops() if self.flop_counter is not None else 0
 
     def run(self, name: str, work: Any) -> Any:
+        gc.collect()  # garbage in reference cycles from before the phase: gone, whenever the collector would run
         if self.memory is not None:
             self.memory.start_phase()
         before = self.flop_counter.get_total_flops() if self.flop_counter is not None else 0
