@@ -49,7 +49,7 @@ def transformers_config(model_cfg: Any, tokenizer: Any) -> Any:
     return config
 
 
-def build_on_meta(cfg: Any, tokenizer: Any, precision: Precision) -> PolicyAndReference:
+def build_on_meta(cfg: Any, tokenizer: Any, precision: Precision, fsdp: bool = False) -> PolicyAndReference:
     """The policy and reference as ``build_policy`` makes them, on the meta device (no memory, no weights read)."""
     from transformers import AutoModelForCausalLM
 
@@ -68,7 +68,8 @@ def build_on_meta(cfg: Any, tokenizer: Any, precision: Precision) -> PolicyAndRe
             models = PolicyAndReference(model, copy.deepcopy(model).eval().requires_grad_(False), False)
     if cfg.trainer.gradient_checkpointing:
         enable_activation_checkpointing(models.policy)
-    precision.store_frozen_weights(models.reference_model())  # as Trainer.place_reference does
+    if not fsdp:  # as Trainer.place_reference does (under FSDP the gathered weights are cast instead)
+        precision.store_frozen_weights(models.reference_model())
     return models
 
 
@@ -95,7 +96,7 @@ def storage_bytes(*modules: nn.Module | None) -> int:
         for tensor in [*module.parameters(), *module.buffers()]:
             tensor = getattr(tensor, "_local_tensor", tensor)  # FSDP's DTensor: this rank's shard
             storage = tensor.untyped_storage()
-            seen[id(storage) if isinstance(tensor, torch._subclasses.FakeTensor) else storage.data_ptr()] = storage.nbytes()
+            seen[storage._cdata] = storage.nbytes()  # the storage itself (its Python wrapper is new at each call)
     return sum(seen.values())
 
 

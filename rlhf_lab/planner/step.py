@@ -170,7 +170,7 @@ def _plan_step(cfg: Any, tokenizer: Any, precision: Precision, prompt_tokens: in
     group, prompts = cfg.algorithm.get("group_size", 1), cfg.trainer.prompts_per_step
     rows, response = prompts * group, cfg.trainer.max_new_tokens
     device = torch.device("cpu")
-    models = build_on_meta(cfg, tokenizer, precision)
+    models = build_on_meta(cfg, tokenizer, precision, fsdp)
     if fsdp:  # as Trainer.place_reference and distributed.wrap shard them (on the meta device: no memory yet)
         from rlhf_lab.runtime import distributed
 
