@@ -191,6 +191,12 @@ def _plan_step(cfg: Any, tokenizer: Any, precision: Precision, prompt_tokens: in
         parts = _build_parts(cfg, tokenizer, models, precision, device, "fsdp" if fsdp else "single")
         updater, algorithm = parts["updater"], parts["algorithm"]
         _optimizer_state(updater)
+        # The states held through the step, counted before it (FSDP's root module stays gathered after a forward).
+        weights = storage_bytes(models.policy, *algorithm.modules().values())
+        reference = storage_bytes(models.policy, models.reference) - storage_bytes(models.policy)
+        optimizer = sum(getattr(t, "_local_tensor", t).untyped_storage().nbytes()
+                        for state in updater.optimizer.state.values() for t in state.values()
+                        if isinstance(t, torch.Tensor))
         memory = stack.enter_context(StepMemory())
         memory.track_external(models.policy, models.reference, updater.optimizer,
                               *algorithm.modules().values())
@@ -202,13 +208,11 @@ def _plan_step(cfg: Any, tokenizer: Any, precision: Precision, prompt_tokens: in
         rollout = _run_step(cfg, parts, phases, synthetic_prompts(prompts, prompt_tokens, config.vocab_size), group)
         trained = int(rollout.attention_mask.sum()) * cfg.algorithm.get("epochs", 1)
         del rollout
-    weights = storage_bytes(models.policy, *algorithm.modules().values())
     engine = cfg.generation.get("name", "hf")
     return StepPlan(
         weights=weights,
-        reference=storage_bytes(models.policy, models.reference) - storage_bytes(models.policy),
-        optimizer=sum(getattr(t, "_local_tensor", t).untyped_storage().nbytes()
-                      for state in updater.optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)),
+        reference=reference,
+        optimizer=optimizer,
         kv_cache=kv_cache_bytes(config, rows, prompt_tokens + response, _cache_dtype(precision))
         if engine == "hf" else 0,
         peaks=phases.peaks, flops=phases.flops,
