@@ -22,7 +22,7 @@ from typing import Any
 import rlhf_lab.app.job_folders  # noqa: F401  (the job-folder label resolver, needed in every job process too)
 from rlhf_lab.errors import UserError
 
-SUBCOMMANDS = ("report", "bench", "export", "eval", "pipeline", "serve", "wandb")
+SUBCOMMANDS = ("report", "bench", "export", "eval", "pipeline", "serve", "wandb", "plan")
 
 
 def _is_user_flag(arg: str) -> bool:
@@ -316,3 +316,7 @@ def _run_subcommand(name: str, args: list[str]) -> None:
         from rlhf_lab.tools.wandb_cli import main as wandb_main
 
         wandb_main(args)
+    elif name == "plan":
+        from rlhf_lab.tools.plan import main as plan_main
+
+        plan_main(args)

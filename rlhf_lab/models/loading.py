@@ -140,6 +140,17 @@ def tiny_llama_config(tokenizer: PreTrainedTokenizerBase, tiny_cfg: Any) -> Any:
     )
 
 
+def model_config(model_cfg: Any, tokenizer: Any) -> Any | None:
+    """The transformers config of ``model=`` without its weights; None for ``model=exact`` (a few symbols)."""
+    if model_cfg.name == "exact":
+        return None
+    if model_cfg.name == "tiny" and not model_cfg.name_or_path:
+        return tiny_llama_config(tokenizer, model_cfg.tiny)
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_cfg.name_or_path or str(smollm2_model_path()))
+
+
 def load_causal_lm(model_cfg: Any, tokenizer: PreTrainedTokenizerBase, dtype: str, seed: int) -> nn.Module:
     """Build or load the policy network named by ``model_cfg`` (before LoRA)."""
     if model_cfg.name == "tiny":

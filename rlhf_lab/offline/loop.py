@@ -78,6 +78,7 @@ class OfflineTrainer(Trainer):
     examples, drawn in an order that is a pure function of (seed, step), so a resumed run sees the same."""
 
     updater_class = OfflineUpdater  # takes packed rows (algorithm=sft algorithm.packing=true) too
+    plans_steps = False  # the planner plans on-policy steps; an offline stage is checked by its estimate
 
     def __init__(self, cfg: Any, run_dir: Path) -> None:
         super().__init__(cfg, run_dir)

@@ -41,6 +41,7 @@ from rlhf_lab.training.compute import gradient_checkpointing
 from rlhf_lab.training.evaluation import Evaluation
 from rlhf_lab.training.experience import ExperienceMaker
 from rlhf_lab.training.memory_check import check_memory
+from rlhf_lab.training.perf import StepPerformance
 from rlhf_lab.training.records import Records, StepTimer, run_summary, sample_columns, synchronize
 from rlhf_lab.training.save_policy import check_disk, checkpoint_size, resolve_save
 from rlhf_lab.training.scoring_pass import sampler_metrics
@@ -54,6 +55,7 @@ class Trainer:
     """Builds a run's parts from its config and trains; ``experience``, ``updater`` and ``records`` are its units."""
 
     updater_class: type[Updater] = Updater  # the offline stages' own takes packed rows too
+    plans_steps = True  # the memory check plans this trainer's step (rlhf_lab/planner/) where memory is close
 
     def __init__(self, cfg: Any, run_dir: Path) -> None:
         self.cfg = cfg
@@ -75,7 +77,8 @@ class Trainer:
         self.prompts = self.load_prompts()
         self.tokenizer = load_tokenizer(cfg.model)
         check_memory(cfg, self.tokenizer, DTYPES[self.precision.weights_dtype], self.precision.compute_dtype,
-                     self.device, shards=distributed.world_size() if self.strategy == "fsdp" else 1)
+                     self.device, shards=distributed.world_size() if self.strategy == "fsdp" else 1,
+                     precision=self.precision if self.plans_steps else None)
         self.models = build_policy(cfg.model, self.tokenizer, self.precision.weights_dtype, cfg.seed)
         check_model_prompts(self.prompts, self.tokenizer, self.models.policy, cfg)
         if gradient_checkpointing(cfg.trainer, self.device):  # null: on under CUDA
@@ -130,6 +133,7 @@ class Trainer:
         self.signals = StepSignals(cfg, self.tokenizer.eos_token_id, self.precision.name)  # lengths, spread, floor
         self.evaluation: Evaluation | None = None  # built at the first evaluation
         self.clock = TrainingClock(cfg.trainer.max_train_seconds)  # checkpointed: a resume continues it
+        self.performance = StepPerformance(cfg, self.tokenizer, self.precision, self.device)  # perf/* metrics
 
         resolved = OmegaConf.to_container(cfg, resolve=True)
         tracker = build_tracker(cfg.logger, resolved, self.run_dir, resuming=self.resume_from is not None)
@@ -290,6 +294,9 @@ class Trainer:
                                                       self.device)}
         # mask: every sample drawn (before dropped ones left the loss)
         metrics.update(self.signals.measure(rollout, mask, valid, step, fresh=self.start_step == 0, logged=metrics))
+        sampled = float(distributed.all_reduce_sum(rollout.response_mask.sum()))
+        trained = float(distributed.all_reduce_sum(rollout.attention_mask.sum())) * cfg.algorithm.get("epochs", 1)
+        metrics.update(self.performance.metrics(elapsed, int(sampled), int(trained)))
         metrics.update(prepare_stats)
         metrics.update(update_stats)
         metrics.setdefault("loss/policy", 0.0)

@@ -15,6 +15,12 @@ Under FSDP the first four are split over the processes. It leaves out what is sm
 generation, the allocator's slack): it is a floor, not a promise. The estimate is compared with the memory
 available (free CUDA memory on a GPU; the host's available memory otherwise); a run over it stops in one line,
 and ``trainer.skip_memory_check=true`` starts it anyway.
+
+An on-policy training run in one process (the trainer passes its ``precision``) whose estimate comes within a factor
+``PLAN_WITHIN`` of the memory available is planned instead (:mod:`rlhf_lab.planner`: the step's own code on fake
+tensors, every phase's peak, the engine's reservation included; the estimate above counts logits at every token and
+no generation), and stops in one line where the planned peak does not fit. Runs far below the memory available
+start without the plan's few seconds.
 """
 
 from __future__ import annotations
@@ -26,9 +32,11 @@ from typing import Any
 import torch
 
 from rlhf_lab.errors import ConfigError
+from rlhf_lab.models.loading import model_config
 
 GIB = 1 << 30
 ADAM_MOMENTS = 2  # AdamW keeps exp_avg and exp_avg_sq per trainable parameter
+PLAN_WITHIN = 4  # a run whose floor is above 1/PLAN_WITHIN of the memory available is planned
 MEMINFO = Path("/proc/meminfo")
 
 
@@ -73,19 +81,6 @@ def estimate_memory(size: ModelSize, weight_bytes: int, compute_bytes: int, rows
         reference=size.parameters * weight_bytes // shards if reference and not size.adapter else 0,
         activations=rows * tokens * (width + size.layers * size.hidden_size) * compute_bytes,
     )
-
-
-def model_config(model_cfg: Any, tokenizer: Any) -> Any | None:
-    """The transformers config of ``model=`` without its weights; None for ``model=exact`` (a few symbols)."""
-    from rlhf_lab.models.loading import smollm2_model_path, tiny_llama_config
-
-    if model_cfg.name == "exact":
-        return None
-    if model_cfg.name == "tiny" and not model_cfg.name_or_path:
-        return tiny_llama_config(tokenizer, model_cfg.tiny)
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(model_cfg.name_or_path or str(smollm2_model_path()))
 
 
 def model_size(model_cfg: Any, tokenizer: Any) -> ModelSize | None:
@@ -149,10 +144,11 @@ def tokens_per_row(cfg: Any) -> int:
 
 def check_memory(cfg: Any, tokenizer: Any, weight_dtype: torch.dtype, compute_dtype: torch.dtype | None,
                  device: torch.device, rows: int | None = None, logits_width: int | None = None,
-                 shards: int = 1, reference: bool = True) -> MemoryEstimate | None:
+                 shards: int = 1, reference: bool = True, precision: Any = None) -> MemoryEstimate | None:
     """Refuse in one line a run whose estimate (:func:`estimate_memory`) exceeds the memory available, unless
     ``trainer.skip_memory_check``; returns the estimate (None when skipped or not made). ``rows``: of one
-    micro-batch (default :func:`micro_batch_rows`); ``reference``: whether full fine-tuning keeps a frozen copy."""
+    micro-batch (default :func:`micro_batch_rows`); ``reference``: whether full fine-tuning keeps a frozen copy;
+    ``precision``: the on-policy run's, whose planned step decides where the estimate comes close (:func:`check_plan`)."""
     if cfg.trainer.get("skip_memory_check"):
         return None
     size = model_size(cfg.model, tokenizer)
@@ -165,11 +161,52 @@ def check_memory(cfg: Any, tokenizer: Any, weight_dtype: torch.dtype, compute_dt
     estimate = estimate_memory(size, weight_dtype.itemsize, (compute_dtype or weight_dtype).itemsize, rows,
                                tokens, reference=reference and not offloaded, logits_width=logits_width,
                                shards=shards)
+    if precision is not None and not multi_process() and estimate.total * PLAN_WITHIN > available:
+        check_plan(cfg, tokenizer, precision, device, available)  # close: the planned step decides
+        return estimate
     if estimate.total > available:
         raise ConfigError(f"this run needs about {estimate.total / GIB:.3g} GiB ({breakdown(estimate)}), this "
                           f"machine has {available / GIB:.3g} GiB available on {device.type}; lower "
                           f"{remedy(cfg, estimate, rows)}, or set trainer.skip_memory_check=true to start anyway")
     return estimate
+
+
+PHASE_REMEDIES = {
+    "generation": "trainer.prompts_per_step or trainer.max_new_tokens (the decode's cache and kept logits)",
+    "scoring": "trainer.logprob_chunk (rows per chunk of the scoring pass) or the tokens per row",
+    "training": "trainer.micro_batch_size, set trainer.gradient_checkpointing=true, or lower the tokens per row",
+}
+
+
+def multi_process() -> bool:
+    """Whether this process is one rank of several (torchrun): its step is not planned here (the planner runs the
+    step alone; ``rlhf-lab plan --world-size N`` plans a rank of N)."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def check_plan(cfg: Any, tokenizer: Any, precision: Any, device: torch.device, available: int) -> Any:
+    """Plan the step of a one-process run (:func:`rlhf_lab.planner.step.plan_step`, as ``rlhf-lab plan`` does) and
+    refuse it in one line where its peak exceeds ``available`` bytes; returns the plan."""
+    from rlhf_lab.planner.report import DevicePlan, engine_reservation
+    from rlhf_lab.planner.step import plan_step
+    from rlhf_lab.runtime.precision import Precision
+
+    total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else available
+    reservation, sleeps = engine_reservation(cfg, device.type, total)
+    step = plan_step(cfg, tokenizer, Precision(precision.name, "cpu"), count_flops=False)
+    plan = DevicePlan(step, device.type, 1, available, False, reservation, sleeps)
+    if plan.fits:
+        return plan
+    phases = plan.phases()
+    peak_phase = max(("generation", "scoring", "training"), key=phases.__getitem__)
+    parts = ", ".join(f"{name} {phases[name] / GIB:.3g}" for name in ("weights", "reference", "optimizer")
+                      if phases[name])
+    raise ConfigError(f"this run needs about {plan.peak / GIB:.3g} GiB at its {peak_phase} peak (planned: {parts}, "
+                      f"{peak_phase} {phases[peak_phase] / GIB:.3g}; rlhf-lab plan shows every phase), this machine has "
+                      f"{available / GIB:.3g} GiB available on {device.type}; lower {PHASE_REMEDIES[peak_phase]}, or "
+                      "set trainer.skip_memory_check=true to start anyway")
 
 
 def breakdown(estimate: MemoryEstimate) -> str:

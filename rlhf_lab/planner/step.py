@@ -1,0 +1,332 @@
+"""One training step of a composed config, run on fake tensors (or real ones), phase by phase.
+
+The models come from :mod:`.models` (a config alone, the meta device, then fake storage).
+
+The parts are the run's own, built as :class:`rlhf_lab.training.loop.Trainer` builds them: the policy and its
+reference (LoRA: the adapter-disabled policy), the precision's frozen weights, the algorithm, the KL penalty, the
+:class:`~rlhf_lab.training.update.Updater` and the :class:`~rlhf_lab.training.experience.ExperienceMaker`'s engine
+and scoring pass. The step is theirs too: the engine's ``generate``, the scoring pass, the algorithm's ``prepare``
+and the updater's ``update``. So the plan follows the step wherever its code goes (chunked log-probs, token
+budgets, packing), with no formula of its own to keep in line.
+
+The batch: ``trainer.prompts_per_step`` prompts of ``prompt_tokens`` tokens (default ``data.max_prompt_tokens``,
+the longest a run admits), each sampled ``algorithm.group_size`` times to ``trainer.max_new_tokens`` (no response
+ends early): the step at its largest. The optimizer holds its state from an earlier step (a step after the first).
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import warnings
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch._subclasses import FakeTensorMode
+from torch.utils.flop_counter import FlopCounterMode
+
+import rlhf_lab.components  # noqa: F401  (registers the built-in parts)
+from rlhf_lab.hardware import HardwareProfile
+from rlhf_lab.kl.placements import KLPenalty
+from rlhf_lab.models.loading import DTYPES, PolicyAndReference
+from rlhf_lab.planner.fake import RealIndices, StepMemory
+from rlhf_lab.planner.models import build_on_meta, initialise, kv_cache_bytes, materialize, storage_bytes
+from rlhf_lab.registry import get
+from rlhf_lab.runtime.precision import Precision
+from rlhf_lab.training.experience import ExperienceMaker
+from rlhf_lab.training.records import StepTimer
+from rlhf_lab.training.update import Updater
+
+GIB = 1 << 30
+KL_COEF = 0.1  # any coefficient: memory and FLOPs do not depend on it
+DECODE_STEPS = 3  # decode steps run on fake tensors; the rest are extrapolated (:func:`_generate`)
+
+
+@dataclass
+class StepPlan:
+    """What one step holds (bytes) and computes (FLOPs), by phase."""
+
+    weights: int  # the policy's parameters and buffers (and the algorithm's own networks)
+    reference: int  # the frozen reference's (none under LoRA)
+    optimizer: int  # AdamW's state
+    kv_cache: int  # generation's key/value cache at its longest
+    peaks: dict[str, int]  # phase -> bytes live at its peak: generation, scoring, training
+    flops: dict[str, int]  # phase -> FLOPs
+    tokens: dict[str, int]  # sampled (generated) and trained (through the training pass) tokens
+    rows: int
+    sequence_tokens: int  # prompt + response of one row
+    engine_reservation: int = 0  # an engine's own memory beside the trainer's (vLLM's share of the GPU)
+    sharded_over: int = 1  # the ranks FSDP sharded the states over in this plan (the numbers are one rank's)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def peak(self) -> int:
+        return max(self.peaks.values()) + self.engine_reservation
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.peaks, key=self.peaks.__getitem__)
+
+    @property
+    def flops_per_step(self) -> int:
+        return sum(self.flops.values())
+
+
+def synthetic_prompts(prompts: int, tokens: int, vocab: int) -> list[list[int]]:
+    """``prompts`` distinct prompts of ``tokens`` token ids each (ids as the engines take them)."""
+    return [[(11 + index + position) % vocab for position in range(tokens)] for index in range(prompts)]
+
+
+def ordinary_token(tokenizer: Any, vocab: int) -> int:
+    """A token id that is no special token (the synthetic responses never end)."""
+    special = set(getattr(tokenizer, "all_special_ids", []))
+    return next(token for token in range(min(vocab, len(special) + 100)) if token not in special)
+
+
+def _eos_id(tokenizer: Any) -> int | None:
+    eos = tokenizer.eos_token_id
+    return eos[0] if isinstance(eos, list) else eos
+
+
+class _Phases:
+    """The tracker's peak and the FLOP counter's count, per phase of the step."""
+
+    def __init__(self, memory: StepMemory | None, flops: FlopCounterMode | None) -> None:
+        self.memory, self.flop_counter = memory, flops
+        self.peaks: dict[str, int] = {}
+        self.flops: dict[str, int] = {}
+        self.indices: RealIndices | None = None  # fake tensors: the decode may stop early (:func:`_generate`)
+        self.extra_generation_flops = 0  # the FLOPs of decode steps not run (:func:`_generate`)
+
+    def total_flops(self) -> int:
+        return self.flop_counter.get_total_flops() if self.flop_counter is not None else 0
+
+    def run(self, name: str, work: Any) -> Any:
+        gc.collect()  # garbage in reference cycles from before the phase: gone, whenever the collector would run
+        if self.memory is not None:
+            self.memory.start_phase()
+        before = self.flop_counter.get_total_flops() if self.flop_counter is not None else 0
+        result = work()
+        if self.memory is not None:
+            self.peaks[name] = self.memory.phase_peak
+        if self.flop_counter is not None:
+            self.flops[name] = self.flop_counter.get_total_flops() - before + self.extra_generation_flops
+            self.extra_generation_flops = 0
+        return result
+
+
+def per_rank(cfg: Any, world_size: int, group_of_ranks: bool) -> Any:
+    """``cfg`` as one of ``world_size`` ranks sees its batch: its share of the prompts (whole groups) and, where no
+    process group tells the updater the ranks (``group_of_ranks``), of the mini-batch."""
+    if world_size <= 1:
+        return cfg
+    from omegaconf import OmegaConf, open_dict
+
+    cfg = copy.deepcopy(cfg)
+    with open_dict(cfg):
+        cfg.trainer.prompts_per_step = max(1, -(-cfg.trainer.prompts_per_step // world_size))
+        if cfg.algorithm.get("mini_batch_size") and not group_of_ranks:
+            cfg.algorithm.mini_batch_size = max(1, cfg.algorithm.mini_batch_size // world_size)
+    OmegaConf.set_readonly(cfg, False)
+    return cfg
+
+
+@contextmanager
+def fake_process_group(world_size: int) -> Iterator[None]:
+    """A process group of ``world_size`` ranks whose collectives do nothing (torch's fake backend), for the block;
+    this process is rank 0."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def plan_step(cfg: Any, tokenizer: Any, precision: Precision, prompt_tokens: int | None = None,
+              fake: bool = True, count_flops: bool = True, world_size: int = 1, fsdp: bool = False) -> StepPlan:
+    """Run one step of ``cfg`` (see the module's docstring) on one of ``world_size`` ranks and return what it held
+    and computed.
+
+    ``fake=False`` runs the same step on real tensors (the calibration of the fake run); ``precision`` is the
+    run's (its autocast runs on the CPU here: the byte counts are the same on a GPU). ``fsdp``: the policy and the
+    reference sharded as the trainer shards them (FSDP2), over a fake process group of ``world_size`` ranks (this
+    process must have no process group of its own)."""
+    if fsdp:
+        with fake_process_group(world_size):
+            return _plan_step(cfg, tokenizer, precision, prompt_tokens, fake, count_flops, world_size, fsdp)
+    return _plan_step(cfg, tokenizer, precision, prompt_tokens, fake, count_flops, world_size, fsdp)
+
+
+def _plan_step(cfg: Any, tokenizer: Any, precision: Precision, prompt_tokens: int | None, fake: bool,
+               count_flops: bool, world_size: int, fsdp: bool) -> StepPlan:
+    cfg = per_rank(cfg, world_size, group_of_ranks=fsdp)
+    prompt_tokens = int(prompt_tokens or cfg.data.max_prompt_tokens)
+    group, prompts = cfg.algorithm.get("group_size", 1), cfg.trainer.prompts_per_step
+    rows, response = prompts * group, cfg.trainer.max_new_tokens
+    device = torch.device("cpu")
+    models = build_on_meta(cfg, tokenizer, precision, fsdp)
+    if fsdp:  # as Trainer.place_reference and distributed.wrap shard them (on the meta device: no memory yet)
+        from rlhf_lab.runtime import distributed
+
+        for module in (models.policy, models.reference):
+            if module is not None:
+                distributed.shard(module, precision.compute_dtype)
+    config = models.policy.config
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else nullcontext()
+    with ExitStack() as stack:
+        stack.enter_context(fake_mode)
+        stack.enter_context(warnings.catch_warnings())
+        warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+        for module in (models.policy, models.reference):
+            if module is not None:
+                materialize(module, device)
+        if not fake:
+            initialise(models)
+        parts = _build_parts(cfg, tokenizer, models, precision, device, "fsdp" if fsdp else "single")
+        updater, algorithm = parts["updater"], parts["algorithm"]
+        _optimizer_state(updater)
+        # The states held through the step, counted before it (FSDP's root module stays gathered after a forward).
+        weights = storage_bytes(models.policy, *algorithm.modules().values())
+        reference = storage_bytes(models.policy, models.reference) - storage_bytes(models.policy)
+        optimizer = sum(getattr(t, "_local_tensor", t).untyped_storage().nbytes()
+                        for state in updater.optimizer.state.values() for t in state.values()
+                        if isinstance(t, torch.Tensor))
+        memory = stack.enter_context(StepMemory())
+        memory.track_external(models.policy, models.reference, updater.optimizer,
+                              *algorithm.modules().values())
+        counter = stack.enter_context(FlopCounterMode(display=False)) if count_flops else None
+        phases = _Phases(memory, counter)
+        if fake:
+            phases.indices = stack.enter_context(RealIndices(ordinary_token(tokenizer, config.vocab_size),
+                                                             _eos_id(tokenizer)))
+        rollout = _run_step(cfg, parts, phases, synthetic_prompts(prompts, prompt_tokens, config.vocab_size), group)
+        trained = int(rollout.attention_mask.sum()) * cfg.algorithm.get("epochs", 1)
+        del rollout
+    engine = cfg.generation.get("name", "hf")
+    return StepPlan(
+        weights=weights,
+        reference=reference,
+        optimizer=optimizer,
+        kv_cache=kv_cache_bytes(config, rows, prompt_tokens + response, _cache_dtype(precision))
+        if engine == "hf" else 0,
+        peaks=phases.peaks, flops=phases.flops,
+        tokens={"sampled": rows * response, "trained": trained},
+        rows=rows, sequence_tokens=prompt_tokens + response, sharded_over=world_size if fsdp else 1)
+
+
+def _cache_dtype(precision: Precision) -> torch.dtype:
+    return precision.compute_dtype or DTYPES[precision.weights_dtype]
+
+
+def _build_parts(cfg: Any, tokenizer: Any, models: PolicyAndReference, precision: Precision,
+                 device: torch.device, strategy: str) -> dict[str, Any]:
+    """The algorithm, KL penalty, updater and experience maker, as the trainer builds them."""
+    algorithm = get("algorithm", cfg.algorithm.name)(cfg.algorithm)
+    algorithm.scales_kl = cfg.kl.get("loss_scale", "none") == "advantage"
+    algorithm.setup(models.policy)
+    kl = KLPenalty(cfg.kl)
+    hardware = HardwareProfile()
+    updater = Updater(cfg, models.policy, algorithm, kl, device, precision, strategy, None, hardware)
+    engine = None
+    if cfg.generation.get("name", "hf") != "hf":  # another engine's memory is its reservation: sample with hf's
+        from rlhf_lab.generation.backend import SamplingSettings
+        from rlhf_lab.generation.hf import HFGeneration
+
+        engine = HFGeneration(models.policy, tokenizer, SamplingSettings.from_config(cfg), precision, hardware,
+                              options=cfg.generation, keep_logits=False)
+    maker = ExperienceMaker(cfg, tokenizer, models, models.policy, None, kl, device, precision,
+                            keep_hidden=algorithm.reads_sampling_hidden, hardware=hardware, engine=engine)
+    return {"algorithm": algorithm, "kl": kl, "updater": updater, "maker": maker}
+
+
+def _generate(engine: Any, prompts: list[list[int]], group: int, phases: _Phases, response_tokens: int) -> Any:
+    """The engine's rollout of ``response_tokens`` per row. On fake tensors the decode stops after
+    ``DECODE_STEPS`` steps (its key/value cache and kept logits are allocated for every step at the first one, so
+    the memory peak is reached by then), the rollout is extended to full length (:func:`extend_rollout`), and the
+    FLOPs of the steps not run are extrapolated from the last ones (a step's FLOPs grow linearly with its
+    context)."""
+    if phases.indices is None or response_tokens <= DECODE_STEPS:
+        return engine.generate(prompts, group)
+    counts: list[int] = []
+    with phases.indices.draws(DECODE_STEPS, lambda: counts.append(phases.total_flops())):
+        rollout = engine.generate(prompts, group)
+    if phases.flop_counter is not None and len(counts) == DECODE_STEPS:
+        first, second = counts[-2] - counts[-3], counts[-1] - counts[-2]  # steps 1 and 2
+        growth, remaining = second - first, response_tokens - DECODE_STEPS
+        # steps DECODE_STEPS .. response_tokens - 1: the last measured step's FLOPs plus the growth per step
+        phases.extra_generation_flops = remaining * second + growth * remaining * (remaining + 1) // 2
+    return extend_rollout(rollout, response_tokens, phases.indices.token_id)
+
+
+def extend_rollout(rollout: Any, width: int, token_id: int) -> Any:
+    """``rollout`` with its response part extended to ``width`` tokens, all valid: sampled ``token_id``, per-token
+    values of zeros (new tensors like the engine's), the kept logits as the whole buffer the decode wrote into."""
+    from dataclasses import fields
+
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    rows, short = rollout.response_mask.shape
+    extra = width - short
+    with unset_fake_temporarily():  # the bookkeeping stays real
+        rollout.input_ids = torch.cat([rollout.input_ids, rollout.input_ids.new_full((rows, extra), token_id)], 1)
+        rollout.attention_mask = torch.cat([rollout.attention_mask, rollout.attention_mask.new_ones(rows, extra)], 1)
+        rollout.response_mask = torch.cat([rollout.response_mask, rollout.response_mask.new_ones(rows, extra)], 1)
+    for item in fields(rollout):
+        value = getattr(rollout, item.name)
+        if item.name in ("input_ids", "attention_mask", "response_mask") or not isinstance(value, torch.Tensor):
+            continue
+        if value.dim() < 2 or value.shape[:2] != (rows, short):
+            continue
+        base = value._base
+        if base is not None and base.shape[0] == rows and base.shape[1] == width and base.shape[2:] == value.shape[2:]:
+            setattr(rollout, item.name, base)  # the decode's buffer for every step (kept logits)
+        else:
+            setattr(rollout, item.name, torch.cat([value, value.new_zeros(rows, extra, *value.shape[2:])], 1))
+    return rollout
+
+
+def _optimizer_state(updater: Updater) -> None:
+    """AdamW's state as after an earlier step (zero gradients, one optimizer step; then no gradients)."""
+    for parameter in updater.parameters:
+        parameter.grad = torch.zeros_like(parameter)
+    updater.optimizer.step()
+    updater.optimizer.zero_grad(set_to_none=True)
+
+
+def _run_step(cfg: Any, parts: dict[str, Any], phases: _Phases, prompts: list[list[int]], group: int) -> Any:
+    """Generation, the scoring pass, then the algorithm's advantages and the update: the trainer's step
+    (:meth:`rlhf_lab.training.experience.ExperienceMaker.make` and :meth:`rlhf_lab.training.loop.Trainer.train_step`)
+    without the reward and the records."""
+    maker, kl, updater, algorithm = parts["maker"], parts["kl"], parts["updater"], parts["algorithm"]
+    timer = StepTimer()
+    exact = maker.exact_kl == "step"
+    rescore = maker.rescores_batch(exact, train=True)
+    if not rescore:
+        maker.engine.keep_logits = exact or kl.reads_logits
+    rollout = phases.run("generation", lambda: _generate(maker.engine, prompts, group, phases,
+                                                          cfg.trainer.max_new_tokens))
+    rollout.scores = torch.zeros(rollout.batch_size, device=rollout.logprobs.device)
+
+    def score() -> None:
+        maker.scoring(rollout, timer, exact, rescore)
+        kl.score_rollout(rollout, KL_COEF)
+        rollout.old_from_update = maker.old_from_update and not rescore
+        rollout.entropy_from_update = not rescore and not maker.engine_reports_logits
+
+    phases.run("scoring", score)
+
+    def train() -> None:
+        algorithm.prepare(rollout, updater.forward)
+        rollout.policy_logits = rollout.hidden = None  # as the trainer frees them before the update
+        if not maker.update_needs_ref_logits:
+            rollout.ref_logits = None
+        updater.update(rollout, KL_COEF, 0, timer)
+
+    phases.run("training", train)
+    return rollout

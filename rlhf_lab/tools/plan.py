@@ -1,0 +1,130 @@
+"""``rlhf-lab plan [overrides] [--device cpu|cuda] [--world-size N] [--device-memory GIB] [--peak-tflops T]``.
+
+The memory and FLOPs of one training step of the composed config, predicted without a GPU: the step's own code
+run on fake tensors (:mod:`rlhf_lab.planner`), phase by phase. A model may be given by its ``config.json`` alone
+(``model=path model.name_or_path=DIR``, a folder with ``config.json`` and a tokenizer, no weights). Prints a table,
+then one line of JSON: ``{"peak_gib": ..., "fits": ..., "phases": {...}, "flops_per_step": ...}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from rlhf_lab.errors import ToolError, UserError
+
+GIB = 1 << 30
+DEFAULT_GPU_GIB = 80.0  # an 80 GB GPU where none is visible to ask
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rlhf-lab plan", description=__doc__.split("\n\n")[1])
+    p.add_argument("overrides", nargs="*", help="Hydra overrides, as for a run (model=..., trainer.*=...)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="the device planned for (default: the run's)")
+    p.add_argument("--world-size", type=int, default=1, help="processes (ranks) of the run (default 1)")
+    p.add_argument("--device-memory", type=float, default=None,
+                   help="GiB per device (default: this machine's available memory for cpu, the GPU's or 80 for cuda)")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="peak TFLOP/s per device, for MFU (default: trainer.peak_tflops, or the GPU's by name)")
+    p.add_argument("--step-seconds", type=float, default=None, help="a step's measured time: the MFU it implies")
+    p.add_argument("--prompt-tokens", type=int, default=None,
+                   help="prompt tokens per row (default: data.max_prompt_tokens, the longest a run admits)")
+    return p
+
+
+def planned_device(cfg: Any, flag: str | None) -> str:
+    """``--device``, else the run's ``trainer.device`` (auto: cuda where one is visible)."""
+    if flag:
+        return flag
+    import torch
+
+    wanted = str(cfg.trainer.device)
+    if wanted == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return "cuda" if wanted.startswith("cuda") else "cpu"
+
+
+def device_memory(device: str, flag: float | None) -> int | None:
+    """Bytes per device: ``--device-memory``, else what this machine has (available host memory; the GPU's total),
+    else 80 GiB for a GPU not visible here."""
+    if flag is not None:
+        return int(flag * GIB)
+    import torch
+
+    if device == "cuda":
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_properties(0).total_memory
+        return int(DEFAULT_GPU_GIB * GIB)
+    from rlhf_lab.training.memory_check import available_memory
+
+    return available_memory(torch.device("cpu"))
+
+
+def peak_tflops(cfg: Any, device: str, flag: float | None) -> float | None:
+    if flag is not None:
+        return flag
+    configured = cfg.trainer.get("peak_tflops")
+    if configured:
+        return float(configured)
+    import torch
+
+    if device == "cuda" and torch.cuda.is_available():
+        from rlhf_lab.planner.report import peak_tflops_of
+
+        return peak_tflops_of(torch.cuda.get_device_name(0))
+    return None
+
+
+def run_precision(cfg: Any, device: str) -> Any:
+    """The run's precision on ``device``, its autocast on this CPU (``auto`` on a GPU: bf16-mixed)."""
+    import torch
+
+    from rlhf_lab.runtime.precision import Precision, resolve_precision
+
+    if device == "cuda" and cfg.trainer.precision == "auto" and cfg.trainer.dtype is None:
+        name = "bf16-mixed"
+    else:
+        name = resolve_precision(cfg.trainer.precision, cfg.trainer.dtype, warn=False, device=torch.device(device)
+                                 if device == "cpu" else None)
+    return Precision(name, "cpu")
+
+
+def make_plan(overrides: list[str], device: str | None = None, world_size: int = 1,
+              memory_gib: float | None = None, prompt_tokens: int | None = None) -> Any:
+    """The :class:`~rlhf_lab.planner.report.DevicePlan` of the config ``overrides`` compose to."""
+    from rlhf_lab.config.compose import compose
+    from rlhf_lab.models.loading import load_tokenizer
+    from rlhf_lab.planner.report import DevicePlan, engine_reservation
+    from rlhf_lab.planner.step import plan_step
+    from rlhf_lab.runtime.distributed import resolve_strategy
+
+    if world_size < 1:
+        raise ToolError(f"--world-size must be 1 or more; got {world_size}")
+    cfg = compose(list(overrides))
+    device = planned_device(cfg, device)
+    memory = device_memory(device, memory_gib)
+    try:
+        tokenizer = load_tokenizer(cfg.model)
+    except (OSError, ValueError) as error:
+        raise ToolError(f"model.name_or_path={cfg.model.name_or_path!r}: no tokenizer to read "
+                        f"({str(error).splitlines()[0]})") from None
+    strategy = cfg.trainer.strategy if world_size == 1 else resolve_strategy(cfg.trainer.strategy, world_size)
+    step = plan_step(cfg, tokenizer, run_precision(cfg, device), prompt_tokens=prompt_tokens, world_size=world_size,
+                     fsdp=strategy == "fsdp")
+    reservation, sleeps = engine_reservation(cfg, device, memory)
+    return DevicePlan(step, device, world_size, memory, strategy == "fsdp", reservation, sleeps), cfg
+
+
+def main(argv: list[str]) -> None:
+    from rlhf_lab.planner.report import json_line, table
+
+    args = parser().parse_intermixed_args(argv)
+    try:
+        plan, cfg = make_plan(args.overrides, args.device, args.world_size, args.device_memory, args.prompt_tokens)
+    except UserError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+    tflops = peak_tflops(cfg, plan.device, args.peak_tflops)
+    print(table(plan, tflops, args.step_seconds))
+    print(json_line(plan, tflops, args.step_seconds))

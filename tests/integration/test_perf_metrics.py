@@ -1,0 +1,43 @@
+"""Every step logs ``perf/peak_memory_gib``, ``perf/tokens_per_s`` and ``perf/mfu`` (where the device's peak is
+known), each documented in docs/reference/metrics.md."""
+
+from __future__ import annotations
+
+import json
+import resource
+from pathlib import Path
+
+import pytest
+
+from rlhf_lab.training.loop import Trainer
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "reference" / "metrics.md"
+
+
+def test_each_step_logs_its_peak_memory_tokens_per_second_and_mfu(compose, tiny_overrides, tmp_path) -> None:
+    cfg = compose([*tiny_overrides(tmp_path), "trainer.eval_prompts=0", "trainer.peak_tflops=1"])
+    trainer = Trainer(cfg, tmp_path / "run")
+    trainer.train()
+    per_sampled, per_trained = trainer.performance.flops_per_token()
+    assert per_trained > per_sampled > 0  # a trained token goes through scoring, forward and backward
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [line for line in lines if "perf/tokens_per_s" in line]
+    assert len(steps) == 2
+    for line in steps:
+        # 4 rows of up to 4 sampled tokens; trained: every attended token of the rows (one epoch)
+        sampled = line["response/length_mean"] * 4
+        trained = line["throughput/tokens_per_s"] * line["time/step_s"]
+        assert line["perf/tokens_per_s"] == pytest.approx((sampled + trained) / line["time/step_s"], rel=1e-6)
+        peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / (1 << 30)
+        assert 0 < line["perf/peak_memory_gib"] <= peak_rss
+        flops = per_sampled * sampled + per_trained * trained
+        assert line["perf/mfu"] == pytest.approx(flops / (line["time/step_s"] * 1e12), rel=1e-3)
+    text = DOCS.read_text(encoding="utf-8")
+    assert all(f"`{name}`" in text for name in ("perf/peak_memory_gib", "perf/tokens_per_s", "perf/mfu"))
+
+
+def test_no_mfu_where_the_device_peak_is_unknown(compose, tiny_overrides, tmp_path) -> None:
+    cfg = compose([*tiny_overrides(tmp_path), "trainer.eval_prompts=0", "trainer.steps=1"])
+    Trainer(cfg, tmp_path / "run").train()
+    (line,) = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert "perf/mfu" not in line and line["perf/peak_memory_gib"] > 0

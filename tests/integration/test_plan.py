@@ -1,0 +1,148 @@
+"""``rlhf-lab plan`` against the step it predicts: its peak within 15% of the real CPU step's, and its one-line refusals.
+
+The measured peak is the trainer's own second step (``Trainer.train_step``: generation, reward, scoring pass,
+update; the optimizer's state from the first step) on real tensors, under the same byte count the plan uses (torch's
+``MemTracker``: the bytes of every live tensor storage, what a device allocator's peak counts). The plan runs the same
+config on fake tensors, at the prompt width the real batch had.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from rlhf_lab.models.loading import DTYPES
+from rlhf_lab.planner.fake import StepMemory
+from rlhf_lab.planner.step import plan_step
+from rlhf_lab.training.loop import Trainer
+
+SHORT = ["trainer.prompts_per_step=2", "algorithm.group_size=2", "trainer.max_new_tokens=4", "trainer.eval_prompts=0",
+         "trainer.progress_bar=false", "trainer.num_threads=1", "trainer.steps=2"]
+
+
+def measured_step(cfg, run_dir) -> tuple[int, int, Trainer]:
+    """(bytes at the peak of the real second step, its prompt width, the trainer)."""
+    trainer = Trainer(cfg, run_dir)
+    trainer.train_step(0)
+    widths = []
+    make = trainer.experience.make
+
+    def recorded(*args, **kwargs):
+        experience = make(*args, **kwargs)
+        widths.append(experience.rollout.prompt_width)
+        return experience
+
+    trainer.experience.make = recorded
+    with StepMemory() as memory:
+        memory.track_external(trainer.models.policy, trainer.models.reference, trainer.updater.optimizer)
+        memory.start_phase()
+        trainer.train_step(1)
+    return memory.phase_peak, widths[0], trainer
+
+
+@pytest.mark.parametrize("settings", [
+    ["model=tiny", "trainer.precision=fp32"],
+    ["model=tiny", "trainer.precision=bf16-mixed"],
+    ["model=tiny", "trainer.precision=fp32", "model.lora.enabled=true"],
+    ["model=tiny", "trainer.precision=bf16-mixed", "model.lora.enabled=true"],
+    ["model=smollm2_135m", "trainer.precision=fp32", "model.lora.enabled=true"],
+], ids=["tiny-fp32-full", "tiny-bf16-full", "tiny-fp32-lora", "tiny-bf16-lora", "smollm2-fp32-lora"])
+def test_the_plan_is_within_15_percent_of_the_measured_cpu_step(compose, tmp_path, settings) -> None:
+    cfg = compose([*settings, *SHORT, f"trainer.output_dir={tmp_path / 'run'}"])
+    measured, width, trainer = measured_step(cfg, tmp_path / "run")
+    assert trainer.precision.weights_dtype in DTYPES
+    plan = plan_step(cfg, trainer.tokenizer, trainer.precision, prompt_tokens=width, count_flops=False)
+    assert abs(plan.peak - measured) <= 0.15 * measured, (plan.peaks, measured)
+    # The parts held through the step are the trainer's own, byte for byte.
+    assert plan.optimizer == sum(t.nbytes for s in trainer.updater.optimizer.state.values() for t in s.values())
+
+
+def test_plan_prints_a_table_and_a_json_line(run_cli) -> None:
+    code, out, err = run_cli(["plan", "model=tiny", *SHORT[:3], "data.max_prompt_tokens=16", "--device", "cuda",
+                              "--device-memory", "1", "--peak-tflops", "100", "--step-seconds", "0.5"])
+    assert code == 0, err
+    lines = out.strip().splitlines()
+    summary = json.loads(lines[-1])
+    assert set(summary["phases"]) == {"weights", "reference", "optimizer", "kv_cache", "generation", "scoring",
+                                      "training", "engine_reservation"}
+    assert summary["fits"] is True and summary["device_memory_gib"] == 1.0
+    assert summary["peak_gib"] == max(summary["phases"][k] for k in ("generation", "scoring", "training"))
+    # 4 rows x 20 tokens; the tiny model's weights: 3,219,776 parameters in fp32 (bf16-mixed on a GPU keeps fp32)
+    assert summary["rows_per_rank"] == 4 and summary["sequence_tokens"] == 20
+    assert summary["phases"]["weights"] == round(3_219_776 * 4 / (1 << 30), 3)
+    assert summary["mfu"] == pytest.approx(summary["flops_per_step"] / (0.5 * 100e12))
+    assert any(line.startswith("peak") for line in lines)
+    code, out, _ = run_cli(["plan", "model=tiny", *SHORT[:3], "--device", "cuda", "--device-memory", "0.01"])
+    assert json.loads(out.strip().splitlines()[-1])["fits"] is False
+
+
+def test_fsdp_ranks_hold_a_share_of_the_states(run_cli) -> None:
+    base = ["plan", "model=tiny", "trainer.prompts_per_step=4", "algorithm.group_size=2", "trainer.max_new_tokens=4",
+            "data.max_prompt_tokens=16", "--device", "cuda"]
+    one = json.loads(run_cli(base)[1].strip().splitlines()[-1])
+    four = json.loads(run_cli([*base, "trainer.strategy=fsdp", "--world-size", "4"])[1].strip().splitlines()[-1])
+    assert four["rows_per_rank"] == 2 and one["rows_per_rank"] == 8
+    # FSDP2 over a fake group of 4 ranks: each holds a quarter of the weights and of AdamW's state
+    assert four["phases"]["weights"] == pytest.approx(one["phases"]["weights"] / 4, abs=0.001)
+    assert four["phases"]["optimizer"] == pytest.approx(one["phases"]["optimizer"] / 4, abs=0.001)
+    assert four["peak_gib"] < one["peak_gib"]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model=tny"], "model='tny' is not an option"),
+    (["trainer.lr=fast"], "trainer.lr"),
+])
+def test_a_config_that_does_not_compose_is_one_line(run_cli, overrides, message) -> None:
+    code, out, err = run_cli(["plan", *overrides])
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize("config", [
+    {"model_type": "t5", "d_model": 64, "num_layers": 2, "num_heads": 2, "vocab_size": 100},
+    {"model_type": "bert", "architectures": ["BertForMaskedLM"], "hidden_size": 64, "num_hidden_layers": 2,
+     "num_attention_heads": 2, "intermediate_size": 128, "vocab_size": 100},
+], ids=["seq2seq", "encoder"])
+def test_a_config_json_that_is_not_a_causal_lm_is_one_line(run_cli, tmp_path, tiny_tokenizer, config) -> None:
+    tiny_tokenizer.save_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(config), encoding="utf-8")
+    code, _, err = run_cli(["plan", "model=path", f"model.name_or_path={tmp_path}"])
+    assert code == 2 and "is not a causal language model" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_model_given_by_its_config_json_alone_is_planned(run_cli, tmp_path, tiny_tokenizer) -> None:
+    from transformers import Qwen2Config
+
+    tiny_tokenizer.save_pretrained(tmp_path)
+    Qwen2Config(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, tie_word_embeddings=True).save_pretrained(tmp_path)
+    assert not list(tmp_path.glob("*.safetensors"))
+    code, out, err = run_cli(["plan", "model=path", f"model.name_or_path={tmp_path}", *SHORT[:3],
+                              "data.max_prompt_tokens=8", "--device", "cpu", "trainer.precision=fp32"])
+    assert code == 0, err
+    parameters = 1000 * 64 + 2 * (64 * 64 * 2 + 2 * 64 * 32 + 2 * 32 + 64 + 3 * 64 * 128 + 2 * 64) + 64
+    assert json.loads(out.strip().splitlines()[-1])["phases"]["weights"] == round(parameters * 4 / (1 << 30), 3)
+    assert torch.get_default_dtype() == torch.float32
+
+
+def test_the_trainers_memory_check_refuses_a_run_whose_planned_peak_does_not_fit(compose, tmp_path, monkeypatch,
+                                                                                tiny_tokenizer) -> None:
+    """Close to the memory available the planned step decides, not the per-token estimate (which counts logits at
+    every prompt token too): a run 1% short of its planned peak is refused, one 1% above it starts."""
+    from rlhf_lab.runtime.precision import Precision
+    from rlhf_lab.training import memory_check
+
+    cfg = compose(["model=tiny", "trainer.precision=fp32", *SHORT, f"trainer.output_dir={tmp_path / 'run'}"])
+    floor = memory_check.check_memory(cfg, tiny_tokenizer, torch.float32, None, torch.device("cpu")).total
+    plan = plan_step(cfg, tiny_tokenizer, Precision("fp32", "cpu"), count_flops=False)
+    assert plan.peak < floor < memory_check.PLAN_WITHIN * plan.peak
+    monkeypatch.setattr(memory_check, "available_memory", lambda device: int(plan.peak * 0.99))
+    with pytest.raises(memory_check.ConfigError) as refused:
+        Trainer(cfg, tmp_path / "run")
+    message = str(refused.value)
+    assert message.startswith(f"this run needs about {plan.peak / (1 << 30):.2g}")
+    assert f"GiB at its {plan.peak_phase} peak (planned: weights 0.012, reference 0.012, optimizer 0.024" in message
+    assert message.endswith("or set trainer.skip_memory_check=true to start anyway") and "\n" not in message
+    monkeypatch.setattr(memory_check, "available_memory", lambda device: int(plan.peak * 1.01))
+    Trainer(cfg, tmp_path / "run2")  # fits, though the estimate alone would have refused it
