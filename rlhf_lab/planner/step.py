@@ -233,15 +233,17 @@ def _build_parts(cfg: Any, tokenizer: Any, models: PolicyAndReference, precision
     kl = KLPenalty(cfg.kl)
     hardware = HardwareProfile()
     updater = Updater(cfg, models.policy, algorithm, kl, device, precision, strategy, None, hardware)
-    engine = None
+    worker = None
     if cfg.generation.get("name", "hf") != "hf":  # another engine's memory is its reservation: sample with hf's
         from rlhf_lab.generation.backend import SamplingSettings
         from rlhf_lab.generation.hf import HFGeneration
+        from rlhf_lab.generation.worker import RolloutWorker
 
         engine = HFGeneration(models.policy, tokenizer, SamplingSettings.from_config(cfg), precision, hardware,
                               options=cfg.generation, keep_logits=False)
+        worker = RolloutWorker(engine, models.policy)
     maker = ExperienceMaker(cfg, tokenizer, models, models.policy, None, kl, device, precision,
-                            keep_hidden=algorithm.reads_sampling_hidden, hardware=hardware, engine=engine)
+                            keep_hidden=algorithm.reads_sampling_hidden, hardware=hardware, worker=worker)
     return {"algorithm": algorithm, "kl": kl, "updater": updater, "maker": maker}
 
 
