@@ -148,3 +148,45 @@ def test_memory_after_init_of_a_1b_llama_under_fsdp(tmp_path: Path) -> None:
         assert allocated < parameters * 4 * 2.2
     finally:
         distributed.teardown()
+
+
+def test_a_1b_step_s_peak_memory_is_the_plan_s(tmp_path: Path) -> None:
+    """The peak GPU memory during a full step of a ~1B random-init Llama in bf16-mixed at the CUDA defaults
+    (gradient checkpointing, chunked log-probs, a micro-batch token budget; given here as the values null resolves
+    to on CUDA) — ``torch.cuda.max_memory_allocated`` over the second step, whose optimizer state exists — against
+    ``rlhf-lab plan``'s prediction of the same step on fake tensors, within the planner's stated 15%."""
+    from rlhf_lab.config import compose
+    from rlhf_lab.planner.step import plan_step
+    from rlhf_lab.runtime import distributed
+    from rlhf_lab.training.loop import Trainer
+
+    dims = ["model.tiny.hidden_size=2048", "model.tiny.num_hidden_layers=16", "model.tiny.num_attention_heads=16",
+            "model.tiny.num_key_value_heads=8", "model.tiny.intermediate_size=5632"]
+    defaults = ["trainer.gradient_checkpointing=true", "trainer.chunked_logprobs=true",
+                "trainer.max_tokens_per_micro_batch=16384"]
+    cfg = compose([*TINY, *dims, *defaults, "trainer.precision=bf16-mixed", "trainer.eval_prompts=0",
+                   "trainer.prompts_per_step=4", "algorithm.group_size=4", "trainer.max_new_tokens=64",
+                   f"trainer.output_dir={tmp_path / 'run'}"])
+    try:
+        trainer = Trainer(cfg, tmp_path / "run")
+        trainer.train_step(0)
+        widths = []
+        make = trainer.experience.make
+
+        def recorded(*args, **kwargs):
+            experience = make(*args, **kwargs)
+            widths.append(experience.rollout.prompt_width)
+            return experience
+
+        trainer.experience.make = recorded
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        trainer.train_step(1)
+        torch.cuda.synchronize()
+        measured = torch.cuda.max_memory_allocated()
+        plan = plan_step(cfg, trainer.tokenizer, trainer.precision, prompt_tokens=widths[0], count_flops=False)
+        print(f"1B-class Llama step: measured peak {measured / 2**30:.2f} GiB, planned {plan.peak / 2**30:.2f} GiB "
+              f"({plan.peak_phase}); phases {({k: round(v / 2**30, 2) for k, v in plan.peaks.items()})}")
+        assert abs(plan.peak - measured) <= 0.15 * measured, (plan.peaks, measured)
+    finally:
+        distributed.teardown()
