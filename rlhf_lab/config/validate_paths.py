@@ -21,16 +21,18 @@ def hub_offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def check_model_location(key: str, path: str, classifier: bool = False) -> None:
+def check_model_location(key: str, path: str, classifier: bool = False, weights: bool = True) -> None:
     """A local model folder must hold a saved model, with a readable ``config.json`` (for a ``classifier``, of a
-    model with a classification head); a hub id must be cached when the hub is offline."""
+    model with a classification head) and, unless ``weights`` is false (``rlhf-lab plan`` of a ``config.json``
+    alone), safetensors weights; a hub id must be cached when the hub is offline."""
     folder = Path(path).expanduser()
     if folder.is_dir():
         if not any((folder / name).is_file() for name in ("config.json", "adapter_config.json")):
             raise ConfigError(f"{key}={path!r} has no config.json; it must be a folder written by save_pretrained")
         if (folder / "config.json").is_file():
             check_model_config(key, path, folder / "config.json", classifier)
-            check_model_weights(key, path, folder)
+            if weights:
+                check_model_weights(key, path, folder)
         return
     if path.startswith((".", "/", "~")) or path.count("/") > 1:
         raise ConfigError(f"{key}={path!r} is not a folder")
@@ -97,14 +99,16 @@ def check_cache() -> None:
                           "can write (or unset it)") from None
 
 
-def check_model(model: Any) -> None:
+def check_model(model: Any, pending_paths: Collection[str] = ()) -> None:
+    """``model.name_or_path``: a saved model's folder or a cached hub id (its weights not yet needed where it is in
+    ``pending_paths``: written by an earlier stage, or planned from its ``config.json``)."""
     if model.name == "path" or model.name_or_path:
         path = model.name_or_path
         if path is None:
             raise ConfigError("model.name_or_path=None: model=path needs a local folder or hub id")
         if (path.startswith((".", "/", "~")) or Path(path).exists()) and not Path(path).expanduser().is_dir():
             raise ConfigError(f"model.name_or_path={path!r} is not a folder")
-        check_model_location("model.name_or_path", path)
+        check_model_location("model.name_or_path", path, weights=path not in pending_paths)
 
 
 def check_data(data: Any) -> None:
@@ -132,7 +136,7 @@ def check_reward(reward: Any, pending_paths: Collection[str] = ()) -> None:
 
 def check_paths(cfg: Any, pending_paths: Collection[str] = ()) -> None:
     check_cache()
-    check_model(cfg.model)
+    check_model(cfg.model, pending_paths)
     check_data(cfg.data)
     check_reward(cfg.reward, pending_paths)
 

@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
-from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -30,39 +29,58 @@ REAL_NUMEL = 1 << 22  # outputs of all-real operations up to this size are compu
 INDEX_DTYPES = (torch.int64, torch.int32, torch.bool)
 
 
-class StepMemory(MemTracker):
-    """``MemTracker`` without its per-module statistics, with the peak of the current phase (bytes, all devices)."""
+def _step_memory_class() -> type:
+    """:class:`StepMemory`, defined at first use: importing torch's ``MemTracker`` sets up its compiler, which writes
+    ``TORCHINDUCTOR_CACHE_DIR``, and importing the package must change nothing in the process."""
+    from torch.distributed._tools.mem_tracker import MemTracker
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.phase_peak = 0
+    class StepMemory(MemTracker):
+        """``MemTracker`` without its per-module statistics, with the peak of the current phase (bytes, all devices)."""
 
-    # The per-module snapshots refuse a module called twice in one step; the totals need none of them.
-    def _pre_fw_hook(self, module: Any, inputs: Any) -> None:
-        pass
+        def __init__(self) -> None:
+            super().__init__()
+            self.phase_peak = 0
 
-    def _post_fw_hook(self, module: Any, inputs: Any, outputs: Any) -> None:
-        pass
+        # The per-module snapshots refuse a module called twice in one step; the totals need none of them.
+        def _pre_fw_hook(self, module: Any, inputs: Any) -> None:
+            pass
 
-    def _pre_bw_hook(self, module: Any, args: Any) -> None:
-        pass
+        def _post_fw_hook(self, module: Any, inputs: Any, outputs: Any) -> None:
+            pass
 
-    def _post_bw_hook(self, module: Any, args: Any) -> None:
-        pass
+        def _pre_bw_hook(self, module: Any, args: Any) -> None:
+            pass
 
-    def current(self) -> int:
-        """Bytes of the live storages the tracker knows, all devices."""
-        return sum(snapshot["Total"] for snapshot in self.get_tracker_snapshot("current").values())
+        def _post_bw_hook(self, module: Any, args: Any) -> None:
+            pass
 
-    def start_phase(self) -> int:
-        """Begin a phase: its peak starts at what is live now (returned)."""
-        self.phase_peak = self.current()
-        return self.phase_peak
+        def current(self) -> int:
+            """Bytes of the live storages the tracker knows, all devices."""
+            return sum(snapshot["Total"] for snapshot in self.get_tracker_snapshot("current").values())
 
-    def _update_peak_stats(self, peak_state: Any) -> None:
-        super()._update_peak_stats(peak_state)
-        total = sum(snapshot["Total"] for snapshot in self._curr_mem_snap.values())
-        self.phase_peak = max(self.phase_peak, total)
+        def start_phase(self) -> int:
+            """Begin a phase: its peak starts at what is live now (returned)."""
+            self.phase_peak = self.current()
+            return self.phase_peak
+
+        def _update_peak_stats(self, peak_state: Any) -> None:
+            super()._update_peak_stats(peak_state)
+            total = sum(snapshot["Total"] for snapshot in self._curr_mem_snap.values())
+            self.phase_peak = max(self.phase_peak, total)
+
+    return StepMemory
+
+
+_LAZY: dict[str, type] = {}
+
+
+def __getattr__(name: str) -> Any:
+    """``StepMemory`` (see :func:`_step_memory_class`)."""
+    if name == "StepMemory":
+        if name not in _LAZY:
+            _LAZY[name] = _step_memory_class()
+        return _LAZY[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _answer(tensor: torch.Tensor) -> bool | int | float:

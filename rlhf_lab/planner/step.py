@@ -32,7 +32,8 @@ import rlhf_lab.components  # noqa: F401  (registers the built-in parts)
 from rlhf_lab.hardware import HardwareProfile
 from rlhf_lab.kl.placements import KLPenalty
 from rlhf_lab.models.loading import DTYPES, PolicyAndReference
-from rlhf_lab.planner.fake import RealIndices, StepMemory
+from rlhf_lab.planner import fake as fake_tensors
+from rlhf_lab.planner.fake import RealIndices
 from rlhf_lab.planner.models import build_on_meta, initialise, kv_cache_bytes, materialize, storage_bytes
 from rlhf_lab.registry import get
 from rlhf_lab.runtime.precision import Precision
@@ -94,7 +95,7 @@ def _eos_id(tokenizer: Any) -> int | None:
 class _Phases:
     """The tracker's peak and the FLOP counter's count, per phase of the step."""
 
-    def __init__(self, memory: StepMemory | None, flops: FlopCounterMode | None) -> None:
+    def __init__(self, memory: Any, flops: FlopCounterMode | None) -> None:  # memory: fake.StepMemory
         self.memory, self.flop_counter = memory, flops
         self.peaks: dict[str, int] = {}
         self.flops: dict[str, int] = {}
@@ -197,7 +198,7 @@ def _plan_step(cfg: Any, tokenizer: Any, precision: Precision, prompt_tokens: in
         optimizer = sum(getattr(t, "_local_tensor", t).untyped_storage().nbytes()
                         for state in updater.optimizer.state.values() for t in state.values()
                         if isinstance(t, torch.Tensor))
-        memory = stack.enter_context(StepMemory())
+        memory = stack.enter_context(fake_tensors.StepMemory())
         memory.track_external(models.policy, models.reference, updater.optimizer,
                               *algorithm.modules().values())
         counter = stack.enter_context(FlopCounterMode(display=False)) if count_flops else None

@@ -101,7 +101,9 @@ def make_plan(overrides: list[str], device: str | None = None, world_size: int =
 
     if world_size < 1:
         raise ToolError(f"--world-size must be 1 or more; got {world_size}")
-    cfg = compose(list(overrides))
+    # A model given by its config.json alone: planned without weights (the trainer would refuse the folder).
+    given = [o.split("=", 1)[1] for o in overrides if o.lstrip("+").startswith("model.name_or_path=")]
+    cfg = compose(list(overrides), pending_paths=given)
     device = planned_device(cfg, device)
     memory = device_memory(device, memory_gib)
     try:

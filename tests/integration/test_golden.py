@@ -2,7 +2,7 @@
 
 The files in ``tests/golden/`` were recorded (``python tests/golden/record.py``) on one CPU: every algorithm ×
 two KL settings × LoRA on/off, 4 steps with an evaluation every 2, and a PPO run stopped after 2 steps and
-resumed to 4. Wall-clock keys (``time/``, ``throughput/``) are left out. Metrics renamed since the recording
+resumed to 4. Wall-clock and machine keys (``time/``, ``throughput/``, ``perf/``) are left out. Metrics renamed since the recording
 are mapped in ``RENAMED``; metrics added since are listed in ``ADDED``; nothing else may appear or go missing.
 
 What is compared exactly and what to a tolerance follows what the code guarantees:
@@ -32,11 +32,12 @@ GOLDEN_DIR = Path(__file__).resolve().parents[1] / "golden"
 sys.path.insert(0, str(GOLDEN_DIR))
 import record  # noqa: E402
 
-WALL_CLOCK = ("time/", "throughput/")
+WALL_CLOCK = ("time/", "throughput/", "perf/")
 RENAMED = {"skip_minibatch": "optim/vetoed"}  # PPO's ratio-threshold veto, now a typed loss result
 # Metrics added since the recording (the algorithm menu's debugging statistics).
 ADDED = {"advantages/min", "advantages/max", "policy/ratio_mean", "policy/ratio_max", "policy/ratio_min",
-         "policy/clipped_low_frac", "policy/clipped_high_frac", "response/truncated_frac"}
+         "policy/clipped_low_frac", "policy/clipped_high_frac", "response/truncated_frac", "response/length_min",
+         "response/length_max", "response/clipped_frac", "rollout/frac_reward_zero_std", "kl/exact_floor"}
 
 # Relative: 4 steps of Adam carry a kernel's last-bit difference into the weights; Adam divides each gradient
 # by its own running size, so a relative difference in a gradient stays relative in the update. Largest seen

@@ -39,7 +39,7 @@ def test_rescale_needs_its_threshold_and_modes_their_range(compose) -> None:
     with pytest.raises(ConfigError, match="reward.rescale=mode_anchor rescores the samples at or above "
                                           "reward.rescale_threshold, which is null"):
         compose([*TASK, "reward.rescale=mode_anchor"])
-    with pytest.raises(ConfigError, match=r"reward.rescale='anchor' is not valid; choose from: mode_anchor, none"):
+    with pytest.raises(ConfigError, match=r"reward.rescale='anchor' is not valid; did you mean 'mode_anchor'\? choose from: mode_anchor, none"):
         compose([*TASK, "reward.rescale=anchor"])
     with pytest.raises(ConfigError, match=r"reward.modes=3 is out of range; must be 0 \(off\) or in \[2, reward.peaks=2\]"):
         compose([*TASK, "reward.modes=3"])

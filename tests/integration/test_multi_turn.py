@@ -66,7 +66,7 @@ def test_a_multi_turn_run_resumes_exactly(compose, tiny_overrides, tmp_path: Pat
     folder = tmp_path / "split"
     train(compose, [*overrides, "trainer.steps=2"], folder)
     resumed = train(compose, [*overrides, "trainer.resume=auto"], folder)
-    strip = lambda line: {k: v for k, v in line.items() if not k.startswith(("time/", "throughput/"))}  # noqa: E731
+    strip = lambda line: {k: v for k, v in line.items() if not k.startswith(("time/", "throughput/", "perf/"))}  # noqa: E731
     assert [strip(line) for line in resumed] == [strip(line) for line in whole]
     assert all("env/tool_calls" in line and "env/tool_errors" in line for line in whole)
 

@@ -32,7 +32,7 @@ ALGORITHMS = {
     # GRPO's KL factor: a group of equal rewards takes the mean factor of every rank's other groups
     "grpo_kl_scaled": ["algorithm=grpo", "kl=k3", "kl.placement=loss", "kl.loss_scale=advantage"],
 }
-WALL_CLOCK = ("time/", "throughput/")
+WALL_CLOCK = ("time/", "throughput/", "perf/")
 TIMEOUT = 300
 
 

@@ -33,7 +33,7 @@ ALGORITHMS = {
     "grpo": ["algorithm=grpo"],
     "ppo": ["algorithm=ppo", "algorithm.mini_batch_size=2", "kl=kl", "kl.placement=reward"],
 }
-WALL_TIME_KEYS = ("time/", "throughput/")
+WALL_TIME_KEYS = ("time/", "throughput/", "perf/")
 TIMEOUT = 300
 
 

@@ -315,6 +315,7 @@ def test_the_trainer_reads_the_token_and_only_rank_0_writes(compose, tiny_overri
     other than 0 gathers along but writes and sends nothing."""
     from rlhf_lab.generation.backend import SamplingSettings
     from rlhf_lab.generation.server import VLLMServerGeneration
+    from rlhf_lab.generation.worker import RolloutWorker
     from rlhf_lab.models.loading import build_policy, load_tokenizer
     from rlhf_lab.runtime import distributed
 
@@ -340,10 +341,12 @@ def test_the_trainer_reads_the_token_and_only_rank_0_writes(compose, tiny_overri
         url = f"http://127.0.0.1:{holder['http'].server_address[1]}"
         client = VLLMServerGeneration(policy, tokenizer, SamplingSettings(max_new_tokens=2),
                                       options={"url": url, "sync_folder": str(sync)})
+        assert engine.fed == []  # the server may hold other weights: the rollout worker loads them first
+        worker = RolloutWorker(client, policy)
+        assert worker.generate(["a prompt"], 2).response_ids.tolist() == [[7, 8]] * 2
         state = policy.state_dict()
         assert engine.fed == ["stream"] and set(engine.weights) >= set(state)
         assert all(torch.equal(engine.weights[name], tensor) for name, tensor in state.items())
-        assert client.generate(["a prompt"], 2).response_ids.tolist() == [[7, 8]] * 2
         monkeypatch.setattr(distributed, "is_main_process", lambda: False)
         before = sorted(path.name for path in sync.iterdir())
         client.sync_weights(policy)

@@ -25,7 +25,7 @@ from rlhf_lab.training.update import Updater
 STEPS = ["trainer.steps=4", "trainer.eval_prompts=0", "trainer.lr=1e-2", "trainer.seed_per_prompt=true",
          "trainer.max_new_tokens=8", "reward=length", "reward.min_words=1", "reward.max_words=2",
          "reward.slope_words=1"]
-WALL_TIME = ("time/", "throughput/")
+WALL_TIME = ("time/", "throughput/", "perf/")
 
 
 def weights_sum(module: torch.nn.Module) -> float:

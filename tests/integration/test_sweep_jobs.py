@@ -34,7 +34,7 @@ def test_the_experiment_files_sweeper_params_are_checked(tmp_path: Path) -> None
         "# @package _global_\ndefaults:\n  - override /model: tiny\nhydra:\n  mode: MULTIRUN\n  sweeper:\n"
         "    params:\n      kl: k3,nope\n      seed: 0,1\n"
     )
-    expected = r"sweep job 2 of 4 \(kl=nope seed=0 experiment=bad_sweep\): kl='nope' is not an option; choose from: abs"
+    expected = r"sweep job 2 of 4 \(kl=nope seed=0 experiment=bad_sweep\): kl='nope' is not an option; did you mean 'none'\? choose from: abs"
     with pytest.raises(ConfigError, match=expected):
         compose([f"hydra.searchpath=[file://{tmp_path}]", "experiment=bad_sweep"])
 

@@ -14,7 +14,7 @@ from rlhf_lab.trackers.jsonl import read_jsonl
 from rlhf_lab.training.launch import run
 
 COMMON = ["algorithm=grpo", "trainer.steps=3", "trainer.lr=1e-3"]
-WALL_TIME_KEYS = ("time/", "throughput/")
+WALL_TIME_KEYS = ("time/", "throughput/", "perf/")
 
 
 def train(compose, tiny_overrides, out: Path, *overrides: str) -> dict:

@@ -37,7 +37,7 @@ TRAIN_KEYS = [
     "reward/mean", "reward/std", "kl/estimate", "kl/exact", "kl/coef", "loss/policy", "loss/total",
     "policy/entropy", "policy/clipfrac", "response/length_mean", "time/step_s", "throughput/tokens_per_s",
 ]
-TIMING_PREFIXES = ("time/", "throughput/")
+TIMING_PREFIXES = ("time/", "throughput/", "perf/")
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 
