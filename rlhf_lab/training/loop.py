@@ -469,7 +469,10 @@ class Trainer:
                     self.clock.announce(step)
                     break
             done = step + 1  # steps trained, over every segment
-            final_eval = self.evaluate(done) if cfg.trainer.eval_prompts > 0 else {}
+            # The final save comes after it: the evaluation must leave the generators as the next step (a resumed
+            # or longer run's) would find them.
+            with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+                final_eval = self.evaluate(done) if cfg.trainer.eval_prompts > 0 else {}
             if final_eval:
                 self.records.log({"step": done, **final_eval}, done)
                 self._print_example("after training")

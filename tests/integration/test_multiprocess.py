@@ -192,16 +192,16 @@ dist.destroy_process_group()
 
 
 def test_fsdp_ranks_decode_in_lock_step_until_every_rank_is_done(tmp_path: Path) -> None:
-    """Rank 0's responses end after two tokens, rank 1's run to the limit: under FSDP every decode step gathers
-    the weights from every rank, so rank 0 keeps stepping (padding) until rank 1 is done instead of leaving it
-    waiting in a collective for ever. Its own responses still end where they ended."""
+    """Rank 0's responses end after two tokens, rank 1's run to the limit: under FSDP the decode gathers the weights
+    once per generation (not per token), so no decode step is a collective and rank 0 stops when its own rows are
+    done without leaving rank 1 waiting; each rank's responses end where they ended."""
     script = tmp_path / "lockstep.py"
     script.write_text(LOCKSTEP)
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                              str(script)], capture_output=True, text=True, timeout=120, env=environment())
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [(tmp_path / f"result_{rank}.txt").read_text() for rank in (0, 1)]
-    assert lines == ["0 6 [2.0, 2.0, 2.0, 2.0]", "1 6 [6.0, 6.0, 6.0, 6.0]"]
+    assert lines == ["0 2 [2.0, 2.0, 2.0, 2.0]", "1 6 [6.0, 6.0, 6.0, 6.0]"]
 
 
 def test_exact_resume_after_sigkill_of_every_rank(tmp_path: Path) -> None:
