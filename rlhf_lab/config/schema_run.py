@@ -132,7 +132,7 @@ class GenerationConfig:
     # max(s - k, 0) updates (rlhf_lab/generation/worker.py; algorithm.tis_cap corrects for it)
     max_staleness: int = 0
     # After every weight load the engine and the trainer score a fixed probe (rlhf_lab/generation/sync_check.py);
-    # above this max |Δ log-prob| the run stops. null: the precision's default (fp32 0.02, half precision 0.25); 0: off
+    # above this max |Δ log-prob| the run stops. null: the precision's default (fp32 0.02; half precision 0: logged only, its noise is ~1); 0: off
     sync_check_tol: float | None = None
 
 
