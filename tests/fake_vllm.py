@@ -212,3 +212,13 @@ def module() -> types.SimpleNamespace:
     """What ``import vllm`` gives the project's code: ``LLM``, ``SamplingParams``, ``lora.request.LoRARequest``."""
     lora = types.SimpleNamespace(request=types.SimpleNamespace(LoRARequest=LoRARequest))
     return types.SimpleNamespace(LLM=LLM, SamplingParams=SamplingParams, lora=lora)
+
+
+def installed(monkeypatch: Any) -> Any:
+    """A fixture's body: ``import vllm`` in the project's engine gives this stand-in, no faults, no engines built yet."""
+    from rlhf_lab.generation import vllm as engine
+
+    monkeypatch.setattr(engine, "import_vllm", module)
+    LLM.faults, LLM.built = {}, []
+    yield
+    LLM.faults = {}

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_lab.generation import vllm as vllm_engine
 from rlhf_lab.training.loop import Trainer
 from tests import fake_vllm
 
@@ -20,11 +19,8 @@ ENGINE = ["generation=vllm", "generation.sleep=true", "trainer.lr=1e-2", "traine
 
 @pytest.fixture(autouse=True)
 def stand_in_vllm(monkeypatch):
-    monkeypatch.setattr(vllm_engine, "import_vllm", fake_vllm.module)
-    fake_vllm.LLM.faults = {}
-    fake_vllm.LLM.built = []
-    yield
-    fake_vllm.LLM.faults = {}
+    """``import vllm`` gives the stand-in; each test configures its own faults."""
+    yield from fake_vllm.installed(monkeypatch)
 
 
 def steps(run_dir: Path) -> list[dict]:

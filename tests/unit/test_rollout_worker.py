@@ -26,11 +26,7 @@ SETTINGS = SamplingSettings(max_new_tokens=6, max_prompt_tokens=64)
 @pytest.fixture(autouse=True)
 def stand_in_vllm(monkeypatch):
     """``import vllm`` gives the stand-in; each test configures its own faults."""
-    monkeypatch.setattr(vllm_engine, "import_vllm", fake_vllm.module)
-    fake_vllm.LLM.faults = {}
-    fake_vllm.LLM.built = []
-    yield
-    fake_vllm.LLM.faults = {}
+    yield from fake_vllm.installed(monkeypatch)
 
 
 def tiny_policy(compose, tiny_tokenizer, lora: bool = False) -> torch.nn.Module:
