@@ -58,7 +58,8 @@ gpu-bundle: install
 	$(PY) -c "from rlhf_lab.models.loading import smollm2_tokenizer_path as p; import shutil; shutil.copytree(p(), '.gpu/cache/' + p().name)"
 
 # `make bench`: installs the optional TRL extra (requirements-trl.txt) and times rlhf_lab against TRL's GRPOTrainer
-# on identical settings (docs/benchmarks.md). More flags or overrides in ARGS, e.g. ARGS="--lora --rounds 3".
+# on identical settings (benchmarks/bench.py, outside the wheel; docs/benchmarks.md). More flags or overrides in
+# ARGS, e.g. ARGS="--lora --rounds 3".
 BENCH_ARGS ?= --compare trl --steps 5 --warmup 1 --rounds 2 --json outputs/bench/latest.json
 TRL_STAMP := $(VENV)/.installed-trl
 
@@ -67,7 +68,7 @@ $(TRL_STAMP): $(STAMP) requirements-trl.txt
 	touch $(TRL_STAMP)
 
 bench: $(TRL_STAMP)
-	HF_HUB_OFFLINE=$${HF_HUB_OFFLINE:-1} $(VENV)/bin/rlhf-lab bench $(BENCH_ARGS) $(ARGS)
+	HF_HUB_OFFLINE=$${HF_HUB_OFFLINE:-1} $(PY) -m benchmarks.bench $(BENCH_ARGS) $(ARGS)
 
 # `make install-ray`: the optional Ray extra (requirements-ray.txt) for `hydra/launcher=ray` / `ray_cluster` sweeps.
 RAY_STAMP := $(VENV)/.installed-ray
@@ -106,7 +107,7 @@ docs: install
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 
 lint: install
-	$(VENV)/bin/ruff check rlhf_lab hydra_plugins tests
+	$(VENV)/bin/ruff check rlhf_lab hydra_plugins benchmarks tests
 
 clean:
 	rm -rf $(VENV) site

@@ -1,10 +1,10 @@
-"""``rlhf-lab bench``: time training steps per phase, optionally against TRL on identical settings.
+"""``python -m benchmarks.bench`` (``rlhf-lab bench`` from a checkout): time training steps per phase, optionally against TRL on identical settings.
 
     rlhf-lab bench [--steps N] [--warmup W] [--rounds R] [--seeds 0,1,2] [--compare trl] [--lora] [--ppo]
                    [--scaling] [--batch-sizes 4,8,16,32] [--lengths 16,32,64] [--json PATH] [-- overrides...]
 
-Every measured run is a child process (``python -m rlhf_lab.tools.bench --worker JOB RESULT``,
-:mod:`rlhf_lab.tools.bench_worker`) that trains W warm-up steps plus N measured steps and writes its per-step
+Every measured run is a child process (``python -m benchmarks.bench --worker JOB RESULT``,
+:mod:`benchmarks.bench_worker`) that trains W warm-up steps plus N measured steps and writes its per-step
 records and its peak RSS as JSON. Frameworks alternate within one invocation (rlhf_lab,
 TRL, rlhf_lab, TRL, … for R rounds), so machine noise hits both; ``--seeds`` gives round r the seed
 ``seeds[r % len(seeds)]``, so rounds double as seeds of a learning comparison. The default run is
@@ -29,11 +29,12 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from benchmarks.bench_format import PHASES, format_report
+from benchmarks.bench_worker import Job, _clean, process_switches, worker
 from rlhf_lab.errors import ToolError
-from rlhf_lab.tools.bench_format import PHASES, format_report
-from rlhf_lab.tools.bench_worker import Job, _clean, process_switches, worker
 
 SCHEMA = "rlhf_lab.bench/1"
+REPOSITORY = Path(__file__).resolve().parents[1]  # the checkout: benchmarks/ beside rlhf_lab/
 DEFAULT_OVERRIDES = [
     "algorithm=grpo", "kl=k3", "kl.coef=0.04", "kl.placement=loss", "trainer.prompts_per_step=2",
     "algorithm.group_size=8", "trainer.max_new_tokens=32", "model.lora.enabled=false", "logger=none",
@@ -118,15 +119,22 @@ def scaling_overrides(samples: int, max_new_tokens: int) -> list[str]:
 # ------------------------------------------------------------------------------------------ parent process
 
 
+def child_environment() -> dict[str, str]:
+    """This process's environment with the checkout first on ``PYTHONPATH``, so a child finds ``benchmarks`` (and the
+    rlhf_lab beside it) from any working folder."""
+    paths = [str(REPOSITORY), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
+
+
 def run_job(job: Job, work_dir: Path) -> dict[str, Any]:
     """Run ``job`` in a child process; its result, or {"error": one line} if the child failed."""
     stem = f"{job.row}_{job.framework}_{len(list(work_dir.glob('*.job.json')))}"
     job_file, result_file, log_file = (work_dir / f"{stem}.{ext}" for ext in ("job.json", "result.json", "log"))
     job_file.write_text(json.dumps(asdict(job)))
-    command = [sys.executable, "-m", "rlhf_lab.tools.bench", "--worker", str(job_file), str(result_file)]
+    command = [sys.executable, "-m", "benchmarks.bench", "--worker", str(job_file), str(result_file)]
     start = time.perf_counter()
     with open(log_file, "w") as log:
-        returncode = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, check=False,
+        returncode = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, check=False, env=child_environment(),
 ).returncode
     wall_s = time.perf_counter() - start
     if returncode != 0 or not result_file.is_file():
@@ -152,7 +160,7 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
     run_rewards = [statistics.fmean(run) for run in per_run if run]
     rss = [r["peak_rss_mib"] for r in done]
     setup = [r["setup_s"] for r in done if r.get("setup_s") is not None]
-    from rlhf_lab.tools.bench_floor import generation_floor_summary
+    from benchmarks.bench_floor import generation_floor_summary
 
     floors = [(s["phases"].get("generate", 0.0), s["generation_floor"]) for s in steps if s.get("generation_floor")]
     return {
@@ -220,7 +228,7 @@ def resolved_precision(cfg: Any) -> list[str]:
     products: each child measuring for itself could pick otherwise); [] for any other setting."""
     if cfg.trainer.precision != "auto" or cfg.trainer.get("dtype") is not None:
         return []
-    from rlhf_lab.tools.bench_trl import run_precision
+    from benchmarks.bench_trl import run_precision
 
     return [f"trainer.precision={run_precision(cfg.trainer)}"]
 
@@ -238,7 +246,7 @@ def plan(options: argparse.Namespace) -> tuple[list[tuple[str, list[str], str | 
         cfg = _check_config(overrides)
         reason = None
         if options.compare == "trl":
-            from rlhf_lab.tools.bench_trl import trl_version, unsupported_reason
+            from benchmarks.bench_trl import trl_version, unsupported_reason
 
             if trl_version() is None:
                 raise BenchError("--compare trl needs TRL: pip install -r requirements-trl.txt (or make bench)")

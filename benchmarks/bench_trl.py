@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from rlhf_lab.tools.bench_format import PHASES  # noqa: F401  (the phases timed on both sides)
+from benchmarks.bench_format import PHASES  # noqa: F401  (the phases timed on both sides)
 
 
 def trl_version() -> str | None:

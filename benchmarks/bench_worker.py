@@ -1,7 +1,7 @@
 """The child process of ``rlhf-lab bench``: one framework trains one job and writes its records as JSON.
 
-``python -m rlhf_lab.tools.bench --worker JOB RESULT`` runs :func:`worker`: W warm-up plus N measured steps of
-rlhf_lab's Trainer (:func:`run_rlhf_lab`) or of TRL's GRPOTrainer (:mod:`rlhf_lab.tools.bench_trl`), then its
+``python -m benchmarks.bench --worker JOB RESULT`` runs :func:`worker`: W warm-up plus N measured steps of
+rlhf_lab's Trainer (:func:`run_rlhf_lab`) or of TRL's GRPOTrainer (:mod:`benchmarks.bench_trl`), then its
 per-step records, its peak RSS (``getrusage(RUSAGE_SELF).ru_maxrss``, so model loading counts too), its setup time
 and, for rlhf_lab, the hardware profile it ran under.
 """
@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from rlhf_lab.tools.bench_format import PHASES
+from benchmarks.bench_format import PHASES
 
 
 @dataclass
@@ -40,9 +40,9 @@ def _peak_rss_mib() -> float:
 def run_rlhf_lab(cfg: Any, steps: int, warmup: int, work_dir: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Train ``warmup + steps`` steps with rlhf_lab's Trainer; (per-step records, facts about the run)."""
     import rlhf_lab.components  # noqa: F401  (registers the built-in parts)
+    from benchmarks.bench_floor import ModelShape, floor_seconds, measure_floor, record_generation_work
     from rlhf_lab.hardware import describe
     from rlhf_lab.runtime import distributed
-    from rlhf_lab.tools.bench_floor import ModelShape, floor_seconds, measure_floor, record_generation_work
     from rlhf_lab.training.loop import Trainer
     from rlhf_lab.training.records import synchronize
 
@@ -91,7 +91,7 @@ def worker(job_path: str, result_path: str) -> None:
     cfg = compose(job.overrides)
     with tempfile.TemporaryDirectory(prefix=f"rlhf_lab_bench_{job.framework}_") as tmp:
         if job.framework == "trl":
-            from rlhf_lab.tools.bench_trl import run_trl
+            from benchmarks.bench_trl import run_trl
 
             records, facts = run_trl(cfg, job.steps, job.warmup, Path(tmp))
         else:

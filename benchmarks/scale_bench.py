@@ -1,10 +1,10 @@
 """Scale-out figures: processes, precision and memory savers, each run as a real ``rlhf-lab`` process.
 
-    python -m rlhf_lab.tools.scale_bench --processes --steps 4            # 1 vs 2 processes (tiny, SmolLM2)
-    python -m rlhf_lab.tools.scale_bench --memory --steps 3               # SmolLM2 GRPO peak RSS per setting
-    python -m rlhf_lab.tools.scale_bench --learning --seeds 0,1,2         # the default run (make train), per seed
-    python -m rlhf_lab.tools.scale_bench --env --steps 6                  # 2-turn episodes vs one turn (tiny, SmolLM2)
-    python -m rlhf_lab.tools.scale_bench --calculator 300                 # SmolLM2 on env=calculator for 300 s
+    python -m benchmarks.scale_bench --processes --steps 4            # 1 vs 2 processes (tiny, SmolLM2)
+    python -m benchmarks.scale_bench --memory --steps 3               # SmolLM2 GRPO peak RSS per setting
+    python -m benchmarks.scale_bench --learning --seeds 0,1,2         # the default run (make train), per seed
+    python -m benchmarks.scale_bench --env --steps 6                  # 2-turn episodes vs one turn (tiny, SmolLM2)
+    python -m benchmarks.scale_bench --calculator 300                 # SmolLM2 on env=calculator for 300 s
 
 Each job runs in a fresh process tree (``torchrun`` for 2 processes); its median seconds per step come from
 its ``metrics.jsonl`` (the first step, a warm-up, left out), its peak RSS from the operating system (the
@@ -142,7 +142,7 @@ def learning_section(seeds: list[int], work: Path) -> tuple[str, list[dict[str, 
 
 
 def main(args: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m rlhf_lab.tools.scale_bench", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.scale_bench", description=__doc__.split("\n")[0])
     parser.add_argument("--processes", action="store_true", help="1 vs 2 processes on tiny and SmolLM2")
     parser.add_argument("--memory", action="store_true", help="SmolLM2 peak RSS per precision / memory saver")
     parser.add_argument("--learning", action="store_true", help="the default run (make train), per seed")

@@ -293,7 +293,7 @@ def _run_subcommand(name: str, args: list[str]) -> None:
 
         report_main(args)
     elif name == "bench":
-        from rlhf_lab.tools.bench import main as bench_main
+        from rlhf_lab.app.bench_command import main as bench_main
 
         bench_main(args)
     elif name == "export":

@@ -1,4 +1,4 @@
-"""``rlhf-lab --help`` (rlhf_lab/conf/hydra/help/rlhf_lab.yaml): the option lists it shows, computed when asked.
+"""``rlhf-lab --help`` (conf/hydra/help/rlhf_lab.yaml): the option lists it shows, computed when asked.
 
 ``${rlhf_lab_help:groups}`` lists each config group's options (schemas, ``*_schema``, are not options) and
 ``${rlhf_lab_help:launchers}`` / ``${rlhf_lab_help:sweepers}`` the installed launchers and sweepers.

@@ -1,6 +1,6 @@
 """Short, bounded job folder names for sweeps (a leaf: imports only OmegaConf).
 
-``hydra.sweep.subdir`` (rlhf_lab/conf/config.yaml) is ``${hydra.job.num}_${rlhf_lab_job_label:...}``: the job
+``hydra.sweep.subdir`` (conf/config.yaml) is ``${hydra.job.num}_${rlhf_lab_job_label:...}``: the job
 number and a label of at most :data:`LABEL_CHARS` characters, however many overrides the sweep has (Hydra's
 ``override_dirname`` joins them all and can pass the 255-character file-name limit). Each job's full
 overrides stay in its ``.hydra/overrides.yaml``. The resolver is defined when this module is imported: the

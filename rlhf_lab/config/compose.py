@@ -3,7 +3,7 @@
 The CLI (before Hydra starts), ``rlhf-lab bench``, the tests and the golden-record script all call this
 one function, so a typo in a key, an unknown option or an out-of-range value fails the same way
 everywhere: a one-line :class:`~rlhf_lab.errors.ConfigError` naming the key and what it accepts.
-The Hydra tree ships inside the package (``CONF_DIR`` = ``rlhf_lab/conf``), so any install finds it.
+The Hydra tree is ``CONF_DIR`` (:mod:`.conf_dir`): ``conf/`` in a checkout, ``rlhf_lab/conf`` in an installed wheel.
 A command line that picks a launcher, a sweeper or a search (``hydra/launcher=ray``, ``+hparams_search=NAME``,
 ``experiment=NAME``) also has Hydra's own config composed and checked (:mod:`.validate_sweep`).
 """
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Collection
-from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
@@ -20,6 +19,7 @@ from omegaconf import DictConfig
 import rlhf_lab.config.schema_offline  # noqa: F401  (the offline stages' schemas join OPTION_SCHEMAS)
 from rlhf_lab.app.plugins import load_plugins, plugins_in_overrides
 from rlhf_lab.config.claims import check_claims
+from rlhf_lab.config.conf_dir import CONF_DIR
 from rlhf_lab.config.objective import check_objective
 from rlhf_lab.config.schema import register_configs
 from rlhf_lab.config.suggest import did_you_mean
@@ -45,7 +45,6 @@ from rlhf_lab.config.validate_sweep import (
 )
 from rlhf_lab.errors import ConfigError
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 GROUPS = ("algorithm", "kl", "reward", "model", "data", "logger", "hardware", "generation", "env", "experiment",
           "hparams_search")
 HYDRA_PREFIXES = ("hydra.", "hydra/", "+hydra", "++hydra")

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
+from rlhf_lab.config.conf_dir import CONF_DIR
 from rlhf_lab.config.sweep_jobs import options
 from rlhf_lab.errors import ConfigError
-
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
 
 def check_eval(cfg: Any, search_paths: tuple[str, ...] = ()) -> None:

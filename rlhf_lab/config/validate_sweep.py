@@ -43,7 +43,7 @@ RAY = Plugin("hydra-ray-launcher and ray", ("hydra_plugins.hydra_ray_launcher", 
 PLUGINS: dict[tuple[str, str], Plugin] = {
     ("launcher", "ray"): RAY,
     ("launcher", "ray_aws"): RAY,
-    ("launcher", "ray_cluster"): RAY,  # rlhf_lab/conf/hydra/launcher/ray_cluster.yaml
+    ("launcher", "ray_cluster"): RAY,  # conf/hydra/launcher/ray_cluster.yaml
     ("launcher", "joblib"): Plugin("hydra-joblib-launcher", ("hydra_plugins.hydra_joblib_launcher", "joblib"),
                                    "install it: pip install -r requirements.txt"),
     ("launcher", "submitit_local"): Plugin("hydra-submitit-launcher",
@@ -58,7 +58,7 @@ PLUGINS: dict[tuple[str, str], Plugin] = {
                                      "install it: pip install hydra-nevergrad-sweeper"),
 }
 PLUGINS[("launcher", "submitit_slurm")] = PLUGINS[("launcher", "submitit_local")]
-PLUGINS[("launcher", "slurm")] = PLUGINS[("launcher", "submitit_local")]  # rlhf_lab/conf/hydra/launcher/slurm.yaml
+PLUGINS[("launcher", "slurm")] = PLUGINS[("launcher", "submitit_local")]  # conf/hydra/launcher/slurm.yaml
 PLUGINS[("launcher", "joblib_local")] = PLUGINS[("launcher", "joblib")]
 _BY_PACKAGE: dict[str, tuple[str, str]] = {}  # hydra_plugins.<package> -> the first option that names it
 for _choice, _plugin in PLUGINS.items():

@@ -1,1 +1,2 @@
-"""Tools beside the training path: ``bench`` (and its TRL harness) and ``report``."""
+"""Tools beside the training path: ``report``, ``export``, ``eval``, ``pipeline``, ``serve``, ``wandb``, ``plan``
+(the benchmarks are outside the package, in the repository's ``benchmarks/``)."""

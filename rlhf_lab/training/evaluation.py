@@ -92,7 +92,7 @@ def sampling_config(cfg: Any, chosen: EvalSettings) -> Any | None:
 
 
 def reward_config(name: str, search_paths: tuple[str, ...] = ()) -> Any:
-    """The config of reward option ``name`` (``rlhf_lab/conf/reward/NAME.yaml``), for an eval-only reward."""
+    """The config of reward option ``name`` (``conf/reward/NAME.yaml``), for an eval-only reward."""
     from rlhf_lab.config.compose import _hydra_compose
     from rlhf_lab.config.sweep_jobs import searchpath_override
 

@@ -1,6 +1,6 @@
 """``rlhf-lab bench``: the JSON it promises from a real (tiny) run, one-line argument errors, the TRL mapping.
 
-The end-to-end run goes through ``rlhf_lab.tools.bench.main`` as the command line does, so the measured run
+The end-to-end run goes through ``benchmarks.bench.main`` as the command line does, so the measured run
 happens in a child process and its peak RSS comes back from there. The TRL tests skip when TRL is not
 installed (it is an optional extra: ``pip install -r requirements-trl.txt``).
 """
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_lab.tools import bench
-from rlhf_lab.tools.bench_trl import PHASES as TRL_PHASES
-from rlhf_lab.tools.bench_trl import grpo_config_kwargs, unsupported_reason
+from benchmarks import bench
+from benchmarks.bench_trl import PHASES as TRL_PHASES
+from benchmarks.bench_trl import grpo_config_kwargs, unsupported_reason
 
 HAS_TRL = importlib.util.find_spec("trl") is not None
 TINY = ["model=tiny", "algorithm.group_size=4", "trainer.max_new_tokens=8", "trainer.num_threads=1"]
@@ -187,8 +187,8 @@ def test_trl_rejects_settings_it_cannot_match(compose) -> None:
 
 @pytest.mark.skipif(not HAS_TRL, reason="TRL is not installed (optional extra: pip install -r requirements-trl.txt)")
 def test_trl_runner_does_one_step_on_a_tiny_model(tmp_path: Path, compose) -> None:
+    from benchmarks.bench_trl import run_trl
     from rlhf_lab.models.loading import build_tiny_llama, load_tokenizer
-    from rlhf_lab.tools.bench_trl import run_trl
 
     tiny_cfg = compose(["model=tiny"])
     tokenizer = load_tokenizer(tiny_cfg.model)
@@ -203,3 +203,22 @@ def test_trl_runner_does_one_step_on_a_tiny_model(tmp_path: Path, compose) -> No
     assert set(record["phases"]) == set(TRL_PHASES) and sum(record["phases"].values()) <= record["step_s"] + 1e-9
     assert record["tokens"] > 0 and math.isfinite(record["reward_mean"])
     assert facts["prompt_ids_match"] and facts["trainer"] == "trl.GRPOTrainer"
+
+
+def test_rlhf_lab_bench_runs_the_checkouts_benchmarks(capsys: pytest.CaptureFixture) -> None:
+    from rlhf_lab.app import bench_command
+
+    with pytest.raises(SystemExit) as stopped:
+        bench_command.main(["--steps", "0"])  # benchmarks.bench's own argument check answers
+    assert stopped.value.code == 2 and capsys.readouterr().err.strip() == "error: --steps=0 is out of range; must be >= 1"
+
+
+def test_rlhf_lab_bench_without_the_repository_says_what_to_run(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture) -> None:
+    from rlhf_lab.app import bench_command
+
+    monkeypatch.setattr(bench_command, "REPOSITORY", tmp_path)  # an installed package: no benchmarks/ beside it
+    with pytest.raises(SystemExit) as stopped:
+        bench_command.main(["--compare", "trl"])
+    (line,) = capsys.readouterr().err.splitlines()
+    assert stopped.value.code == 2 and line == f"error: {bench_command.NOT_SHIPPED}" and "make bench" in line

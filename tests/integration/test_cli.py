@@ -20,14 +20,14 @@ import pytest
 
 from rlhf_lab.config.schema import ModelConfig, PPOConfig, SentimentRewardConfig, TrainerConfig
 
-CONF_DIR = Path(__file__).resolve().parents[2] / "rlhf_lab" / "conf"
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 START_LIMIT_S = 15.0
 
 
 def options(group: str, required: set[str]) -> str:
     """The options of a config group as the CLI lists them, after checking the contract's names are there."""
     found = sorted(path.stem for path in (CONF_DIR / group).glob("*.yaml"))
-    assert required <= set(found), f"rlhf_lab/conf/{group} lacks {required - set(found)}"
+    assert required <= set(found), f"conf/{group} lacks {required - set(found)}"
     return ", ".join(found)
 
 

@@ -1,4 +1,5 @@
-"""A non-editable install carries the Hydra tree (``rlhf_lab/conf``) and the embedded prompts, and runs.
+"""A non-editable install carries the Hydra tree (``conf/`` mapped to ``rlhf_lab/conf``) and the embedded prompts,
+leaves ``benchmarks/`` out, runs, and finds a user's own ``conf/`` through the search path.
 
 The package is installed with pip into a scratch folder (from a copy of the sources, so the checkout gets
 no ``build/``) and run from another working folder with only that folder on ``PYTHONPATH``.
@@ -13,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 RUN = ["model=tiny", "trainer.steps=1", "trainer.prompts_per_step=1", "algorithm.group_size=2",
@@ -22,9 +24,10 @@ RUN = ["model=tiny", "trainer.steps=1", "trainer.prompts_per_step=1", "algorithm
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     source = tmp_path_factory.mktemp("source")
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "setup.py", "README.md"):
         shutil.copy(PROJECT_ROOT / name, source / name)
-    shutil.copytree(PROJECT_ROOT / "rlhf_lab", source / "rlhf_lab", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("rlhf_lab", "conf", "benchmarks"):
+        shutil.copytree(PROJECT_ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
     target = tmp_path_factory.mktemp("site")
     subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
                     "--target", str(target), str(source)], check=True, capture_output=True, text=True, timeout=300)
@@ -39,9 +42,11 @@ def environment(target: Path) -> dict[str, str]:
 def test_the_install_carries_conf_and_assets(installed: Path) -> None:
     package = installed / "rlhf_lab"
     shipped = {p.relative_to(package / "conf").as_posix() for p in (package / "conf").rglob("*.yaml")}
-    expected = {p.relative_to(PROJECT_ROOT / "rlhf_lab" / "conf").as_posix()
-                for p in (PROJECT_ROOT / "rlhf_lab" / "conf").rglob("*.yaml")}
+    expected = {p.relative_to(PROJECT_ROOT / "conf").as_posix() for p in (PROJECT_ROOT / "conf").rglob("*.yaml")}
     assert shipped == expected and "config.yaml" in shipped and "experiment/smoke.yaml" in shipped
+    assert not (installed / "conf").exists() and not (installed / "benchmarks").exists()
+    benches = {p.name for p in (PROJECT_ROOT / "benchmarks").glob("*.py")} - {"__init__.py"}
+    assert "bench_trl.py" in benches and not benches & {p.name for p in installed.rglob("*.py")}  # none shipped
     assert (package / "assets" / "movie_prompts" / "train.jsonl").is_file()
     assert (package / "assets" / "movie_prompts" / "eval.jsonl").is_file()
 
@@ -60,3 +65,28 @@ def test_an_installed_package_runs_from_another_folder(installed: Path, tmp_path
     assert result.returncode == 0, result.stderr[-3000:]
     assert (run_dir / "metrics.jsonl").is_file()
     assert list(cwd.iterdir()) == []  # everything went to the run folder
+
+
+def test_a_users_conf_beside_the_project_joins_the_installed_tree(installed: Path, tmp_path: Path) -> None:
+    project = tmp_path / "my_project"
+    (project / "conf" / "reward").mkdir(parents=True)
+    (project / "conf" / "reward" / "my_length.yaml").write_text(
+        "defaults:\n  - length_schema\n  - _self_\nname: length\nmin_words: 3\nmax_words: 7\n")
+    command = [sys.executable, "-m", "rlhf_lab", "model=tiny", "reward=my_length"]
+    for where in (["--config-dir", "conf"], ["hydra.searchpath=[file://conf]"]):
+        result = subprocess.run([*command, *where, "--cfg", "job"], cwd=project, env=environment(installed), capture_output=True,
+                                text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        reward = yaml.safe_load(result.stdout)["reward"]
+        assert (reward["name"], reward["min_words"], reward["max_words"]) == ("length", 3, 7)
+    alone = subprocess.run([*command, "--cfg", "job"], cwd=project, env=environment(installed), capture_output=True, text=True,
+                           timeout=300)  # without the search path the option is not there
+    assert alone.returncode == 2 and alone.stderr.startswith("error: reward='my_length' is not an option"), alone.stderr
+
+
+def test_bench_names_the_repository_when_installed_without_it(installed: Path, tmp_path: Path) -> None:
+    result = subprocess.run([sys.executable, "-m", "rlhf_lab", "bench", "--compare", "trl"], cwd=tmp_path,
+                            env=environment(installed), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stdout == ""
+    (line,) = result.stderr.splitlines()
+    assert line.startswith("error: rlhf-lab bench runs from a repository checkout") and "make bench" in line

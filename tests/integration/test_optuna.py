@@ -181,9 +181,9 @@ def test_the_wheel_ships_the_plugin(tmp_path: Path) -> None:
     root = Path(__file__).resolve().parents[2]
     source = tmp_path / "source"
     source.mkdir()
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "setup.py", "README.md"):
         shutil.copy(root / name, source / name)
-    for package in ("rlhf_lab", "hydra_plugins"):
+    for package in ("rlhf_lab", "conf", "hydra_plugins"):
         shutil.copytree(root / package, source / package, ignore=shutil.ignore_patterns("__pycache__"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "-w",
                     str(tmp_path / "dist"), str(source)], check=True, capture_output=True, text=True, timeout=300)

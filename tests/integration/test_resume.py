@@ -111,7 +111,7 @@ def assert_same_history(got_dir: Path, expected_dir: Path) -> None:
 
 
 def requires(algorithm: str) -> None:
-    if not (PROJECT_ROOT / "rlhf_lab" / "conf" / "algorithm" / f"{algorithm}.yaml").is_file() or algorithm not in names("algorithm"):
+    if not (PROJECT_ROOT / "conf" / "algorithm" / f"{algorithm}.yaml").is_file() or algorithm not in names("algorithm"):
         pytest.skip(f"algorithm={algorithm} is not there yet")
 
 

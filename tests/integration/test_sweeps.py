@@ -400,7 +400,7 @@ def test_experiment_selects_a_whole_sweep(name: str) -> None:
     from rlhf_lab.config.compose import compose as compose_and_validate
     from rlhf_lab.config.compose import group_options
 
-    assert (REPO / "rlhf_lab" / "conf" / "experiment" / f"{name}.yaml").is_file()
+    assert (REPO / "conf" / "experiment" / f"{name}.yaml").is_file()
     cfg = _compose(f"experiment={name}")
     assert cfg.experiment_name == name
     assert str(cfg.hydra.mode) == "RunMode.MULTIRUN"

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from rlhf_lab.tools.bench_floor import (
+from benchmarks.bench_floor import (
     Floor,
     GenerationWork,
     ModelShape,

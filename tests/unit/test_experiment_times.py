@@ -10,7 +10,7 @@ import yaml
 from rlhf_lab.app.cli import say_experiment_time
 from rlhf_lab.config import compose
 
-EXPERIMENTS = Path(__file__).resolve().parents[2] / "rlhf_lab" / "conf" / "experiment"
+EXPERIMENTS = Path(__file__).resolve().parents[2] / "conf" / "experiment"
 
 
 def test_every_experiment_states_a_measured_time() -> None:
