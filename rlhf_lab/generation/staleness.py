@@ -97,3 +97,8 @@ def snapshot_ring(cfg: Any, policy: nn.Module) -> SnapshotRing | None:
     if not generation.get("simulate_staleness", False):
         return None
     return SnapshotRing(policy, int(generation.get("max_staleness", 0)))
+
+
+def ring_files(ring: SnapshotRing | None) -> dict[str, dict[str, Tensor]]:
+    """The checkpoint's file of the ring's snapshots (none without a ring)."""
+    return {RING_FILE: ring.state()} if ring is not None else {}

@@ -20,7 +20,7 @@ import rlhf_lab.components  # noqa: F401  (registers the built-in parts)
 from rlhf_lab.data.prompts import PromptSplits, check_model_prompts, load_prompts
 from rlhf_lab.errors import TrainingStopped
 from rlhf_lab.generation.backend import SamplingSettings
-from rlhf_lab.generation.staleness import RING_FILE
+from rlhf_lab.generation.staleness import RING_FILE, ring_files
 from rlhf_lab.generation.worker import RolloutWorker
 from rlhf_lab.hardware import HardwareProfile
 from rlhf_lab.kl.placements import KLPenalty
@@ -245,17 +245,11 @@ class Trainer:
                                           updater.optimizer, updater.scheduler, trainer_state,
                                           keep_last_n=self.cfg.trainer.keep_last_n,
                                           config=OmegaConf.to_container(self.cfg, resolve=True),
-                                          tensor_files=self.tensor_files(ahead_tensors if ahead else None),
+                                          tensor_files={**({AHEAD_FILE: ahead_tensors} if ahead else {}),
+                                                        **ring_files(self.worker.ring)},
                                           with_optimizer=with_optimizer, **whole)
         distributed.barrier()
         return folder
-
-    def tensor_files(self, ahead_tensors: dict[str, torch.Tensor] | None) -> dict[str, dict[str, torch.Tensor]]:
-        """A checkpoint's further safetensors files: the batches in flight, the staleness ring's snapshots."""
-        files = {AHEAD_FILE: ahead_tensors} if ahead_tensors is not None else {}
-        if self.worker.ring is not None:
-            files[RING_FILE] = self.worker.ring.state()
-        return files
 
     # ----------------------------------------------------------------- one step
     def train_step(self, step: int) -> dict[str, Any]:
