@@ -131,6 +131,9 @@ class GenerationConfig:
     # 0: a step samples with the weights it trains; k (up to 16): step s trains on samples of the weights of
     # max(s - k, 0) updates (rlhf_lab/generation/worker.py; algorithm.tis_cap corrects for it)
     max_staleness: int = 0
+    # true: that lag from the last k policies' weights kept on the host, each step sampling its own prompts in its own
+    # step (rlhf_lab/generation/staleness.py); false: each batch sampled k steps early and held (hf, vllm)
+    simulate_staleness: bool = False
     # After every weight load the engine and the trainer score a fixed probe (rlhf_lab/generation/sync_check.py);
     # above this max |Δ log-prob| the run stops. null: the precision's default (fp32 0.02; half precision 0: logged only, its noise is ~1); 0: off
     sync_check_tol: float | None = None

@@ -25,6 +25,7 @@ from rlhf_lab.config.choices import (
     LR_SCHEDULES,
     MAX_STALENESS,
     ON_NONFINITE,
+    SIMULATES_STALENESS,
     WEIGHT_SYNC,
     sync_folder_needed,
 )
@@ -92,6 +93,17 @@ def check_choices(cfg: Any) -> None:
         raise ConfigError(f"generation.max_staleness={staleness!r} is out of range; must be an integer from 0 "
                           f"(on-policy) to {MAX_STALENESS} (updates between the weights that sample a batch and those "
                           "that train on it)")
+    simulate = cfg.generation.get("simulate_staleness", False)
+    if simulate and not staleness:
+        raise ConfigError("generation.simulate_staleness=true with generation.max_staleness=0 has no lag to simulate: "
+                          f"set generation.max_staleness to 1–{MAX_STALENESS}, or generation.simulate_staleness=false")
+    if simulate and cfg.generation.name not in SIMULATES_STALENESS:
+        raise ConfigError(f"generation.simulate_staleness=true with generation={cfg.generation.name}: a server engine "
+                          "lags for real (it samples while the trainer trains); simulate_staleness works with "
+                          f"generation={' or '.join(SIMULATES_STALENESS)}, or set generation.simulate_staleness=false")
+    if simulate and cfg.trainer.strategy == "fsdp":
+        raise ConfigError("generation.simulate_staleness=true with trainer.strategy=fsdp: the snapshots keep whole "
+                          "weights, which FSDP shards; use trainer.strategy=ddp, or generation.simulate_staleness=false")
     if staleness and algorithm.get("dynamic_sampling"):
         raise ConfigError(f"generation.max_staleness={staleness} samples each batch {staleness} step(s) before its "
                           "own, and algorithm.dynamic_sampling=true refills a batch by sampling within its own step: "

@@ -27,13 +27,15 @@ step s trains on samples of the weights of max(s−k, 0) updates. An engine on d
 the trainer trains; the colocated ones sample them at once and hold them, so the run learns the same way with no
 overlap: the lag is exact and reproducible on one CPU, with no copy of old weights kept (k batches are held
 instead). A checkpoint holds the batches in flight (:meth:`state`), so a resumed run trains on the same samples as
-one that was never stopped.
+one that was never stopped. ``generation.simulate_staleness`` keeps the last k policies' weights instead
+(:mod:`rlhf_lab.generation.staleness`): each step samples its own prompts, in its own step, with the weights of
+max(t − k, 0) updates (:meth:`RolloutWorker.lagging`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import fields
 from typing import Any
 
@@ -42,6 +44,7 @@ from torch import Tensor, nn
 
 from rlhf_lab.generation.backend import GenerationBackend, Prompt, SamplingSettings
 from rlhf_lab.generation.rollout import Rollout
+from rlhf_lab.generation.staleness import SnapshotRing
 from rlhf_lab.generation.sync_check import SyncCheck
 from rlhf_lab.runtime import distributed
 
@@ -53,10 +56,13 @@ class RolloutWorker:
 
     ``policy``: the module whose weights the engine samples with (unwrapped from DDP/FSDP's wrappers' callers).
     ``sync_check``: the canary run after every weight load (None: no engine with weights of its own, or off).
+    ``ring``: the past weights a training batch samples with (``generation.simulate_staleness``; None: the current).
     """
 
-    def __init__(self, engine: GenerationBackend, policy: nn.Module, sync_check: SyncCheck | None = None) -> None:
-        self.engine, self.policy, self.sync_check = engine, policy, sync_check
+    def __init__(self, engine: GenerationBackend, policy: nn.Module, sync_check: SyncCheck | None = None,
+                 ring: SnapshotRing | None = None) -> None:
+        self.engine, self.policy, self.sync_check, self.ring = engine, policy, sync_check, ring
+        self.lags = False  # inside :meth:`lagging`: sampling with the ring's weights of max(t − k, 0) updates
         self.holds_weights = bool(getattr(engine, "holds_weights", False))
         self.sleeps = bool(getattr(engine, "sleeps", False))
         # Level 1 keeps a host copy of weights that never change (LoRA's base); level 2 drops weights that will.
@@ -92,20 +98,46 @@ class RolloutWorker:
             return self.engine.generate(prompts, group_size, seeds=seeds, greedy=greedy, settings=settings)
 
     @contextmanager
+    def lagging(self) -> Iterator[None]:
+        """A training batch: under ``generation.simulate_staleness`` the samples in the block come from the weights
+        of max(t − k, 0) updates (the ring's), the weights of now are kept for the next k steps, and older ones
+        dropped; without a ring, nothing changes."""
+        if self.ring is None:
+            yield
+            return
+        self.ring.remember(self.policy_version)
+        self.lags = True
+        try:
+            yield
+        finally:
+            self.lags = False
+            self.ring.forget_before(self.policy_version - self.ring.staleness + 1)
+
+    @contextmanager
     def awake(self) -> Iterator[RolloutWorker]:
         """The engine awake with the policy's current weights for the block (several calls: a multi-turn batch), then
-        asleep again. Nested blocks share the outer one's wake."""
+        asleep again; inside :meth:`lagging`, with the ring's past weights (loaded into an engine with weights of
+        its own, the policy's own back before it samples; the policy's for the block where the engine samples with
+        them). Nested blocks share the outer one's wake."""
         if self._awake:
             yield self
             return
-        self._wake()
-        self._awake = True
-        try:
-            yield self
-        finally:
-            self._awake = False
-            if self.sleeps:
-                self._sleep()
+        version = self.ring.behind(self.policy_version) if self.lags else self.policy_version
+        past = self.ring.weights_of(version, self.policy_version) if version != self.policy_version else nullcontext()
+        with ExitStack() as block:
+            if self.holds_weights:
+                with past:
+                    self._wake(version)
+            else:
+                block.enter_context(past)
+                self._wake(version)
+            self._awake = True
+            try:
+                yield self
+            finally:
+                self._awake = False
+                if self.sleeps:
+                    self._sleep()
 
     # ------------------------------------------------------------------------------------------ the batches ahead
     def launch(self, key: AheadKey, prompts: list[Prompt], group_size: int, seeds: list[int] | None,
@@ -151,21 +183,22 @@ class RolloutWorker:
             self.ahead.append(((tuple(key[0]), int(key[1]), tuple(key[2])), _held(rollout), version))
 
     # ------------------------------------------------------------------------------------------ the lifecycle
-    def _wake(self) -> None:
+    def _wake(self, version: int) -> None:
+        """Awake with the policy's weights, which are those of ``version`` updates (the ring's inside :meth:`lagging`)."""
         if self.sleeps:
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
             self.engine.wake_up(tags=["weights"])
-        load = self.holds_weights and (self.weights_lost or self.engine_version != self.policy_version)
+        load = self.holds_weights and (self.weights_lost or self.engine_version != version)
         if load:
             with self._phase("sync_weights"):
                 self.engine.sync_weights(self.policy)
-            self.engine_version, self.weights_lost = self.policy_version, False
+            self.engine_version, self.weights_lost = version, False
         if self.sleeps:
             self.engine.wake_up(tags=["kv_cache"])
         if load and self.sync_check is not None:  # the canary samples: after the cache is back
             with self._phase("sync_check"):
-                self.last_check = self.sync_check(self.engine, self.policy, self.policy_version)
+                self.last_check = self.sync_check(self.engine, self.policy, version)
 
     def _phase(self, name: str) -> AbstractContextManager:
         return self.timer.phase(name) if self.timer is not None else nullcontext()

@@ -55,8 +55,10 @@ def refill_source(cfg: Any, train: list[str], step: int) -> Callable[[int, int],
 
 
 def staleness(cfg: Any) -> int:
-    """``generation.max_staleness``: how many updates before its step a batch is sampled (0: on-policy)."""
-    return int((cfg.get("generation") or {}).get("max_staleness", 0))
+    """``generation.max_staleness``: how many updates before its step a batch is sampled (0: on-policy, and under
+    ``generation.simulate_staleness``, where each step samples in its own step with weights of k updates before)."""
+    generation = cfg.get("generation") or {}
+    return 0 if generation.get("simulate_staleness", False) else int(generation.get("max_staleness", 0))
 
 
 def encode_ahead(states: list[list[dict[str, Any]]]) -> tuple[dict[str, Tensor], list[Any]]:

@@ -22,6 +22,7 @@ from rlhf_lab.envs.episodes import EpisodeRunner
 from rlhf_lab.errors import RewardError
 from rlhf_lab.generation.backend import GenerationBackend, SamplingSettings
 from rlhf_lab.generation.rollout import Rollout, concat_rollouts
+from rlhf_lab.generation.staleness import snapshot_ring
 from rlhf_lab.generation.sync_check import SyncCheck, tolerance
 from rlhf_lab.generation.worker import RolloutWorker
 from rlhf_lab.hardware import HardwareProfile
@@ -135,7 +136,7 @@ class ExperienceMaker:
             engine = engine_class(policy, tokenizer, self.settings, self.precision, self.hardware,
                                   options=cfg.generation, keep_logits=False,
                                   keep_hidden=keep_hidden and not self.rescore, logits_float32=self.logits_float32)
-            worker = RolloutWorker(engine, policy, self._sync_check(engine, sync_probe))
+            worker = RolloutWorker(engine, policy, self._sync_check(engine, sync_probe), snapshot_ring(cfg, policy))
         # The one owner of the engine's wake, weights, sampling and sleep (rlhf_lab/generation/worker.py).
         self.worker = worker
         self.engine: GenerationBackend = worker.engine
@@ -174,7 +175,8 @@ class ExperienceMaker:
             experience = Experience(rollout, self._sample_prompts(prompts, group_size), responses,
                                     valid.to(self.device))
         else:
-            experience = self._training_batch(prompts, group_size, timer, names, rng_keys, refill)
+            with self.worker.lagging():  # generation.simulate_staleness: the weights of k updates before
+                experience = self._training_batch(prompts, group_size, timer, names, rng_keys, refill)
             if self.greedy_baseline:
                 self._greedy_baseline(experience, group_size, timer, names)
         if then is not None:

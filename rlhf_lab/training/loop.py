@@ -20,6 +20,7 @@ import rlhf_lab.components  # noqa: F401  (registers the built-in parts)
 from rlhf_lab.data.prompts import PromptSplits, check_model_prompts, load_prompts
 from rlhf_lab.errors import TrainingStopped
 from rlhf_lab.generation.backend import SamplingSettings
+from rlhf_lab.generation.staleness import RING_FILE, ring_files
 from rlhf_lab.generation.worker import RolloutWorker
 from rlhf_lab.hardware import HardwareProfile
 from rlhf_lab.kl.placements import KLPenalty
@@ -191,6 +192,8 @@ class Trainer:
             self.worker.load_state(decode_ahead(ckpt.read_tensors(folder / AHEAD_FILE), state.get("ahead")),
                                    self.device)
             self.next_launch = state["step"] + 1 + self.staleness
+        if self.worker.ring is not None:  # generation.simulate_staleness: the last k policies' weights
+            self.worker.ring.load_state(ckpt.read_tensors(folder / RING_FILE), state["step"] + 1, str(folder))
         self.continue_from(state)
 
     def continue_from(self, state: dict[str, Any]) -> None:
@@ -242,7 +245,8 @@ class Trainer:
                                           updater.optimizer, updater.scheduler, trainer_state,
                                           keep_last_n=self.cfg.trainer.keep_last_n,
                                           config=OmegaConf.to_container(self.cfg, resolve=True),
-                                          tensor_files={AHEAD_FILE: ahead_tensors} if ahead else None,
+                                          tensor_files={**({AHEAD_FILE: ahead_tensors} if ahead else {}),
+                                                        **ring_files(self.worker.ring)},
                                           with_optimizer=with_optimizer, **whole)
         distributed.barrier()
         return folder
