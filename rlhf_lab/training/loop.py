@@ -208,27 +208,27 @@ class Trainer:
         """The train and held-out prompts (the offline stages read them from their examples)."""
         return load_prompts(self.cfg.data, seed=self.cfg.seed)
 
-    def save(self, updates: int, full: bool = False) -> Path | None:
+    def save(self, updates: int, full: bool = False, export: bool = False) -> Path | None:
         """Write the checkpoint ``step_{updates}``, the policy after ``updates`` updates, with the optimizer's state
         under ``trainer.save=all`` or when ``full`` (a stop by signal: its resume command needs it): under FSDP every
-        rank writes its shards (``sharded/``, DCP) and the whole weights are gathered for ``model/``; rank 0 writes
-        the rest while the other ranks wait at a barrier (not in a collective of the next step). Returns its folder
-        (None on other ranks)."""
+        rank writes its shards (``sharded/``, DCP) and hashes them; the whole weights are gathered (onto rank 0) only
+        when ``export`` (the run's last save) for ``model/``. Rank 0 writes the rest while the other ranks wait at a
+        barrier (not in a collective of the next step). Returns its folder (None on other ranks)."""
         updater, modules = self.updater, self.algorithm.modules()
         policy = distributed.unwrap(self.policy)
         with_optimizer = full or self.save_policy == "all"
         whole: dict[str, Any] = {}
-        if self.strategy == "fsdp" and not with_optimizer:  # collectives: the whole weights only
+        if self.strategy == "fsdp" and export:  # collectives: the whole weights, for the Hugging Face folder
             whole = {"model_state": distributed.full_model_state(policy),
                      "module_states": {name: distributed.full_model_state(m) for name, m in modules.items()}}
-        elif self.strategy == "fsdp":  # collectives: every rank takes part
+        if self.strategy == "fsdp" and (with_optimizer or not export):  # collectives: every rank writes its shards
             staged = ckpt.staging_folder(self.checkpoint_root, updates)
             if distributed.is_main_process():
                 ckpt.prepare_staging(self.checkpoint_root, updates)
             distributed.barrier()
-            ckpt.save_sharded(staged, policy, modules, updater.optimizer)
-            whole = {"model_state": distributed.full_model_state(policy), "staged": staged,
-                     "module_states": {name: distributed.full_model_state(m) for name, m in modules.items()}}
+            ckpt.save_sharded(staged, policy, modules, updater.optimizer if with_optimizer else None)
+            digests = distributed.gather_objects([ckpt.own_shard_digests(staged, distributed.rank())])
+            whole.update(staged=staged, shard_digests={k: v for own in digests for k, v in own.items()})
         ahead_tensors, ahead = encode_ahead(self.worker.state()) if self.staleness else ({}, None)  # batches in flight
         rank_rng = distributed.gather_objects([rank_rng_state()])
         folder = None
@@ -483,7 +483,7 @@ class Trainer:
             # The final evaluation and summary.json first: a save that fails (a full disk) loses no result.
             self.records.write_summary(summary)
             if self.save_policy != "none" and done > self.start_step:
-                self.save(done)
+                self.save(done, export=True)
             self.write_outputs()
             self.records.finish(summary)
             return summary
