@@ -79,21 +79,34 @@ class Trainer:
         check_memory(cfg, self.tokenizer, DTYPES[self.precision.weights_dtype], self.precision.compute_dtype,
                      self.device, shards=distributed.world_size() if self.strategy == "fsdp" else 1,
                      precision=self.precision if self.plans_steps else None)
-        self.models = build_policy(cfg.model, self.tokenizer, self.precision.weights_dtype, cfg.seed)
+        fsdp = self.strategy == "fsdp"
+        # Under FSDP only rank 0 reads the weights; the other ranks build on the meta device and receive their
+        # shards from it (below). The reference is made in the compute dtype (under FSDP every weight), never as a
+        # second float32 copy.
+        broadcasts = fsdp and distributed.world_size() > 1
+        receives = broadcasts and not distributed.is_main_process()
+        self.models = build_policy(cfg.model, self.tokenizer, self.precision.weights_dtype, cfg.seed,
+                                   reference_dtype=self.precision.compute_dtype, every_reference_weight=fsdp,
+                                   meta=receives)
         check_model_prompts(self.prompts, self.tokenizer, self.models.policy, cfg)
         if gradient_checkpointing(cfg.trainer, self.device):  # null: on under CUDA
             enable_activation_checkpointing(self.models.policy)
-        fsdp = self.strategy == "fsdp"
         # Under FSDP the policy stays on the CPU until it is sharded (below): each block moves its shard only.
         policy = self.models.policy if fsdp else self.models.policy.to(self.device)
+        whole_states = {"policy": policy.state_dict()} if broadcasts and not receives else {}  # rank 0's, to broadcast
+        if self.models.reference is not None and whole_states:
+            whole_states["reference"] = self.models.reference.state_dict()
         self.place_reference(fsdp)
 
         self.algorithm = get("algorithm", cfg.algorithm.name)(cfg.algorithm)
         # kl.loss_scale=advantage reads the factor the advantages gave each sample (Rollout.kl_loss_scale).
         self.algorithm.scales_kl = cfg.kl.get("loss_scale", "none") == "advantage"
         self.algorithm.setup(policy)
-        for module in self.algorithm.modules().values():
-            module.to(self.device)
+        for name, module in self.algorithm.modules().items():
+            if whole_states:
+                whole_states[name] = module.state_dict()
+            if not distributed.on_meta(module):  # else it receives its shards from rank 0 (below)
+                module.to(self.device)
         self.save_policy = resolve_save(cfg.trainer)  # all | model | none (rlhf_lab/training/save_policy.py)
         if distributed.is_main_process():  # the whole weights, before they are sharded
             check_disk(cfg.trainer, checkpoint_size(cfg.trainer, policy, self.algorithm.modules(),
@@ -108,6 +121,12 @@ class Trainer:
             return sync_modules[-1]
 
         self.algorithm.wrap_modules(wrap)
+        if broadcasts:  # rank 0's weights, broadcast into every rank's shards
+            sharded = {"policy": policy, "reference": self.models.reference, **self.algorithm.modules()}
+            for name, module in sharded.items():
+                if module is not None:
+                    distributed.load_from_rank0(module, whole_states.get(name), self.device)
+            whole_states.clear()
         if distributed.world_size() > 1:  # every rank samples its own noise from here on
             seed_everything(cfg.seed + 1_000_003 * distributed.rank())
         self.kl = KLPenalty(cfg.kl)  # the estimator, placed in the reward or the loss (rlhf_lab/kl/placements.py)
@@ -142,11 +161,12 @@ class Trainer:
 
     def place_reference(self, fsdp: bool) -> None:
         """The frozen reference where its passes run: sharded like the policy under FSDP (never a whole copy per
-        rank), on the CPU between passes with ``trainer.offload_reference``, else on the device. Under a mixed
+        rank; its shards in host memory with ``trainer.offload_reference``), else on the CPU between passes with
+        ``trainer.offload_reference`` or on the device. Under a mixed
         precision its matrices are kept in the compute dtype (LoRA's base weights: the reference is the policy)."""
         reference, offload = self.models.reference, self.cfg.trainer.offload_reference
-        if reference is not None and fsdp and not offload:
-            distributed.shard(reference, self.precision.compute_dtype)
+        if reference is not None and fsdp:  # its shards in host memory with trainer.offload_reference
+            distributed.shard(reference, self.precision.compute_dtype, offload=offload)
         elif reference is not None:
             reference.to("cpu" if offload else self.device)
         if not fsdp:  # under FSDP its MixedPrecisionPolicy gathers the weights in the compute dtype
