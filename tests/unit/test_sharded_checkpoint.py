@@ -8,6 +8,7 @@ by rank 1 (both ranks agree on the answer). Exported in one process, the shards 
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -18,6 +19,7 @@ import torch.multiprocessing as mp
 
 DIMS = SimpleNamespace(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2)
+CONFIG = {"model": {"name": "tiny", "name_or_path": None, "tiny": vars(DIMS), "lora": {"enabled": False}}, "seed": 5}
 
 
 def _model_and_optimizer(tokenizer, seed: int):
@@ -75,7 +77,7 @@ def _rank(rank: int, store: str, root: str, out: str) -> None:
         dist.all_gather_object(digests, ckpt.own_shard_digests(staged, rank))
         if rank == 0:
             ckpt.save_checkpoint(checkpoints, 1, model, tokenizer, {}, optimizer, scheduler, {}, keep_last_n=0,
-                                 config={"model": {"name": "tiny"}}, staged=staged,
+                                 config=CONFIG, staged=staged,
                                  shard_digests={k: v for own in digests for k, v in own.items()})
         dist.barrier()
         hashed_at_save = list(hashed)
@@ -90,7 +92,8 @@ def _rank(rank: int, store: str, root: str, out: str) -> None:
                 for name, value in _local(model, optimizer).items()}
 
         dist.barrier()
-        if rank == 0:  # one byte of rank 1's shard file flipped
+        if rank == 0:  # a clean copy kept (for the export below), then one byte of rank 1's shard file flipped
+            shutil.copytree(folder, Path(root) / "clean" / "checkpoints" / "step_1")
             shard = folder / "sharded" / "__1_0.distcp"
             data = bytearray(shard.read_bytes())
             data[len(data) // 2] ^= 0xFF
@@ -140,18 +143,19 @@ def test_which_rank_hashes_which_file() -> None:
 
 
 def test_shards_export_to_the_whole_model_in_one_process(sharded_run: Path, tmp_path: Path) -> None:
-    """The shards, assembled in one process without a process group, are the trained weights, every one."""
+    """``rlhf-lab export`` of the shards-only checkpoint: assembled in one process without a process group, they are
+    the trained weights, every one, with the run's tokenizer."""
     from transformers import AutoModelForCausalLM
 
-    from rlhf_lab.training.checkpoint_sharded import export_sharded
+    from rlhf_lab.errors import CheckpointError
+    from rlhf_lab.tools.export import export
 
-    tiny = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-            "num_key_value_heads": 2}
-    config = {"model": {"name": "tiny", "name_or_path": None, "tiny": tiny, "lora": {"enabled": False}}, "seed": 5}
-    out = export_sharded(sharded_run / "run" / "checkpoints" / "step_1", config, tmp_path / "export")
-    exported = AutoModelForCausalLM.from_pretrained(str(out)).state_dict()
+    with pytest.raises(CheckpointError, match=r"is damaged \(sharded/__1_0.distcp does not match its sha256"):
+        export(sharded_run / "run" / "checkpoints" / "step_1", tmp_path / "damaged")
+    export(sharded_run / "run" / "clean" / "checkpoints" / "step_1", tmp_path / "export")
+    exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "export")).state_dict()
     whole = torch.load(f"{sharded_run / 'result'}.whole", weights_only=True)
     assert whole.keys() <= exported.keys()
     for name, value in whole.items():
         assert torch.equal(exported[name], value), name
-    assert (out / "tokenizer_config.json").is_file()
+    assert (tmp_path / "export" / "tokenizer_config.json").is_file() and (tmp_path / "export" / "README.md").is_file()
