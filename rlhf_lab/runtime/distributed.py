@@ -159,19 +159,29 @@ def on_meta(module: nn.Module) -> bool:
 
 def load_from_rank0(module: nn.Module, state: dict[str, Tensor] | None, device: torch.device) -> None:
     """Every rank's (sharded) ``module`` takes rank 0's whole ``state`` (its ``state_dict()`` before sharding; None
-    on the other ranks), broadcast, so only rank 0 ever reads or holds the whole weights; a collective. A rank that
-    built ``module`` on the meta device allocates its shards first (``to_empty``); buffers that no state dict holds
-    (rotary frequencies) are broadcast one by one."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    on the other ranks), so only rank 0 ever reads the weights; a collective. A rank that built ``module`` on the meta
+    device allocates its shards first (``to_empty``). One tensor at a time is broadcast whole and each rank keeps its
+    shard of it (``distribute_tensor`` without communication): no rank holds more than one whole tensor at once, and
+    shards kept in host memory (FSDP's CPU offload) take theirs the same way. The buffers no state dict holds
+    (rotary frequencies) are broadcast too."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
 
     if on_meta(module):
         module.to_empty(device=device)
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
-    set_model_state_dict(module, state if is_main_process() else {}, options=options)
-    for buffer in module.buffers():
-        moved = buffer.to(collective_device())
-        dist.broadcast(moved, src=0)
-        buffer.copy_(moved)
+    with torch.no_grad():
+        for name, tensor in module.state_dict().items():
+            whole = state[name].to(collective_device(), tensor.dtype) if is_main_process() else \
+                torch.empty(tensor.shape, dtype=tensor.dtype, device=collective_device())
+            dist.broadcast(whole, src=0)
+            if isinstance(tensor, DTensor):
+                local = distribute_tensor(whole, tensor.device_mesh, tensor.placements, src_data_rank=None)
+                tensor.to_local().copy_(local.to_local())
+            else:
+                tensor.copy_(whole)
+        for buffer in module.buffers():
+            moved = buffer.to(collective_device())
+            dist.broadcast(moved, src=0)
+            buffer.copy_(moved)
 
 
 def transformer_blocks(module: nn.Module) -> list[nn.Module]:

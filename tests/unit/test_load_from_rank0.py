@@ -46,11 +46,17 @@ def _rank(rank: int, store: str, folder: str, out: str) -> None:
             module = getattr(models, name)
             distributed.shard(module, torch.bfloat16)
             distributed.load_from_rank0(module, states.get(name), torch.device("cpu"))
+        # trainer.offload_reference under FSDP: the same reference, its shards kept in host memory (CPUOffloadPolicy)
+        offloaded = loading.build_policy(_model_cfg(folder), tokenizer, "float32", 0, reference_dtype=torch.bfloat16,
+                                         every_reference_weight=True, meta=rank != 0).reference
+        distributed.shard(offloaded, torch.bfloat16, offload=True)
+        distributed.load_from_rank0(offloaded, states.get("reference"), torch.device("cpu"))
         whole = {name: distributed.full_model_state(getattr(models, name)) for name in ("policy", "reference")}
         ids = torch.arange(2, 10).reshape(1, 8)
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
             logits = models.policy(input_ids=ids).logits.float()
-        torch.save({"reads": reads, "on_meta": on_meta, "whole": whole, "logits": logits,
+            same_offloaded = torch.equal(models.reference(input_ids=ids).logits, offloaded(input_ids=ids).logits)
+        torch.save({"reads": reads, "on_meta": on_meta, "same_offloaded": same_offloaded, "whole": whole, "logits": logits,
                     "dtypes": sorted({str(p.dtype) for p in models.reference.parameters()})}, f"{out}.{rank}")
     finally:
         transformers.AutoModelForCausalLM.from_pretrained = original
@@ -67,7 +73,8 @@ def test_only_rank_zero_reads_the_weights_and_every_rank_gets_them(tmp_path: Pat
     mp.spawn(_rank, args=(str(tmp_path / "store"), str(tmp_path / "model"), str(tmp_path / "result")), nprocs=2,
              join=True)
     results = [torch.load(f"{tmp_path / 'result'}.{rank}", weights_only=True) for rank in (0, 1)]
-    assert results[0]["reads"] == [str(tmp_path / "model")] and results[1]["reads"] == []
+    assert results[0]["reads"] == [str(tmp_path / "model")] * 2 and results[1]["reads"] == []
+    assert results[0]["same_offloaded"] and results[1]["same_offloaded"]
     assert not results[0]["on_meta"] and results[1]["on_meta"]
     expected = saved.state_dict()
     policy = results[0]["whole"]["policy"]  # gathered from both ranks' shards
