@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from rlhf_lab.errors import ConfigError
 from rlhf_lab.generation.backend import Prompt, SamplesInPlace, SamplingSettings, check_prompt_lengths, encode_prompts
@@ -114,8 +114,11 @@ class VLLMGeneration(SamplesInPlace):
         """A folder vLLM can build the model from: the policy's config, tokenizer and (base) weights."""
         base = policy.get_base_model() if self.lora else policy
         folder = self.folder / "base"
-        state = {hf_name(name): tensor for name, tensor in _full_state(base).items() if "lora_" not in name}
-        if int(os.environ.get("LOCAL_RANK", distributed.rank())) == 0:  # one writer per node
+        writer = int(os.environ.get("LOCAL_RANK", distributed.rank())) == 0  # one writer per node
+        # Every rank gathers each sharded weight in turn (a collective); only the writer keeps them, in host memory.
+        state = {hf_name(name): tensor.cpu() for name, tensor in streamed_state(base)
+                 if writer and "lora_" not in name}
+        if writer:
             base.save_pretrained(folder, state_dict=state, safe_serialization=True)
             self.tokenizer.save_pretrained(folder)
             _name_the_architecture(folder, base)
@@ -299,11 +302,6 @@ def sampled_logprob(step: dict[int, Any], token: int) -> float:
     """The sampled token's log-prob in one step of vLLM's ``logprobs`` (a dict token -> Logprob)."""
     entry = step.get(token)
     return float(entry.logprob) if entry is not None else float("nan")
-
-
-def _full_state(module: nn.Module) -> dict[str, Tensor]:
-    """The whole state of ``module`` on the CPU (gathered from every rank under FSDP: a collective)."""
-    return {name: tensor.cpu() for name, tensor in streamed_state(module)}
 
 
 def streamed_state(module: nn.Module) -> Any:

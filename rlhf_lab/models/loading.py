@@ -151,8 +151,18 @@ def model_config(model_cfg: Any, tokenizer: Any) -> Any | None:
     return AutoConfig.from_pretrained(model_cfg.name_or_path or str(smollm2_model_path()))
 
 
-def load_causal_lm(model_cfg: Any, tokenizer: PreTrainedTokenizerBase, dtype: str, seed: int) -> nn.Module:
-    """Build or load the policy network named by ``model_cfg`` (before LoRA)."""
+def load_causal_lm(model_cfg: Any, tokenizer: PreTrainedTokenizerBase, dtype: str, seed: int,
+                   meta: bool = False) -> nn.Module:
+    """Build or load the policy network named by ``model_cfg`` (before LoRA). ``meta``: its structure only, on the
+    meta device (no file read, no memory): a rank of a sharded run, whose weights come from rank 0."""
+    if meta:
+        with torch.device("meta"):
+            if model_cfg.name in ("tiny", "exact"):
+                return load_causal_lm(model_cfg, tokenizer, dtype, seed)
+            from transformers import AutoConfig, AutoModelForCausalLM
+
+            config = AutoConfig.from_pretrained(model_cfg.name_or_path or str(smollm2_model_path()))
+            return AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype])
     if model_cfg.name == "tiny":
         model = build_tiny_llama(tokenizer, model_cfg.tiny, seed=seed)
         return model.to(DTYPES[dtype])
@@ -241,12 +251,33 @@ class PolicyAndReference:
         return self.policy.disable_adapter() if self.reference is None else nullcontext()
 
 
-def build_policy(model_cfg: Any, tokenizer: PreTrainedTokenizerBase, dtype: str, seed: int) -> PolicyAndReference:
-    model = load_causal_lm(model_cfg, tokenizer, dtype, seed)
+def frozen_copy(model: nn.Module, dtype: torch.dtype | None = None, every_weight: bool = False) -> nn.Module:
+    """A frozen copy of ``model`` (the reference), its weights made in ``dtype`` as they are copied, so no
+    full-precision copy exists first: the ``nn.Linear`` weights not tied to an embedding (what
+    :meth:`~rlhf_lab.runtime.precision.Precision.store_frozen_weights` keeps in a mixed precision's compute dtype),
+    or, with ``every_weight``, every floating-point weight (FSDP gathers each in the compute dtype anyway). ``dtype``
+    None: an exact copy."""
+    tied = {id(layer.weight) for layer in model.modules() if isinstance(layer, nn.Embedding)}
+    memo: dict[int, Any] = {}
+    if dtype is not None:
+        for layer in model.modules():
+            for parameter in layer.parameters(recurse=False):
+                linear = isinstance(layer, nn.Linear) and id(parameter) not in tied
+                if parameter.is_floating_point() and (every_weight or linear) and id(parameter) not in memo:
+                    memo[id(parameter)] = nn.Parameter(parameter.detach().to(dtype, copy=True), requires_grad=False)
+    import copy
+
+    return copy.deepcopy(model, memo).eval().requires_grad_(False)
+
+
+def build_policy(model_cfg: Any, tokenizer: PreTrainedTokenizerBase, dtype: str, seed: int,
+                 reference_dtype: torch.dtype | None = None, every_reference_weight: bool = False,
+                 meta: bool = False) -> PolicyAndReference:
+    """The policy and its reference (:func:`frozen_copy` in ``reference_dtype``: a mixed precision's compute dtype,
+    never a second full-precision copy); ``meta``: both on the meta device (a rank whose weights come from rank 0)."""
+    model = load_causal_lm(model_cfg, tokenizer, dtype, seed, meta=meta)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     if model_cfg.lora.enabled:
         return PolicyAndReference(policy=apply_lora(model, model_cfg.lora), reference=None, uses_adapter=True)
-    import copy
-
-    reference = copy.deepcopy(model).eval().requires_grad_(False)
+    reference = frozen_copy(model, reference_dtype, every_reference_weight)
     return PolicyAndReference(policy=model, reference=reference, uses_adapter=False)

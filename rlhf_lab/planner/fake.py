@@ -6,7 +6,9 @@ a 7B model runs on this CPU in seconds and allocates nothing. Two things the ste
 - :class:`StepMemory` is torch's ``MemTracker`` (``torch.distributed._tools.mem_tracker``) counting the bytes of
   every live tensor storage, with the peak of the phase in progress (:meth:`StepMemory.start_phase`). Its per-module
   statistics are left out: the step calls the same layers several times (reference, scoring, training passes),
-  which those statistics refuse.
+  which those statistics refuse. Under FSDP :class:`FSDPStepMemory` is torch's ``FSDPMemTracker`` the same way: it
+  counts DTensors by their local shards and a collective's result once (the plain tracker counts the waited-on
+  buffer of every all-gather again on fake tensors).
 - :class:`RealIndices` keeps the batch's bookkeeping real: an operation whose tensor inputs are all real (token ids,
   masks, positions, row indices; none of them fake) runs on real data where its outputs are small, so lengths,
   unique prompts and micro-batch cuts come out as the run's would. Where the step reads one number of a fake
@@ -29,17 +31,17 @@ REAL_NUMEL = 1 << 22  # outputs of all-real operations up to this size are compu
 INDEX_DTYPES = (torch.int64, torch.int32, torch.bool)
 
 
-def _step_memory_class() -> type:
-    """:class:`StepMemory`, defined at first use: importing torch's ``MemTracker`` sets up its compiler, which writes
-    ``TORCHINDUCTOR_CACHE_DIR``, and importing the package must change nothing in the process."""
+def _step_memory_class(sharded: bool = False) -> type:
+    """:class:`StepMemory` (``sharded``: :class:`FSDPStepMemory`), defined at first use: importing torch's
+    ``MemTracker`` sets up its compiler, which writes ``TORCHINDUCTOR_CACHE_DIR``, and importing the package must change
+    nothing in the process."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    class StepMemory(MemTracker):
-        """``MemTracker`` without its per-module statistics, with the peak of the current phase (bytes, all devices)."""
+    class PhasePeaks:
+        """The peak of the current phase (bytes, all devices), without the trackers' per-module statistics."""
 
-        def __init__(self) -> None:
-            super().__init__()
-            self.phase_peak = 0
+        phase_peak = 0
 
         # The per-module snapshots refuse a module called twice in one step; the totals need none of them.
         def _pre_fw_hook(self, module: Any, inputs: Any) -> None:
@@ -68,17 +70,47 @@ def _step_memory_class() -> type:
             total = sum(snapshot["Total"] for snapshot in self._curr_mem_snap.values())
             self.phase_peak = max(self.phase_peak, total)
 
-    return StepMemory
+    class StepMemory(PhasePeaks, MemTracker):
+        """``MemTracker`` without its per-module statistics, with the peak of the current phase."""
+
+    class FSDPStepMemory(PhasePeaks, FSDPMemTracker):
+        """torch's ``FSDPMemTracker`` of an FSDP2 root module and its optimizer, with the peak of the current phase.
+
+        Unlike the plain ``MemTracker`` it lets DTensor desugar into its local shards before counting (the sharding
+        propagation's own fake tensors are not memory), and counts a collective's ``wait_tensor`` on fake tensors as
+        the buffer it waits on, not as a new tensor: the all-gathered layers and reduce-scattered gradients are
+        counted once. Its per-module FSDP snapshots are left out (the step runs the root module many times: the
+        decode, the scoring and the training passes); the states held before the step (``track_external``) are
+        counted as its own categories: sharded parameters and gradients, buffers, the optimizer's state."""
+
+        def _register_module_and_optimizer_hooks(self) -> None:
+            self._instrument_optimizer()
+
+        def track_external(self, *external: Any) -> None:
+            from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
+
+            for item in external:
+                if isinstance(item, torch.optim.Optimizer):
+                    self._track_optimizer_states(_FSDPRefType.OPT, item)
+                elif item is not None:
+                    for parameter in item.parameters():
+                        self._update_and_maybe_create_winfos(parameter, _FSDPRefType.SHARDED_PARAM)
+                        if parameter.grad is not None:
+                            self._update_and_maybe_create_winfos(parameter.grad, _FSDPRefType.SHARDED_GRAD)
+                    for buffer in item.buffers():
+                        self._update_and_maybe_create_winfos(buffer, _FSDPRefType.BUFFER)
+
+    return FSDPStepMemory if sharded else StepMemory
 
 
 _LAZY: dict[str, type] = {}
 
 
 def __getattr__(name: str) -> Any:
-    """``StepMemory`` (see :func:`_step_memory_class`)."""
-    if name == "StepMemory":
+    """``StepMemory`` and ``FSDPStepMemory`` (see :func:`_step_memory_class`)."""
+    if name in ("StepMemory", "FSDPStepMemory"):
         if name not in _LAZY:
-            _LAZY[name] = _step_memory_class()
+            _LAZY[name] = _step_memory_class(sharded=name == "FSDPStepMemory")
         return _LAZY[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 

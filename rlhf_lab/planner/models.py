@@ -7,7 +7,6 @@ tensors (or, to calibrate the plan, on real ones with any finite values).
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
@@ -19,6 +18,7 @@ from rlhf_lab.models.loading import (
     PolicyAndReference,
     apply_lora,
     enable_activation_checkpointing,
+    frozen_copy,
     model_config,
 )
 from rlhf_lab.runtime.precision import Precision
@@ -65,7 +65,8 @@ def build_on_meta(cfg: Any, tokenizer: Any, precision: Precision, fsdp: bool = F
         if cfg.model.lora.enabled:
             models = PolicyAndReference(apply_lora(model, cfg.model.lora), None, True)
         else:
-            models = PolicyAndReference(model, copy.deepcopy(model).eval().requires_grad_(False), False)
+            # as build_policy copies it: in the compute dtype (under FSDP every weight)
+            models = PolicyAndReference(model, frozen_copy(model, precision.compute_dtype, fsdp), False)
     if cfg.trainer.gradient_checkpointing:
         enable_activation_checkpointing(models.policy)
     if not fsdp:  # as Trainer.place_reference does (under FSDP the gathered weights are cast instead)

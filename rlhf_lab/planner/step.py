@@ -198,7 +198,9 @@ def _plan_step(cfg: Any, tokenizer: Any, precision: Precision, prompt_tokens: in
         optimizer = sum(getattr(t, "_local_tensor", t).untyped_storage().nbytes()
                         for state in updater.optimizer.state.values() for t in state.values()
                         if isinstance(t, torch.Tensor))
-        memory = stack.enter_context(fake_tensors.StepMemory())
+        # Under FSDP torch's FSDPMemTracker counts the gathered layers and reduced gradients once (fake.py).
+        memory = stack.enter_context(fake_tensors.FSDPStepMemory(models.policy, updater.optimizer) if fsdp
+                                     else fake_tensors.StepMemory())
         memory.track_external(models.policy, models.reference, updater.optimizer,
                               *algorithm.modules().values())
         counter = stack.enter_context(FlopCounterMode(display=False)) if count_flops else None

@@ -135,19 +135,53 @@ def wrap(module: nn.Module, strategy: str, device: torch.device, compute_dtype: 
     return module
 
 
-def shard(module: nn.Module, compute_dtype: torch.dtype | None = None) -> nn.Module:
+def shard(module: nn.Module, compute_dtype: torch.dtype | None = None, offload: bool = False) -> nn.Module:
     """FSDP2's ``fully_shard`` of each transformer block, then of the whole module, in place: each rank keeps its
     shard of every parameter (moved to the mesh's device block by block, so no rank ever holds the whole model
     there). ``compute_dtype`` (a mixed precision's bfloat16): the weights are gathered in it for the forward pass
-    and the gradients reduced in float32 (``MixedPrecisionPolicy``); None: gathered as stored."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    and the gradients reduced in float32 (``MixedPrecisionPolicy``); None: gathered as stored. ``offload``: the
+    shards stay in host memory and each block's are copied to the device for its pass (``CPUOffloadPolicy``)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     policy = MixedPrecisionPolicy() if compute_dtype is None else \
         MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    where = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
     for block in transformer_blocks(module):
-        fully_shard(block, mp_policy=policy)
-    fully_shard(module, mp_policy=policy)
+        fully_shard(block, mp_policy=policy, offload_policy=where)
+    fully_shard(module, mp_policy=policy, offload_policy=where)
     return module
+
+
+def on_meta(module: nn.Module) -> bool:
+    """Whether ``module`` has a parameter or buffer on the meta device (built without its weights)."""
+    return any(t.is_meta for t in [*module.parameters(), *module.buffers()])
+
+
+def load_from_rank0(module: nn.Module, state: dict[str, Tensor] | None, device: torch.device) -> None:
+    """Every rank's (sharded) ``module`` takes rank 0's whole ``state`` (its ``state_dict()`` before sharding; None
+    on the other ranks), so only rank 0 ever reads the weights; a collective. A rank that built ``module`` on the meta
+    device allocates its shards first (``to_empty``). One tensor at a time is broadcast whole and each rank keeps its
+    shard of it (``distribute_tensor`` without communication): no rank holds more than one whole tensor at once, and
+    shards kept in host memory (FSDP's CPU offload) take theirs the same way. The buffers no state dict holds
+    (rotary frequencies) are broadcast too."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if on_meta(module):
+        module.to_empty(device=device)
+    with torch.no_grad():
+        for name, tensor in module.state_dict().items():
+            whole = state[name].to(collective_device(), tensor.dtype) if is_main_process() else \
+                torch.empty(tensor.shape, dtype=tensor.dtype, device=collective_device())
+            dist.broadcast(whole, src=0)
+            if isinstance(tensor, DTensor):
+                local = distribute_tensor(whole, tensor.device_mesh, tensor.placements, src_data_rank=None)
+                tensor.to_local().copy_(local.to_local())
+            else:
+                tensor.copy_(whole)
+        for buffer in module.buffers():
+            moved = buffer.to(collective_device())
+            dist.broadcast(moved, src=0)
+            buffer.copy_(moved)
 
 
 def transformer_blocks(module: nn.Module) -> list[nn.Module]:

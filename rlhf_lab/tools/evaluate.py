@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -155,8 +156,11 @@ def _evaluate(cfg: Any, base: list[str], overrides: list[str], source: str, chec
     seed_everything(cfg.seed)
     tokenizer = load_tokenizer(cfg.model)
     models = build_policy(cfg.model, tokenizer, precision.weights_dtype, cfg.seed)
-    if checkpoint is not None:
-        load_weights(models.policy, checkpoint / "model")
+    if checkpoint is not None:  # an FSDP run's checkpoint may hold shards only: assembled first
+        from rlhf_lab.tools.export import policy_folder, run_config
+
+        with tempfile.TemporaryDirectory(prefix="rlhf_lab_eval_") as scratch:
+            load_weights(models.policy, policy_folder(checkpoint, run_config(checkpoint), Path(scratch)))
     policy = models.policy.to(device).eval()
     if models.reference is not None:
         models.reference.to(device)

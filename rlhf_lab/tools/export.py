@@ -2,7 +2,8 @@
 
 - ``RUN_OR_CHECKPOINT``: a run folder (its latest complete checkpoint), its ``checkpoints/`` folder or one
   ``checkpoints/step_N``.
-- Full fine-tuning: the model as ``save_pretrained`` wrote it, with its tokenizer.
+- Full fine-tuning: the model as ``save_pretrained`` wrote it, with its tokenizer. An FSDP run's checkpoint other
+  than its last holds the weights as DCP shards only: they are assembled into the run's model in this process.
 - LoRA: merged into the base weights with peft's ``merge_and_unload`` (default; the base is rebuilt from the
   run's config), or ``--adapter --base MODEL_ID_OR_PATH``: the adapter kept, its ``base_model_name_or_path`` set
   to the id or path given (the run's own base may be a local cache folder).
@@ -18,6 +19,7 @@ import argparse
 import json
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -124,10 +126,6 @@ def _merge(config: dict[str, Any], model_dir: Path) -> Any:
 
 def export(source: Path, out: Path, adapter: bool = False, base: str | None = None, force: bool = False) -> Path:
     """Write the policy of ``source`` to ``out`` (see the module docstring); returns the checkpoint used."""
-    from transformers import AutoTokenizer
-
-    from rlhf_lab.training.checkpoint import MODEL_FOLDER
-
     out = Path(out).expanduser()
     if out.exists() and not out.is_dir():
         raise ToolError(f"{str(out)!r} is a file; give a folder to export into")
@@ -136,7 +134,31 @@ def export(source: Path, out: Path, adapter: bool = False, base: str | None = No
     checkpoint = find_checkpoint(source)
     if out.resolve().is_relative_to(checkpoint.resolve()):
         raise ToolError(f"{str(out)!r} is inside the checkpoint it exports ({checkpoint}); choose a folder outside it")
-    model_dir = checkpoint / MODEL_FOLDER
+    config = run_config(checkpoint)
+    with tempfile.TemporaryDirectory(prefix="rlhf_lab_export_") as scratch:
+        model_dir = policy_folder(checkpoint, config, Path(scratch))
+        _export(checkpoint, model_dir, config, out, adapter, base)
+    return checkpoint
+
+
+def policy_folder(checkpoint: Path, config: dict[str, Any], scratch: Path) -> Path:
+    """The checkpoint's policy as a ``save_pretrained`` folder: its ``model/``, or, for an FSDP run's checkpoint that
+    holds shards only, one assembled from them in ``scratch``."""
+    from rlhf_lab.training.checkpoint import MODEL_FOLDER, SHARDED_FOLDER
+    from rlhf_lab.training.checkpoint_sharded import export_sharded
+
+    if (checkpoint / MODEL_FOLDER).is_dir() or not (checkpoint / SHARDED_FOLDER).is_dir():
+        return checkpoint / MODEL_FOLDER
+    if not config.get("model"):
+        raise ToolError(f"cannot assemble the policy from the shards of {checkpoint}: the run's config (to rebuild "
+                        "its model) is missing")
+    return export_sharded(checkpoint, config, scratch / MODEL_FOLDER)
+
+
+def _export(checkpoint: Path, model_dir: Path, config: dict[str, Any], out: Path, adapter: bool,
+            base: str | None) -> None:
+    from transformers import AutoTokenizer
+
     is_adapter = (model_dir / "adapter_config.json").is_file()
     if (adapter or base) and not is_adapter:
         raise ToolError(f"--adapter/--base keep a LoRA adapter; {checkpoint} holds a fully fine-tuned model "
@@ -145,7 +167,6 @@ def export(source: Path, out: Path, adapter: bool = False, base: str | None = No
         recorded = json.loads((model_dir / "adapter_config.json").read_text()).get("base_model_name_or_path")
         raise ToolError(f"--adapter needs --base MODEL_ID_OR_PATH, the model the adapter applies to (recorded: "
                         f"{recorded!r}, which may be a local cache folder)")
-    config = run_config(checkpoint)
     out.mkdir(parents=True, exist_ok=True)
     if not is_adapter:
         for item in model_dir.iterdir():
@@ -165,7 +186,6 @@ def export(source: Path, out: Path, adapter: bool = False, base: str | None = No
     summary = read_summary(summary_file)
     (out / "README.md").write_text(model_card(config, summary, checkpoint, base if adapter else None),
                                    encoding="utf-8")
-    return checkpoint
 
 
 def read_summary(path: Path) -> dict[str, Any]:

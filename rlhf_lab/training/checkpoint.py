@@ -10,8 +10,10 @@ A checkpoint holds only safetensors and JSON, so loading one never unpickles any
   (:mod:`.save_policy`) it holds the scheduler only: the checkpoint evaluates and exports but cannot resume;
 - ``sharded/`` (FSDP runs): the policy, the algorithm's modules and the optimizer as every rank holds them, written
   by every rank through ``torch.distributed.checkpoint`` (DCP) and read back the same way, each rank its own part
-  (any process count, one process included); ``model/`` is then the export of the gathered weights and
-  ``optimizer.safetensors`` holds the scheduler only;
+  (any process count, one process included); each rank hashes the shard files it wrote. No rank gathers the whole
+  state: ``model/`` (the gathered weights, as an unsharded run writes them) is written only by the run's last save,
+  the others keep the tokenizer in ``tokenizer/`` and ``rlhf-lab export`` turns their shards into a Hugging Face
+  folder; ``optimizer.safetensors`` holds the scheduler only;
 - ``rng.safetensors``: the torch (and CUDA) generator states; Python's and NumPy's are JSON;
 - ``config.json``: the resolved config of the run that wrote it (what a resume is compared against);
 - ``trainer_state.json``: ``step`` (the last step trained, 0-based: ``step_N`` holds N updates and its ``step``
@@ -64,7 +66,13 @@ from rlhf_lab.training.checkpoint_find import (  # noqa: F401  (the layout's nam
     run_folder_of,
     updates_held,
 )
-from rlhf_lab.training.checkpoint_sharded import SHARDED_FOLDER, load_sharded, save_sharded  # noqa: F401
+from rlhf_lab.training.checkpoint_sharded import (  # noqa: F401
+    SHARDED_FOLDER,
+    TOKENIZER_FOLDER,
+    load_sharded,
+    own_shard_digests,
+    save_sharded,
+)
 from rlhf_lab.training.state_encoding import decode_state, encode_state, rng_state, set_rng_state
 from rlhf_lab.training.verify import fsync, fsync_tree, full_disk, manifest, seal
 
@@ -131,6 +139,7 @@ def save_checkpoint(
     staged: Path | None = None,
     tensor_files: dict[str, dict[str, torch.Tensor]] | None = None,
     with_optimizer: bool = True,
+    shard_digests: dict[str, str] | None = None,
 ) -> Path:
     """Write ``root/step_{updates}`` (the policy after ``updates`` optimizer updates) atomically, point
     ``root/latest`` at it, keep the newest ``keep_last_n``.
@@ -138,6 +147,9 @@ def save_checkpoint(
     ``model_state`` / ``module_states``: the whole states gathered from sharded (FSDP) modules (``model/`` is
     written from them as an unsharded run writes it). ``staged``: the staging folder the ranks wrote the sharded
     state into (:func:`save_sharded`); the optimizer's state is there, and the rest is written beside it.
+    ``shard_digests``: the sha256 of every rank's shard files, each computed by the rank that wrote them (rank 0
+    hashes only its own and the small common files). Without ``model_state`` a staged checkpoint holds the weights as
+    shards only (no ``model/``; the tokenizer in ``tokenizer/``).
     ``tensor_files``: further safetensors files by name (the batch generated ahead, :mod:`.ahead`).
     ``with_optimizer=False`` (``trainer.save=model``): no optimizer state, the model and the run's small state only.
     """
@@ -148,9 +160,14 @@ def save_checkpoint(
     with refusing_full_disk(root, updates):  # the temporary folder is removed either way
         tmp = staged or Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{updates}.", dir=root))
         try:
-            policy.save_pretrained(tmp / MODEL_FOLDER, safe_serialization=True, state_dict=model_state)
-            tokenizer.save_pretrained(tmp / MODEL_FOLDER)
+            if staged is None or model_state is not None:  # else the weights are the shards alone
+                policy.save_pretrained(tmp / MODEL_FOLDER, safe_serialization=True, state_dict=model_state)
+                tokenizer.save_pretrained(tmp / MODEL_FOLDER)
+            else:
+                tokenizer.save_pretrained(tmp / TOKENIZER_FOLDER)
             for name, module in modules.items():
+                if staged is not None and module_states is None:  # in the shards
+                    continue
                 whole = (module_states or {}).get(name) or module.state_dict()
                 state = {k: v.detach().contiguous() for k, v in whole.items()}
                 save_file(state, str(tmp / f"{name}.safetensors"))
@@ -176,7 +193,7 @@ def save_checkpoint(
                 "optimizer_saved": with_optimizer,
                 "files": manifest(tmp, skip=STATE_FILE),
             }
-            state = seal(state, tmp, skip=STATE_FILE)
+            state = seal(state, tmp, skip=STATE_FILE, known=shard_digests)  # each rank hashed its own shards
             with open(tmp / STATE_FILE, "w", encoding="utf-8") as handle:
                 json.dump(state, handle)
                 handle.flush()

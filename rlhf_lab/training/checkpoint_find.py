@@ -54,7 +54,8 @@ def is_complete(folder: Path) -> bool:
     if state is None or not isinstance(state.get("files"), dict) or "step" not in state:
         return False
     files = state["files"]
-    if not {OPTIMIZER_FILE, RNG_FILE} <= files.keys() or not any(f.startswith(f"{MODEL_FOLDER}/") for f in files):
+    weights = (f"{MODEL_FOLDER}/", "sharded/")  # the whole model, or an FSDP run's shards
+    if not {OPTIMIZER_FILE, RNG_FILE} <= files.keys() or not any(f.startswith(weights) for f in files):
         return False
     for relative, size in state["files"].items():
         path = folder / relative

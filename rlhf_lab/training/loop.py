@@ -80,21 +80,34 @@ class Trainer:
         check_memory(cfg, self.tokenizer, DTYPES[self.precision.weights_dtype], self.precision.compute_dtype,
                      self.device, shards=distributed.world_size() if self.strategy == "fsdp" else 1,
                      precision=self.precision if self.plans_steps else None)
-        self.models = build_policy(cfg.model, self.tokenizer, self.precision.weights_dtype, cfg.seed)
+        fsdp = self.strategy == "fsdp"
+        # Under FSDP only rank 0 reads the weights; the other ranks build on the meta device and receive their
+        # shards from it (below). The reference is made in the compute dtype (under FSDP every weight), never as a
+        # second float32 copy.
+        broadcasts = fsdp and distributed.world_size() > 1
+        receives = broadcasts and not distributed.is_main_process()
+        self.models = build_policy(cfg.model, self.tokenizer, self.precision.weights_dtype, cfg.seed,
+                                   reference_dtype=self.precision.compute_dtype, every_reference_weight=fsdp,
+                                   meta=receives)
         check_model_prompts(self.prompts, self.tokenizer, self.models.policy, cfg)
         if gradient_checkpointing(cfg.trainer, self.device):  # null: on under CUDA
             enable_activation_checkpointing(self.models.policy)
-        fsdp = self.strategy == "fsdp"
         # Under FSDP the policy stays on the CPU until it is sharded (below): each block moves its shard only.
         policy = self.models.policy if fsdp else self.models.policy.to(self.device)
+        whole_states = {"policy": policy.state_dict()} if broadcasts and not receives else {}  # rank 0's, to broadcast
+        if self.models.reference is not None and whole_states:
+            whole_states["reference"] = self.models.reference.state_dict()
         self.place_reference(fsdp)
 
         self.algorithm = get("algorithm", cfg.algorithm.name)(cfg.algorithm)
         # kl.loss_scale=advantage reads the factor the advantages gave each sample (Rollout.kl_loss_scale).
         self.algorithm.scales_kl = cfg.kl.get("loss_scale", "none") == "advantage"
         self.algorithm.setup(policy)
-        for module in self.algorithm.modules().values():
-            module.to(self.device)
+        for name, module in self.algorithm.modules().items():
+            if whole_states:
+                whole_states[name] = module.state_dict()
+            if not distributed.on_meta(module):  # else it receives its shards from rank 0 (below)
+                module.to(self.device)
         self.save_policy = resolve_save(cfg.trainer)  # all | model | none (rlhf_lab/training/save_policy.py)
         if distributed.is_main_process():  # the whole weights, before they are sharded
             check_disk(cfg.trainer, checkpoint_size(cfg.trainer, policy, self.algorithm.modules(),
@@ -109,6 +122,12 @@ class Trainer:
             return sync_modules[-1]
 
         self.algorithm.wrap_modules(wrap)
+        if broadcasts:  # rank 0's weights, broadcast into every rank's shards
+            sharded = {"policy": policy, "reference": self.models.reference, **self.algorithm.modules()}
+            for name, module in sharded.items():
+                if module is not None:
+                    distributed.load_from_rank0(module, whole_states.get(name), self.device)
+            whole_states.clear()
         if distributed.world_size() > 1:  # every rank samples its own noise from here on
             seed_everything(cfg.seed + 1_000_003 * distributed.rank())
         self.kl = KLPenalty(cfg.kl)  # the estimator, placed in the reward or the loss (rlhf_lab/kl/placements.py)
@@ -143,11 +162,12 @@ class Trainer:
 
     def place_reference(self, fsdp: bool) -> None:
         """The frozen reference where its passes run: sharded like the policy under FSDP (never a whole copy per
-        rank), on the CPU between passes with ``trainer.offload_reference``, else on the device. Under a mixed
+        rank; its shards in host memory with ``trainer.offload_reference``), else on the CPU between passes with
+        ``trainer.offload_reference`` or on the device. Under a mixed
         precision its matrices are kept in the compute dtype (LoRA's base weights: the reference is the policy)."""
         reference, offload = self.models.reference, self.cfg.trainer.offload_reference
-        if reference is not None and fsdp and not offload:
-            distributed.shard(reference, self.precision.compute_dtype)
+        if reference is not None and fsdp:  # its shards in host memory with trainer.offload_reference
+            distributed.shard(reference, self.precision.compute_dtype, offload=offload)
         elif reference is not None:
             reference.to("cpu" if offload else self.device)
         if not fsdp:  # under FSDP its MixedPrecisionPolicy gathers the weights in the compute dtype
@@ -211,27 +231,27 @@ class Trainer:
         """The train and held-out prompts (the offline stages read them from their examples)."""
         return load_prompts(self.cfg.data, seed=self.cfg.seed)
 
-    def save(self, updates: int, full: bool = False) -> Path | None:
+    def save(self, updates: int, full: bool = False, export: bool = False) -> Path | None:
         """Write the checkpoint ``step_{updates}``, the policy after ``updates`` updates, with the optimizer's state
         under ``trainer.save=all`` or when ``full`` (a stop by signal: its resume command needs it): under FSDP every
-        rank writes its shards (``sharded/``, DCP) and the whole weights are gathered for ``model/``; rank 0 writes
-        the rest while the other ranks wait at a barrier (not in a collective of the next step). Returns its folder
-        (None on other ranks)."""
+        rank writes its shards (``sharded/``, DCP) and hashes them; the whole weights are gathered (onto rank 0) only
+        when ``export`` (the run's last save) for ``model/``. Rank 0 writes the rest while the other ranks wait at a
+        barrier (not in a collective of the next step). Returns its folder (None on other ranks)."""
         updater, modules = self.updater, self.algorithm.modules()
         policy = distributed.unwrap(self.policy)
         with_optimizer = full or self.save_policy == "all"
         whole: dict[str, Any] = {}
-        if self.strategy == "fsdp" and not with_optimizer:  # collectives: the whole weights only
+        if self.strategy == "fsdp" and export:  # collectives: the whole weights, for the Hugging Face folder
             whole = {"model_state": distributed.full_model_state(policy),
                      "module_states": {name: distributed.full_model_state(m) for name, m in modules.items()}}
-        elif self.strategy == "fsdp":  # collectives: every rank takes part
+        if self.strategy == "fsdp" and (with_optimizer or not export):  # collectives: every rank writes its shards
             staged = ckpt.staging_folder(self.checkpoint_root, updates)
             if distributed.is_main_process():
                 ckpt.prepare_staging(self.checkpoint_root, updates)
             distributed.barrier()
-            ckpt.save_sharded(staged, policy, modules, updater.optimizer)
-            whole = {"model_state": distributed.full_model_state(policy), "staged": staged,
-                     "module_states": {name: distributed.full_model_state(m) for name, m in modules.items()}}
+            ckpt.save_sharded(staged, policy, modules, updater.optimizer if with_optimizer else None)
+            digests = distributed.gather_objects([ckpt.own_shard_digests(staged, distributed.rank())])
+            whole.update(staged=staged, shard_digests={k: v for own in digests for k, v in own.items()})
         ahead_tensors, ahead = encode_ahead(self.worker.state()) if self.staleness else ({}, None)  # batches in flight
         rank_rng = distributed.gather_objects([rank_rng_state()])
         folder = None
@@ -487,7 +507,7 @@ class Trainer:
             # The final evaluation and summary.json first: a save that fails (a full disk) loses no result.
             self.records.write_summary(summary)
             if self.save_policy != "none" and done > self.start_step:
-                self.save(done)
+                self.save(done, export=True)
             self.write_outputs()
             self.records.finish(summary)
             return summary

@@ -36,10 +36,12 @@ from omegaconf import OmegaConf
 
 from rlhf_lab.config.overrides import flatten
 from rlhf_lab.errors import CheckpointError, ConfigError
+from rlhf_lab.runtime import distributed
 from rlhf_lab.runtime.console import say
 from rlhf_lab.runtime.precision import Precision, check_device
 from rlhf_lab.training import checkpoint as ckpt
 from rlhf_lab.training import run_lock
+from rlhf_lab.training.checkpoint_sharded import hashed_by
 from rlhf_lab.training.verify import damage
 
 # Keys a resumed run may change ("x.*": every key under x). Everything else must match the checkpoint.
@@ -232,7 +234,7 @@ def verified_checkpoint(folder: Path, warn: bool = True) -> Path:
     candidates = [folder, *reversed([c for c in ckpt.complete_checkpoints(root) if _step(c) < _step(folder)])]
     problems = []
     for candidate in candidates:
-        problem = damage(candidate, ckpt.STATE_FILE)
+        problem = checkpoint_damage(candidate)
         if problem is None:
             if problems and warn:
                 print(f"warning: checkpoint {problems[-1][0]} is damaged ({problems[-1][1]}); falling back to "
@@ -243,6 +245,18 @@ def verified_checkpoint(folder: Path, warn: bool = True) -> Path:
         f"checkpoint {folder} is damaged ({problems[0][1]}) and no earlier complete checkpoint in {root} "
         "checks out; start a fresh run (another trainer.output_dir, without trainer.resume)"
     )
+
+
+def checkpoint_damage(folder: Path) -> str | None:
+    """What is wrong with checkpoint ``folder`` as every rank of the run sees it (the same answer on each; a
+    collective under a process group). Each rank hashes only the shard files it reads (its own) and the small common
+    files; the first rank that finds a problem is named with it."""
+    rank, world = distributed.rank(), distributed.world_size()
+    if world == 1:
+        return damage(folder, ckpt.STATE_FILE)
+    own = damage(folder, ckpt.STATE_FILE, hashes=lambda relative: hashed_by(relative, rank, world))
+    found = distributed.gather_objects([own])
+    return next((f"found by rank {index}: {problem}" for index, problem in enumerate(found) if problem), None)
 
 
 def _step(folder: Path) -> int:

@@ -126,7 +126,8 @@ class ScoringPass:
         """The reference's log-probs: the adapter-disabled policy under LoRA, else the frozen copy (on the CPU
         between passes with ``trainer.offload_reference``)."""
         model = self.models.reference_model()
-        offload = self.cfg.trainer.offload_reference and self.models.reference is not None
+        offload = self.cfg.trainer.offload_reference and self.models.reference is not None \
+            and not distributed.sharded(next(model.parameters()))  # FSDP moves its offloaded shards itself
         with timer.phase("reference"), torch.no_grad(), self.models.reference_context(), self.precision.autocast():
             if offload:
                 model.to(self.device)

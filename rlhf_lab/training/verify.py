@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -76,12 +77,15 @@ def file_digest(path: Path) -> str:
     return digest.hexdigest()
 
 
-def folder_digests(folder: Path, skip: str) -> dict[str, str]:
-    """sha256 of every file under ``folder`` (relative POSIX path -> hex digest), ``skip`` (a name) left out."""
+def folder_digests(folder: Path, skip: str, known: dict[str, str] | None = None) -> dict[str, str]:
+    """sha256 of every file under ``folder`` (relative POSIX path -> hex digest), ``skip`` (a name) left out;
+    ``known``: digests computed elsewhere (each rank's of its own shard files), taken as they are."""
+    known = known or {}
     return {
-        path.relative_to(folder).as_posix(): file_digest(path)
+        relative: known[relative] if relative in known else file_digest(path)
         for path in sorted(Path(folder).rglob("*"))
         if path.is_file() and path.name != skip
+        for relative in [path.relative_to(folder).as_posix()]
     }
 
 
@@ -91,16 +95,20 @@ def state_checksum(state: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode("utf-8")).hexdigest()
 
 
-def seal(state: dict[str, Any], folder: Path, skip: str) -> dict[str, Any]:
-    """``state`` with the digests of ``folder``'s files, its key list and its own checksum added."""
-    sealed = json.loads(json.dumps({**state, "sha256": folder_digests(folder, skip)}))  # as it will read back
+def seal(state: dict[str, Any], folder: Path, skip: str, known: dict[str, str] | None = None) -> dict[str, Any]:
+    """``state`` with the digests of ``folder``'s files (``known``: those the writing ranks computed), its key list
+    and its own checksum added."""
+    sealed = json.loads(json.dumps({**state, "sha256": folder_digests(folder, skip, known)}))  # as it will read back
     sealed["keys"] = sorted([*sealed, "keys"])
     sealed["state_sha256"] = state_checksum(sealed)
     return sealed
 
 
-def damage(folder: Path, state_file: str) -> str | None:
-    """What is wrong with the checkpoint in ``folder`` (a short phrase), or None when every check passes."""
+def damage(folder: Path, state_file: str, hashes: Callable[[str], bool] | None = None) -> str | None:
+    """What is wrong with the checkpoint in ``folder`` (a short phrase), or None when every check passes.
+
+    ``hashes``: which files' digests this process checks (a rank of a sharded run: its own shard files and the
+    small common ones, :func:`~rlhf_lab.training.checkpoint_sharded.hashed_by`); every file's size is checked."""
     folder = Path(folder)
     foreign = foreign_entry(folder)
     if foreign is not None:
@@ -139,7 +147,8 @@ def damage(folder: Path, state_file: str) -> str | None:
             actual = path.stat().st_size
             if actual != size:
                 return f"{relative} has {actual} bytes, its manifest says {size}"
-            if relative in digests and file_digest(path) != digests[relative]:
+            hashed = hashes is None or hashes(relative)
+            if relative in digests and hashed and file_digest(path) != digests[relative]:
                 return f"{relative} does not match its sha256 (corrupted)"
         except OSError as error:
             return f"{relative} is {'missing' if isinstance(error, FileNotFoundError) else 'unreadable'}"

@@ -39,7 +39,7 @@ TIMEOUT = 300
 def environment() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "PYTHONPATH")}
     env.update(HF_HUB_OFFLINE="1", WANDB_MODE="disabled", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1",
-               PYTHONUNBUFFERED="1")
+               PYTHONUNBUFFERED="1", PYTHONPATH=str(Path(__file__).resolve().parents[2]))  # this checkout's package
     return env
 
 
@@ -125,11 +125,14 @@ def test_checkpoints_load_across_process_counts(straight: Path, tmp_path: Path, 
                                                 then: int, then_strategy: str) -> None:
     """A checkpoint continues under another process count or strategy, and the continuation equals the 1-process
     run straight to step 4. An FSDP run's checkpoint holds its sharded state (``sharded/``, written by every rank
-    through torch.distributed.checkpoint, each rank reading back its own part)."""
+    through torch.distributed.checkpoint, each rank reading back its own part), and only its last the whole weights."""
     run = tmp_path / "run"
     train(run, first, *ALGORITHMS["grpo"], "trainer.steps=4", "trainer.checkpoint_every=1",
           "trainer.keep_last_n=5", f"trainer.strategy={first_strategy}")
     assert (run / "checkpoints" / "step_2" / "sharded").is_dir() == (first_strategy == "fsdp")
+    # Under FSDP only the run's last save gathers the whole weights (model/); the others are shards only.
+    assert (run / "checkpoints" / "step_2" / "model").is_dir() == (first_strategy != "fsdp")
+    assert (run / "checkpoints" / "step_4" / "model").is_dir()
     # Back to the checkpoint after 2 updates, as if the run had died there, and continue with the other process count.
     for late in ("step_3", "step_4"):
         subprocess.run(["rm", "-rf", str(run / "checkpoints" / late)], check=True)
