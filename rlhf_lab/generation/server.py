@@ -8,7 +8,9 @@ The server holds one vLLM engine (on its own GPUs, or this CPU) and answers JSON
 - ``POST /load_adapter``: a LoRA adapter folder becomes the one it samples with (the base weights stay);
 - ``POST /open_group``: join the trainer's rank 0 in a process group of two (:mod:`.weight_group`);
 - ``POST /receive_weights``: the full weights the trainer broadcasts over that group become the engine's;
-- ``GET /health``.
+- ``GET /health``;
+- ``POST /v1/chat/completions``, ``POST /v1/completions``: OpenAI's routes, with the sampled token ids and their
+  log-probs as vLLM's OpenAI server returns them (:mod:`.openai_routes`), for agent programs and ``env=verifiers``.
 
 Any number of trainer ranks share it: each sends its own prompts (the server answers one request at a time).
 After every optimizer step the weights reach it by ``generation.weight_sync``:

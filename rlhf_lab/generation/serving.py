@@ -41,8 +41,10 @@ from typing import Any
 import torch
 
 from rlhf_lab.errors import ConfigError, ToolError
+from rlhf_lab.generation.openai_routes import OpenAIRoutes
 from rlhf_lab.generation.serve_engine import (
     DEFAULT_MEMORY_SHARE,
+    RequestError,
     ServerEngine,
     VLLMServerEngine,
     check_dtype,
@@ -56,14 +58,6 @@ TOKEN_ENV = "RLHF_LAB_SERVE_TOKEN"
 TOKEN_FILE = ".serve_token"  # in the sync folder, mode 0600
 MAX_BODY = 64 << 20  # bytes of one request (a generate request of 1,000 prompts of 4,096 tokens is ~30 MB)
 READ_TIMEOUT = 60.0  # seconds a request may take to arrive
-
-
-class RequestError(Exception):
-    """A request the server refuses: its HTTP status and one line."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 # ------------------------------------------------------------------------------------------ the token
@@ -373,8 +367,9 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8765, dtype: str = "a
     dtype = check_dtype(dtype, torch.cuda.is_available())
     token = server_token(folder, token_file)
     engine = engine_factory(model, dtype, enforce_eager, max_model_len, lora_rank, memory_share)
-    http = make_http_server(WeightServer(engine, folder, token, trainer_host, checkpoint_shapes(model), lora_rank),
-                            host, port)
+    weights = WeightServer(engine, folder, token, trainer_host, checkpoint_shapes(model), lora_rank)
+    weights.routes.update(OpenAIRoutes(weights, model, max_model_len, getattr(engine, "tokenizer", None)).routes)
+    http = make_http_server(weights, host, port)
     if not is_loopback(host):
         print(f"warning: rlhf-lab serve is bound to {host}, beyond this machine: whoever reaches it with the token "
               "can load weights into it, and plain HTTP carries the token in clear (bind 127.0.0.1 behind an SSH "
