@@ -72,7 +72,12 @@ class VLLMGeneration(SamplesInPlace):
     def __init__(self, policy: nn.Module, tokenizer: Any, settings: SamplingSettings,
                  precision: Precision | None = None, hardware: Any = None, options: Any = None,
                  keep_logits: bool = False, keep_hidden: bool = False, logits_float32: bool = True) -> None:
-        vllm = import_vllm()
+        self.logs = VLLMLogs()  # its lines (its import's too) to the run's log file: rlhf_lab/generation/vllm_logs.py
+        try:
+            vllm = import_vllm()
+        except ConfigError:
+            self.logs.close()
+            raise
         options = options or {}
         self.policy, self.tokenizer, self.settings = policy, tokenizer, settings
         self.device = next(policy.parameters()).device
@@ -107,8 +112,7 @@ class VLLMGeneration(SamplesInPlace):
             kwargs.update(enable_lora=True, max_loras=1,
                           max_lora_rank=lora_rank_slot(max(c.r for c in policy.peft_config.values())))
         self.vllm = vllm
-        self.logs = VLLMLogs()  # its lines to the run's log file from here on (rlhf_lab/generation/vllm_logs.py)
-        self.llm = vllm.LLM(**kwargs, use_tqdm_on_load=False)
+        self.llm = vllm.LLM(**kwargs, **self.logs.engine_kwargs(), use_tqdm_on_load=False)
         if self.lora:  # the base weights are the export's; the adapter goes as a request of its own
             self._send_adapter(policy)
 

@@ -3,11 +3,13 @@
 vLLM configures its ``vllm`` logger when it is imported (``VLLM_CONFIGURE_LOGGING=1``, its default): a handler of
 its own on stdout at ``VLLM_LOGGING_LEVEL`` (INFO), not propagating to the root logger, so a two-step run printed
 hundreds of lines and none reached the job's ``<name>.log``. While a run's engine lives, :class:`VLLMLogs` keeps
-only vLLM's errors on the console (its handler raised to ERROR) and sends every record to the log files of the root
-logger (Hydra's job log); at the end :meth:`VLLMLogs.close` puts vLLM's handlers back as they were and returns one
-line with the counts. Nothing changes the process environment (vLLM reads its variables at its own import), and
-``VLLM_CONFIGURE_LOGGING=0`` (vLLM leaves its logger alone) is respected: then there is nothing to route.
-Without a log file (the Python API outside Hydra, a test) the console stays as vLLM set it.
+only vLLM's errors on the console and sends every record to the log files of the root logger (Hydra's job log):
+the engine is built with vLLM's own ``LoggingConfig(configure_logging=False)`` (so vLLM adds no console handler;
+one an earlier engine of the process added is raised to ERROR), and the ``vllm`` logger gets a handler that counts
+and writes to those files. At the end :meth:`VLLMLogs.close` puts vLLM's logger back as it was and returns one line
+with the counts. Nothing changes the process environment; a user's ``VLLM_CONFIGURE_LOGGING=0`` or
+``VLLM_LOGGING_CONFIG_PATH`` is respected (vLLM's logging is then theirs), and without a log file (the Python API
+outside Hydra) the console stays as vLLM sets it.
 
 One vLLM line is dropped, not routed: ``RotaryEmbedding: Failed to load weights`` at every weight sync. It is not
 a failed load. vLLM's layer-wise reload counts a layer's buffers as loadable, and a rotary layer's only tensor is
@@ -44,34 +46,54 @@ class RotaryReloadFilter(logging.Filter):
 
 
 class _ToFiles(logging.Handler):
-    """Counts every vLLM record and hands it to the root logger's file handlers."""
+    """Counts every vLLM record and hands it to the root logger's file handlers (and an error to its console ones
+    too, where vLLM has no console handler of its own)."""
 
-    def __init__(self, files: list[logging.Handler]) -> None:
+    def __init__(self, files: list[logging.Handler], consoles: list[logging.Handler]) -> None:
         super().__init__(logging.NOTSET)
-        self.files, self.counts = files, Counter()
+        self.files, self.consoles, self.counts = files, consoles, Counter()
 
     def emit(self, record: logging.LogRecord) -> None:
         self.counts[record.levelname] += 1
-        for handler in self.files:
+        for handler in self.files + (self.consoles if record.levelno >= logging.ERROR else []):
             if record.levelno >= handler.level:
                 handler.handle(record)
 
 
+def _routed() -> bool:
+    """Whether vLLM's lines are ours to route: vLLM would configure its logger itself (``VLLM_CONFIGURE_LOGGING``
+    not 0) from no logging config file of the user's."""
+    return os.environ.get("VLLM_CONFIGURE_LOGGING", "1") != "0" and not os.environ.get("VLLM_LOGGING_CONFIG_PATH")
+
+
 class VLLMLogs:
-    """vLLM's records to the run's log file while installed (see the module); :meth:`close` undoes it."""
+    """vLLM's records to the run's log file while installed (see the module); :meth:`close` undoes it. Built before
+    vLLM is imported (its import logs too); the engine is built with :meth:`engine_kwargs`."""
 
     def __init__(self) -> None:
         self.logger = logging.getLogger(VLLM_LOGGER)
         self.rotary = RotaryReloadFilter()
         logging.getLogger(RELOAD_LOGGER).addFilter(self.rotary)
-        self.files = [h for h in logging.getLogger().handlers
-                      if isinstance(h, logging.FileHandler) and h.baseFilename != os.devnull]
-        self.levels = {handler: handler.level for handler in self.logger.handlers}
-        self.routed = _ToFiles(self.files) if self.files and self.levels else None
+        root = logging.getLogger().handlers
+        self.files = [h for h in root if isinstance(h, logging.FileHandler) and h.baseFilename != os.devnull]
+        consoles = [h for h in root if not isinstance(h, logging.FileHandler)]
+        self.levels = {handler: handler.level for handler in self.logger.handlers}  # vLLM's own, if it set them up
+        self.propagate = self.logger.propagate
+        self.routed = _ToFiles(self.files, [] if self.levels else consoles) if self.files and _routed() else None
         if self.routed is not None:
             for handler in self.levels:
                 handler.setLevel(max(handler.level, logging.ERROR))
             self.logger.addHandler(self.routed)
+            self.logger.propagate = False
+
+    def engine_kwargs(self) -> dict[str, object]:
+        """What ``vllm.LLM`` is built with: while routed, vLLM does not configure its logger (its ``dictConfig``
+        would put its console handler back)."""
+        if self.routed is None:
+            return {}
+        from vllm.config.logging import LoggingConfig
+
+        return {"logging_config": LoggingConfig(configure_logging=False)}
 
     def close(self) -> str | None:
         """vLLM's logging as it was; the console line that says what went to the log file (None: nothing did)."""
@@ -79,6 +101,7 @@ class VLLMLogs:
         if self.routed is None:
             return None
         self.logger.removeHandler(self.routed)
+        self.logger.propagate = self.propagate
         for handler, level in self.levels.items():
             handler.setLevel(level)
         counts = self.routed.counts

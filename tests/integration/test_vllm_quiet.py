@@ -80,6 +80,34 @@ def test_without_a_log_file_vllm_keeps_its_console(vllm_logging) -> None:
             root.addHandler(file)
 
 
+def test_a_fresh_vllm_logger_is_routed_and_vllm_told_not_to_configure_it(tmp_path: Path, monkeypatch) -> None:
+    """The usual case in a run: vLLM has not configured its logger yet (it does so when an engine is built, unless
+    told not to): its records reach the log file only, its errors the run's console too."""
+    vllm, root = logging.getLogger(VLLM_LOGGER), logging.getLogger()
+    console, log = io.StringIO(), tmp_path / "train.log"
+    stream, file = logging.StreamHandler(console), logging.FileHandler(log)
+    saved = (vllm.handlers[:], vllm.propagate, root.handlers[:], root.level)
+    vllm.handlers[:], vllm.propagate, root.handlers[:] = [], True, [stream, file]
+    root.setLevel(logging.INFO)
+    try:
+        logs = VLLMLogs()
+        logging.getLogger("vllm.triton_utils.importing").warning("Triton is installed, but has no CPU backend")
+        logging.getLogger("vllm.engine").error("the engine died")
+        assert console.getvalue() == "the engine died\n"
+        assert "no CPU backend" in log.read_text() and "the engine died" in log.read_text()
+        assert logs.close() == f"vLLM wrote 1 error, 1 warning lines to {log} (its errors also print here)"
+        if importlib.util.find_spec("vllm") is not None:  # (importing vLLM logs lines of its own)
+            assert logs.engine_kwargs()["logging_config"].configure_logging is False
+        assert vllm.propagate and vllm.handlers == []
+        monkeypatch.setenv("VLLM_CONFIGURE_LOGGING", "0")  # the user's choice: vLLM's logging is theirs
+        untouched = VLLMLogs()
+        assert untouched.routed is None and untouched.engine_kwargs() == {} and untouched.close() is None
+    finally:
+        vllm.handlers[:], vllm.propagate, root.handlers[:] = saved[0], saved[1], saved[2]
+        root.setLevel(saved[3])
+        file.close()
+
+
 @pytest.fixture
 def client_and_server(compose, tiny_overrides, tmp_path: Path):
     """A trainer's client engine over the tiny policy and a server (stand-in engine) whose model is another one."""
