@@ -131,3 +131,43 @@ def test_the_hf_engine_takes_weights_by_name_and_refuses_unknown_ones(server) ->
     assert torch.equal(parameter, torch.full_like(parameter, 0.5))
     with pytest.raises(Exception, match="'model.nope' is not one of the served model's"):
         engine.load_weights([("model.nope", torch.zeros(1))])
+
+
+def test_the_serve_command_with_the_hf_engine_answers_an_openai_chat(model_folder: Path, tmp_path: Path) -> None:
+    """``rlhf-lab serve MODEL --engine hf`` as a user starts it (no vLLM): it prints where its token is, and a chat
+    request with that token gets the sampled ids back."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    sync = tmp_path / "sync"
+    sync.mkdir()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    env.pop("RLHF_LAB_SERVE_TOKEN", None)
+    server = subprocess.Popen([sys.executable, "-m", "rlhf_lab", "serve", str(model_folder), "--engine", "hf",
+                               "--port", str(port), "--sync-folder", str(sync), "--max-model-len", "128"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        for _ in range(20):  # (a library's own lines may come first)
+            started = server.stdout.readline()
+            if started.startswith("rlhf-lab serve:") or not started:
+                break
+        assert f"on http://127.0.0.1:{port}, token in {sync / serving.TOKEN_FILE}" in started, started
+        url, token = f"http://127.0.0.1:{port}", (sync / serving.TOKEN_FILE).read_text().strip()
+        for _ in range(100):  # the line comes just before it listens
+            try:
+                status, reply = call(url, "/v1/chat/completions", chat_body(model_folder, n=1), token)
+                break
+            except OSError:
+                time.sleep(0.1)
+        assert status == 200, reply
+        (choice,) = reply["choices"]
+        assert choice["token_ids"] and len(choice["logprobs"]["content"]) == len(choice["token_ids"])
+    finally:
+        server.terminate()
+        server.wait(30)
