@@ -19,6 +19,14 @@ DEFAULT_MEMORY_SHARE = 0.3  # of an 80 GB GPU: a 7B policy's bf16 weights (~14 G
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
+class RequestError(Exception):
+    """A request the server refuses: its HTTP status and one line."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 class ServerEngine(Protocol):
     """What the server needs of an engine (one request at a time; the server holds the lock)."""
 
@@ -110,3 +118,49 @@ def check_dtype(dtype: str, cuda: bool) -> str:
     if dtype == "float16" and not cuda:
         raise ToolError("--dtype float16: vLLM's CPU backend runs float32 or bfloat16; use --dtype float32 (or auto)")
     return dtype
+
+
+class HFServerEngine:
+    """The server's engine without vLLM (``rlhf-lab serve --engine hf``): the model folder's transformers model,
+    sampled by the ``hf`` generation engine (:class:`~rlhf_lab.generation.hf.HFGeneration`); weights load by name
+    into its parameters. Slower than vLLM, but it needs no extra and samples exactly as ``generation=hf`` does."""
+
+    def __init__(self, model: str, dtype: str, enforce_eager: bool = True, max_model_len: int = 2048,
+                 lora_rank: int = 0, memory_share: float = DEFAULT_MEMORY_SHARE, kv_cache_mib: int = 512) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from rlhf_lab.generation.hf import HFGeneration
+
+        if lora_rank:
+            raise ToolError("--engine hf serves full weights only; give --lora-rank 0, or --engine vllm for adapters")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.model = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).to(device)
+        self.tokenizer = AutoTokenizer.from_pretrained(model)
+        if self.tokenizer.pad_token_id is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.engine = HFGeneration(self.model, self.tokenizer, SamplingSettings(1, 1.0, 1.0, 0, max_model_len),
+                                   keep_logits=False)
+
+    def generate(self, request: dict[str, Any]) -> list[list[list[Any]]]:
+        settings = SamplingSettings(request["max_new_tokens"], request["temperature"], request["top_p"],
+                                    request["top_k"], request["max_prompt_tokens"], tuple(request.get("stop", ())))
+        rollout = self.engine.generate([list(ids) for ids in request["prompt_ids"]], request["group_size"],
+                                       request.get("seeds"), request.get("greedy", False), settings)
+        responses = rollout.input_ids[:, rollout.prompt_width:].tolist()
+        lengths = rollout.response_mask.sum(-1).long().tolist()
+        return [[tokens[:n], logprobs[:n]] for tokens, logprobs, n in zip(responses, rollout.logprobs.tolist(), lengths)]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        own = dict(self.model.named_parameters(remove_duplicate=False))
+        count = 0
+        with torch.no_grad():
+            for name, tensor in weights:
+                if name not in own:
+                    raise ToolError(f"weight {name!r} is not one of the served model's")
+                own[name].copy_(tensor)
+                count += 1
+        return count
+
+    def set_adapter(self, folder: str | None, version: int) -> None:
+        if folder is not None:
+            raise ToolError("--engine hf serves full weights only; LoRA adapters need --engine vllm")

@@ -8,7 +8,9 @@ The server holds one vLLM engine (on its own GPUs, or this CPU) and answers JSON
 - ``POST /load_adapter``: a LoRA adapter folder becomes the one it samples with (the base weights stay);
 - ``POST /open_group``: join the trainer's rank 0 in a process group of two (:mod:`.weight_group`);
 - ``POST /receive_weights``: the full weights the trainer broadcasts over that group become the engine's;
-- ``GET /health``.
+- ``GET /health``;
+- ``POST /v1/chat/completions``, ``POST /v1/completions``: OpenAI's routes, with the sampled token ids and their
+  log-probs as vLLM's OpenAI server returns them (:mod:`.openai_routes`), for agent programs and ``env=verifiers``.
 
 Any number of trainer ranks share it: each sends its own prompts (the server answers one request at a time).
 After every optimizer step the weights reach it by ``generation.weight_sync``:
@@ -62,6 +64,19 @@ def _post(url: str, body: dict[str, Any], token: str, timeout: float = 600.0) ->
     except urllib.error.URLError as error:
         raise ConfigError(f"generation.url: no rlhf-lab serve answers at {url} ({error.reason}); start one with "
                           "rlhf-lab serve MODEL --port N") from None
+
+
+MISMATCH = ("do not fit the served model", "is not one of the model's", ", the model's is ")  # the server's words
+
+
+def _served_model(url: str, token: str) -> str:
+    """The model ``rlhf-lab serve`` at ``url`` was started with (its ``GET /health``)."""
+    request = urllib.request.Request(f"{url}/health", headers={"Authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return str(json.loads(response.read()).get("model") or "an unnamed model")
+    except (OSError, ValueError):
+        return "a model it did not name"
 
 
 @register("generation", "vllm_server")
@@ -145,7 +160,7 @@ class VLLMServerGeneration:
                     group.send(hf_name(name), tensor)
             if group is not None and loaded is not None:
                 group.end()
-                loaded.result()
+                self._fitting(loaded.result)
         elif self.lora:
             if distributed.is_main_process():
                 policy.save_pretrained(folder)
@@ -169,10 +184,28 @@ class VLLMServerGeneration:
                 folder.mkdir(parents=True, exist_ok=True)
                 save_file(state, str(folder / "model.safetensors"))
                 del state
-                _post(f"{self.url}/load_weights", {"folder": folder.name}, self.token)  # in the server's sync folder
+                self._fitting(lambda: _post(f"{self.url}/load_weights", {"folder": folder.name}, self.token))
         if distributed.is_main_process() and not self.collective:
             shutil.rmtree(self.folder / f"v{self.version - 1}", ignore_errors=True)
         distributed.barrier()
+
+    def _fitting(self, load: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """``load()``; the server's refusal of weights its model cannot take is one line naming both models."""
+        try:
+            return load()
+        except RuntimeError as error:
+            if not any(words in str(error) for words in MISMATCH):
+                raise
+            mine = getattr(self.policy.config, "_name_or_path", "") or type(self.policy).__name__
+            raise ConfigError(f"the trainer's model ({mine}) is not the one rlhf-lab serve at {self.url} serves "
+                              f"({_served_model(self.url, self.token)}): {str(error).split(': ', 1)[-1]}; start the "
+                              "server with the trainer's model") from None
+
+    def close(self) -> None:
+        """At the end of a run: the weights this run wrote to the sync folder removed (the server has loaded them;
+        its token file stays, for the next run)."""
+        if distributed.is_main_process() and not self.collective:
+            shutil.rmtree(self.folder / f"v{self.version}", ignore_errors=True)
 
     def sleep(self, level: int = 2) -> None:
         """The server's memory is its own."""

@@ -41,8 +41,10 @@ from typing import Any
 import torch
 
 from rlhf_lab.errors import ConfigError, ToolError
+from rlhf_lab.generation.openai_routes import OpenAIRoutes
 from rlhf_lab.generation.serve_engine import (
     DEFAULT_MEMORY_SHARE,
+    RequestError,
     ServerEngine,
     VLLMServerEngine,
     check_dtype,
@@ -56,14 +58,6 @@ TOKEN_ENV = "RLHF_LAB_SERVE_TOKEN"
 TOKEN_FILE = ".serve_token"  # in the sync folder, mode 0600
 MAX_BODY = 64 << 20  # bytes of one request (a generate request of 1,000 prompts of 4,096 tokens is ~30 MB)
 READ_TIMEOUT = 60.0  # seconds a request may take to arrive
-
-
-class RequestError(Exception):
-    """A request the server refuses: its HTTP status and one line."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 # ------------------------------------------------------------------------------------------ the token
@@ -123,6 +117,8 @@ def is_loopback(host: str) -> bool:
 # ------------------------------------------------------------------------------------------ the routes
 class WeightServer:
     """The server's decisions, apart from HTTP: which requests it takes and what each does to the engine."""
+
+    model = ""  # the served model, as ``rlhf-lab serve`` was given it (GET /health says it)
 
     def __init__(self, engine: ServerEngine, sync_folder: Path, token: str, trainer_host: str = "127.0.0.1",
                  shapes: dict[str, tuple[int, ...]] | None = None, lora_rank: int = 0) -> None:
@@ -202,9 +198,27 @@ class WeightServer:
                         yield name, handle.get_tensor(name)
 
         with self.lock:
-            loaded = self.engine.load_weights(streamed())
+            loaded = self._fitted(streamed())
             self.weights_version += 1
         return {"loaded": loaded, "version": self.weights_version}
+
+    def _fitted(self, weights: Iterator[tuple[str, torch.Tensor]]) -> int:
+        """The engine takes ``weights``; one its model cannot take (vLLM's bare ``assert`` on a shape, a name it
+        lacks) is a one-line refusal naming the weight, not an empty error."""
+        last: list[str] = []
+
+        def named() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                last[:] = [name]
+                yield name, tensor
+
+        try:
+            return self.engine.load_weights(named())
+        except (AssertionError, KeyError, ValueError, RuntimeError) as error:
+            at = f" at weight {last[0]!r}" if last else ""
+            raise RequestError(400, f"the weights sent do not fit the served model {self.model or '(unnamed)'}{at} "
+                                    f"({type(error).__name__}{': ' + str(error) if str(error) else ''}); the load "
+                                    "stopped there") from None
 
     def _check_shape(self, name: str, shape: tuple[int, ...], after: str) -> None:
         if not self.shapes:
@@ -274,7 +288,7 @@ class WeightServer:
 
         with self.lock:
             try:
-                loaded = self.engine.load_weights(checked())
+                loaded = self._fitted(checked())
             except Exception:
                 for _ in stream:  # read to its end, so the trainer's broadcast finishes
                     pass
@@ -316,7 +330,7 @@ def make_http_server(server: WeightServer, host: str, port: int) -> ThreadingHTT
 
         def do_GET(self) -> None:  # noqa: N802  (http.server's name)
             if self._authorised():
-                self._reply(200, {"ok": True}) if self.path == "/health" else self._reply(404, {"error": self.path})
+                self._reply(200, {"ok": True, "model": server.model}) if self.path == "/health" else self._reply(404, {"error": self.path})
 
         def do_POST(self) -> None:  # noqa: N802
             if not self._authorised():
@@ -373,8 +387,10 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8765, dtype: str = "a
     dtype = check_dtype(dtype, torch.cuda.is_available())
     token = server_token(folder, token_file)
     engine = engine_factory(model, dtype, enforce_eager, max_model_len, lora_rank, memory_share)
-    http = make_http_server(WeightServer(engine, folder, token, trainer_host, checkpoint_shapes(model), lora_rank),
-                            host, port)
+    weights = WeightServer(engine, folder, token, trainer_host, checkpoint_shapes(model), lora_rank)
+    weights.model = model
+    weights.routes.update(OpenAIRoutes(weights, model, max_model_len, getattr(engine, "tokenizer", None)).routes)
+    http = make_http_server(weights, host, port)
     if not is_loopback(host):
         print(f"warning: rlhf-lab serve is bound to {host}, beyond this machine: whoever reaches it with the token "
               "can load weights into it, and plain HTTP carries the token in clear (bind 127.0.0.1 behind an SSH "

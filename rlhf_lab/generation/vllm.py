@@ -38,8 +38,10 @@ from torch import nn
 from rlhf_lab.errors import ConfigError
 from rlhf_lab.generation.backend import Prompt, SamplesInPlace, SamplingSettings, check_prompt_lengths, encode_prompts
 from rlhf_lab.generation.rollout import Rollout, response_mask_from_tokens
+from rlhf_lab.generation.vllm_logs import VLLMLogs
 from rlhf_lab.registry import register
 from rlhf_lab.runtime import distributed
+from rlhf_lab.runtime.console import say
 from rlhf_lab.runtime.precision import Precision
 
 IN_PROCESS = "VLLM_ENABLE_V1_MULTIPROCESSING"  # 0: the engine core runs in this process (no worker process)
@@ -70,7 +72,12 @@ class VLLMGeneration(SamplesInPlace):
     def __init__(self, policy: nn.Module, tokenizer: Any, settings: SamplingSettings,
                  precision: Precision | None = None, hardware: Any = None, options: Any = None,
                  keep_logits: bool = False, keep_hidden: bool = False, logits_float32: bool = True) -> None:
-        vllm = import_vllm()
+        self.logs = VLLMLogs()  # its lines (its import's too) to the run's log file: rlhf_lab/generation/vllm_logs.py
+        try:
+            vllm = import_vllm()
+        except ConfigError:
+            self.logs.close()
+            raise
         options = options or {}
         self.policy, self.tokenizer, self.settings = policy, tokenizer, settings
         self.device = next(policy.parameters()).device
@@ -105,7 +112,7 @@ class VLLMGeneration(SamplesInPlace):
             kwargs.update(enable_lora=True, max_loras=1,
                           max_lora_rank=lora_rank_slot(max(c.r for c in policy.peft_config.values())))
         self.vllm = vllm
-        self.llm = vllm.LLM(**kwargs)
+        self.llm = vllm.LLM(**kwargs, **self.logs.engine_kwargs(), use_tqdm_on_load=False)
         if self.lora:  # the base weights are the export's; the adapter goes as a request of its own
             self._send_adapter(policy)
 
@@ -143,6 +150,15 @@ class VLLMGeneration(SamplesInPlace):
         self._adapter = self.vllm.lora.request.LoRARequest("policy", self._adapter_version, str(folder))
         shutil.rmtree(self.folder / f"adapter_{self._adapter_version - 1}_rank{distributed.rank()}", ignore_errors=True)
         self.llm.reset_prefix_cache()
+
+    def close(self) -> None:
+        """At the end of a run: its folder (the exported base model, the adapters) removed, vLLM's logging as it
+        was, and the one line saying how many of its lines went to the log file."""
+        if int(os.environ.get("LOCAL_RANK", distributed.rank())) == 0:  # the node's writer
+            shutil.rmtree(self.folder, ignore_errors=True)
+        line = self.logs.close()
+        if line and distributed.is_main_process():
+            say(line)
 
     def sleep(self, level: int = 2) -> None:
         """vLLM's sleep: level 1 keeps a host copy of the weights, level 2 drops them; the cache goes at both."""

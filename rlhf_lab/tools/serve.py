@@ -1,8 +1,9 @@
 """``rlhf-lab serve MODEL --sync-folder DIR [--host H] [--port N] [--dtype D] [--gpu-memory-utilization F]
-[--trainer-host H] [--token-file F] [--max-model-len L] [--lora-rank R] [--compile]``: a vLLM server the trainer's
-ranks generate on (``generation=vllm_server generation.url=http://H:N generation.sync_folder=DIR``); see
-:mod:`rlhf_lab.generation.serving` for whom it lets in and what it loads. MODEL is a model folder
-(``save_pretrained``)."""
+[--trainer-host H] [--token-file F] [--max-model-len L] [--lora-rank R] [--compile] [--engine vllm|hf]``: a
+server the trainer's ranks generate on (``generation=vllm_server generation.url=http://H:N
+generation.sync_folder=DIR``), which also answers OpenAI's ``/v1/chat/completions`` and ``/v1/completions`` with
+the sampled token ids and log-probs (agent programs, ``env=verifiers``); see :mod:`rlhf_lab.generation.serving` for
+whom it lets in and what it loads. MODEL is a model folder (``save_pretrained``, with its tokenizer)."""
 
 from __future__ import annotations
 
@@ -42,13 +43,18 @@ def main(args: list[str] | None = None) -> None:
     parser.add_argument("--max-model-len", type=int, default=2048, help="prompt + response tokens")
     parser.add_argument("--lora-rank", type=int, default=0, help="the policy's LoRA rank (0: full weights)")
     parser.add_argument("--compile", action="store_true", help="vLLM's compiled mode (eager otherwise)")
+    parser.add_argument("--engine", default="vllm", choices=("vllm", "hf"),
+                        help="vllm (the vLLM extra), or hf: transformers' model sampled as generation=hf does (no "
+                             "extra needed; full weights only)")
     try:
         options = parser.parse_args(sys.argv[1:] if args is None else args)
-        from rlhf_lab.generation.serve_engine import VLLMServerEngine
+        from rlhf_lab.generation.serve_engine import HFServerEngine, VLLMServerEngine
         from rlhf_lab.generation.serving import serve
 
+        kind = HFServerEngine if options.engine == "hf" else VLLMServerEngine
+
         def engine(model, dtype, eager, length, rank, share):  # noqa: ANN001, ANN202  (serve's factory)
-            return VLLMServerEngine(model, dtype, eager, length, rank, share, options.kv_cache_mib)
+            return kind(model, dtype, eager, length, rank, share, options.kv_cache_mib)
 
         serve(options.model, options.host, options.port, options.dtype, not options.compile, options.max_model_len,
               options.lora_rank, sync_folder=options.sync_folder, token_file=options.token_file,

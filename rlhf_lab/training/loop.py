@@ -514,4 +514,5 @@ class Trainer:
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
+            getattr(self.worker.engine, "close", lambda: None)()  # an engine's files and logging (generation/)
             self.records.close()

@@ -116,7 +116,7 @@ def test_every_route_needs_the_token_from_the_0600_file(server) -> None:
         for wrong in (None, "", token[:-1], token + "x"):
             status, reply = call(url, path, body, wrong)
             assert status == 401 and "token" in reply["error"], (path, wrong, reply)
-    assert call(url, "/health", token=token) == (200, {"ok": True})
+    assert call(url, "/health", token=token) == (200, {"ok": True, "model": str(sync.parent / "model")})
     assert sampled(url, token) == 4
     # The trainer reads the token from the same place and sends it.
     from rlhf_lab.generation.server import _post
