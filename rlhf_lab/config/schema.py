@@ -51,7 +51,7 @@ class AlgorithmConfig:
     mini_batch_size: int = 0  # samples per optimizer update; 0 = the whole rollout
     entropy_coef: float = 0.0  # entropy bonus weight (full entropy from logits)
     whiten_advantages: bool = False  # whiten advantages over the batch's valid tokens
-    # DAPO's sampling rules (rlhf_lab/training/sampling.py)
+    # DAPO's sampling rules (rlhf_lab/step/sampling.py)
     dynamic_sampling: bool = False  # drop prompt groups whose scores are all equal; refill from further prompts
     max_refill_rounds: int = 3  # extra generation rounds per step for dynamic sampling
     overlong_window: int = 0  # soft overlong penalty over the last N tokens up to max_new_tokens (0: off; capped at it)

@@ -32,11 +32,11 @@ from rlhf_lab.registry import get
 from rlhf_lab.rewards.base import Reward, fill_nonfinite
 from rlhf_lab.runtime import distributed
 from rlhf_lab.runtime.precision import Precision
+from rlhf_lab.runtime.timer import StepTimer
 from rlhf_lab.scoring.logprobs import needs_float32_logits
-from rlhf_lab.training.compute import head_chunk
-from rlhf_lab.training.records import StepTimer
-from rlhf_lab.training.sampling import SamplingRules, informative_groups, overlong_penalty, truncated
-from rlhf_lab.training.scoring_pass import ScoringPass, rescores, sampler_differs, single_update
+from rlhf_lab.step.compute import head_chunk
+from rlhf_lab.step.sampling import SamplingRules, informative_groups, overlong_penalty, truncated
+from rlhf_lab.step.scoring_pass import ScoringPass, rescores, sampler_differs, single_update
 
 # ``refill(round, count)`` -> (prompts, names, rng_keys) of ``count`` further prompts (dynamic sampling).
 Refill = Callable[[int, int], tuple[list[str], list[str], list[int] | None]]

@@ -31,11 +31,11 @@ from rlhf_lab.masked import masked_mean
 from rlhf_lab.models.loading import PolicyAndReference
 from rlhf_lab.runtime import distributed
 from rlhf_lab.runtime.precision import Precision
+from rlhf_lab.runtime.timer import StepTimer
 from rlhf_lab.scoring.forward import response_logits
 from rlhf_lab.scoring.head import HeadLogits, cat_head_logits
 from rlhf_lab.scoring.logprobs import entropy_from_logits, gather_logprobs
-from rlhf_lab.training.compute import head_chunk, micro_batches, packs_rows, token_budget
-from rlhf_lab.training.records import StepTimer
+from rlhf_lab.step.compute import head_chunk, micro_batches, packs_rows, token_budget
 
 
 def sampler_differs(cfg: Any, precision: Precision) -> bool:

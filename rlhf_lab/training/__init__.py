@@ -1,7 +1,5 @@
-"""The training path, split along its seams.
+"""The run: what repeats the RL step (:mod:`rlhf_lab.step`) and keeps its state, split along its seams.
 
-- ``experience``: prompts -> generate -> score -> reference -> per-token KL terms -> a ``Rollout``;
-- ``update``: the ``Updater`` (parameter groups, optimizer, schedule, epochs / mini / micro-batches, skips);
 - ``records``: step timer, metrics and samples files, summary;
 - ``checkpoint``: crash-safe checkpoints and resume;
 - ``loop``: the ``Trainer`` that builds the parts and runs steps, evaluation and signals;

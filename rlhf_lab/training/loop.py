@@ -30,25 +30,25 @@ from rlhf_lab.rewards.base import build_reward
 from rlhf_lab.runtime import distributed
 from rlhf_lab.runtime.console import progress_bar, say
 from rlhf_lab.runtime.precision import Precision
+from rlhf_lab.step.ahead import AHEAD_FILE, decode_ahead, encode_ahead, refill_source, staleness, step_batch
+from rlhf_lab.step.compute import gradient_checkpointing
+from rlhf_lab.step.experience import ExperienceMaker
+from rlhf_lab.step.scoring_pass import sampler_metrics
+from rlhf_lab.step.step_metrics import StepSignals, rollout_metrics, sampling_metrics
+from rlhf_lab.step.update import Updater
 from rlhf_lab.testbed.metrics import exact_step_metrics
 from rlhf_lab.trackers.jsonl import repair_jsonl
 from rlhf_lab.trackers.multi import build_tracker
 from rlhf_lab.training import checkpoint as ckpt
 from rlhf_lab.training import resume_contract
-from rlhf_lab.training.ahead import AHEAD_FILE, decode_ahead, encode_ahead, refill_source, staleness, step_batch
 from rlhf_lab.training.budget import TrainingClock
-from rlhf_lab.training.compute import gradient_checkpointing
 from rlhf_lab.training.evaluation import Evaluation
-from rlhf_lab.training.experience import ExperienceMaker
 from rlhf_lab.training.memory_check import check_memory
 from rlhf_lab.training.perf import StepPerformance
 from rlhf_lab.training.records import Records, StepTimer, run_summary, sample_columns, synchronize
 from rlhf_lab.training.save_policy import check_disk, checkpoint_size, resolve_save
-from rlhf_lab.training.scoring_pass import sampler_metrics
 from rlhf_lab.training.setup import configure_process, resolve_device, seed_everything
 from rlhf_lab.training.state_encoding import rank_rng_state, set_rank_rng_state
-from rlhf_lab.training.step_metrics import StepSignals, rollout_metrics, sampling_metrics
-from rlhf_lab.training.update import Updater
 
 
 class Trainer:

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from rlhf_lab.runtime.timer import StepTimer
 from rlhf_lab.training.loop import Trainer
-from rlhf_lab.training.records import StepTimer
 
 BASE = ["trainer.eval_prompts=2", "reward=length", "trainer.lr=1e-3"]
 
@@ -84,7 +84,7 @@ def _without_logits(monkeypatch) -> list[bool]:
     """The hf engine as an engine that reports no logits or entropies (as vLLM): zeros for the entropy, logits
     never kept. Returns the list that records the scoring pass's policy passes."""
     from rlhf_lab.generation.hf import HFGeneration
-    from rlhf_lab.training.scoring_pass import ScoringPass
+    from rlhf_lab.step.scoring_pass import ScoringPass
 
     generate, policy_pass, passes = HFGeneration.generate, ScoringPass._policy_pass, []
 
