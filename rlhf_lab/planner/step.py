@@ -309,18 +309,17 @@ def _run_step(cfg: Any, parts: dict[str, Any], phases: _Phases, prompts: list[li
     maker, kl, updater, algorithm = parts["maker"], parts["kl"], parts["updater"], parts["algorithm"]
     timer = StepTimer()
     exact = maker.exact_kl == "step"
-    rescore = maker.rescores_batch(exact, train=True)
-    if not rescore:
+    sources = maker.plan.for_batch(exact, train=True)
+    if not sources.rescore:
         maker.engine.keep_logits = exact or kl.reads_logits
     rollout = phases.run("generation", lambda: _generate(maker.engine, prompts, group, phases,
                                                           cfg.trainer.max_new_tokens))
     rollout.scores = torch.zeros(rollout.batch_size, device=rollout.logprobs.device)
 
     def score() -> None:
-        maker.scoring(rollout, timer, exact, rescore)
+        maker.scoring(rollout, timer, exact, sources.rescore)
         kl.score_rollout(rollout, KL_COEF)
-        rollout.old_from_update = maker.old_from_update and not rescore
-        rollout.entropy_from_update = not rescore and not maker.engine_reports_logits
+        rollout.old_from_update, rollout.entropy_from_update = sources.old_from_update, sources.entropy_from_update
 
     phases.run("scoring", score)
 
