@@ -1,5 +1,5 @@
-"""What a run leaves behind: per-phase step timing, metrics and samples (JSONL always, plus the configured
-tracker), and the summary.
+"""What a run leaves behind: metrics and samples (JSONL always, plus the configured tracker), and the summary
+(the per-phase step timer is :mod:`rlhf_lab.runtime.timer`).
 
 Only rank 0 writes; metrics are averaged over ranks before they are written, so every destination sees the
 same numbers. ``metrics.jsonl`` is the run's own record: the summary is computed from it, so a resumed run's
