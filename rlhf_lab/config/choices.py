@@ -13,7 +13,7 @@ from __future__ import annotations
 LR_SCHEDULES = ("constant", "linear", "cosine")  # trainer.lr_schedule (after warmup)
 DEVICES = ("auto", "cpu", "cuda", "mps")  # trainer.device, besides cuda:N
 ON_NONFINITE = ("error", "drop")  # reward.on_nonfinite: a NaN/inf score stops the run or drops that sample
-LOGPROB_SOURCES = ("auto", "trainer", "sampler")  # generation.logprobs (rlhf_lab/training/scoring_pass.py)
+LOGPROB_SOURCES = ("auto", "trainer", "sampler")  # generation.logprobs (rlhf_lab/step/scoring_pass.py)
 WEIGHT_SYNC = ("folder", "collective")  # generation.weight_sync (vllm_server): how the weights reach the server
 SIMULATES_STALENESS = ("hf", "vllm")  # generation.simulate_staleness: the engines colocated with the trainer
 MAX_STALENESS = 16  # generation.max_staleness: updates between the weights that sample a batch and those it trains

@@ -123,7 +123,7 @@ class GenerationConfig:
     """``generation=hf`` (rlhf_lab/generation/): the engine that samples the responses (registered kind ``generation``)."""
 
     name: str = "hf"
-    # Where π_old comes from (rlhf_lab/training/scoring_pass.py): trainer (a no-grad pass of the training model) |
+    # Where π_old comes from (rlhf_lab/step/scoring_pass.py): trainer (a no-grad pass of the training model) |
     # sampler (the engine's own log-probs) | auto (trainer unless the engine is hf and the precision fp32, and
     # under max_staleness > 0)
     logprobs: str = "auto"

@@ -22,7 +22,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from rlhf_lab.training.scoring_pass import single_update
+from rlhf_lab.step.scoring_pass import single_update
 
 RUN_KEYS = ("seed", "experiment_name")  # what an arm's jobs differ in without being another computation
 ONLY_FOR = {"baseline": ("reinforce",), "scale_by_std": ("grpo",), "std_eps": ("grpo",), "remax_return": ("remax",)}

@@ -20,7 +20,9 @@ The last two are the rollout worker's alone (:mod:`rlhf_lab.generation.worker`):
 takes weights, samples and sleeps, in one order for every engine. What an engine can do is said by its attributes,
 never its name: ``holds_weights`` (a copy of its own to keep current; the worker's weight-sync canary checks it),
 ``sleeps`` (it gives its memory back between generations), ``lora`` (it takes the policy's adapter, not its
-weights), ``reports_entropy`` (its rollouts carry entropies and logits).
+weights), ``reports_entropy`` (its rollouts carry entropies and logits), ``trainer_logprobs`` (its log-probs come from
+the training model's own forward pass, so in fp32 they are the trainer's numbers; an engine without it is rescored
+under ``generation.logprobs=auto``, see :class:`rlhf_lab.step.scoring_pass.ScoringPlan`).
 
 ``hf`` (:mod:`rlhf_lab.generation.hf`) samples with the policy's own transformers forward passes; its weights are
 the policy's, so ``sync_weights``, ``sleep`` and ``wake_up`` have nothing to do.

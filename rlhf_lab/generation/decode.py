@@ -31,6 +31,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
+from rlhf_lab.hardware.fast_draws import multinomial
 from rlhf_lab.runtime import distributed
 from rlhf_lab.runtime.distributed import sharded
 from rlhf_lab.scoring.forward import head_logits, plain_head
@@ -85,11 +86,6 @@ def gathered_once(model: nn.Module) -> Iterator[None]:
             module.reshard()
             # fully_shard's default: every sharded block reshards after its forward, the root (first) does not.
             module.set_reshard_after_forward(index > 0, recurse=False)
-
-
-def multinomial(probs: Tensor) -> Tensor:
-    """One token per row of [B, V] ``probs``: ``torch.multinomial``'s draw, as ``generate`` makes it."""
-    return torch.multinomial(probs, num_samples=1).squeeze(1)
 
 
 @torch.no_grad()

@@ -145,6 +145,8 @@ class HFGeneration(SamplesInPlace):
     precision; the hardware profile may give the decode its own weights and draws (:mod:`rlhf_lab.hardware`).
     """
 
+    trainer_logprobs = True  # its log-probs are the training model's own forward pass (in fp32, the trainer's numbers)
+
     def __init__(self, policy: nn.Module, tokenizer: Any, settings: SamplingSettings,
                  precision: Precision | None = None, hardware: HardwareProfile | None = None, options: Any = None,
                  keep_logits: bool = True, keep_hidden: bool = False, logits_float32: bool = True) -> None:

@@ -14,7 +14,7 @@ colocate mode), behind the same interface as ``hf`` (:mod:`rlhf_lab.generation.b
 - Each prompt samples ``group_size`` responses with its own seed (``seeds``), greedy decoding is temperature 0, and
   the engine returns the sampled tokens with its own log-probs. Its log-probs are not the trainer's (another
   kernel), so ``generation.logprobs=auto`` rescores them with the training model where a batch gets more than one
-  update (:mod:`rlhf_lab.training.scoring_pass`), and ``algorithm.tis_cap`` corrects for the difference.
+  update (:mod:`rlhf_lab.step.scoring_pass`), and ``algorithm.tis_cap`` corrects for the difference.
 - ``generation.tensor_parallel_size=N`` under torchrun: groups of N consecutive ranks run one engine; every rank of
   a group sends the group's prompts (one seed per group) and keeps its own outputs (:class:`TensorParallel`).
 

@@ -28,11 +28,12 @@ from rlhf_lab.offline.packing import PackedRows, packed_logits
 from rlhf_lab.offline.stage import to_device
 from rlhf_lab.registry import get
 from rlhf_lab.runtime import distributed
+from rlhf_lab.runtime.timer import StepTimer, synchronize
 from rlhf_lab.scoring.logprobs import gather_logprobs
+from rlhf_lab.step.update import Updater
 from rlhf_lab.trackers.jsonl import read_jsonl
 from rlhf_lab.training.loop import Trainer
-from rlhf_lab.training.records import StepTimer, run_summary, synchronize
-from rlhf_lab.training.update import Updater
+from rlhf_lab.training.records import run_summary
 
 MODEL_FOLDER = "model"  # the stage's output inside the run folder
 

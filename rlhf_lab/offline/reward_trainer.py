@@ -24,13 +24,14 @@ from rlhf_lab.offline.reward_model import build_reward_model, pair_metrics
 from rlhf_lab.offline.stage import chunks
 from rlhf_lab.registry import get
 from rlhf_lab.runtime.precision import Precision
+from rlhf_lab.runtime.timer import StepTimer
+from rlhf_lab.step.update import Updater
 from rlhf_lab.training import checkpoint as ckpt
 from rlhf_lab.training.budget import TrainingClock
 from rlhf_lab.training.memory_check import check_memory
-from rlhf_lab.training.records import Records, StepTimer
+from rlhf_lab.training.records import Records
 from rlhf_lab.training.save_policy import check_disk, checkpoint_size, resolve_save
 from rlhf_lab.training.setup import configure_process, resolve_device, seed_everything
-from rlhf_lab.training.update import Updater
 
 
 class RewardModelTrainer(OfflineTrainer):

@@ -4,7 +4,7 @@ The models come from :mod:`.models` (a config alone, the meta device, then fake 
 
 The parts are the run's own, built as :class:`rlhf_lab.training.loop.Trainer` builds them: the policy and its
 reference (LoRA: the adapter-disabled policy), the precision's frozen weights, the algorithm, the KL penalty, the
-:class:`~rlhf_lab.training.update.Updater` and the :class:`~rlhf_lab.training.experience.ExperienceMaker`'s engine
+:class:`~rlhf_lab.step.update.Updater` and the :class:`~rlhf_lab.step.experience.ExperienceMaker`'s engine
 and scoring pass. The step is theirs too: the engine's ``generate``, the scoring pass, the algorithm's ``prepare``
 and the updater's ``update``. So the plan follows the step wherever its code goes (chunked log-probs, token
 budgets, packing), with no formula of its own to keep in line.
@@ -37,9 +37,9 @@ from rlhf_lab.planner.fake import RealIndices
 from rlhf_lab.planner.models import build_on_meta, initialise, kv_cache_bytes, materialize, storage_bytes
 from rlhf_lab.registry import get
 from rlhf_lab.runtime.precision import Precision
-from rlhf_lab.training.experience import ExperienceMaker
-from rlhf_lab.training.records import StepTimer
-from rlhf_lab.training.update import Updater
+from rlhf_lab.runtime.timer import StepTimer
+from rlhf_lab.step.experience import ExperienceMaker
+from rlhf_lab.step.update import Updater
 
 GIB = 1 << 30
 KL_COEF = 0.1  # any coefficient: memory and FLOPs do not depend on it
@@ -306,23 +306,22 @@ def _optimizer_state(updater: Updater) -> None:
 
 def _run_step(cfg: Any, parts: dict[str, Any], phases: _Phases, prompts: list[list[int]], group: int) -> Any:
     """Generation, the scoring pass, then the algorithm's advantages and the update: the trainer's step
-    (:meth:`rlhf_lab.training.experience.ExperienceMaker.make` and :meth:`rlhf_lab.training.loop.Trainer.train_step`)
+    (:meth:`rlhf_lab.step.experience.ExperienceMaker.make` and :meth:`rlhf_lab.training.loop.Trainer.train_step`)
     without the reward and the records."""
     maker, kl, updater, algorithm = parts["maker"], parts["kl"], parts["updater"], parts["algorithm"]
     timer = StepTimer()
     exact = maker.exact_kl == "step"
-    rescore = maker.rescores_batch(exact, train=True)
-    if not rescore:
+    sources = maker.plan.for_batch(exact, train=True)
+    if not sources.rescore:
         maker.engine.keep_logits = exact or kl.reads_logits
     rollout = phases.run("generation", lambda: _generate(maker.engine, prompts, group, phases,
                                                           cfg.trainer.max_new_tokens))
     rollout.scores = torch.zeros(rollout.batch_size, device=rollout.logprobs.device)
 
     def score() -> None:
-        maker.scoring(rollout, timer, exact, rescore)
+        maker.scoring(rollout, timer, exact, sources.rescore)
         kl.score_rollout(rollout, KL_COEF)
-        rollout.old_from_update = maker.old_from_update and not rescore
-        rollout.entropy_from_update = not rescore and not maker.engine_reports_logits
+        rollout.old_from_update, rollout.entropy_from_update = sources.old_from_update, sources.entropy_from_update
 
     phases.run("scoring", score)
 

@@ -33,7 +33,7 @@ from torch import nn
 
 from rlhf_lab.errors import ConfigError
 from rlhf_lab.runtime.cache import cache_dir
-from rlhf_lab.trackers.jsonl import write_json_atomic
+from rlhf_lab.runtime.files import write_json_atomic
 
 PRECISIONS = ("auto", "fp32", "bf16-mixed", "bf16-true", "fp16-mixed")
 DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16-true"}  # trainer.dtype -> trainer.precision

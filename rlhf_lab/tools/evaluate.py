@@ -143,12 +143,13 @@ def _evaluate(cfg: Any, base: list[str], overrides: list[str], source: str, chec
     from rlhf_lab.kl.placements import KLPenalty
     from rlhf_lab.models.loading import build_policy, load_tokenizer
     from rlhf_lab.rewards.base import build_reward
+    from rlhf_lab.runtime.files import write_json_atomic
     from rlhf_lab.runtime.precision import Precision
-    from rlhf_lab.trackers.jsonl import JsonlWriter, write_json_atomic
+    from rlhf_lab.step.experience import ExperienceMaker
+    from rlhf_lab.trackers.jsonl import JsonlWriter
     from rlhf_lab.trackers.multi import build_tracker
     from rlhf_lab.training.checkpoint import updates_held
     from rlhf_lab.training.evaluation import Evaluation
-    from rlhf_lab.training.experience import ExperienceMaker
     from rlhf_lab.training.setup import resolve_device, seed_everything
 
     device = resolve_device(cfg.trainer.device)

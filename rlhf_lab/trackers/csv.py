@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_lab.registry import register
+from rlhf_lab.runtime.files import open_in_folder
 from rlhf_lab.trackers.base import Tracker
-from rlhf_lab.trackers.jsonl import open_in_folder
 
 
 def _cell(value: Any) -> Any:

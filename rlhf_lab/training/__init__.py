@@ -1,8 +1,8 @@
-"""The training path, split along its seams.
+"""The run: what repeats the RL step (:mod:`rlhf_lab.step`) and keeps its state, split along its seams.
 
-- ``experience``: prompts -> generate -> score -> reference -> per-token KL terms -> a ``Rollout``;
-- ``update``: the ``Updater`` (parameter groups, optimizer, schedule, epochs / mini / micro-batches, skips);
-- ``records``: step timer, metrics and samples files, summary;
+- ``records``: metrics and samples files, summary (the step timer is :mod:`rlhf_lab.runtime.timer`);
+- ``run_state``, ``stop``, ``run_eval``, ``step_record``: the ``Trainer``'s resume and checkpoints, stop signals,
+  evaluation and record of a step;
 - ``checkpoint``: crash-safe checkpoints and resume;
 - ``loop``: the ``Trainer`` that builds the parts and runs steps, evaluation and signals;
 - ``launch``: :func:`run`, what the CLI and the API call (the algorithm's loop class, under the run folder's lock).

@@ -28,13 +28,10 @@ from rlhf_lab.data.prompts import EVAL_CHUNK
 from rlhf_lab.masked import masked_sum
 from rlhf_lab.runtime import distributed
 from rlhf_lab.runtime.console import say
+from rlhf_lab.runtime.timer import StepTimer
+from rlhf_lab.step.ahead import rng_key
 from rlhf_lab.training.diversity import group_metrics
-from rlhf_lab.training.records import StepTimer, distinct_n
-
-
-def rng_key(seed: int, split: int, step: int, position: int) -> int:
-    """The generator seed of one prompt group under ``trainer.seed_per_prompt`` (split 0 train, 1 eval)."""
-    return (((seed * 1_000_003 + split) * 1_000_033 + step) * 1_000_037 + position) % 2**62
+from rlhf_lab.training.records import distinct_n
 
 
 def shard(count: int, rank: int, world_size: int) -> list[int]:

@@ -8,7 +8,6 @@ config name; this file never asks which algorithm, estimator, placement or rewar
 from __future__ import annotations
 
 import signal
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -18,10 +17,7 @@ from omegaconf import OmegaConf
 
 import rlhf_lab.components  # noqa: F401  (registers the built-in parts)
 from rlhf_lab.data.prompts import PromptSplits, check_model_prompts, load_prompts
-from rlhf_lab.errors import TrainingStopped
-from rlhf_lab.generation.backend import SamplingSettings
-from rlhf_lab.generation.staleness import RING_FILE, ring_files
-from rlhf_lab.generation.worker import RolloutWorker
+from rlhf_lab.errors import TrainingStopped as TrainingStopped  # where the loop's callers look for it
 from rlhf_lab.hardware import HardwareProfile
 from rlhf_lab.kl.placements import KLPenalty
 from rlhf_lab.masked import masked_sum
@@ -31,28 +27,27 @@ from rlhf_lab.rewards.base import build_reward
 from rlhf_lab.runtime import distributed
 from rlhf_lab.runtime.console import progress_bar, say
 from rlhf_lab.runtime.precision import Precision
+from rlhf_lab.step.ahead import refill_source, staleness, step_batch
+from rlhf_lab.step.compute import gradient_checkpointing
+from rlhf_lab.step.experience import Experience, ExperienceMaker
+from rlhf_lab.step.step_metrics import StepSignals
+from rlhf_lab.step.update import Updater
 from rlhf_lab.testbed.metrics import exact_step_metrics
-from rlhf_lab.trackers.jsonl import repair_jsonl
 from rlhf_lab.trackers.multi import build_tracker
-from rlhf_lab.training import checkpoint as ckpt
-from rlhf_lab.training import resume_contract
-from rlhf_lab.training.ahead import AHEAD_FILE, decode_ahead, encode_ahead, refill_source, staleness, step_batch
 from rlhf_lab.training.budget import TrainingClock
-from rlhf_lab.training.compute import gradient_checkpointing
 from rlhf_lab.training.evaluation import Evaluation
-from rlhf_lab.training.experience import ExperienceMaker
 from rlhf_lab.training.memory_check import check_memory
 from rlhf_lab.training.perf import StepPerformance
-from rlhf_lab.training.records import Records, StepTimer, run_summary, sample_columns, synchronize
+from rlhf_lab.training.records import Records, StepTimer, run_summary, synchronize
+from rlhf_lab.training.run_eval import Evaluates
+from rlhf_lab.training.run_state import RunState
 from rlhf_lab.training.save_policy import check_disk, checkpoint_size, resolve_save
-from rlhf_lab.training.scoring_pass import sampler_metrics
 from rlhf_lab.training.setup import configure_process, resolve_device, seed_everything
-from rlhf_lab.training.state_encoding import rank_rng_state, set_rank_rng_state
-from rlhf_lab.training.step_metrics import StepSignals, rollout_metrics, sampling_metrics
-from rlhf_lab.training.update import Updater
+from rlhf_lab.training.step_record import StepRecord
+from rlhf_lab.training.stop import StopSignals
 
 
-class Trainer:
+class Trainer(RunState, StopSignals, Evaluates, StepRecord):
     """Builds a run's parts from its config and trains; ``experience``, ``updater`` and ``records`` are its units."""
 
     updater_class: type[Updater] = Updater  # the offline stages' own takes packed rows too
@@ -173,121 +168,36 @@ class Trainer:
         if not fsdp:  # under FSDP its MixedPrecisionPolicy gathers the weights in the compute dtype
             self.precision.store_frozen_weights(self.models.reference_model())
 
-    # ----------------------------------------------------------------- resume and checkpoints
-    def prepare_resume(self) -> None:
-        """Before anything loads: the checkpoint to resume from (``resume_from``), its digests verified (else an
-        earlier checkpoint), its config compared (``resume_changes``: what may change, and how), the precision it
-        continues in; a fresh start that would mix with an earlier run's files is refused."""
-        cfg, main = self.cfg, distributed.is_main_process()
-        self.checkpoint_root = self.run_dir / "checkpoints"
-        self.resume_from = ckpt.prepare_run_folder(cfg.trainer.resume, self.run_dir, clear_logs=main)
-        self.resume_from, self.resume_changes = resume_contract.prepare(cfg, self.resume_from, warn=main)
-        self.precision = resume_contract.continued_precision(cfg, self.resume_from, self.precision, announce=main)
-
-    def restore_checkpoint(self, policy: torch.nn.Module, modules: dict[str, torch.nn.Module], uses_adapter: bool,
-                           kl_controller: Any = None, sharded: bool = False) -> dict[str, Any]:
-        """Load ``resume_from`` into the model, modules, optimizer and schedule (and the KL controller, if the run
-        has one), then honour the resume's changes (a new ``trainer.lr``, ...); returns the trainer state."""
-        updater = self.updater
-        fresh_base_lrs = list(updater.scheduler.base_lrs)  # this config's, before the checkpoint's replace them
-        state = ckpt.load_checkpoint(self.resume_from, policy, modules, updater.optimizer, updater.scheduler,
-                                     uses_adapter, sharded=sharded)
-        if kl_controller is not None:
-            kl_controller.load_state_dict(state["kl_controller"])
-        updater.load_state_dict(state)
-        resume_contract.apply_changes(self.resume_changes, self.cfg, updater, kl_controller, fresh_base_lrs)
-        return state
-
-    def _maybe_resume(self) -> None:
-        folder = self.resume_from
-        if folder is None:
-            return
-        state = self.restore_checkpoint(distributed.unwrap(self.policy), self.algorithm.modules(),
-                                        self.models.uses_adapter, self.kl_controller, sharded=self.strategy == "fsdp")
-        rank_rng = state.get("rank_rng")
-        if rank_rng and len(rank_rng) == distributed.world_size():  # every rank's own generators
-            set_rank_rng_state(rank_rng[distributed.rank()])
-        self.worker.weights_loaded(state["step"] + 1)  # the engine, built before the weights loaded, takes them next
-        if self.staleness:  # the batches launched before the checkpoint: the next k steps'
-            self.worker.load_state(decode_ahead(ckpt.read_tensors(folder / AHEAD_FILE), state.get("ahead")),
-                                   self.device)
-            self.next_launch = state["step"] + 1 + self.staleness
-        if self.worker.ring is not None:  # generation.simulate_staleness: the last k policies' weights
-            self.worker.ring.load_state(ckpt.read_tensors(folder / RING_FILE), state["step"] + 1, str(folder))
-        self.continue_from(state)
-
-    def continue_from(self, state: dict[str, Any]) -> None:
-        """The loop's own state from a restored checkpoint (first evaluation, clock, next step); the metrics and
-        samples files cut back to the steps it holds."""
-        self.first_eval = state.get("first_eval")
-        self.clock.load_state_dict(state)
-        self.start_step = state["step"] + 1
-        if distributed.is_main_process():
-            for name in ("metrics.jsonl", "samples.jsonl"):
-                repair_jsonl(self.run_dir / name, before_step=self.start_step)
-            say(f"resumed from {self.resume_from} at step {self.start_step}", __name__)
-
     def load_prompts(self) -> PromptSplits:
         """The train and held-out prompts (the offline stages read them from their examples)."""
         return load_prompts(self.cfg.data, seed=self.cfg.seed)
 
-    def save(self, updates: int, full: bool = False, export: bool = False) -> Path | None:
-        """Write the checkpoint ``step_{updates}``, the policy after ``updates`` updates, with the optimizer's state
-        under ``trainer.save=all`` or when ``full`` (a stop by signal: its resume command needs it): under FSDP every
-        rank writes its shards (``sharded/``, DCP) and hashes them; the whole weights are gathered (onto rank 0) only
-        when ``export`` (the run's last save) for ``model/``. Rank 0 writes the rest while the other ranks wait at a
-        barrier (not in a collective of the next step). Returns its folder (None on other ranks)."""
-        updater, modules = self.updater, self.algorithm.modules()
-        policy = distributed.unwrap(self.policy)
-        with_optimizer = full or self.save_policy == "all"
-        whole: dict[str, Any] = {}
-        if self.strategy == "fsdp" and export:  # collectives: the whole weights, for the Hugging Face folder
-            whole = {"model_state": distributed.full_model_state(policy),
-                     "module_states": {name: distributed.full_model_state(m) for name, m in modules.items()}}
-        if self.strategy == "fsdp" and (with_optimizer or not export):  # collectives: every rank writes its shards
-            staged = ckpt.staging_folder(self.checkpoint_root, updates)
-            if distributed.is_main_process():
-                ckpt.prepare_staging(self.checkpoint_root, updates)
-            distributed.barrier()
-            ckpt.save_sharded(staged, policy, modules, updater.optimizer if with_optimizer else None)
-            digests = distributed.gather_objects([ckpt.own_shard_digests(staged, distributed.rank())])
-            whole.update(staged=staged, shard_digests={k: v for own in digests for k, v in own.items()})
-        ahead_tensors, ahead = encode_ahead(self.worker.state()) if self.staleness else ({}, None)  # batches in flight
-        rank_rng = distributed.gather_objects([rank_rng_state()])
-        folder = None
-        if distributed.is_main_process():  # one writer: rank 0
-            trainer_state = {"kl_controller": self.kl_controller.state_dict(), **updater.state_dict(),
-                             "first_eval": self.first_eval, **self.clock.state_dict(),
-                             "precision": self.precision.name, "ahead": ahead}
-            if distributed.world_size() > 1:
-                trainer_state["rank_rng"] = rank_rng
-            folder = ckpt.save_checkpoint(self.checkpoint_root, updates, policy, self.tokenizer, modules,
-                                          updater.optimizer, updater.scheduler, trainer_state,
-                                          keep_last_n=self.cfg.trainer.keep_last_n,
-                                          config=OmegaConf.to_container(self.cfg, resolve=True),
-                                          tensor_files={**({AHEAD_FILE: ahead_tensors} if ahead else {}),
-                                                        **ring_files(self.worker.ring)},
-                                          with_optimizer=with_optimizer, **whole)
-        distributed.barrier()
-        return folder
-
     # ----------------------------------------------------------------- one step
     def train_step(self, step: int) -> dict[str, Any]:
-        """One step on fresh samples; returns its metrics (written by the caller, :meth:`train`)."""
-        cfg = self.cfg
-        self.step = step  # the step being trained (read by hooks in tests and tools)
-        timer = StepTimer()
-        self.worker.timer = timer  # its weight loads and canary are timed as this step's phases
+        """One step on fresh samples: sample, score, advantages, update, record. Returns its metrics (written by
+        the caller, :meth:`train`)."""
+        cfg, coef, timer = self.cfg, self.kl_controller.coef, StepTimer()
+        self.step, self.worker.timer = step, timer  # the step being trained; the engine's loads are its phases
         synchronize()
         start = time.perf_counter()
-        batch, coef, train = step_batch(cfg, self.prompts.train, step), self.kl_controller.coef, self.prompts.train
-        experience = self.experience.make(  # under generation.max_staleness=1 the next batch starts at `then`
+        batch = step_batch(cfg, self.prompts.train, step)
+        experience = self.experience.make(  # sample and score; under generation.max_staleness=1 the next batch
             batch.prompts, cfg.algorithm.group_size, timer, batch.names, coef, rng_keys=batch.keys, train=True,
-            refill=refill_source(cfg, train, step), then=lambda: self.launch_ahead(step, timer))
-        rollout, valid, in_loss = experience.rollout, experience.valid, experience.in_loss
-        mask = rollout.response_mask
+            refill=refill_source(cfg, self.prompts.train, step), then=lambda: self.launch_ahead(step, timer))
         with timer.phase("advantages"), self.precision.autocast():  # a separate critic's trunk runs here
-            prepare_stats = self.algorithm.prepare(rollout, self.updater.forward)
+            advantage_stats = self.algorithm.prepare(experience.rollout, self.updater.forward)
+        sampled_mask = experience.rollout.response_mask  # every sample drawn, before dropped ones leave the loss
+        update_stats, kl_per_sequence = self.update_policy(experience, coef, step, timer)
+        synchronize()
+        return self.record_step(step, experience, sampled_mask, coef, kl_per_sequence, time.perf_counter() - start,
+                                timer, {**advantage_stats, **update_stats})
+
+    def update_policy(self, experience: Experience, coef: float, step: int,
+                      timer: StepTimer) -> tuple[dict[str, Any], torch.Tensor]:
+        """The updater's epochs on the step's batch, then the KL controller and the schedule; returns the update's
+        metrics and the batch's KL per sequence (every rank's)."""
+        rollout, in_loss = experience.rollout, experience.in_loss
+        mask = rollout.response_mask
         if not bool(in_loss.all()):
             # Dropped samples (non-finite score; truncated or tied-filler ones under the sampling rules) took
             # part in the advantage statistics; from here on their tokens count nowhere: no loss, no gradient,
@@ -297,45 +207,14 @@ class Trainer:
         rollout.policy_logits = rollout.hidden = None  # no longer needed; frees [B, T, V] and [B, T, H]
         if not self.experience.update_needs_ref_logits:
             rollout.ref_logits = None
-        update_stats = self.updater.update(rollout, coef, step, timer)
+        stats = self.updater.update(rollout, coef, step, timer)
         self.worker.weights_updated()  # the engine takes them before it next samples
-        # Batch statistics over every rank's samples (each rank holds whole prompt groups, in rank order).
         # The controller follows the exact KL per sequence where it is computed (kl.exact=step), else the estimate.
         measured = rollout.kl_exact if rollout.kl_exact is not None else rollout.kl_estimate
         kl_per_sequence = distributed.gather_rows(masked_sum(measured, mask, dim=-1))
         self.kl_controller.update(float(kl_per_sequence.mean()), len(kl_per_sequence))
         self.updater.scheduler.step()
-
-        synchronize()
-        elapsed = time.perf_counter() - start
-        metrics: dict[str, Any] = {"step": step, **rollout_metrics(rollout, valid, coef, kl_per_sequence),
-                                   **sampler_metrics(rollout), **self.worker.metrics(),
-                                   "lr": self.updater.scheduler.get_last_lr()[0],
-                                   "optim/grad_norm": self.updater.last_grad_norm, "time/step_s": elapsed,
-                                   "throughput/tokens_per_s": float(distributed.all_reduce_sum(
-                                       rollout.attention_mask.sum())) / elapsed,
-                                   **sampling_metrics(experience.stats, rollout.batch_size * distributed.world_size(),
-                                                      self.device)}
-        # mask: every sample drawn (before dropped ones left the loss)
-        metrics.update(self.signals.measure(rollout, mask, valid, step, fresh=self.start_step == 0, logged=metrics))
-        sampled = float(distributed.all_reduce_sum(rollout.response_mask.sum()))
-        trained = float(distributed.all_reduce_sum(rollout.attention_mask.sum())) * cfg.algorithm.get("epochs", 1)
-        metrics.update(self.performance.metrics(elapsed, int(sampled), int(trained)))
-        metrics.update(prepare_stats)
-        metrics.update(update_stats)
-        metrics.setdefault("loss/policy", 0.0)
-        metrics.setdefault("policy/clipfrac", 0.0)
-        metrics.update({f"time/{name}_s": seconds for name, seconds in timer.times.items()})
-        shown = min(cfg.trainer.samples_per_step_logged, len(experience.responses))
-        self.records.log_samples([
-            {"step": step, "prompt": experience.prompts[i], "response": experience.responses[i],
-             "reward": float(rollout.scores[i]), **sample_columns(rollout, i)} for i in range(shown)
-        ], step)
-        if self.updater.consecutive_skips >= cfg.trainer.max_consecutive_skips:
-            self.stop_requested = (
-                f"{self.updater.consecutive_skips} consecutive updates were skipped for non-finite loss or gradient"
-            )
-        return metrics
+        return stats, kl_per_sequence
 
     def launch_ahead(self, step: int, timer: StepTimer) -> None:
         """Under ``generation.max_staleness=k``, once step ``step``'s samples are in: the batches of the steps up to
@@ -347,86 +226,9 @@ class Trainer:
                 self.experience.generate_ahead(batch.prompts, self.cfg.algorithm.group_size, batch.keys)
             self.next_launch += 1
 
-    # ----------------------------------------------------------------- evaluation
-    @torch.no_grad()
-    def evaluate(self, step: int) -> dict[str, Any]:
-        """Held-out prompts under ``eval.*`` (rlhf_lab/training/evaluation.py, the code ``rlhf-lab eval`` runs)."""
-        self.worker.settle()  # the batch in flight is in; the evaluation samples with the current weights
-        if self.evaluation is None:
-            self.evaluation = Evaluation.from_parts(self.cfg, self.experience, self._experience_maker, self.models,
-                                                    lambda reward_cfg: build_reward(reward_cfg, device=str(self.device)))
-        prompts = self.prompts.eval[: self.evaluation.settings.prompts]
-        if not prompts:
-            return {}
-        metrics, self._eval_examples = self.evaluation.run(prompts, step, self.cfg.seed, self.kl_controller.coef)
-        shown = self._eval_examples[: self.cfg.trainer.samples_per_step_logged]
-        self.records.log_eval_samples([{"step": step, "prompt": p, "response": r, "reward": score}
-                                       for p, r, score in shown], step)
-        return metrics
-
-    def _experience_maker(self, cfg: Any, policy: torch.nn.Module) -> ExperienceMaker:
-        # The policy's own worker, shared; the reference (win rate) samples through the same engine with the adapter
-        # off where it can (LoRA on vLLM), else through the hf engine over the reference: never a second engine.
-        worker = self.worker if policy is self.experience.policy else self.reference_worker(cfg, policy)
-        return ExperienceMaker(cfg, self.tokenizer, self.models, policy, self.reward, self.kl, self.device,
-                               self.precision, hardware=self.hardware, worker=worker)
-
-    def reference_worker(self, cfg: Any, reference: torch.nn.Module) -> Any:
-        """Sampling for the reference: the run's engine with the adapter off (LoRA on vLLM), else the hf engine over
-        the reference's weights (no second copy of them, no second vLLM engine)."""
-        if getattr(self.worker.engine, "samples_base", False):
-            return self.worker.adapter_off()
-        engine = get("generation", "hf")(reference, self.tokenizer, SamplingSettings.from_config(cfg), self.precision,
-                                          self.hardware)
-        return RolloutWorker(engine, reference)
-
     def loss_kl(self) -> KLPenalty | None:
         """The KL penalty whose loss-placed term the updater adds (the offline stages: none)."""
         return self.kl
-
-    def _print_example(self, when: str) -> None:
-        if self._eval_examples:
-            prompt, response, score = self._eval_examples[0]
-            say(f"[{when}] prompt: {prompt}\n[{when}] response ({score:+.3f}): {response}", __name__)
-
-    # ----------------------------------------------------------------- signals and the loop
-    def _handle_signal(self, signum: int, frame: Any) -> None:
-        """First SIGINT/SIGTERM: finish the step, checkpoint, stop. A second one aborts at once."""
-        name = signal.Signals(signum).name
-        if self.stop_signal is not None:
-            raise KeyboardInterrupt(f"second {name}")
-        self.stop_signal = signum
-        self.stop_requested = f"received {name}"
-        print(f"received {name}: finishing the current step, then writing a checkpoint "
-              f"(send it again to abort without one)", file=sys.stderr, flush=True)
-
-    def agree_on_stop(self) -> bool:
-        """Whether every rank stops after this step: when any rank was asked to (a scheduler or a user may signal
-        one process of a torchrun launch only), all checkpoint and stop together instead of the others waiting in
-        the next step's collectives. A rank stopped by another's signal names it and exits with its status."""
-        requested = self.stop_requested is not None  # read before the signal: the handler sets the signal first
-        local = torch.tensor([[float(requested), float(self.stop_signal or 0)]], dtype=torch.float64)
-        every_rank = distributed.gather_rows(local)  # [world_size, 2]: one collective, on every rank at this point
-        signalled = every_rank[:, 1].nonzero().flatten().tolist()
-        if self.stop_signal is None and signalled:
-            sender = signalled[0]
-            self.stop_signal = int(every_rank[sender, 1])
-            self.stop_requested = f"rank {sender} received {signal.Signals(self.stop_signal).name}"
-        return bool(every_rank.any())
-
-    def _stopped(self, step: int) -> TrainingStopped:
-        resume = ("trainer.resume=auto", f"trainer.output_dir={self.run_dir.resolve()}")
-        message = (f"stopped after step {step}: {self.stop_requested}; checkpoint "
-                   f"{self.checkpoint_root / f'step_{step + 1}'} written; continue with: {' '.join(resume)}")
-        exit_code = 128 + self.stop_signal if self.stop_signal is not None else 3
-        return TrainingStopped(message, exit_code=exit_code, resume_overrides=resume)
-
-    def evaluation_due(self, step: int) -> bool:
-        """Whether step ``step`` starts with an evaluation (every ``trainer.eval_every`` updates; the one before any
-        update is the first evaluation, the one after the last the final). A resumed run evaluates where an
-        uninterrupted one would."""
-        every = self.cfg.trainer.eval_every
-        return every > 0 and step > 0 and step % every == 0
 
     # ----------------------------------------------------------------- the loop's hooks (OfflineTrainer overrides)
     def step_extras(self, step: int) -> dict[str, Any]:

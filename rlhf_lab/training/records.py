@@ -1,5 +1,5 @@
-"""What a run leaves behind: per-phase step timing, metrics and samples (JSONL always, plus the configured
-tracker), and the summary.
+"""What a run leaves behind: metrics and samples (JSONL always, plus the configured tracker), and the summary
+(the per-phase step timer is :mod:`rlhf_lab.runtime.timer`).
 
 Only rank 0 writes; metrics are averaged over ranks before they are written, so every destination sees the
 same numbers. ``metrics.jsonl`` is the run's own record: the summary is computed from it, so a resumed run's
@@ -8,49 +8,18 @@ summary covers the steps before the resume too.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from rlhf_lab.runtime import distributed
+from rlhf_lab.runtime.timer import StepTimer as StepTimer  # the run's names for them
+from rlhf_lab.runtime.timer import synchronize as synchronize
 from rlhf_lab.trackers.base import Tracker
 from rlhf_lab.trackers.jsonl import JsonlTracker, read_jsonl
 
 NONFINITE_STRINGS = {"nan", "inf", "-inf"}  # how JSONL stores non-finite floats (JSON has none)
-
-
-def synchronize() -> None:
-    """Wait for the GPU's queued work (nothing without CUDA in use): a wall-clock interval then covers the kernels
-    its phase launched, not only their launch."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-
-
-class StepTimer:
-    """Wall time per phase of a step (seconds): ``with timer.phase("generate"): ...`` adds to ``times``. On a GPU
-    each phase synchronises at its start and end, so its time is its kernels' and not its neighbour's."""
-
-    def __init__(self) -> None:
-        self.times: dict[str, float] = {}
-
-    def phase(self, name: str) -> _Phase:
-        return _Phase(self, name)
-
-
-class _Phase:
-    def __init__(self, timer: StepTimer, name: str) -> None:
-        self.timer, self.name = timer, name
-
-    def __enter__(self) -> None:
-        synchronize()
-        self.start = time.perf_counter()
-
-    def __exit__(self, *exc: Any) -> None:
-        synchronize()
-        self.timer.times[self.name] = self.timer.times.get(self.name, 0.0) + time.perf_counter() - self.start
 
 
 def distinct_n(texts: list[str], n: int = 2) -> float:

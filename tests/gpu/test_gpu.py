@@ -113,7 +113,7 @@ def test_the_rollout_worker_s_order_holds_on_cuda(tmp_path: Path, monkeypatch) -
 
 
 def test_the_step_timer_covers_its_kernels() -> None:
-    from rlhf_lab.training.records import StepTimer
+    from rlhf_lab.runtime.timer import StepTimer
 
     timer = StepTimer()
     x = torch.randn(4096, 4096, device="cuda")

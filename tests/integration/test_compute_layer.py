@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from rlhf_lab.runtime.timer import StepTimer
 from rlhf_lab.training.loop import Trainer
-from rlhf_lab.training.records import StepTimer
 
 WIDER = ["trainer.max_new_tokens=8", "trainer.prompts_per_step=2", "algorithm.group_size=4", "trainer.eval_prompts=0"]
 COMPUTE = ["trainer.chunked_logprobs=true", "trainer.lm_head_chunk=5", "trainer.max_tokens_per_micro_batch=100",

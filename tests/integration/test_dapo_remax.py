@@ -12,8 +12,8 @@ import torch
 from rlhf_lab.data.prompts import format_prompts
 from rlhf_lab.generation.hf import generate
 from rlhf_lab.rewards.base import RewardOutput
+from rlhf_lab.runtime.timer import StepTimer
 from rlhf_lab.training.loop import Trainer
-from rlhf_lab.training.records import StepTimer
 
 
 class Scripted:

@@ -10,10 +10,10 @@ import torch
 
 from rlhf_lab.errors import RewardError
 from rlhf_lab.kl import exact_kl
+from rlhf_lab.runtime.timer import StepTimer
 from rlhf_lab.scoring.forward import response_logits
-from rlhf_lab.training.experience import screen_scores
+from rlhf_lab.step.experience import screen_scores
 from rlhf_lab.training.loop import Trainer
-from rlhf_lab.training.records import StepTimer
 
 
 def test_screen_scores_errors_or_fills() -> None:

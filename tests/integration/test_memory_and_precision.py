@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import rlhf_lab.training.scoring_pass as scoring_module
+import rlhf_lab.step.scoring_pass as scoring_module
+from rlhf_lab.runtime.timer import StepTimer
 from rlhf_lab.training.loop import Trainer
-from rlhf_lab.training.records import StepTimer
 
 WIDER = ["model.tiny.hidden_size=128", "model.tiny.intermediate_size=256", "model.tiny.num_hidden_layers=4",
          "trainer.max_new_tokens=8", "trainer.prompts_per_step=2", "algorithm.group_size=4", "trainer.eval_prompts=0"]

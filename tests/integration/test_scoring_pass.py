@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from rlhf_lab.runtime.timer import StepTimer
 from rlhf_lab.training.loop import Trainer
-from rlhf_lab.training.records import StepTimer
 
 BASE = ["trainer.eval_prompts=2", "reward=length", "trainer.lr=1e-3"]
 
@@ -29,7 +29,7 @@ def test_under_bf16_nothing_clips_at_the_first_update(compose, tiny_overrides, t
                    "trainer.steps=1", f"algorithm.epochs={epochs}"])
     trainer = Trainer(cfg, tmp_path / "run")
     maker = trainer.experience
-    assert (maker.rescore, maker.old_from_update) == (epochs > 1, epochs == 1)
+    assert (maker.plan.rescore, maker.plan.old_from_update) == (epochs > 1, epochs == 1)
     experience = maker.make(trainer.prompts.train[:2], 2, StepTimer(), ["a", "b"], 0.05, train=True)
     rollout = experience.rollout
     assert rollout.policy_logits is None  # no [B, T, V] kept
@@ -49,7 +49,7 @@ def test_under_bf16_nothing_clips_at_the_first_update(compose, tiny_overrides, t
 def test_in_fp32_the_hf_engine_s_log_probs_are_the_trainer_s(compose, tiny_overrides, tmp_path: Path) -> None:
     cfg = compose([*tiny_overrides(tmp_path), *BASE, "trainer.steps=1"])
     trainer = Trainer(cfg, tmp_path / "run")
-    assert not trainer.experience.rescore  # auto: the hf engine in fp32 samples with the trainer's numbers
+    assert not trainer.experience.plan.rescore  # auto: the hf engine in fp32 samples with the trainer's numbers
     forced = compose([*tiny_overrides(tmp_path / "forced"), *BASE, "generation.logprobs=trainer"])
     maker = Trainer(forced, tmp_path / "forced" / "run").experience
     torch.manual_seed(0)
@@ -84,7 +84,7 @@ def _without_logits(monkeypatch) -> list[bool]:
     """The hf engine as an engine that reports no logits or entropies (as vLLM): zeros for the entropy, logits
     never kept. Returns the list that records the scoring pass's policy passes."""
     from rlhf_lab.generation.hf import HFGeneration
-    from rlhf_lab.training.scoring_pass import ScoringPass
+    from rlhf_lab.step.scoring_pass import ScoringPass
 
     generate, policy_pass, passes = HFGeneration.generate, ScoringPass._policy_pass, []
 

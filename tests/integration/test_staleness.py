@@ -17,8 +17,8 @@ import torch
 from rlhf_lab.errors import ConfigError
 from rlhf_lab.generation.backend import SamplingSettings
 from rlhf_lab.generation.hf import HFGeneration
+from rlhf_lab.step.update import Updater
 from rlhf_lab.training.loop import Trainer
-from rlhf_lab.training.update import Updater
 
 # Rewards that differ within a group from the first step (a word-count band the tiny model's responses straddle),
 # so every update moves the weights.

@@ -12,8 +12,8 @@ import torch
 
 from rlhf_lab.app import cli
 from rlhf_lab.generation.rollout import Rollout
+from rlhf_lab.step.step_metrics import clipped_responses, group_metrics, length_metrics, zero_spread_warning
 from rlhf_lab.training.loop import Trainer
-from rlhf_lab.training.step_metrics import clipped_responses, group_metrics, length_metrics, zero_spread_warning
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 

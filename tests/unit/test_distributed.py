@@ -8,7 +8,8 @@ import torch
 from rlhf_lab import masked
 from rlhf_lab.errors import ConfigError
 from rlhf_lab.runtime import distributed
-from rlhf_lab.training.evaluation import rng_key, shard
+from rlhf_lab.step.ahead import rng_key
+from rlhf_lab.training.evaluation import shard
 
 
 def test_single_process_is_rank_zero_of_one(monkeypatch) -> None:

@@ -8,7 +8,7 @@ import torch
 from rlhf_lab.generation.backend import SamplingSettings
 from rlhf_lab.generation.hf import generate
 from rlhf_lab.models import loading as models
-from rlhf_lab.training import records
+from rlhf_lab.runtime import timer as records
 from rlhf_lab.training.state_encoding import rank_rng_state, set_rank_rng_state
 
 

@@ -15,7 +15,7 @@ from rlhf_lab.models import loading as models
 from rlhf_lab.scoring.forward import response_logits
 from rlhf_lab.scoring.head import HeadLogits
 from rlhf_lab.scoring.logprobs import entropy_from_logits, gather_logprobs, scale_logits
-from rlhf_lab.training.compute import (
+from rlhf_lab.step.compute import (
     GPU_TOKEN_BUDGET,
     gradient_checkpointing,
     head_chunk,

@@ -27,8 +27,8 @@ import rlhf_lab.components  # noqa: E402, F401
 from rlhf_lab.generation.rollout import Rollout  # noqa: E402
 from rlhf_lab.models import loading as models  # noqa: E402
 from rlhf_lab.registry import get  # noqa: E402
-from rlhf_lab.training.records import StepTimer  # noqa: E402
-from rlhf_lab.training.update import Updater  # noqa: E402
+from rlhf_lab.runtime.timer import StepTimer  # noqa: E402
+from rlhf_lab.step.update import Updater  # noqa: E402
 
 PROMPT, RESPONSE, ROWS = 5, 6, 6
 CASES = {  # name -> overrides of the algorithm

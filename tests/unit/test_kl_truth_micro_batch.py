@@ -5,7 +5,7 @@ them; its loss is the trainer's: the policy loss −A·log π (A: the reward min
 (β = 0.2), both reduced by the registered ``loss_aggregation``. The expected gradient sums every one of the 7³
 mini-batches, weighted by its probability, accumulating the gradients of the micro-batches of one cut of the rows;
 every cut (1+1+1, 1+2, 2+1, 3) must give the same expected gradient when the aggregation divides by the mini-batch's
-totals (``LossContext``, as ``training/update.py`` builds it) and does not when it divides by each micro-batch's own.
+totals (``LossContext``, as ``step/update.py`` builds it) and does not when it divides by each micro-batch's own.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ def test_every_logged_name_is_documented() -> None:
     rewards = torch.tensor([1.0, 1.0, 0.0, 0.5], dtype=torch.float64)
     names = set(mode_metrics(log_ref, log_ref, log_ref, rewards))
     names |= set(group_metrics(torch.ones(16), ["a b"] * 16, 16, threshold=1.0))
-    names |= {"reward/task"}  # rlhf_lab/training/experience.py, under reward.rescale
+    names |= {"reward/task"}  # rlhf_lab/step/experience.py, under reward.rescale
     names = {re.sub(r"/\d+$", "/<k>", name) for name in names}
     assert names <= documented(), names - documented()
 

@@ -14,7 +14,7 @@ from rlhf_lab.registry import get
 from rlhf_lab.runtime.precision import Precision
 from rlhf_lab.scoring.forward import response_logits
 from rlhf_lab.scoring.logprobs import gather_logprobs
-from rlhf_lab.training.update import Updater
+from rlhf_lab.step.update import Updater
 
 PROMPT, RESPONSE = SCORED_PROMPT, SCORED_RESPONSE
 

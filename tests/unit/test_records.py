@@ -29,7 +29,7 @@ class ListTracker(Tracker):
 
 def test_step_timer_adds_up_repeated_phases(monkeypatch) -> None:
     clock = iter([0.0, 1.5, 10.0, 10.25, 20.0, 23.0])
-    monkeypatch.setattr("rlhf_lab.training.records.time.perf_counter", lambda: next(clock))
+    monkeypatch.setattr("rlhf_lab.runtime.timer.time.perf_counter", lambda: next(clock))
     timer = StepTimer()
     with timer.phase("generate"):
         pass

@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 from rlhf_lab.algorithms.advantages import remax
 from rlhf_lab.algorithms.base import Algorithm
 from rlhf_lab.generation.rollout import Rollout
-from rlhf_lab.training.sampling import SamplingRules, informative_groups, overlong_penalty, refill_indices, truncated
+from rlhf_lab.step.sampling import SamplingRules, informative_groups, overlong_penalty, refill_indices, truncated
 
 
 def test_overlong_penalty_at_the_window_edges() -> None:

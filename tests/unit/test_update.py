@@ -14,8 +14,8 @@ from rlhf_lab.generation.rollout import Rollout
 from rlhf_lab.hardware import HardwareProfile
 from rlhf_lab.hardware.allocator import preallocate_adam_state
 from rlhf_lab.registry import get
-from rlhf_lab.training.records import StepTimer
-from rlhf_lab.training.update import Updater, lr_lambda, parameter_groups
+from rlhf_lab.runtime.timer import StepTimer
+from rlhf_lab.step.update import Updater, lr_lambda, parameter_groups
 
 TRAINER = {"lr": 0.1, "adam_beta1": 0.9, "adam_beta2": 0.999, "weight_decay": 0.0, "lr_schedule": "constant",
            "warmup_steps": 0, "steps": 10, "max_grad_norm": None, "micro_batch_size": 0, "max_new_tokens": 3,

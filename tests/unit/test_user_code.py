@@ -14,7 +14,7 @@ import torch
 import rlhf_lab.components  # noqa: F401  (the built-in rewards)
 from rlhf_lab.errors import ConfigError, RewardError
 from rlhf_lab.registry import get
-from rlhf_lab.training.experience import screen_scores
+from rlhf_lab.step.experience import screen_scores
 
 
 @pytest.fixture

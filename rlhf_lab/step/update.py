@@ -30,11 +30,11 @@ from rlhf_lab.kl.placements import KLPenalty
 from rlhf_lab.models.recompute import recompute_modules, recomputing
 from rlhf_lab.runtime import distributed
 from rlhf_lab.runtime.precision import Precision
+from rlhf_lab.runtime.timer import StepTimer
 from rlhf_lab.scoring.forward import response_logits
 from rlhf_lab.scoring.logprobs import entropy_from_logits, gather_logprobs, needs_float32_logits
 from rlhf_lab.scoring.packing import packed_passes
-from rlhf_lab.training.compute import head_chunk, micro_batches, packs_rows, token_budget
-from rlhf_lab.training.records import StepTimer
+from rlhf_lab.step.compute import head_chunk, micro_batches, packs_rows, token_budget
 
 
 def lr_lambda(schedule: str, warmup_steps: int, total_steps: int):

@@ -10,7 +10,7 @@
   to ``max_refill_rounds`` extra generation rounds. At the limit the missing groups are filled with dropped
   ones kept out of the loss, so every rank trains on the same batch shape.
 
-All functions here are pure; :class:`rlhf_lab.training.experience.ExperienceMaker` applies them.
+All functions here are pure; :class:`rlhf_lab.step.experience.ExperienceMaker` applies them.
 """
 
 from __future__ import annotations

@@ -33,11 +33,11 @@ from rlhf_lab.registry import get
 from rlhf_lab.rewards.base import Reward, fill_nonfinite
 from rlhf_lab.runtime import distributed
 from rlhf_lab.runtime.precision import Precision
+from rlhf_lab.runtime.timer import StepTimer
 from rlhf_lab.scoring.logprobs import needs_float32_logits
-from rlhf_lab.training.compute import head_chunk
-from rlhf_lab.training.records import StepTimer
-from rlhf_lab.training.sampling import SamplingRules, informative_groups, overlong_penalty, truncated
-from rlhf_lab.training.scoring_pass import ScoringPass, rescores, sampler_differs, single_update
+from rlhf_lab.step.compute import head_chunk
+from rlhf_lab.step.sampling import SamplingRules, informative_groups, overlong_penalty, truncated
+from rlhf_lab.step.scoring_pass import ScoringPass, ScoringPlan
 
 # ``refill(round, count)`` -> (prompts, names, rng_keys) of ``count`` further prompts (dynamic sampling).
 Refill = Callable[[int, int], tuple[list[str], list[str], list[int] | None]]
@@ -119,14 +119,11 @@ class ExperienceMaker:
         env_cfg = cfg.get("env") or {"name": "single_turn"}
         env = get("env", env_cfg["name"])(env_cfg)
         self.episodes = None if env.single_turn else EpisodeRunner(env, tokenizer, cfg)
-        self.rescore = rescores(cfg, self.precision) or self.episodes is not None
         self.rescale = get("reward_rescale", cfg.reward.get("rescale", "none"))  # rlhf_lab/rewards/rescale.py
-        # An engine that reports no entropies, logits or hidden states (vLLM): the scoring pass runs wherever a batch
-        # needs them (:meth:`rescores_batch`); elsewhere the training pass measures the entropy.
-        self.engine_reports_logits = getattr(engine_class, "reports_entropy", True)
         self.keep_hidden = keep_hidden
-        # One update per rollout with numbers that may differ: the training pass's own log-probs are π_old.
-        self.old_from_update = not self.rescore and sampler_differs(cfg, self.precision) and single_update(cfg)
+        # Where π_old, the entropy and PPO's values come from, decided once (scoring_pass.ScoringPlan).
+        self.plan = ScoringPlan.from_config(cfg, engine_class, self.precision, kl, keep_hidden,
+                                            episodes=self.episodes is not None)
         self.exact_kl = cfg.kl.get("exact", "step")  # kl.exact: step | eval | off
         # The engine that samples (generation=NAME); it keeps the decode's last hidden states for PPO's shared critic
         # where its numbers are the trainer's, else the scoring pass does.
@@ -135,7 +132,7 @@ class ExperienceMaker:
         if worker is None:
             engine = engine_class(policy, tokenizer, self.settings, self.precision, self.hardware,
                                   options=cfg.generation, keep_logits=False,
-                                  keep_hidden=keep_hidden and not self.rescore, logits_float32=self.logits_float32)
+                                  keep_hidden=keep_hidden and not self.plan.rescore, logits_float32=self.logits_float32)
             worker = RolloutWorker(engine, policy, self._sync_check(engine, sync_probe), snapshot_ring(cfg, policy))
         # The one owner of the engine's wake, weights, sampling and sleep (rlhf_lab/generation/worker.py).
         self.worker = worker
@@ -165,8 +162,8 @@ class ExperienceMaker:
         passes (the next step's generation starts there under ``generation.max_staleness=1``).
         """
         exact = self.exact_kl == "step" if train else self.exact_kl != "off"
-        rescore = self.rescores_batch(exact, train)
-        if not rescore:  # the exact KL (and a logits-reading estimator) read the sampler's own logits
+        sources = self.plan.for_batch(exact, train)
+        if not sources.rescore:  # the exact KL (and a logits-reading estimator) read the sampler's own logits
             self.engine.keep_logits = exact or self.kl.reads_logits
             if hasattr(self.engine, "head_chunk"):  # kept as the LM head's inputs (trainer.chunked_logprobs)
                 self.engine.head_chunk = head_chunk(self.cfg.trainer, self.device)
@@ -181,13 +178,12 @@ class ExperienceMaker:
                 self._greedy_baseline(experience, group_size, timer, names)
         if then is not None:
             then()
-        self.scoring(experience.rollout, timer, exact, rescore)
+        self.scoring(experience.rollout, timer, exact, sources.rescore)
         if train:
             self._rescale(experience.rollout, group_size, kl_coef)
         self.kl.score_rollout(experience.rollout, kl_coef)
         rollout = experience.rollout
-        rollout.old_from_update = self.old_from_update and not rescore
-        rollout.entropy_from_update = train and not rescore and not self.engine_reports_logits
+        rollout.old_from_update, rollout.entropy_from_update = sources.old_from_update, sources.entropy_from_update
         return experience
 
     def _rescale(self, rollout: Rollout, group_size: int, kl_coef: float) -> None:
@@ -198,17 +194,6 @@ class ExperienceMaker:
         if rescaled is not rollout.scores:
             rollout.extras["reward/task"] = rollout.scores
             rollout.scores = rescaled
-
-    def rescores_batch(self, exact: bool, train: bool) -> bool:
-        """Whether this batch gets the scoring pass of the training model: where the config asks for it
-        (:func:`.scoring_pass.rescores`), and, for an engine that reports no logits (vLLM), where the batch reads
-        the policy's logits (``exact``: the exact KL; an estimator of full logits), PPO's sampling-time hidden
-        states, or gets more than one update. A training batch with one update and none of these skips it: its
-        training pass gives π_old and the entropy (``Rollout.entropy_from_update``)."""
-        if self.rescore or self.engine_reports_logits:
-            return self.rescore
-        reads_logits = exact or self.kl.reads_logits
-        return reads_logits or not train or self.keep_hidden or not single_update(self.cfg)
 
     def _shaped(self, prompts: list[str], group_size: int, timer: StepTimer, names: list[str],
                 rng_keys: list[int] | None) -> Experience:

@@ -16,7 +16,7 @@ from rlhf_lab.generation.rollout import Rollout
 from rlhf_lab.masked import masked_mean
 from rlhf_lab.runtime import distributed
 from rlhf_lab.runtime.console import say
-from rlhf_lab.training.sampling import truncated
+from rlhf_lab.step.sampling import truncated
 
 
 def rollout_metrics(rollout: Rollout, valid: Tensor, coef: float, kl_per_sequence: Tensor) -> dict[str, Any]:

@@ -17,8 +17,13 @@ from torch import Tensor
 
 from rlhf_lab.data.prompts import prompt_indices
 from rlhf_lab.runtime import distributed
-from rlhf_lab.training.evaluation import rng_key
-from rlhf_lab.training.sampling import refill_indices
+from rlhf_lab.step.sampling import refill_indices
+
+
+def rng_key(seed: int, split: int, step: int, position: int) -> int:
+    """The generator seed of one prompt group under ``trainer.seed_per_prompt`` (split 0 train, 1 eval)."""
+    return (((seed * 1_000_003 + split) * 1_000_033 + step) * 1_000_037 + position) % 2**62
+
 
 AHEAD_FILE = "ahead.safetensors"  # in a checkpoint: the ranks' batches in flight (their plain fields: trainer_state)
 

@@ -3,9 +3,9 @@
 The engine that sampled the tokens reports its own log-probs. Where those are not the numbers the training pass
 will compute (another engine, another precision, a decode that rounds otherwise) the PPO ratio would be off from
 the first step: under bfloat16 clipping fires at step 0 (GSPO's ε = 3e-4 clips nearly everything). So wherever
-the engine's log-probs are not the trainer's (``generation.logprobs``: ``auto`` = an engine other than ``hf`` or a
+the engine's log-probs are not the trainer's (``generation.logprobs``: ``auto`` = an engine without ``trainer_logprobs`` or a
 precision other than ``fp32``; ``trainer``; ``sampler``; and, for an engine that reports no logits, wherever a batch
-reads them: ``ExperienceMaker.rescores_batch``) one no-grad pass of the training model gives π_old, the entropy
+reads them: :meth:`ScoringPlan.for_batch`) one no-grad pass of the training model gives π_old, the entropy
 and the hidden states PPO's shared critic reads; the engine's log-probs stay as ``sampler_logprobs`` for the
 sampler–trainer correction (``algorithm.tis_cap``) and the ``rollout/logprob_diff_*`` metrics.
 
@@ -20,6 +20,7 @@ are kept only where the loss-placed estimator reads them (``full`` in the loss).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,18 +32,18 @@ from rlhf_lab.masked import masked_mean
 from rlhf_lab.models.loading import PolicyAndReference
 from rlhf_lab.runtime import distributed
 from rlhf_lab.runtime.precision import Precision
+from rlhf_lab.runtime.timer import StepTimer
 from rlhf_lab.scoring.forward import response_logits
 from rlhf_lab.scoring.head import HeadLogits, cat_head_logits
 from rlhf_lab.scoring.logprobs import entropy_from_logits, gather_logprobs
-from rlhf_lab.training.compute import head_chunk, micro_batches, packs_rows, token_budget
-from rlhf_lab.training.records import StepTimer
+from rlhf_lab.step.compute import head_chunk, micro_batches, packs_rows, token_budget
 
 
-def sampler_differs(cfg: Any, precision: Precision) -> bool:
-    """Whether the engine's log-probs may not be the trainer's: an engine other than ``hf``, or a precision other
-    than ``fp32`` (the decode and the training pass round otherwise)."""
-    engine = cfg.generation.get("name", "hf") if cfg.get("generation") else "hf"
-    return engine != "hf" or precision.name != "fp32"
+def sampler_differs(engine_class: Any, precision: Precision) -> bool:
+    """Whether the engine's log-probs may not be the trainer's: an engine whose numbers are not the training model's
+    own forward pass (its ``trainer_logprobs`` attribute: the ``hf`` engine's are), or a precision other than
+    ``fp32`` (the decode and the training pass round otherwise)."""
+    return not getattr(engine_class, "trainer_logprobs", False) or precision.name != "fp32"
 
 
 def single_update(cfg: Any) -> bool:
@@ -52,19 +53,64 @@ def single_update(cfg: Any) -> bool:
     return algorithm.epochs == 1 and (algorithm.mini_batch_size == 0 or algorithm.mini_batch_size >= samples)
 
 
-def rescores(cfg: Any, precision: Precision) -> bool:
+def rescores(cfg: Any, differs: bool) -> bool:
     """Whether π_old comes from a scoring pass of the training model (``generation.logprobs``): ``trainer``, and
     always under ``algorithm.tis_cap`` (which corrects for the difference); ``sampler``: never; ``auto``: where
-    the engine's numbers may not be the trainer's and the rollout gets more than one update (with a single update
-    the training pass's own detached log-probs are π_old, :func:`single_update`), and always under
-    ``generation.max_staleness=1`` (the sampler's numbers, entropies and exact KL are then a past policy's)."""
+    the engine's numbers may not be the trainer's (``differs``, :func:`sampler_differs`) and the rollout gets more
+    than one update (with a single update the training pass's own detached log-probs are π_old,
+    :func:`single_update`), and always under ``generation.max_staleness=1`` (the sampler's numbers, entropies and
+    exact KL are then a past policy's)."""
     source = cfg.generation.get("logprobs", "auto") if cfg.get("generation") else "auto"
     if source == "trainer" or cfg.algorithm.get("tis_cap") is not None:
         return True
     if source == "sampler":
         return False
     stale = int((cfg.get("generation") or {}).get("max_staleness", 0)) > 0  # the sampler is one update behind
-    return stale or (sampler_differs(cfg, precision) and not single_update(cfg))
+    return stale or (differs and not single_update(cfg))
+
+
+@dataclass(frozen=True)
+class BatchScoring:
+    """Where one batch's π_old and entropy come from (:meth:`ScoringPlan.for_batch`)."""
+
+    rescore: bool  # the training model's scoring pass gives π_old, the entropy and PPO's hidden states
+    old_from_update: bool  # π_old is the training pass's own detached log-probs (one update per rollout)
+    entropy_from_update: bool  # the training pass measures the entropy (an engine that reports none)
+
+
+@dataclass(frozen=True)
+class ScoringPlan:
+    """Where a run's π_old, entropy and PPO's values come from, decided once at start-up from the config, the
+    engine's capabilities (its class's attributes, never its name) and the precision; every batch asks
+    :meth:`for_batch` and nothing else decides it."""
+
+    rescore: bool  # every batch gets the training model's scoring pass (:func:`rescores`; multi-turn episodes too)
+    old_from_update: bool  # one update per rollout with numbers that may differ: the training pass's are π_old
+    engine_reports_logits: bool  # the engine's rollouts carry entropies, logits and hidden states (``reports_entropy``)
+    keep_hidden: bool  # PPO's shared critic reads the sampling-time hidden states
+    reads_logits: bool  # the KL estimator reads full logits
+    one_update: bool  # :func:`single_update`
+
+    @classmethod
+    def from_config(cls, cfg: Any, engine_class: Any, precision: Precision, kl: KLPenalty, keep_hidden: bool,
+                    episodes: bool) -> ScoringPlan:
+        differs = sampler_differs(engine_class, precision)
+        rescore = rescores(cfg, differs) or episodes  # an environment's turns are sampled apart: always rescored
+        one_update = single_update(cfg)
+        return cls(rescore=rescore, old_from_update=not rescore and differs and one_update,
+                   engine_reports_logits=getattr(engine_class, "reports_entropy", True), keep_hidden=keep_hidden,
+                   reads_logits=kl.reads_logits, one_update=one_update)
+
+    def for_batch(self, exact: bool, train: bool) -> BatchScoring:
+        """This batch's sources. The scoring pass runs where the plan says so, and, for an engine that reports no
+        logits (vLLM), where the batch reads the policy's logits (``exact``: the exact KL; an estimator of full
+        logits), PPO's sampling-time hidden states, or gets more than one update. A training batch with one
+        update and none of these skips it: its training pass gives π_old and the entropy."""
+        rescore = self.rescore
+        if not self.rescore and not self.engine_reports_logits:
+            rescore = exact or self.reads_logits or not train or self.keep_hidden or not self.one_update
+        return BatchScoring(rescore, old_from_update=self.old_from_update and not rescore,
+                            entropy_from_update=train and not rescore and not self.engine_reports_logits)
 
 
 class ScoringPass:
