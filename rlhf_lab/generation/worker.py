@@ -66,6 +66,7 @@ class RolloutWorker:
         self.engine_version = 0 if getattr(engine, "starts_current", True) else -1
         self.weights_lost = False  # a level-2 sleep discarded the engine's weights: load them at the next wake
         self._awake = False
+        self.check_due = False  # a load the canary has not checked yet (checked before the engine sleeps again)
         # The batches in flight, oldest first: (key, claim, the updates behind the weights that sampled it).
         self.ahead: list[tuple[AheadKey, Callable[[], Rollout], int]] = []
         self.batch_version = 0  # the engine's weights that sampled the last batch handed out
@@ -89,6 +90,12 @@ class RolloutWorker:
         """``group_size`` samples per prompt from the policy's current weights (the engine interface's call)."""
         with self.awake():
             self.batch_version = self.engine_version
+            if self.check_due and hasattr(self.engine, "generate_probed"):  # the canary rides in this call
+                rollout, probe = self.engine.generate_probed(self.sync_check.probe_ids, self.sync_check.settings,
+                                                             prompts, group_size, seeds=seeds, greedy=greedy,
+                                                             settings=settings)
+                self._check(probe)
+                return rollout
             return self.engine.generate(prompts, group_size, seeds=seeds, greedy=greedy, settings=settings)
 
     @contextmanager
@@ -102,6 +109,8 @@ class RolloutWorker:
         self._awake = True
         try:
             yield self
+            if self.check_due:  # no call of the block carried the probe (a batch started ahead, the base model's)
+                self._check()
         finally:
             self._awake = False
             if self.sleeps:
@@ -163,9 +172,18 @@ class RolloutWorker:
             self.engine_version, self.weights_lost = self.policy_version, False
         if self.sleeps:
             self.engine.wake_up(tags=["kv_cache"])
-        if load and self.sync_check is not None:  # the canary samples: after the cache is back
-            with self._phase("sync_check"):
-                self.last_check = self.sync_check(self.engine, self.policy, self.policy_version)
+        # The canary samples after the cache is back: as one more request of the block's first batch where the
+        # engine takes one (no engine call of its own), else in a call of its own before the engine sleeps again.
+        self.check_due = self.check_due or (load and self.sync_check is not None)
+
+    def _check(self, probe: Rollout | None = None) -> None:
+        """The weight-sync canary of the last load, on the engine's ``probe`` rollout (None: sampled here)."""
+        self.check_due = False
+        with self._phase("sync_check"):
+            if probe is None:
+                self.last_check = self.sync_check(self.engine, self.policy, self.engine_version)
+            else:
+                self.last_check = self.sync_check.judge(probe, self.policy, self.engine_version)
 
     def _phase(self, name: str) -> AbstractContextManager:
         return self.timer.phase(name) if self.timer is not None else nullcontext()
