@@ -172,6 +172,7 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
         "step_s_max": max(step_s),
         "phases_s_mean": phases,
         "other_s_mean": statistics.fmean(step_s) - sum(phases.values()),
+        "sync_check_s_mean": statistics.fmean(s.get("sync_check_s", 0.0) for s in steps),
         "tokens_per_s": sum(s["tokens"] for s in steps) / sum(step_s),
         "peak_rss_mib": statistics.median(rss),
         "peak_rss_mib_max": max(rss),

@@ -44,6 +44,10 @@ def format_report(report: dict[str, Any]) -> str:
                               _number(summary["tokens_per_s"], 1), _number(summary["peak_rss_mib"], 0),
                               _reward_cell(summary)])
             floor = row["frameworks"].get("rlhf_lab", {}).get("summary", {})
+            if floor.get("sync_check_s_mean"):
+                notes.append(f"{row['row']}: weight-sync canary {_number(floor['sync_check_s_mean'], 3)} s per step "
+                             f"({100 * floor['sync_check_s_mean'] / floor['step_s_mean']:.1f}% of the mean step; "
+                             "inside 'generate')")
             if floor.get("generation_over_floor") is not None:
                 notes.append(f"{row['row']}: generation {_number(floor['generation_over_floor'])}x its floor "
                              f"({_number(floor['generation_floor_s_mean'])} s, {floor['generation_floor_bound']}-bound "

@@ -64,6 +64,7 @@ def run_rlhf_lab(cfg: Any, steps: int, warmup: int, work_dir: Path) -> tuple[lis
             records.append({
                 "step_s": step_s,
                 "phases": {name: metrics.get(f"time/{name}_s", 0.0) for name in PHASES},
+                "sync_check_s": metrics.get("time/sync_check_s", 0.0),  # the weight-sync canary, inside generate
                 "tokens": round(metrics["throughput/tokens_per_s"] * metrics["time/step_s"]),
                 "reward_mean": metrics["reward/mean"],
                 "generation_floor": floor_seconds(works[0], shape, floor, weight_bytes) if len(works) == 1 else None,

