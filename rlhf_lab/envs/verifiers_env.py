@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import importlib
+import logging
 from typing import Any
 
 import torch
@@ -134,6 +135,8 @@ class VerifiersRunner(EpisodeRunner):
             raise EnvError(f"{env.describe()} has no dataset to draw its tasks from")
         self.max_model_len = int(cfg.data.max_prompt_tokens) + self.budget
         self.server: Any = None  # started at the first batch (:class:`~.verifiers_server.PolicyServer`)
+        for name in ("httpx", "httpx2", "openai"):  # a log line per request to the served policy otherwise
+            logging.getLogger(name).setLevel(logging.WARNING)
 
     def run(self, engine: GenerationBackend, settings: SamplingSettings, prompts: list[str], group_size: int,
             keys: list[int] | None, names: list[str], device: torch.device) -> tuple[Rollout, list[str], Tensor]:
@@ -174,15 +177,19 @@ class VerifiersRunner(EpisodeRunner):
 
         from rlhf_lab.envs.verifiers_server import SERVED_NAME
 
-        openai = AsyncOpenAI(base_url=self.server.base_url, api_key=self.server.token, max_retries=0,
+        openai = AsyncOpenAI(base_url=self.server.base_url, api_key=self.server.token, max_retries=2,
                              timeout=self.timeout)
         client = OpenAIChatCompletionsClient(openai)
         rubric = self.environment.rubric
 
+        in_flight = asyncio.Semaphore(self.workers)  # env.workers rollouts at a time (the server samples one by one)
+
+        async def one(task: dict[str, Any]) -> Any:
+            async with in_flight:
+                return await self.environment.rollout(copy.deepcopy(task), client, SERVED_NAME, dict(sampling_args))
+
         async def group(task: dict[str, Any]) -> list[Any]:
-            states = await asyncio.gather(*(self.environment.rollout(copy.deepcopy(task), client, SERVED_NAME,
-                                                                     dict(sampling_args))
-                                            for _ in range(group_size)))
+            states = await asyncio.gather(*(one(task) for _ in range(group_size)))
             await rubric.score_group(list(states))
             for state in states:
                 await rubric.cleanup(state)
@@ -201,7 +208,7 @@ class VerifiersRunner(EpisodeRunner):
         steps = list(state.get("trajectory") or [])
         env_state = EnvState({k: v for k, v in task.items() if k != "prompt"}, key, len(steps), messages)
         error = state.get("error")
-        problem = f"raised {type(error).__name__}: {first_line(error)}" if error is not None else None
+        problem = f"raised {_causes(error)}" if error is not None else None
         if problem is None and (not steps or any(step.get("tokens") is None for step in steps)):
             problem = "returned a turn without token ids (the client kept none)"
         if problem is not None:
@@ -235,3 +242,13 @@ class VerifiersRunner(EpisodeRunner):
             if isinstance(value, int | float):
                 episode.info[name] += float(value)
         return episode
+
+
+def _causes(error: BaseException) -> str:
+    """An error and its causes on one line (verifiers wraps a client's failure in its own ``ModelError``)."""
+    parts = []
+    while error is not None and len(parts) < 6:
+        text = first_line(error)
+        parts.append(f"{type(error).__name__}: {text}" if text and text != type(error).__name__ else type(error).__name__)
+        error = error.__cause__ or error.__context__
+    return " <- ".join(parts)
