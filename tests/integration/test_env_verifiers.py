@@ -44,17 +44,23 @@ def make_env():
     return vf.SingleTurnEnv(dataset=dataset, rubric=vf.Rubric(funcs=[length_reward]))
 
 
-def overrides(tiny_overrides, tmp_path: Path, env_id: str) -> list[str]:
-    return [*tiny_overrides(tmp_path), "env=verifiers", f"env.id={env_id}", "trainer.max_new_tokens=6",
-            "env.max_tokens=32", "trainer.eval_every=0", "trainer.eval_prompts=0"]
+def make_two_turn_env():
+    """A two-turn verifiers environment: after the model's first answer it asks again; rewards the turns taken."""
+    import verifiers.legacy as vf
+    from datasets import Dataset
+
+    class AskAgain(vf.MultiTurnEnv):
+        async def env_response(self, messages, state, **kwargs):
+            return [{"role": "user", "content": "Again, shorter."}]
+
+    dataset = Dataset.from_dict({"question": QUESTIONS, "answer": ["red", "hello", "1 2 3", "c a t"]})
+    return AskAgain(dataset=dataset, rubric=vf.Rubric(funcs=[length_reward]), max_turns=2)
 
 
-@needs_verifiers
-def test_the_trainer_trains_on_the_ids_the_server_sampled(compose, tiny_overrides, tmp_path: Path,
-                                                          monkeypatch) -> None:
-    served: list[tuple[list[int], list[int], list[float]]] = []  # (prompt ids, sampled ids, log-probs) per sample
+def capture(monkeypatch) -> tuple[list, list]:
+    """(what the server sampled: (prompt ids, sampled ids, log-probs) per request, the batches the runner built)."""
+    served: list[tuple[list[int], list[int], list[float]]] = []
     trained: list[tuple[torch.Tensor, ...]] = []
-
     sample_request = verifiers_server.sample_request
 
     def sampled(backend, request):
@@ -70,7 +76,18 @@ def test_the_trainer_trains_on_the_ids_the_server_sampled(compose, tiny_override
                         rollout.logprobs.clone(), rollout.scores.clone(), rollout.prompt_width))
         return rollout, texts, valid
     monkeypatch.setattr(verifiers_env.VerifiersRunner, "run", captured_run)
+    return served, trained
 
+
+def overrides(tiny_overrides, tmp_path: Path, env_id: str) -> list[str]:
+    return [*tiny_overrides(tmp_path), "env=verifiers", f"env.id={env_id}", "trainer.max_new_tokens=6",
+            "env.max_tokens=32", "trainer.eval_every=0", "trainer.eval_prompts=0"]
+
+
+@needs_verifiers
+def test_the_trainer_trains_on_the_ids_the_server_sampled(compose, tiny_overrides, tmp_path: Path,
+                                                          monkeypatch) -> None:
+    served, trained = capture(monkeypatch)
     trainer = Trainer(compose(overrides(tiny_overrides, tmp_path, f"{__name__}:make_env")), tmp_path / "run")
     tokenizer = trainer.tokenizer
     trainer.train()
@@ -116,3 +133,28 @@ def test_without_verifiers_the_run_says_how_to_install_it(compose, tiny_override
     with pytest.raises(EnvError, match=r"env=verifiers needs the verifiers package \(0\.3\.1\).*"
                                        r"`make install-verifiers`"):
         Trainer(compose(overrides(tiny_overrides, tmp_path, "anything")), tmp_path / "run")
+
+
+@needs_verifiers
+def test_a_multi_turn_trajectory_is_the_servers_ids_with_the_environments_tokens_out_of_the_loss(
+        compose, tiny_overrides, tmp_path: Path, monkeypatch) -> None:
+    served, trained = capture(monkeypatch)
+    cfg = compose([*overrides(tiny_overrides, tmp_path, f"{__name__}:make_two_turn_env"), "trainer.steps=1",
+                   "env.max_tokens=64"])
+    Trainer(cfg, tmp_path / "run").train()
+
+    (input_ids, attention, mask, logprobs, scores, width), = trained
+    assert len(served) == 2 * input_ids.shape[0]  # two turns per sample
+    for row in range(input_ids.shape[0]):
+        sequence = input_ids[row][attention[row].bool()].tolist()
+        second = [s for s in served if s[0] + s[1] == sequence]
+        assert len(second) == 1  # the whole trajectory is the second turn's prompt and sample, as served
+        prompt2, tokens2, logprobs2 = second[0]
+        first = [s for s in served if prompt2[:len(s[0]) + len(s[1])] == s[0] + s[1] and s is not second[0]]
+        prompt1, tokens1, logprobs1 = first[0]
+        env_tokens = len(prompt2) - len(prompt1) - len(tokens1)
+        assert env_tokens > 0 and sequence[:len(prompt1)] == prompt1
+        length = len(sequence) - len(prompt1)
+        expected_mask = [1.0] * len(tokens1) + [0.0] * env_tokens + [1.0] * len(tokens2)
+        assert mask[row, :length].tolist() == expected_mask  # the environment's tokens out of the loss
+        assert logprobs[row, :length].tolist() == pytest.approx(logprobs1 + [0.0] * env_tokens + logprobs2, abs=1e-6)
