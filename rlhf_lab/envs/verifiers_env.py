@@ -42,6 +42,7 @@ from rlhf_lab.generation.backend import GenerationBackend, SamplingSettings
 from rlhf_lab.generation.rollout import Rollout
 from rlhf_lab.registry import register
 from rlhf_lab.rewards.base import first_line
+from rlhf_lab.runtime import distributed
 
 VERSION = "0.3.1"  # the verifiers release with the in-process rollout API (requirements-verifiers.txt)
 INSTALL = "make install-verifiers"
@@ -128,6 +129,9 @@ class VerifiersRunner(EpisodeRunner):
     the rollout it returns is built as the reset/step runner's is (:meth:`EpisodeRunner._rollout`)."""
 
     def __init__(self, env: VerifiersEnvironment, tokenizer: Any, cfg: Any) -> None:
+        if distributed.world_size() > 1:  # each rank would serve and play its own; not built yet
+            raise EnvError(f"{env.describe()} runs in one process; run it without torchrun (world size "
+                           f"{distributed.world_size()})")
         super().__init__(env, tokenizer, cfg)
         self.environment = env.environment
         self.dataset = self.environment.get_dataset()
@@ -186,14 +190,20 @@ class VerifiersRunner(EpisodeRunner):
 
         async def one(task: dict[str, Any]) -> Any:
             async with in_flight:
-                return await self.environment.rollout(copy.deepcopy(task), client, SERVED_NAME, dict(sampling_args))
+                try:
+                    return await self.environment.rollout(copy.deepcopy(task), client, SERVED_NAME,
+                                                          dict(sampling_args))
+                except Exception as error:  # the environment's own code failed: named by :meth:`_episode`
+                    return _Failed(error=error)
 
         async def group(task: dict[str, Any]) -> list[Any]:
-            states = await asyncio.gather(*(one(task) for _ in range(group_size)))
-            await rubric.score_group(list(states))
-            for state in states:
+            states = list(await asyncio.gather(*(one(task) for _ in range(group_size))))
+            played = [state for state in states if not isinstance(state, _Failed)]
+            if played:
+                await rubric.score_group(played)
+            for state in played:
                 await rubric.cleanup(state)
-            return list(states)
+            return states
 
         try:
             groups = await asyncio.gather(*(group(task) for task in inputs))
@@ -242,6 +252,10 @@ class VerifiersRunner(EpisodeRunner):
             if isinstance(value, int | float):
                 episode.info[name] += float(value)
         return episode
+
+
+class _Failed(dict):
+    """A rollout whose environment raised: its error, no trajectory."""
 
 
 def _causes(error: BaseException) -> str:

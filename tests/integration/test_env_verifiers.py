@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -21,6 +22,7 @@ import torch
 from rlhf_lab.envs import verifiers_env, verifiers_server
 from rlhf_lab.errors import EnvError
 from rlhf_lab.training.loop import Trainer
+from tests.integration.test_serve_security import call
 
 pytestmark = pytest.mark.integration
 
@@ -55,6 +57,19 @@ def make_two_turn_env():
 
     dataset = Dataset.from_dict({"question": QUESTIONS, "answer": ["red", "hello", "1 2 3", "c a t"]})
     return AskAgain(dataset=dataset, rubric=vf.Rubric(funcs=[length_reward]), max_turns=2)
+
+
+def make_failing_env():
+    """A two-turn environment whose answer to the model raises."""
+    import verifiers.legacy as vf
+    from datasets import Dataset
+
+    class Broken(vf.MultiTurnEnv):
+        async def env_response(self, messages, state, **kwargs):
+            raise RuntimeError("the tool is down")
+
+    dataset = Dataset.from_dict({"question": QUESTIONS, "answer": ["red", "hello", "1 2 3", "c a t"]})
+    return Broken(dataset=dataset, rubric=vf.Rubric(funcs=[length_reward]), max_turns=2)
 
 
 def capture(monkeypatch) -> tuple[list, list]:
@@ -127,6 +142,16 @@ def test_an_unknown_environment_is_one_line(compose, tiny_overrides, tmp_path: P
         Trainer(compose(overrides(tiny_overrides, tmp_path, "tests.nowhere:make_env")), tmp_path / "run")
 
 
+@needs_verifiers
+def test_a_failing_rollout_is_one_line_or_left_out(compose, tiny_overrides, tmp_path: Path) -> None:
+    failing = [*overrides(tiny_overrides, tmp_path, f"{__name__}:make_failing_env"), "trainer.steps=1"]
+    with pytest.raises(EnvError, match="^" + re.escape(f"env=verifiers env.id={__name__}:make_failing_env ") +
+                                       r"rollout of train prompt \d+ \(row \d\) raised RuntimeError: the tool is down$"):
+        Trainer(compose(failing), tmp_path / "run").train()
+    with pytest.raises(EnvError, match=r"every one of the 4 samples failed"):  # on_error=drop: nothing left to train
+        Trainer(compose([*failing, "env.on_error=drop"]), tmp_path / "drop").train()
+
+
 def test_without_verifiers_the_run_says_how_to_install_it(compose, tiny_overrides, tmp_path: Path,
                                                           monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "verifiers.legacy", None)  # as where verifiers is not installed (CI)
@@ -158,3 +183,35 @@ def test_a_multi_turn_trajectory_is_the_servers_ids_with_the_environments_tokens
         expected_mask = [1.0] * len(tokens1) + [0.0] * env_tokens + [1.0] * len(tokens2)
         assert mask[row, :length].tolist() == expected_mask  # the environment's tokens out of the loss
         assert logprobs[row, :length].tolist() == pytest.approx(logprobs1 + [0.0] * env_tokens + logprobs2, abs=1e-6)
+
+
+def test_the_in_process_server_keeps_the_trust_rules_and_serves_only_in_a_batch(tiny_tokenizer) -> None:
+    server = verifiers_server.PolicyServer(tiny_tokenizer, max_model_len=64)
+    url = server.base_url.removesuffix("/v1")
+    body = {"model": verifiers_server.SERVED_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            "logprobs": True, "return_token_ids": True}
+    try:
+        assert call(url, "/v1/chat/completions", body)[0] == 401  # no token
+        assert call(url, "/v1/chat/completions", body, "wrong")[0] == 401
+        assert call(url, "/v1/chat/completions", body, server.token, content_type="text/plain")[0] == 415
+        status, reply = call(url, "/load_weights", {"folder": "x"}, server.token)
+        assert status == 404 and "no route /load_weights" in reply["error"]  # only the two OpenAI routes
+        status, reply = call(url, "/v1/chat/completions", body, server.token)
+        assert status == 503 and "not serving now" in reply["error"]  # between batches: no weights to answer with
+
+        class Backend:  # a batch's engine: two fixed tokens with their log-probs
+            def generate(self, prompts, group_size, seeds=None, greedy=False, settings=None):
+                from rlhf_lab.generation.rollout import Rollout
+
+                width = len(prompts[0])
+                ids = torch.tensor([list(prompts[0]) + [5, 6]])
+                return Rollout(input_ids=ids, attention_mask=torch.ones_like(ids), response_mask=torch.ones(1, 2),
+                               prompt_width=width, group_size=1, logprobs=torch.tensor([[-0.5, -0.25]]),
+                               entropy=torch.zeros(1, 2))
+
+        with server.serving(Backend()):
+            status, reply = call(url, "/v1/chat/completions", body, server.token)
+        assert status == 200 and reply["choices"][0]["token_ids"] == [5, 6]
+        assert [t["logprob"] for t in reply["choices"][0]["logprobs"]["content"]] == [-0.5, -0.25]
+    finally:
+        server.close()
