@@ -86,12 +86,17 @@ def load_environment(env_id: Any, args: dict[str, Any]) -> Any:
         if not isinstance(environment, vf.Environment) and callable(environment):
             environment = environment(**args)
     else:
+        logger = logging.getLogger("verifiers.legacy.utils.env_utils")  # it logs the failure too: said once, below
+        level = logger.level
+        logger.setLevel(logging.CRITICAL)
         try:
             environment = vf.load_environment(env_id, **args)
         except (ImportError, ValueError) as error:  # verifiers says "Could not import 'NAME' environment" (ValueError)
             raise EnvError(f"env.id={env_id!r} is not an installed verifiers environment ({first_line(error)}); "
                            f"install it into the verifiers venv (`{INSTALL}`, then `pip install` the environment's "
                            "package), or give module:attribute") from None
+        finally:
+            logger.setLevel(level)
     if not isinstance(environment, vf.Environment):
         raise EnvError(f"env.id={env_id!r} gave {type(environment).__name__}, not a verifiers Environment "
                        f"(verifiers {VERSION}: SingleTurnEnv, MultiTurnEnv, ToolEnv, ...)")
