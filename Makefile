@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: install install-ray install-mlflow install-vllm install-reasoning train test test-unit test-gpu gpu-bundle lint docs clean bench
+.PHONY: install install-ray install-mlflow install-vllm install-reasoning install-verifiers train test test-unit test-gpu gpu-bundle lint docs clean bench
 
 $(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -98,6 +98,21 @@ $(REASONING_STAMP): $(STAMP) requirements-reasoning.txt
 	touch $(REASONING_STAMP)
 
 install-reasoning: $(REASONING_STAMP)
+
+# `make install-verifiers`: the optional verifiers extra (requirements-verifiers.txt) for env=verifiers, in a venv of
+# its own (.venv-verifiers: its mcp<2 conflicts with the vLLM extra's mcp 2) that sees the main venv's packages
+# behind its own. Run with  .venv-verifiers/bin/python -m rlhf_lab env=verifiers env.id=NAME ...
+VERIFIERS_VENV ?= .venv-verifiers
+VERIFIERS_STAMP := $(VERIFIERS_VENV)/.installed
+
+$(VERIFIERS_STAMP): $(STAMP) requirements-verifiers.txt
+	$(PYTHON) -m venv $(VERIFIERS_VENV)
+	echo "import site; site.addsitedir('$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')')" \
+		> "$$($(VERIFIERS_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/rlhf_lab_main.pth"
+	$(VERIFIERS_VENV)/bin/python -m pip install --quiet -r requirements-verifiers.txt
+	touch $(VERIFIERS_STAMP)
+
+install-verifiers: $(VERIFIERS_STAMP)
 
 # `make install-mlflow`: the optional MLflow extra (requirements-mlflow.txt) for `logger=mlflow`.
 install-mlflow: $(STAMP) requirements-mlflow.txt

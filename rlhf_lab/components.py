@@ -10,6 +10,7 @@ import rlhf_lab.algorithms.losses  # noqa: F401  (policy losses)
 import rlhf_lab.algorithms.ppo  # noqa: F401
 import rlhf_lab.envs.base  # noqa: F401  (environments: single_turn)
 import rlhf_lab.envs.builtin  # noqa: F401  (guess_number, calculator)
+import rlhf_lab.envs.verifiers_env  # noqa: F401  (verifiers: imports the package only when a run uses it)
 import rlhf_lab.generation.hf  # noqa: F401  (generation engines; vllm imports vLLM only when a run uses it)
 import rlhf_lab.generation.server  # noqa: F401
 import rlhf_lab.generation.vllm  # noqa: F401

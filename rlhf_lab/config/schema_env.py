@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -61,5 +62,15 @@ class ExactTwoTurnEnvConfig(EnvConfig):
     noise: float = 0.3
 
 
-ENV_SCHEMAS: dict[str, type] = {"env_schema": EnvConfig, "guess_number_schema": GuessNumberEnvConfig,
+@dataclass
+class VerifiersEnvConfig(EnvConfig):
+    """``env=verifiers`` (rlhf_lab/envs/verifiers_env.py): a ``verifiers`` environment's own rollouts against the
+    policy served in-process; its rubric rewards them."""
+
+    name: str = "verifiers"
+    id: str | None = None  # an installed verifiers environment, module:attribute, or a name given to provide()
+    args: dict[str, Any] = field(default_factory=dict)  # keyword arguments of its load_environment
+
+
+ENV_SCHEMAS: dict[str, type] = {"verifiers_schema": VerifiersEnvConfig, "env_schema": EnvConfig, "guess_number_schema": GuessNumberEnvConfig,
                                 "calculator_schema": CalculatorEnvConfig, "exact_two_turn_schema": ExactTwoTurnEnvConfig}

@@ -120,6 +120,18 @@ def check_dtype(dtype: str, cuda: bool) -> str:
     return dtype
 
 
+def sample_request(engine: Any, request: dict[str, Any]) -> list[list[list[Any]]]:
+    """A server's generate request sampled by a generation engine (``generate(prompts, group_size, seeds, greedy,
+    settings) -> Rollout``): [sampled ids, their log-probs] per sample, prompt-major."""
+    settings = SamplingSettings(request["max_new_tokens"], request["temperature"], request["top_p"],
+                                request["top_k"], request["max_prompt_tokens"], tuple(request.get("stop", ())))
+    rollout = engine.generate([list(ids) for ids in request["prompt_ids"]], request["group_size"],
+                              request.get("seeds"), request.get("greedy", False), settings)
+    responses = rollout.input_ids[:, rollout.prompt_width:].tolist()
+    lengths = rollout.response_mask.sum(-1).long().tolist()
+    return [[tokens[:n], logprobs[:n]] for tokens, logprobs, n in zip(responses, rollout.logprobs.tolist(), lengths)]
+
+
 class HFServerEngine:
     """The server's engine without vLLM (``rlhf-lab serve --engine hf``): the model folder's transformers model,
     sampled by the ``hf`` generation engine (:class:`~rlhf_lab.generation.hf.HFGeneration`); weights load by name
@@ -142,13 +154,7 @@ class HFServerEngine:
                                    keep_logits=False)
 
     def generate(self, request: dict[str, Any]) -> list[list[list[Any]]]:
-        settings = SamplingSettings(request["max_new_tokens"], request["temperature"], request["top_p"],
-                                    request["top_k"], request["max_prompt_tokens"], tuple(request.get("stop", ())))
-        rollout = self.engine.generate([list(ids) for ids in request["prompt_ids"]], request["group_size"],
-                                       request.get("seeds"), request.get("greedy", False), settings)
-        responses = rollout.input_ids[:, rollout.prompt_width:].tolist()
-        lengths = rollout.response_mask.sum(-1).long().tolist()
-        return [[tokens[:n], logprobs[:n]] for tokens, logprobs, n in zip(responses, rollout.logprobs.tolist(), lengths)]
+        return sample_request(self.engine, request)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         own = dict(self.model.named_parameters(remove_duplicate=False))

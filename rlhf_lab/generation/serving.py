@@ -366,7 +366,10 @@ def make_http_server(server: WeightServer, host: str, port: int) -> ThreadingHTT
         def log_message(self, *args: Any) -> None:
             pass
 
-    return ThreadingHTTPServer((host, port), Handler)
+    class Server(ThreadingHTTPServer):
+        request_queue_size = 128  # connections waiting to be accepted: an agent's client opens many at once
+
+    return Server((host, port), Handler)
 
 
 def serve(model: str, host: str = "127.0.0.1", port: int = 8765, dtype: str = "auto", enforce_eager: bool = True,

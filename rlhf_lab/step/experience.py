@@ -118,7 +118,9 @@ class ExperienceMaker:
         # scoring pass gives their π_old, entropies and logits (an engine samples their turns apart).
         env_cfg = cfg.get("env") or {"name": "single_turn"}
         env = get("env", env_cfg["name"])(env_cfg)
-        self.episodes = None if env.single_turn else EpisodeRunner(env, tokenizer, cfg)
+        make_runner = getattr(env, "make_runner", None)  # an environment with its own rollout loop (env=verifiers)
+        self.episodes = None if env.single_turn else (make_runner(tokenizer, cfg) if make_runner
+                                                      else EpisodeRunner(env, tokenizer, cfg))
         self.rescale = get("reward_rescale", cfg.reward.get("rescale", "none"))  # rlhf_lab/rewards/rescale.py
         self.keep_hidden = keep_hidden
         # Where π_old, the entropy and PPO's values come from, decided once (scoring_pass.ScoringPlan).

@@ -42,7 +42,13 @@ from rlhf_lab.config.schema import (
     TinyModelConfig,
     WandbLoggerConfig,
 )
-from rlhf_lab.config.schema_env import CalculatorEnvConfig, EnvConfig, ExactTwoTurnEnvConfig, GuessNumberEnvConfig
+from rlhf_lab.config.schema_env import (
+    CalculatorEnvConfig,
+    EnvConfig,
+    ExactTwoTurnEnvConfig,
+    GuessNumberEnvConfig,
+    VerifiersEnvConfig,
+)
 from rlhf_lab.config.schema_offline import (
     DemonstrationDataConfig,
     DPOConfig,
@@ -77,7 +83,7 @@ SCHEMAS = {
              "local": DataPathConfig, "exact": DataConfig, "preferences": PreferenceDataConfig, "demonstrations": DemonstrationDataConfig,
              "embedded_preferences": EmbeddedPreferenceConfig, "reasoning_gym": ReasoningGymDataConfig},
     "env": {"single_turn": EnvConfig, "guess_number": GuessNumberEnvConfig, "calculator": CalculatorEnvConfig,
-            "exact_two_turn": ExactTwoTurnEnvConfig},
+            "exact_two_turn": ExactTwoTurnEnvConfig, "verifiers": VerifiersEnvConfig},
     # tensorboard, mlflow and csv share wandb's schema type, so logger=[wandb,csv] merges in any order
     "logger": {"none": LoggerConfig, "wandb": WandbLoggerConfig, "tensorboard": WandbLoggerConfig,
                "mlflow": WandbLoggerConfig, "csv": WandbLoggerConfig},
