@@ -41,7 +41,8 @@ from rlhf_lab.errors import ConfigError
 from rlhf_lab.generation.backend import Prompt, SamplingSettings, encode_prompts
 from rlhf_lab.generation.rollout import Rollout
 from rlhf_lab.generation.serve_engine import VLLMServerEngine
-from rlhf_lab.generation.serving import WeightServer, client_token, serve
+from rlhf_lab.generation.serve_token import client_token
+from rlhf_lab.generation.serving import WeightServer, serve
 from rlhf_lab.generation.vllm import hf_name, samples_rollout, streamed_state
 from rlhf_lab.generation.weight_group import WeightGroup
 from rlhf_lab.registry import register

@@ -25,10 +25,8 @@ a stand-in (no vLLM needed).
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import json
 import os
-import secrets
 import socket
 import stat
 import sys
@@ -40,7 +38,7 @@ from typing import Any
 
 import torch
 
-from rlhf_lab.errors import ConfigError, ToolError
+from rlhf_lab.errors import ToolError
 from rlhf_lab.generation.openai_routes import OpenAIRoutes
 from rlhf_lab.generation.serve_engine import (
     DEFAULT_MEMORY_SHARE,
@@ -51,70 +49,14 @@ from rlhf_lab.generation.serve_engine import (
     checkpoint_shapes,
     weight_names,
 )
+from rlhf_lab.generation.serve_token import TOKEN_ENV, TOKEN_FILE, is_loopback, server_token
 from rlhf_lab.generation.vllm import lora_rank_slot
 from rlhf_lab.generation.weight_group import WeightGroup
 
-TOKEN_ENV = "RLHF_LAB_SERVE_TOKEN"
-TOKEN_FILE = ".serve_token"  # in the sync folder, mode 0600
 MAX_BODY = 64 << 20  # bytes of one request (a generate request of 1,000 prompts of 4,096 tokens is ~30 MB)
 READ_TIMEOUT = 60.0  # seconds a request may take to arrive
 
 
-# ------------------------------------------------------------------------------------------ the token
-def _read_token(path: Path, where: str) -> str:
-    try:
-        token = Path(path).expanduser().read_text(encoding="utf-8").strip()
-    except (OSError, UnicodeDecodeError) as error:
-        raise ConfigError(f"{where}={str(path)!r} cannot be read ({type(error).__name__}); give the file rlhf-lab "
-                          "serve wrote or was given (--token-file)") from None
-    if not token:
-        raise ConfigError(f"{where}={str(path)!r} is empty; give the file rlhf-lab serve wrote or was given")
-    return token
-
-
-def server_token(sync_folder: Path, token_file: str | None = None) -> str:
-    """The server's secret: ``token_file``'s, else the environment's, else a new one written 0600 to the sync
-    folder for the trainer to read."""
-    if token_file:
-        return _read_token(Path(token_file), "--token-file")
-    if os.environ.get(TOKEN_ENV, "").strip():  # a blank one is no secret
-        return os.environ[TOKEN_ENV].strip()
-    token = secrets.token_urlsafe(32)
-    path = Path(sync_folder) / TOKEN_FILE
-    if path.is_symlink():
-        raise ToolError(f"{str(path)!r} is a symbolic link; remove it (rlhf-lab serve writes its token there)")
-    path.unlink(missing_ok=True)  # a new file, created 0600, never an older one's mode
-    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
-    with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
-        handle.write(token + "\n")
-    return token
-
-
-def client_token(sync_folder: str | None, token_file: str | None) -> str:
-    """The trainer's copy of the server's secret, from where the server put it (see :func:`server_token`)."""
-    if token_file:
-        return _read_token(Path(token_file), "generation.token_file")
-    if os.environ.get(TOKEN_ENV, "").strip():  # a blank one is no secret
-        return os.environ[TOKEN_ENV].strip()
-    if sync_folder:
-        path = Path(sync_folder).expanduser() / TOKEN_FILE
-        if path.is_file():
-            return _read_token(path, "the server's token file")
-        raise ConfigError(f"no rlhf-lab serve token at {str(path)!r}: start the server with --sync-folder "
-                          f"{sync_folder} first (it writes the token there), or give generation.token_file or "
-                          f"{TOKEN_ENV}")
-    raise ConfigError(f"generation=vllm_server needs the server's token: give generation.sync_folder (the server "
-                      f"writes it there), generation.token_file, or {TOKEN_ENV}")
-
-
-def is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
-    except (OSError, ValueError):
-        return False
-
-
-# ------------------------------------------------------------------------------------------ the routes
 class WeightServer:
     """The server's decisions, apart from HTTP: which requests it takes and what each does to the engine."""
 

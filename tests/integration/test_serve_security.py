@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from rlhf_lab.generation import serving
+from rlhf_lab.generation import serve_token, serving
 from rlhf_lab.generation.serve_engine import checkpoint_shapes
 
 WEIGHTS = {"model.embed.weight": torch.zeros(4, 2), "model.layer.weight": torch.ones(2, 2)}  # sum 4
@@ -121,7 +121,7 @@ def test_every_route_needs_the_token_from_the_0600_file(server) -> None:
     # The trainer reads the token from the same place and sends it.
     from rlhf_lab.generation.server import _post
 
-    assert serving.client_token(str(sync), None) == token
+    assert serve_token.client_token(str(sync), None) == token
     assert _post(url + "/generate", GENERATE, token)["samples"] == [[[4], [-4.0]]]
     with pytest.raises(RuntimeError, match="no or wrong token"):
         _post(url + "/generate", GENERATE, "not-the-token")
@@ -249,29 +249,29 @@ def test_binding_beyond_loopback_prints_a_warning(tmp_path: Path, capsys) -> Non
     assert stop.is_set()
     err = capsys.readouterr().err
     assert err.startswith("warning: rlhf-lab serve is bound to 0.0.0.0, beyond this machine:") and err.count("\n") == 1
-    assert serving.is_loopback("127.0.0.1") and serving.is_loopback("localhost")
+    assert serve_token.is_loopback("127.0.0.1") and serve_token.is_loopback("localhost")
 
 
 def test_a_token_given_by_file_or_environment_is_used_and_none_is_one_line(tmp_path: Path, monkeypatch) -> None:
     token_file = tmp_path / "secret"
     token_file.write_text("from-a-file\n")
     monkeypatch.delenv(serving.TOKEN_ENV, raising=False)
-    assert serving.server_token(tmp_path, str(token_file)) == "from-a-file"
+    assert serve_token.server_token(tmp_path, str(token_file)) == "from-a-file"
     assert not (tmp_path / serving.TOKEN_FILE).exists()  # a given token is not written anywhere
-    assert serving.client_token(None, str(token_file)) == "from-a-file"
+    assert serve_token.client_token(None, str(token_file)) == "from-a-file"
     monkeypatch.setenv(serving.TOKEN_ENV, "from-the-environment")
-    assert serving.server_token(tmp_path) == serving.client_token(None, None) == "from-the-environment"
+    assert serve_token.server_token(tmp_path) == serve_token.client_token(None, None) == "from-the-environment"
     monkeypatch.setenv(serving.TOKEN_ENV, "  ")  # blank: no secret, so the server makes one
-    assert len(serving.server_token(tmp_path)) > 30 and serving.client_token(str(tmp_path), None) != ""
+    assert len(serve_token.server_token(tmp_path)) > 30 and serve_token.client_token(str(tmp_path), None) != ""
     (tmp_path / serving.TOKEN_FILE).unlink()
     monkeypatch.delenv(serving.TOKEN_ENV)
     from rlhf_lab.errors import ConfigError
 
     with pytest.raises(ConfigError, match=f"^no rlhf-lab serve token at '{tmp_path / '.serve_token'}': start the "
                                           f"server with --sync-folder {tmp_path} first"):
-        serving.client_token(str(tmp_path), None)
-    first = serving.server_token(tmp_path)
-    assert first != serving.server_token(tmp_path)  # a new secret at every start
+        serve_token.client_token(str(tmp_path), None)
+    first = serve_token.server_token(tmp_path)
+    assert first != serve_token.server_token(tmp_path)  # a new secret at every start
     assert os.stat(tmp_path / serving.TOKEN_FILE).st_mode & 0o077 == 0
 
 

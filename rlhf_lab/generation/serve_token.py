@@ -1,0 +1,72 @@
+"""The ``rlhf-lab serve`` shared secret: where the server gets it (``--token-file``, ``RLHF_LAB_SERVE_TOKEN``, or
+one generated at start into the sync folder, mode 0600) and where the trainer reads it; and whether an address is
+loopback (a server bound elsewhere warns: plain HTTP carries the token in clear)."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import secrets
+import socket
+from pathlib import Path
+
+from rlhf_lab.errors import ConfigError, ToolError
+
+TOKEN_ENV = "RLHF_LAB_SERVE_TOKEN"
+TOKEN_FILE = ".serve_token"  # in the sync folder, mode 0600
+
+
+def _read_token(path: Path, where: str) -> str:
+    try:
+        token = Path(path).expanduser().read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigError(f"{where}={str(path)!r} cannot be read ({type(error).__name__}); give the file rlhf-lab "
+                          "serve wrote or was given (--token-file)") from None
+    if not token:
+        raise ConfigError(f"{where}={str(path)!r} is empty; give the file rlhf-lab serve wrote or was given")
+    return token
+
+
+def server_token(sync_folder: Path, token_file: str | None = None) -> str:
+    """The server's secret: ``token_file``'s, else the environment's, else a new one written 0600 to the sync
+    folder for the trainer to read."""
+    if token_file:
+        return _read_token(Path(token_file), "--token-file")
+    if os.environ.get(TOKEN_ENV, "").strip():  # a blank one is no secret
+        return os.environ[TOKEN_ENV].strip()
+    token = secrets.token_urlsafe(32)
+    path = Path(sync_folder) / TOKEN_FILE
+    if path.is_symlink():
+        raise ToolError(f"{str(path)!r} is a symbolic link; remove it (rlhf-lab serve writes its token there)")
+    path.unlink(missing_ok=True)  # a new file, created 0600, never an older one's mode
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
+        handle.write(token + "\n")
+    return token
+
+
+def client_token(sync_folder: str | None, token_file: str | None) -> str:
+    """The trainer's copy of the server's secret, from where the server put it (see :func:`server_token`)."""
+    if token_file:
+        return _read_token(Path(token_file), "generation.token_file")
+    if os.environ.get(TOKEN_ENV, "").strip():  # a blank one is no secret
+        return os.environ[TOKEN_ENV].strip()
+    if sync_folder:
+        path = Path(sync_folder).expanduser() / TOKEN_FILE
+        if path.is_file():
+            return _read_token(path, "the server's token file")
+        raise ConfigError(f"no rlhf-lab serve token at {str(path)!r}: start the server with --sync-folder "
+                          f"{sync_folder} first (it writes the token there), or give generation.token_file or "
+                          f"{TOKEN_ENV}")
+    raise ConfigError(f"generation=vllm_server needs the server's token: give generation.sync_folder (the server "
+                      f"writes it there), generation.token_file, or {TOKEN_ENV}")
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+# ------------------------------------------------------------------------------------------ the routes
