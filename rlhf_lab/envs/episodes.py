@@ -42,7 +42,7 @@ from rlhf_lab.envs.chat import ChatFormat
 from rlhf_lab.envs.tools import tool_schemas
 from rlhf_lab.errors import EnvError
 from rlhf_lab.generation.backend import GenerationBackend, SamplingSettings
-from rlhf_lab.generation.rollout import Rollout
+from rlhf_lab.generation.rollout import Rollout, Samples
 from rlhf_lab.rewards.base import first_line
 from rlhf_lab.runtime import distributed
 
@@ -174,7 +174,7 @@ class EpisodeRunner:
         return self._rollout(episodes, group_size, device)
 
     def _continue(self, engine: GenerationBackend, active: list[Episode], keys: list[int], turn: int
-                  ) -> tuple[SamplingSettings, Rollout]:
+                  ) -> tuple[SamplingSettings, Samples]:
         """Sample the next turn of every unfinished episode from its own token ids: (the settings, the samples)."""
         longest_left = max(self.budget - len(e.ids) for e in active)
         settings = dataclasses.replace(self.settings, max_new_tokens=max(1, min(self.settings.max_new_tokens,
@@ -183,7 +183,7 @@ class EpisodeRunner:
         seeds = [episode_seed(keys[e.prompt], e.member, turn) for e in active] if self.seed_per_prompt else None
         return settings, engine.generate([e.prompt_ids + e.ids for e in active], 1, seeds=seeds, settings=settings)
 
-    def _take_turn(self, active: list[Episode], rows: Rollout, limit: int, names: list[str],
+    def _take_turn(self, active: list[Episode], rows: Samples, limit: int, names: list[str],
                    prompts: list[str]) -> None:
         """Append each episode's sampled turn, step the environment, and append what it answers."""
         response_ids, mask = rows.response_ids.tolist(), rows.response_mask.tolist()
@@ -286,12 +286,14 @@ class EpisodeRunner:
             "env/truncated_frac": torch.tensor([float(e.truncated) for e in episodes]),
             **{f"env/{key}": torch.tensor([e.info.get(key, 0.0) for e in episodes]) for key in keys},
         }
-        rollout = Rollout(input_ids=input_ids.to(device), attention_mask=attention.to(device),
+        samples = Samples(input_ids=input_ids.to(device), attention_mask=attention.to(device),
                           response_mask=loss_mask.to(device), prompt_width=prompt_width, group_size=group_size,
-                          logprobs=(logprobs * loss_mask).to(device), entropy=torch.zeros_like(logprobs).to(device),
-                          scores=turn_rewards.sum(-1).to(device), turn_rewards=turn_rewards.to(device),
-                          truncated=torch.tensor([e.truncated for e in episodes]).to(device),
-                          extras={key: value.to(device) for key, value in extras.items()})
+                          logprobs=(logprobs * loss_mask).to(device), entropy=torch.zeros_like(logprobs).to(device))
+        # The environment scores its own episodes: the rollout carries their rewards from the start.
+        rollout = Rollout.from_samples(samples, scores=turn_rewards.sum(-1).to(device),
+                                       turn_rewards=turn_rewards.to(device),
+                                       truncated=torch.tensor([e.truncated for e in episodes]).to(device),
+                                       extras={key: value.to(device) for key, value in extras.items()})
         if not any(e.error is None for e in episodes):  # env.on_error=drop would train on nothing
             raise EnvError(f"every one of the {len(episodes)} samples failed ({episodes[0].error}); env.on_error=drop "
                            "would train on nothing")

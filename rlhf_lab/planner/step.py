@@ -29,6 +29,7 @@ from torch._subclasses import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
 import rlhf_lab.components  # noqa: F401  (registers the built-in parts)
+from rlhf_lab.generation.rollout import Rollout
 from rlhf_lab.hardware import HardwareProfile
 from rlhf_lab.kl.placements import KLPenalty
 from rlhf_lab.models.loading import DTYPES, PolicyAndReference
@@ -272,28 +273,29 @@ def _generate(engine: Any, prompts: list[list[int]], group: int, phases: _Phases
 def extend_rollout(rollout: Any, width: int, token_id: int) -> Any:
     """``rollout`` with its response part extended to ``width`` tokens, all valid: sampled ``token_id``, per-token
     values of zeros (new tensors like the engine's), the kept logits as the whole buffer the decode wrote into."""
-    from dataclasses import fields
+    from dataclasses import fields, replace
 
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     rows, short = rollout.response_mask.shape
     extra = width - short
+    longer: dict[str, Any] = {}
     with unset_fake_temporarily():  # the bookkeeping stays real
-        rollout.input_ids = torch.cat([rollout.input_ids, rollout.input_ids.new_full((rows, extra), token_id)], 1)
-        rollout.attention_mask = torch.cat([rollout.attention_mask, rollout.attention_mask.new_ones(rows, extra)], 1)
-        rollout.response_mask = torch.cat([rollout.response_mask, rollout.response_mask.new_ones(rows, extra)], 1)
+        longer["input_ids"] = torch.cat([rollout.input_ids, rollout.input_ids.new_full((rows, extra), token_id)], 1)
+        longer["attention_mask"] = torch.cat([rollout.attention_mask, rollout.attention_mask.new_ones(rows, extra)], 1)
+        longer["response_mask"] = torch.cat([rollout.response_mask, rollout.response_mask.new_ones(rows, extra)], 1)
     for item in fields(rollout):
         value = getattr(rollout, item.name)
-        if item.name in ("input_ids", "attention_mask", "response_mask") or not isinstance(value, torch.Tensor):
+        if item.name in longer or not isinstance(value, torch.Tensor):
             continue
         if value.dim() < 2 or value.shape[:2] != (rows, short):
             continue
         base = value._base
         if base is not None and base.shape[0] == rows and base.shape[1] == width and base.shape[2:] == value.shape[2:]:
-            setattr(rollout, item.name, base)  # the decode's buffer for every step (kept logits)
+            longer[item.name] = base  # the decode's buffer for every step (kept logits)
         else:
-            setattr(rollout, item.name, torch.cat([value, value.new_zeros(rows, extra, *value.shape[2:])], 1))
-    return rollout
+            longer[item.name] = torch.cat([value, value.new_zeros(rows, extra, *value.shape[2:])], 1)
+    return replace(rollout, **longer)
 
 
 def _optimizer_state(updater: Updater) -> None:
@@ -314,9 +316,9 @@ def _run_step(cfg: Any, parts: dict[str, Any], phases: _Phases, prompts: list[li
     sources = maker.plan.for_batch(exact, train=True)
     if not sources.rescore:
         maker.engine.keep_logits = exact or kl.reads_logits
-    rollout = phases.run("generation", lambda: _generate(maker.engine, prompts, group, phases,
+    samples = phases.run("generation", lambda: _generate(maker.engine, prompts, group, phases,
                                                           cfg.trainer.max_new_tokens))
-    rollout.scores = torch.zeros(rollout.batch_size, device=rollout.logprobs.device)
+    rollout = Rollout.from_samples(samples, scores=torch.zeros(samples.batch_size, device=samples.logprobs.device))
 
     def score() -> None:
         maker.scoring(rollout, timer, exact, sources.rescore)

@@ -21,7 +21,7 @@ from rlhf_lab.data.prompts import format_prompts
 from rlhf_lab.envs.episodes import EpisodeRunner
 from rlhf_lab.errors import RewardError
 from rlhf_lab.generation.backend import GenerationBackend, SamplingSettings
-from rlhf_lab.generation.rollout import Rollout, concat_rollouts
+from rlhf_lab.generation.rollout import Rollout, Samples, concat_rollouts
 from rlhf_lab.generation.staleness import snapshot_ring
 from rlhf_lab.generation.sync_check import SyncCheck, tolerance
 from rlhf_lab.generation.worker import RolloutWorker
@@ -275,14 +275,14 @@ class ExperienceMaker:
         scores, _ = screen_scores(output.scores, output.components, names, 1, "drop", self.reward.describe())
         experience.rollout.baseline_scores = scores.to(self.device).float().repeat_interleave(group_size)
 
-    def _decode(self, rollout: Rollout) -> list[str]:
+    def _decode(self, rollout: Samples | Rollout) -> list[str]:
         response_mask = rollout.response_mask.long()
         return self.tokenizer.batch_decode(
             rollout.response_ids * response_mask + (1 - response_mask) * self.tokenizer.pad_token_id,
             skip_special_tokens=True,
         )
 
-    def generate(self, prompts: list[str], group_size: int, rng_keys: list[int] | None) -> Rollout:
+    def generate(self, prompts: list[str], group_size: int, rng_keys: list[int] | None) -> Samples:
         """Sample the responses; each prompt group from its own seeded generator under ``seed_per_prompt``. The
         batch started ahead for these prompts (:meth:`generate_ahead`) where there is one."""
         rollout = self.worker.take(_ahead_key(prompts, group_size, rng_keys))
@@ -310,8 +310,8 @@ class ExperienceMaker:
             with timer.phase("generate"), self.worker.awake():  # one wake for every turn of the batch
                 return self.episodes.run(self.worker, self.settings, prompts, group_size, rng_keys, names, self.device)
         with timer.phase("generate"):
-            rollout = self.generate(prompts, group_size, rng_keys)
-        responses = self._decode(rollout)
+            samples = self.generate(prompts, group_size, rng_keys)
+        responses = self._decode(samples)
         repeated_prompts = [p for p in prompts for _ in range(group_size)]
         with timer.phase("reward"):
             try:
@@ -321,8 +321,9 @@ class ExperienceMaker:
                 raise RewardError(f"{error}{where}", sample=error.sample) from None
         scores, valid = screen_scores(output.scores, output.components, names, group_size,
                                       cfg.reward.on_nonfinite, self.reward.describe())
-        rollout.scores = scores.to(self.device).float()
-        rollout.extras = {f"reward/{k}": v.to(self.device).float() for k, v in output.components.items()}
+        rollout = Rollout.from_samples(samples, scores=scores.to(self.device).float(),
+                                       extras={f"reward/{k}": v.to(self.device).float()
+                                               for k, v in output.components.items()})
         return rollout, responses, valid
 
 
