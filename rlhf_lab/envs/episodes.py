@@ -1,4 +1,4 @@
-"""Multi-turn rollouts: episodes with an environment, as one :class:`~rlhf_lab.generation.rollout.Rollout`.
+"""Multi-turn rollouts: episodes with an environment, as one :class:`~rlhf_lab.generation.rollout.Scored` batch.
 
 Each prompt group starts from ``env.reset(task, seed)`` (one call per prompt, so the group's samples share the
 prompt and a group baseline compares like with like). Then, turn by turn, every unfinished episode is continued
@@ -7,7 +7,7 @@ re-rendered, see :mod:`rlhf_lab.envs.chat`) and its assistant message goes to ``
 follow are tokenised as they add to the conversation and appended as context. An episode ends when the
 environment says so, at ``env.max_turns`` model turns, when its tokens reach ``env.max_tokens`` (the
 trajectory's budget after the prompt) or when a turn is cut at ``trainer.max_new_tokens`` without its end
-token; all but the first are marked truncated (``Rollout.truncated``, read by ``algorithm.mask_truncated``).
+token; all but the first are marked truncated (``Scored.truncated``, read by ``algorithm.mask_truncated``).
 
 The rollout's response part is each trajectory: ``response_mask`` is 1 on the model's tokens only (no policy
 loss, KL, entropy or value loss on environment tokens; ``env.loss_on_env_tokens=true`` is the deliberate wrong
@@ -42,7 +42,7 @@ from rlhf_lab.envs.chat import ChatFormat
 from rlhf_lab.envs.tools import tool_schemas
 from rlhf_lab.errors import EnvError
 from rlhf_lab.generation.backend import GenerationBackend, SamplingSettings
-from rlhf_lab.generation.rollout import Rollout, Samples
+from rlhf_lab.generation.rollout import Samples, Scored
 from rlhf_lab.rewards.base import first_line
 from rlhf_lab.runtime import distributed
 
@@ -131,7 +131,7 @@ class EpisodeRunner:
     # ---------------------------------------------------------------------------------------------- episodes
 
     def run(self, engine: GenerationBackend, settings: SamplingSettings, prompts: list[str], group_size: int,
-            keys: list[int] | None, names: list[str], device: torch.device) -> tuple[Rollout, list[str], Tensor]:
+            keys: list[int] | None, names: list[str], device: torch.device) -> tuple[Scored, list[str], Tensor]:
         """Play one episode per sample with ``settings`` (``env.stop`` for each turn where set): (the rollout with
         scores and turn rewards on ``device``, each trajectory decoded, valid [B] bool: False where the
         environment failed under ``env.on_error=drop``)."""
@@ -261,7 +261,7 @@ class EpisodeRunner:
     # ----------------------------------------------------------------------------------------------- rollout
 
     def _rollout(self, episodes: list[Episode], group_size: int, device: torch.device
-                 ) -> tuple[Rollout, list[str], Tensor]:
+                 ) -> tuple[Scored, list[str], Tensor]:
         pad = self.tokenizer.pad_token_id
         prompt_width = max(len(e.prompt_ids) for e in episodes)
         width = max(1, max(len(e.ids) for e in episodes))
@@ -290,10 +290,10 @@ class EpisodeRunner:
                           response_mask=loss_mask.to(device), prompt_width=prompt_width, group_size=group_size,
                           logprobs=(logprobs * loss_mask).to(device), entropy=torch.zeros_like(logprobs).to(device))
         # The environment scores its own episodes: the rollout carries their rewards from the start.
-        rollout = Rollout.from_samples(samples, scores=turn_rewards.sum(-1).to(device),
-                                       turn_rewards=turn_rewards.to(device),
-                                       truncated=torch.tensor([e.truncated for e in episodes]).to(device),
-                                       extras={key: value.to(device) for key, value in extras.items()})
+        rollout = Scored.from_samples(samples, scores=turn_rewards.sum(-1).to(device),
+                                      turn_rewards=turn_rewards.to(device),
+                                      truncated=torch.tensor([e.truncated for e in episodes]).to(device),
+                                      extras={key: value.to(device) for key, value in extras.items()})
         if not any(e.error is None for e in episodes):  # env.on_error=drop would train on nothing
             raise EnvError(f"every one of the {len(episodes)} samples failed ({episodes[0].error}); env.on_error=drop "
                            "would train on nothing")

@@ -84,6 +84,62 @@ class Samples:
         return Samples(**_select_rows(self, rows))
 
 
+@dataclass(frozen=True)
+class Scored:
+    """A batch of samples with what the experience adds (the second stage, made by :mod:`rlhf_lab.step.experience`
+    alone, each pass's results put in with :func:`dataclasses.replace`): the rewards, the reference's log-probs,
+    the KL terms, and where π_old and the entropy come from. ``logprobs`` is π_old: the engine's, or the training
+    model's where the scoring pass rescored them (the engine's then in ``sampler_logprobs``). The algorithm reads
+    it through the training batch made from it (:meth:`for_training`); it is never written after.
+    """
+
+    input_ids: Tensor  # [B, P+T]
+    attention_mask: Tensor  # [B, P+T]
+    response_mask: Tensor  # [B, T] float
+    prompt_width: int
+    group_size: int
+    logprobs: Tensor  # [B, T] π_old
+    entropy: Tensor  # [B, T]
+    policy_logits: Tensor | None = None  # [B, T, V] until the scoring pass is done with them
+    hidden: Tensor | None = None  # [B, T, H]
+    scores: Tensor | None = None  # [B] sequence rewards (the environment's, or the reward function's, as shaped)
+    extras: dict[str, Tensor] = field(default_factory=dict)  # [B] reward components and environment counts
+    turn_rewards: Tensor | None = None  # [B, T] multi-turn: each turn's reward on its last model token
+    truncated: Tensor | None = None  # [B] bool, where the sampler knows it
+    baseline_scores: Tensor | None = None  # [B] the greedy response's score (ReMax)
+    ref_logprobs: Tensor | None = None  # [B, T]
+    ref_logits: Tensor | None = None  # [B, T, V], kept only where the loss reads them
+    kl_estimate: Tensor | None = None  # [B, T]
+    kl_exact: Tensor | None = None  # [B, T]
+    kl_penalty: Tensor | None = None  # [B, T]
+    kl_coef: float = 0.0
+    sampler_logprobs: Tensor | None = None  # [B, T] the engine's, where ``logprobs`` are the trainer's
+    old_from_update: bool = False
+    entropy_from_update: bool = False
+
+    @classmethod
+    def from_samples(cls, samples: Samples, **added: Any) -> Scored:
+        """The engine's ``samples`` with the first fields the experience adds (``scores``, ``extras``...)."""
+        return cls(**{f.name: getattr(samples, f.name) for f in fields(Samples)}, **added)
+
+    @property
+    def response_ids(self) -> Tensor:
+        return self.input_ids[:, self.prompt_width :]
+
+    @property
+    def batch_size(self) -> int:
+        return self.input_ids.shape[0]
+
+    def select(self, rows: Tensor) -> Scored:
+        """The batch's rows ``rows``."""
+        return Scored(**_select_rows(self, rows))
+
+    def for_training(self) -> Rollout:
+        """The training batch (:class:`Rollout`) of these samples: every field carried over; the algorithm's
+        :meth:`~rlhf_lab.algorithms.base.Algorithm.prepare` adds the advantages to it."""
+        return Rollout(**{f.name: getattr(self, f.name) for f in fields(Scored)})
+
+
 @dataclass
 class Rollout:
     """One step's samples and every per-token quantity computed from them.
@@ -123,11 +179,6 @@ class Rollout:
     # sum is ``scores``); the token rewards start from these instead of the score on the last token
     truncated: Tensor | None = None  # [B] bool, where the sampler knows it (multi-turn: the episode did not end)
     extras: dict[str, Tensor] = field(default_factory=dict)
-
-    @classmethod
-    def from_samples(cls, samples: Samples, **added: Any) -> Rollout:
-        """The rollout of an engine's ``samples`` with the fields the next passes add (``scores``, ``extras``...)."""
-        return cls(**{f.name: getattr(samples, f.name) for f in fields(Samples)}, **added)
 
     def old_logprobs(self, logprobs: Tensor) -> Tensor:
         """π_old for a training pass that computed ``logprobs``: themselves, detached, where the rollout gets one

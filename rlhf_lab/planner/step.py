@@ -29,7 +29,7 @@ from torch._subclasses import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
 import rlhf_lab.components  # noqa: F401  (registers the built-in parts)
-from rlhf_lab.generation.rollout import Rollout
+from rlhf_lab.generation.rollout import Scored
 from rlhf_lab.hardware import HardwareProfile
 from rlhf_lab.kl.placements import KLPenalty
 from rlhf_lab.models.loading import DTYPES, PolicyAndReference
@@ -316,23 +316,25 @@ def _run_step(cfg: Any, parts: dict[str, Any], phases: _Phases, prompts: list[li
     sources = maker.plan.for_batch(exact, train=True)
     if not sources.rescore:
         maker.engine.keep_logits = exact or kl.reads_logits
-    samples = phases.run("generation", lambda: _generate(maker.engine, prompts, group, phases,
-                                                          cfg.trainer.max_new_tokens))
-    rollout = Rollout.from_samples(samples, scores=torch.zeros(samples.batch_size, device=samples.logprobs.device))
+    # The batch of each stage replaces the last one's in ``held`` (as the trainer's step drops it): no phase keeps
+    # an earlier stage's tensors (the engine's kept logits) alive.
+    held: list[Any] = [phases.run("generation", lambda: _generate(maker.engine, prompts, group, phases,
+                                                                   cfg.trainer.max_new_tokens))]
+    held[0] = Scored.from_samples(held[0], scores=torch.zeros(held[0].batch_size, device=held[0].logprobs.device))
 
     def score() -> None:
-        maker.scoring(rollout, timer, exact, sources.rescore)
-        kl.score_rollout(rollout, KL_COEF)
-        rollout.old_from_update, rollout.entropy_from_update = sources.old_from_update, sources.entropy_from_update
+        held[0] = maker.score(held[0], timer, exact, sources, KL_COEF)
 
     phases.run("scoring", score)
 
     def train() -> None:
-        algorithm.prepare(rollout, updater.forward)
-        rollout.policy_logits = rollout.hidden = None  # as the trainer frees them before the update
+        held[0] = held[0].for_training()
+        batch = held[0]
+        algorithm.prepare(batch, updater.forward)
+        batch.policy_logits = batch.hidden = None  # as the trainer frees them before the update
         if not maker.update_needs_ref_logits:
-            rollout.ref_logits = None
-        updater.update(rollout, KL_COEF, 0, timer)
+            batch.ref_logits = None
+        updater.update(batch, KL_COEF, 0, timer)
 
     phases.run("training", train)
-    return rollout
+    return held[0]
