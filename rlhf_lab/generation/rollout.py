@@ -1,4 +1,9 @@
-"""The batch of sampled responses every algorithm trains on (:class:`Rollout`) and its masks.
+"""The batch of sampled responses, one type per stage of a step, and its masks.
+
+Each stage is made by one module and read by the next: what the engine returns (:class:`Samples`, frozen), what
+the experience adds (:class:`Scored`, frozen: rewards, reference log-probs, KL terms, π_old's source), and the
+training batch every algorithm trains on (:class:`Rollout`, made by :meth:`Scored.for_training`; the algorithm's
+``prepare`` adds the advantages to it, the update reads it).
 
 Layout: each row is ``[left padding | prompt | response | padding after EOS]``; the prompt part has the
 same width P for every row (left padding), the response part width T. ``response_mask`` [B, T] is 1 on
@@ -142,7 +147,9 @@ class Scored:
 
 @dataclass
 class Rollout:
-    """One step's samples and every per-token quantity computed from them.
+    """The training batch: a :class:`Scored` batch's fields (:meth:`Scored.for_training`) and what the algorithm
+    adds (``token_rewards``, ``advantages``, ``returns``, PPO's ``values``, ``tis_weights``, ``kl_loss_scale``). The
+    offline stages build it from data (:mod:`rlhf_lab.offline.batch`).
 
     Rows are grouped: row i belongs to prompt i // group_size.
     """

@@ -29,7 +29,6 @@ from torch._subclasses import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
 import rlhf_lab.components  # noqa: F401  (registers the built-in parts)
-from rlhf_lab.generation.rollout import Scored
 from rlhf_lab.hardware import HardwareProfile
 from rlhf_lab.kl.placements import KLPenalty
 from rlhf_lab.models.loading import DTYPES, PolicyAndReference
@@ -39,7 +38,7 @@ from rlhf_lab.planner.models import build_on_meta, initialise, kv_cache_bytes, m
 from rlhf_lab.registry import get
 from rlhf_lab.runtime.precision import Precision
 from rlhf_lab.runtime.timer import StepTimer
-from rlhf_lab.step.experience import ExperienceMaker
+from rlhf_lab.step.experience import ExperienceMaker, Scored
 from rlhf_lab.step.update import Updater
 
 GIB = 1 << 30
