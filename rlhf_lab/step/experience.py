@@ -1,17 +1,19 @@
-"""Experience: prompts -> generate -> score -> reference log-probs -> per-token KL terms -> a :class:`Rollout`.
+"""Experience: prompts -> generate (the engine's :class:`Samples`) -> score -> reference log-probs -> per-token KL
+terms -> a :class:`Scored` batch, made here alone: each pass's results go in with :func:`dataclasses.replace`.
 
-The rollout keeps the sequence scores (``scores``, [B]) and the KL terms apart: ``kl_estimate`` is the
+The scored batch keeps the sequence scores (``scores``, [B]) and the KL terms apart: ``kl_estimate`` is the
 configured estimator's per-token value, ``kl_exact`` the exact per-token KL from full logits (a diagnostic,
 logged beside every estimate), and ``kl_penalty`` what the KL placement takes out of the token rewards
 (coef × estimate for ``kl.placement=reward``, zeros for ``loss``). The algorithm builds its token rewards
-from these once (:meth:`rlhf_lab.algorithms.base.Algorithm.prepare`).
+from these once (:meth:`rlhf_lab.algorithms.base.Algorithm.prepare`), on the training batch made from it
+(:meth:`Scored.for_training`, a :class:`Rollout`).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -21,7 +23,7 @@ from rlhf_lab.data.prompts import format_prompts
 from rlhf_lab.envs.episodes import EpisodeRunner
 from rlhf_lab.errors import RewardError
 from rlhf_lab.generation.backend import GenerationBackend, SamplingSettings
-from rlhf_lab.generation.rollout import Rollout, concat_rollouts
+from rlhf_lab.generation.rollout import Rollout, Samples, Scored, concat_rollouts
 from rlhf_lab.generation.staleness import snapshot_ring
 from rlhf_lab.generation.sync_check import SyncCheck, tolerance
 from rlhf_lab.generation.worker import RolloutWorker
@@ -37,7 +39,7 @@ from rlhf_lab.runtime.timer import StepTimer
 from rlhf_lab.scoring.logprobs import needs_float32_logits
 from rlhf_lab.step.compute import head_chunk
 from rlhf_lab.step.sampling import SamplingRules, informative_groups, overlong_penalty, truncated
-from rlhf_lab.step.scoring_pass import ScoringPass, ScoringPlan
+from rlhf_lab.step.scoring_pass import BatchScoring, ScoringPass, ScoringPlan
 
 # ``refill(round, count)`` -> (prompts, names, rng_keys) of ``count`` further prompts (dynamic sampling).
 Refill = Callable[[int, int], tuple[list[str], list[str], list[int] | None]]
@@ -48,7 +50,7 @@ class Experience:
     """A scored rollout with what produced it: the prompt of every sample, the decoded responses, and which
     samples have a finite score ([B] bool; the others were filled under ``reward.on_nonfinite=drop``)."""
 
-    rollout: Rollout
+    rollout: Scored | Rollout  # as made here: Scored; the run's step trains on its Rollout (Scored.for_training)
     prompts: list[str]  # one per sample (each prompt repeated group_size times)
     responses: list[str]
     valid: Tensor  # [B] bool
@@ -180,22 +182,27 @@ class ExperienceMaker:
                 self._greedy_baseline(experience, group_size, timer, names)
         if then is not None:
             then()
-        self.scoring(experience.rollout, timer, exact, sources.rescore)
-        if train:
-            self._rescale(experience.rollout, group_size, kl_coef)
-        self.kl.score_rollout(experience.rollout, kl_coef)
-        rollout = experience.rollout
-        rollout.old_from_update, rollout.entropy_from_update = sources.old_from_update, sources.entropy_from_update
+        experience.rollout = self.score(experience.rollout, timer, exact, sources, kl_coef, train)
         return experience
 
-    def _rescale(self, rollout: Rollout, group_size: int, kl_coef: float) -> None:
+    def score(self, rollout: Scored, timer: StepTimer, exact: bool, sources: BatchScoring, kl_coef: float,
+              train: bool = False) -> Scored:
+        """The scored batch: the scoring pass's fields (reference, KL terms, π_old where it rescores), the rescaled
+        scores of a training batch, the KL penalty, and where π_old and the entropy come from (``sources``)."""
+        rollout = replace(rollout, **self.scoring(rollout, timer, exact, sources.rescore))
+        if train:
+            rollout = self._rescale(rollout, rollout.group_size, kl_coef)
+        return replace(rollout, **self.kl.reward_terms(rollout, kl_coef), old_from_update=sources.old_from_update,
+                       entropy_from_update=sources.entropy_from_update)
+
+    def _rescale(self, rollout: Scored, group_size: int, kl_coef: float) -> Scored:
         """``reward.rescale`` on a training batch, with the reference's sequence log-probs: the scores the algorithm
         optimises; the task's own are logged beside them (``reward/task``)."""
         rescaled = self.rescale(rollout.scores, masked_sum(rollout.ref_logprobs, rollout.response_mask, dim=-1),
                                 group_size, kl_coef, self.cfg.reward.get("rescale_threshold"))
-        if rescaled is not rollout.scores:
-            rollout.extras["reward/task"] = rollout.scores
-            rollout.scores = rescaled
+        if rescaled is rollout.scores:
+            return rollout
+        return replace(rollout, scores=rescaled, extras={**rollout.extras, "reward/task": rollout.scores})
 
     def _shaped(self, prompts: list[str], group_size: int, timer: StepTimer, names: list[str],
                 rng_keys: list[int] | None) -> Experience:
@@ -209,8 +216,8 @@ class ExperienceMaker:
         if rules.shapes_rewards:
             penalty = overlong_penalty(mask.sum(-1), self.cfg.trainer.max_new_tokens, rules.overlong_window,
                                        rules.overlong_factor).to(rollout.scores)
-            rollout.scores = rollout.scores + penalty
-            rollout.extras["reward/overlong_penalty"] = penalty
+            rollout = replace(rollout, scores=rollout.scores + penalty,
+                              extras={**rollout.extras, "reward/overlong_penalty": penalty})
         if rules.mask_truncated:
             in_loss = in_loss & ~cut
             stats["masked_truncated"] = float((valid.to(self.device) & cut).sum())
@@ -275,16 +282,17 @@ class ExperienceMaker:
         with timer.phase("reward"):
             output = self.reward(prompts, responses)
         scores, _ = screen_scores(output.scores, output.components, names, 1, "drop", self.reward.describe())
-        experience.rollout.baseline_scores = scores.to(self.device).float().repeat_interleave(group_size)
+        experience.rollout = replace(experience.rollout,
+                                     baseline_scores=scores.to(self.device).float().repeat_interleave(group_size))
 
-    def _decode(self, rollout: Rollout) -> list[str]:
+    def _decode(self, rollout: Samples | Scored) -> list[str]:
         response_mask = rollout.response_mask.long()
         return self.tokenizer.batch_decode(
             rollout.response_ids * response_mask + (1 - response_mask) * self.tokenizer.pad_token_id,
             skip_special_tokens=True,
         )
 
-    def generate(self, prompts: list[str], group_size: int, rng_keys: list[int] | None) -> Rollout:
+    def generate(self, prompts: list[str], group_size: int, rng_keys: list[int] | None) -> Samples:
         """Sample the responses; each prompt group from its own seeded generator under ``seed_per_prompt``. The
         batch started ahead for these prompts (:meth:`generate_ahead`) where there is one."""
         rollout = self.worker.take(_ahead_key(prompts, group_size, rng_keys))
@@ -305,15 +313,15 @@ class ExperienceMaker:
         return formatted, rng_keys if cfg.trainer.seed_per_prompt else None
 
     def sample_and_score(self, prompts: list[str], group_size: int, timer: StepTimer, names: list[str],
-                         rng_keys: list[int] | None = None) -> tuple[Rollout, list[str], Tensor]:
+                         rng_keys: list[int] | None = None) -> tuple[Scored, list[str], Tensor]:
         """Generate and score: (rollout with ``scores`` and reward components, decoded responses, valid [B])."""
         cfg = self.cfg
         if self.episodes is not None:  # the environment scores its own episodes
             with timer.phase("generate"), self.worker.awake():  # one wake for every turn of the batch
                 return self.episodes.run(self.worker, self.settings, prompts, group_size, rng_keys, names, self.device)
         with timer.phase("generate"):
-            rollout = self.generate(prompts, group_size, rng_keys)
-        responses = self._decode(rollout)
+            samples = self.generate(prompts, group_size, rng_keys)
+        responses = self._decode(samples)
         repeated_prompts = [p for p in prompts for _ in range(group_size)]
         with timer.phase("reward"):
             try:
@@ -323,8 +331,9 @@ class ExperienceMaker:
                 raise RewardError(f"{error}{where}", sample=error.sample) from None
         scores, valid = screen_scores(output.scores, output.components, names, group_size,
                                       cfg.reward.on_nonfinite, self.reward.describe())
-        rollout.scores = scores.to(self.device).float()
-        rollout.extras = {f"reward/{k}": v.to(self.device).float() for k, v in output.components.items()}
+        rollout = Scored.from_samples(samples, scores=scores.to(self.device).float(),
+                                      extras={f"reward/{k}": v.to(self.device).float()
+                                              for k, v in output.components.items()})
         return rollout, responses, valid
 
 

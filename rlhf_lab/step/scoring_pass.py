@@ -20,13 +20,13 @@ are kept only where the loss-placed estimator reads them (``full`` in the loss).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from rlhf_lab.generation.rollout import Rollout
+from rlhf_lab.generation.rollout import Rollout, Scored
 from rlhf_lab.kl.placements import KLPenalty
 from rlhf_lab.masked import masked_mean
 from rlhf_lab.models.loading import PolicyAndReference
@@ -114,8 +114,9 @@ class ScoringPlan:
 
 
 class ScoringPass:
-    """Fills a rollout's ``ref_logprobs``, ``kl_estimate`` and ``kl_exact`` (and, with ``rescore``, ``logprobs``,
-    ``entropy`` and ``hidden`` from the training model, the engine's log-probs moved to ``sampler_logprobs``)."""
+    """Computes a scored batch's ``ref_logprobs``, ``kl_estimate`` and ``kl_exact`` (and, with ``rescore``,
+    ``logprobs``, ``entropy`` and ``hidden`` from the training model, the engine's log-probs as ``sampler_logprobs``)
+    and returns them; the experience puts them into its :class:`~rlhf_lab.generation.rollout.Scored` batch."""
 
     def __init__(self, cfg: Any, models: PolicyAndReference, policy: nn.Module, kl: KLPenalty,
                  device: torch.device, precision: Precision, keep_hidden: bool, logits_float32: bool) -> None:
@@ -127,62 +128,66 @@ class ScoringPass:
         self.token_budget = token_budget(cfg.trainer, device)  # tokens per micro-batch (0: by rows)
         self.sharded = any(map(distributed.sharded, policy.parameters()))  # FSDP: ranks agree on chunk counts
 
-    def __call__(self, rollout: Rollout, timer: StepTimer, exact: bool, rescore: bool = False) -> None:
-        """Score ``rollout`` in place; ``exact``: compute ``kl_exact`` (else it stays None); ``rescore``: the
-        training model's pass too."""
+    def __call__(self, rollout: Scored, timer: StepTimer, exact: bool, rescore: bool = False) -> dict[str, Any]:
+        """The fields the scoring pass gives ``rollout`` (which it leaves as it is; the experience puts them in):
+        ``ref_logprobs``, ``kl_estimate``, ``kl_exact`` (None unless ``exact``), ``ref_logits`` (None unless the
+        loss reads them), ``policy_logits`` (None: the pass is done with them); with ``rescore`` the training
+        model's pass too: ``logprobs``, ``entropy``, ``hidden`` and the engine's log-probs as ``sampler_logprobs``."""
         groups = micro_batches(rollout.attention_mask, self.cfg.trainer.logprob_chunk,
                                self.token_budget, agree=self.sharded,
                                stretch=self.cfg.trainer.get("max_tokens_per_micro_batch") is None)
-        sampler_logprobs = rollout.logprobs  # the engine's (the pass below may put the trainer's in their place)
         pieces: dict[str, list[Tensor]] = {}
         for rows in groups:
             part = rollout if len(groups) == 1 else rollout.select(rows.to(rollout.input_ids.device))
+            scored: dict[str, Any] = {}
             if rescore:
-                self._policy_pass(part, timer)
-            self._reference_pass(part, timer)
+                scored.update(self._policy_pass(part, timer))
+            scored.update(self._reference_pass(part, timer))
+            part = replace(part, **scored)
             with timer.phase("kl"):
-                part.kl_estimate, part.kl_exact = self.kl.sampled_terms(part, exact=exact)
+                scored["kl_estimate"], scored["kl_exact"] = self.kl.sampled_terms(part, exact=exact)
             keep = ["ref_logprobs", "kl_estimate", "kl_exact"]
             keep += ["logprobs", "entropy", "hidden"] if rescore else []
             keep += ["ref_logits"] if self.kl.loss_reads_ref_logits else []
             for key in keep:
-                pieces.setdefault(key, []).append(getattr(part, key))
-            part.policy_logits = None  # the chunk's [rows, T, V] logits die here
-            if not self.kl.loss_reads_ref_logits:
-                part.ref_logits = None
-        for key, values in pieces.items():
-            setattr(rollout, key, None if values[0] is None else values[0] if len(values) == 1 else
-                    cat_head_logits(values) if isinstance(values[0], HeadLogits) else torch.cat(values))
+                pieces.setdefault(key, []).append(scored[key])
+            del part, scored  # the chunk's [rows, T, V] logits die here
+        fields_ = {key: None if values[0] is None else values[0] if len(values) == 1 else
+                   cat_head_logits(values) if isinstance(values[0], HeadLogits) else torch.cat(values)
+                   for key, values in pieces.items()}
+        fields_.setdefault("ref_logits", None)
+        fields_["policy_logits"] = None
         if rescore:
-            rollout.sampler_logprobs = sampler_logprobs
-        rollout.policy_logits = None
+            fields_["sampler_logprobs"] = rollout.logprobs  # the engine's; the trainer's are π_old
+        return fields_
 
-    def _policy_pass(self, part: Rollout, timer: StepTimer) -> None:
-        """The training model's own log-probs (π_old), entropy and hidden states of the sampled tokens."""
+    def _policy_pass(self, part: Scored, timer: StepTimer) -> dict[str, Any]:
+        """The training model's own log-probs (π_old), entropy, logits and hidden states of the sampled tokens."""
         mask = part.response_mask
         with timer.phase("policy_logprobs"), torch.no_grad(), self.precision.autocast():
             logits, hidden = response_logits(self.policy, part.input_ids, part.attention_mask, part.prompt_width,
                                              self.cfg.trainer.temperature, output_hidden_states=self.keep_hidden,
                                              float32=self.logits_float32, head_chunk=self.head_chunk, pack=self.pack)
-            part.logprobs = gather_logprobs(logits, part.response_ids) * mask
-            part.entropy = entropy_from_logits(logits) * mask
-        part.policy_logits, part.hidden = logits, hidden
+            logprobs = gather_logprobs(logits, part.response_ids) * mask
+            entropy = entropy_from_logits(logits) * mask
+        return {"logprobs": logprobs, "entropy": entropy, "policy_logits": logits, "hidden": hidden}
 
-    def _reference_pass(self, part: Rollout, timer: StepTimer) -> None:
-        """The reference's log-probs: the adapter-disabled policy under LoRA, else the frozen copy (on the CPU
-        between passes with ``trainer.offload_reference``)."""
+    def _reference_pass(self, part: Scored, timer: StepTimer) -> dict[str, Any]:
+        """The reference's logits and log-probs: the adapter-disabled policy under LoRA, else the frozen copy (on
+        the CPU between passes with ``trainer.offload_reference``)."""
         model = self.models.reference_model()
         offload = self.cfg.trainer.offload_reference and self.models.reference is not None \
             and not distributed.sharded(next(model.parameters()))  # FSDP moves its offloaded shards itself
         with timer.phase("reference"), torch.no_grad(), self.models.reference_context(), self.precision.autocast():
             if offload:
                 model.to(self.device)
-            part.ref_logits, _ = response_logits(model, part.input_ids, part.attention_mask, part.prompt_width,
-                                                 self.cfg.trainer.temperature, float32=self.logits_float32,
-                                                 head_chunk=self.head_chunk, pack=self.pack)
-            part.ref_logprobs = gather_logprobs(part.ref_logits, part.response_ids) * part.response_mask
+            ref_logits, _ = response_logits(model, part.input_ids, part.attention_mask, part.prompt_width,
+                                            self.cfg.trainer.temperature, float32=self.logits_float32,
+                                            head_chunk=self.head_chunk, pack=self.pack)
+            ref_logprobs = gather_logprobs(ref_logits, part.response_ids) * part.response_mask
             if offload:
                 model.to("cpu")
+        return {"ref_logits": ref_logits, "ref_logprobs": ref_logprobs}
 
 
 def sampler_metrics(rollout: Rollout) -> dict[str, float]:

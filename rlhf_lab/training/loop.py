@@ -7,6 +7,7 @@ config name; this file never asks which algorithm, estimator, placement or rewar
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import time
 from pathlib import Path
@@ -184,6 +185,8 @@ class Trainer(RunState, StopSignals, Evaluates, StepRecord):
         experience = self.experience.make(  # sample and score; under generation.max_staleness=1 the next batch
             batch.prompts, cfg.algorithm.group_size, timer, batch.names, coef, rng_keys=batch.keys, train=True,
             refill=refill_source(cfg, self.prompts.train, step), then=lambda: self.launch_ahead(step, timer))
+        # The training batch made from the scored one (frozen): the algorithm adds the advantages to it.
+        experience = dataclasses.replace(experience, rollout=experience.rollout.for_training())
         with timer.phase("advantages"), self.precision.autocast():  # a separate critic's trunk runs here
             advantage_stats = self.algorithm.prepare(experience.rollout, self.updater.forward)
         sampled_mask = experience.rollout.response_mask  # every sample drawn, before dropped ones leave the loss

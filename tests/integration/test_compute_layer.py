@@ -28,7 +28,7 @@ def scored_and_updated(compose, tiny_overrides, run_dir: Path, *overrides: str):
     trainer = Trainer(compose([*tiny_overrides(None), *WIDER, *overrides]), run_dir)
     torch.manual_seed(0)
     experience = trainer.experience.make(trainer.prompts.train[:2], 4, StepTimer(), ["a", "b"], kl_coef=0.05)
-    rollout = experience.rollout
+    rollout = experience.rollout.for_training()  # the training batch of the scored one
     scored = {key: getattr(rollout, key).clone() for key in ("response_mask", "ref_logprobs", "kl_exact", "kl_estimate")}
     kept_as_head = type(rollout.ref_logits).__name__  # what the update reads of the reference's logits
     trainer.algorithm.prepare(rollout, trainer.updater.forward)

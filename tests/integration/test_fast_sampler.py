@@ -9,6 +9,7 @@ forward pass.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import fields
 
 import pytest
@@ -170,11 +171,9 @@ def test_ppo_sampling_values_read_the_kept_hidden_states_without_a_forward_pass(
     with torch.no_grad():
         from_hidden = algorithm.sampling_values(rollout, forward)
         assert not calls
-        hidden, rollout.hidden = rollout.hidden, None
-        from_forward = algorithm.sampling_values(rollout, forward)
+        from_forward = algorithm.sampling_values(dataclasses.replace(rollout, hidden=None), forward)
     assert len(calls) == 1 and from_hidden.abs().max() > 1e-3
     torch.testing.assert_close(from_hidden, from_forward, rtol=0, atol=1e-5)
-    rollout.hidden = hidden
 
 
 def test_the_embedded_model_draws_what_generate_draws_and_scores_as_a_forward_pass(compose) -> None:

@@ -8,6 +8,7 @@ numbers alone: the same rollout scored or trained with and without it agrees to 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from pathlib import Path
 
@@ -49,6 +50,7 @@ def saved_bytes_and_grads(trainer: Trainer, rollout) -> tuple[int, list[torch.Te
         total += tensor.numel() * tensor.element_size()
         return tensor
 
+    rollout = rollout.for_training()  # the training batch of the scored one
     trainer.algorithm.prepare(rollout, trainer.updater.forward)
     grads = []
     trainer.updater.optimizer.register_step_pre_hook(
@@ -101,9 +103,9 @@ def test_chunked_reference_bounds_the_logits_and_gives_the_same_terms(compose, t
 
     monkeypatch.setattr(scoring_module, "response_logits", recording)
     whole, chunked = copy.deepcopy(rollout), copy.deepcopy(rollout)
-    trainer.experience.scoring(whole, StepTimer(), exact=True)
+    whole = dataclasses.replace(whole, **trainer.experience.scoring(whole, StepTimer(), exact=True))
     trainer.cfg.trainer.logprob_chunk = 2
-    trainer.experience.scoring(chunked, StepTimer(), exact=True)
+    chunked = dataclasses.replace(chunked, **trainer.experience.scoring(chunked, StepTimer(), exact=True))
     assert sizes[0] == 4 * max(sizes[1:])  # 8 rows at once, then 2 at a time
     assert len(sizes) == 1 + 4
     for key in ("ref_logprobs", "kl_estimate", "kl_exact"):
@@ -125,8 +127,8 @@ def test_offloaded_reference_visits_the_device_only_for_its_pass(compose, tiny_o
     reference.to = recording_to
     rollout = sampled_rollout(plain)
     a, b = copy.deepcopy(rollout), copy.deepcopy(rollout)
-    plain.experience.scoring(a, StepTimer(), exact=True)
-    offloaded.experience.scoring(b, StepTimer(), exact=True)
+    a = dataclasses.replace(a, **plain.experience.scoring(a, StepTimer(), exact=True))
+    b = dataclasses.replace(b, **offloaded.experience.scoring(b, StepTimer(), exact=True))
     assert moves == [str(offloaded.device), "cpu"]
     assert all(p.device.type == "cpu" for p in reference.parameters())
     for key in ("ref_logprobs", "kl_estimate", "kl_exact"):

@@ -3,6 +3,7 @@ sampler-trainer gap logged, and the exact KL every step, at evaluation only, or 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -90,9 +91,8 @@ def _without_logits(monkeypatch) -> list[bool]:
 
     def engine_generate(self, *args, **kwargs):
         self.keep_logits = False
-        rollout = generate(self, *args, **kwargs)
-        rollout.entropy = torch.zeros_like(rollout.entropy)
-        return rollout
+        samples = generate(self, *args, **kwargs)  # frozen: the engine's output is never written after
+        return dataclasses.replace(samples, entropy=torch.zeros_like(samples.entropy))
 
     def recorded_pass(self, part, timer):
         passes.append(True)

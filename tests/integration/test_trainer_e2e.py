@@ -7,6 +7,7 @@ a subprocess as a user would type it. The tokenizer is loaded once per module an
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import json
 import math
@@ -246,9 +247,9 @@ def test_micro_batches_give_the_same_update(compose, tiny_overrides, tmp_path: P
         mask = response_mask_from_tokens(response_ids, eos)
         rollout.input_ids[:, rollout.prompt_width :] = response_ids
         rollout.attention_mask[:, rollout.prompt_width :] = mask.long()
-        rollout.response_mask = mask
-        for name in ("logprobs", "entropy"):
-            setattr(rollout, name, getattr(rollout, name) * mask)
+        rollout = dataclasses.replace(rollout, response_mask=mask, logprobs=rollout.logprobs * mask,
+                                      entropy=rollout.entropy * mask)  # the scored batch is frozen
+        result = (rollout, *result[1:])
         fixed.append(copy.deepcopy(result))
         return result
 
