@@ -39,7 +39,7 @@ from rlhf_lab.envs.base import Environment, EnvState, StepResult
 from rlhf_lab.envs.episodes import Episode, EpisodeRunner, episode_seed
 from rlhf_lab.errors import EnvError
 from rlhf_lab.generation.backend import GenerationBackend, SamplingSettings
-from rlhf_lab.generation.rollout import Rollout
+from rlhf_lab.generation.rollout import Scored
 from rlhf_lab.registry import register
 from rlhf_lab.rewards.base import first_line
 from rlhf_lab.runtime import distributed
@@ -148,7 +148,7 @@ class VerifiersRunner(EpisodeRunner):
             logging.getLogger(name).setLevel(logging.WARNING)
 
     def run(self, engine: GenerationBackend, settings: SamplingSettings, prompts: list[str], group_size: int,
-            keys: list[int] | None, names: list[str], device: torch.device) -> tuple[Rollout, list[str], Tensor]:
+            keys: list[int] | None, names: list[str], device: torch.device) -> tuple[Scored, list[str], Tensor]:
         """Play ``group_size`` rollouts of one dataset row per prompt, sampled by ``engine`` (the awake worker)."""
         from rlhf_lab.envs.verifiers_server import PolicyServer
 
