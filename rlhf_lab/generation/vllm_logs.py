@@ -73,7 +73,13 @@ class VLLMLogs:
     def __init__(self) -> None:
         self.logger = logging.getLogger(VLLM_LOGGER)
         self.rotary = RotaryReloadFilter()
-        logging.getLogger(RELOAD_LOGGER).addFilter(self.rotary)
+        reload_logger = logging.getLogger(RELOAD_LOGGER)
+        for stale in [f for f in reload_logger.filters if isinstance(f, RotaryReloadFilter)]:
+            reload_logger.removeFilter(stale)  # an earlier engine's of this process that was never closed
+        reload_logger.addFilter(self.rotary)
+        vllm_logger = logging.getLogger(VLLM_LOGGER)
+        for stale in [h for h in vllm_logger.handlers if isinstance(h, _ToFiles)]:
+            vllm_logger.removeHandler(stale)  # likewise: one run's routing at a time
         root = logging.getLogger().handlers
         self.files = [h for h in root if isinstance(h, logging.FileHandler) and h.baseFilename != os.devnull]
         consoles = [h for h in root if not isinstance(h, logging.FileHandler)]
