@@ -31,9 +31,9 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from rlhf_lab.hardware.fast_draws import multinomial
 from rlhf_lab.runtime import distributed
 from rlhf_lab.runtime.distributed import sharded
+from rlhf_lab.scoring.draws import multinomial
 from rlhf_lab.scoring.forward import head_logits, plain_head
 from rlhf_lab.scoring.logprobs import entropy_from_logits, gather_logprobs, scale_logits
 

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from rlhf_lab.config.schema_run import HardwareConfig
-from rlhf_lab.hardware.fast_draws import multinomial
+from rlhf_lab.scoring.draws import multinomial
 from rlhf_lab.scoring.logprobs import rows_per_chunk
 
 

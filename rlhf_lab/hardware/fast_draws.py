@@ -14,12 +14,6 @@ import math
 import torch
 from torch import Tensor
 
-
-def multinomial(probs: Tensor) -> Tensor:
-    """One token per row of [B, V] ``probs``: ``torch.multinomial``'s draw, as ``generate`` makes it."""
-    return torch.multinomial(probs, num_samples=1).squeeze(1)
-
-
 # A float64 draw this close (relatively) to a float32 rounding boundary is recomputed by the C library's log1p.
 _UNSURE = 2.0**-48
 
