@@ -56,8 +56,23 @@ def _select_rows(batch: Any, rows: Tensor) -> dict[str, Any]:
     return values
 
 
+class _Rows:
+    """What every stage reads off its rows: the response tokens (after the prompt's width) and the row count."""
+
+    input_ids: Tensor
+    prompt_width: int
+
+    @property
+    def response_ids(self) -> Tensor:
+        return self.input_ids[:, self.prompt_width :]
+
+    @property
+    def batch_size(self) -> int:
+        return self.input_ids.shape[0]
+
+
 @dataclass(frozen=True)
-class Samples:
+class Samples(_Rows):
     """What an engine returns (the first stage of a step, made by the engine alone): the sampled tokens, their
     masks and the sampling policy's own per-token numbers. Read by the experience, which makes a
     :class:`Rollout` from it (:meth:`Rollout.from_samples`); the engine's fields are never written after.
@@ -76,21 +91,13 @@ class Samples:
     # LM head's dtype or float32 (kept under ``engine.keep_logits``)
     hidden: Tensor | None = None  # [B, T, H] sampling-time last hidden states predicting each response token
 
-    @property
-    def response_ids(self) -> Tensor:
-        return self.input_ids[:, self.prompt_width :]
-
-    @property
-    def batch_size(self) -> int:
-        return self.input_ids.shape[0]
-
     def select(self, rows: Tensor) -> Samples:
         """The samples of the given row indices."""
         return Samples(**_select_rows(self, rows))
 
 
 @dataclass(frozen=True)
-class Scored:
+class Scored(_Rows):
     """A batch of samples with what the experience adds (the second stage, made by :mod:`rlhf_lab.step.experience`
     alone, each pass's results put in with :func:`dataclasses.replace`): the rewards, the reference's log-probs,
     the KL terms, and where π_old and the entropy come from. ``logprobs`` is π_old: the engine's, or the training
@@ -127,14 +134,6 @@ class Scored:
         """The engine's ``samples`` with the first fields the experience adds (``scores``, ``extras``...)."""
         return cls(**{f.name: getattr(samples, f.name) for f in fields(Samples)}, **added)
 
-    @property
-    def response_ids(self) -> Tensor:
-        return self.input_ids[:, self.prompt_width :]
-
-    @property
-    def batch_size(self) -> int:
-        return self.input_ids.shape[0]
-
     def select(self, rows: Tensor) -> Scored:
         """The batch's rows ``rows``."""
         return Scored(**_select_rows(self, rows))
@@ -146,7 +145,7 @@ class Scored:
 
 
 @dataclass
-class Rollout:
+class Rollout(_Rows):
     """The training batch: a :class:`Scored` batch's fields (:meth:`Scored.for_training`) and what the algorithm
     adds (``token_rewards``, ``advantages``, ``returns``, PPO's ``values``, ``tis_weights``, ``kl_loss_scale``). The
     offline stages build it from data (:mod:`rlhf_lab.offline.batch`).
@@ -191,14 +190,6 @@ class Rollout:
         """π_old for a training pass that computed ``logprobs``: themselves, detached, where the rollout gets one
         update whose numbers the sampler's may not match (``old_from_update``); else the rollout's ``logprobs``."""
         return logprobs.detach() if self.old_from_update else self.logprobs
-
-    @property
-    def response_ids(self) -> Tensor:
-        return self.input_ids[:, self.prompt_width :]
-
-    @property
-    def batch_size(self) -> int:
-        return self.input_ids.shape[0]
 
     def select(self, rows: Tensor) -> Rollout:
         """A sub-batch with the given row indices (tensors indexed on dim 0, the rest shared)."""
