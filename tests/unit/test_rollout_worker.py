@@ -8,6 +8,8 @@ for full fine-tuning (sleep level 2) and LoRA (level 1); the canary stops at a l
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -203,20 +205,24 @@ def test_the_canary_measures_what_a_forward_pass_gives(compose, tiny_tokenizer) 
 
 
 def test_the_probe_carried_by_a_batch_is_the_probe_sampled_alone(compose, tiny_tokenizer) -> None:
-    """The canary's probe as one more request of a batch's engine call: the same greedy tokens and log-probs as in a
-    call of its own, the batch's samples unchanged, and the same number once judged."""
+    """The canary's probe as one more request of a seeded batch's engine call, sampled as the batch samples (its
+    temperature, a seed of its own): the same tokens and log-probs as in a call of its own with those settings, the
+    batch's samples unchanged, the same number once judged; a greedy or an unseeded batch carries none."""
     policy = tiny_policy(compose, tiny_tokenizer)
     engine = vllm_engine.VLLMGeneration(policy, tiny_tokenizer, SETTINGS, options={"sleep": False})
     probe = check(tiny_tokenizer, tol=0.0)
     train_a_little(policy)  # the engine holds the older weights: a difference to measure
-    alone = engine.generate([probe.probe_ids], 1, greedy=True, settings=probe.settings)
+    as_batch = dataclasses.replace(probe.settings, temperature=SETTINGS.temperature)
+    alone = engine.generate([probe.probe_ids], 1, seeds=[vllm_engine.PROBE_SEED], settings=as_batch)
     batch, carried = engine.generate_probed(probe.probe_ids, probe.settings, PROMPTS, 2, seeds=[1, 2])
     assert torch.equal(carried.input_ids, alone.input_ids) and torch.equal(carried.logprobs, alone.logprobs)
     assert carried.response_mask.sum() == 2  # the probe's 2 decoded tokens
     plain = engine.generate(PROMPTS, 2, seeds=[1, 2])
     assert torch.equal(batch.input_ids, plain.input_ids) and torch.equal(batch.logprobs, plain.logprobs)
-    measured = probe.judge(carried, policy, 1)["rollout/weight_sync_diff"]
-    assert measured > 1e-2 and measured == probe(engine, policy, 1)["rollout/weight_sync_diff"]
+    measured = probe.judge(carried, policy, 1, SETTINGS.temperature)["rollout/weight_sync_diff"]
+    assert measured > 1e-2 and measured == probe.judge(alone, policy, 1, SETTINGS.temperature)["rollout/weight_sync_diff"]
+    assert engine.generate_probed(probe.probe_ids, probe.settings, PROMPTS, 2, seeds=None)[1] is None
+    assert engine.generate_probed(probe.probe_ids, probe.settings, PROMPTS, 1, seeds=[1, 2], greedy=True)[1] is None
 
 
 @pytest.mark.parametrize("lora", [False, True])
