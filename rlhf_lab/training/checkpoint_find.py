@@ -182,10 +182,12 @@ def refuse_model_only(folder: Path, state: dict[str, Any] | None = None) -> None
     """A checkpoint written under ``trainer.save=model`` (no optimizer state) cannot resume: one line saying so."""
     state = read_state(folder) if state is None else state
     if state is not None and state.get("optimizer_saved") is False:
+        weights = Path(folder) / MODEL_FOLDER
+        start = (f"model=path model.name_or_path={weights}" if weights.is_dir() else  # an FSDP checkpoint: shards only
+                 f"rlhf-lab export {folder} OUT, then model=path model.name_or_path=OUT")
         raise CheckpointError(f"checkpoint {folder} holds the model only (written under trainer.save=model): it "
                               "evaluates and exports but cannot resume training; resume from a checkpoint written "
-                              "under trainer.save=all, or start a new run from its weights (model=path "
-                              f"model.name_or_path={Path(folder) / MODEL_FOLDER})")
+                              f"under trainer.save=all, or start a new run from its weights ({start})")
 
 
 def resolve_resume(resume: str | None, checkpoint_root: Path) -> Path | None:

@@ -144,3 +144,15 @@ def test_a_sharded_run_saves_the_whole_model_only(tmp_path):
     assert plain.keys() == sharded.keys()
     for name in plain:
         torch.testing.assert_close(sharded[name], plain[name], rtol=0, atol=1e-5)
+
+
+def test_a_model_only_checkpoint_of_shards_says_to_export_before_starting_from_it(tmp_path: Path) -> None:
+    """An FSDP checkpoint under trainer.save=model holds DCP shards and no ``model/``: the refusal names the export
+    that makes a starting folder, where an unsharded one names its ``model/``."""
+    from rlhf_lab.training.checkpoint_find import MODEL_FOLDER, refuse_model_only
+
+    with pytest.raises(CheckpointError, match=rf"rlhf-lab export {tmp_path} OUT, then model=path"):
+        refuse_model_only(tmp_path, {"optimizer_saved": False})
+    (tmp_path / MODEL_FOLDER).mkdir()
+    with pytest.raises(CheckpointError, match=rf"model.name_or_path={tmp_path / MODEL_FOLDER}\)"):
+        refuse_model_only(tmp_path, {"optimizer_saved": False})
