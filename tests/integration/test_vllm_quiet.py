@@ -34,11 +34,12 @@ def vllm_logging(tmp_path: Path):
     saved = (vllm.handlers[:], vllm.propagate, vllm.level)
     vllm.handlers[:], vllm.propagate = [handler], False
     vllm.setLevel(logging.INFO)
-    root.addHandler(file)
+    root_handlers = root.handlers[:]  # an earlier in-process Hydra job of the same worker may have left its log file
+    root.handlers[:] = [file]
     try:
         yield console, log, handler
     finally:
-        root.removeHandler(file)
+        root.handlers[:] = root_handlers
         file.close()
         vllm.handlers[:], vllm.propagate = saved[0], saved[1]
         vllm.setLevel(saved[2])

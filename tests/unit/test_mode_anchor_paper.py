@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import torch
 from omegaconf import OmegaConf
 
+from rlhf_lab.generation.rollout import Scored
 from rlhf_lab.rewards.rescale import mode_anchor
 from rlhf_lab.step.experience import ExperienceMaker
 
@@ -47,10 +48,11 @@ def test_the_training_batch_passes_sequence_log_probs_over_the_response_and_the_
     step's KL coefficient; the task's scores are kept as ``reward/task``."""
     ref_tokens = torch.tensor([[-1.0, -2.0, -9.0], [-0.5, -0.5, -9.0]])  # the last token of each row is padding
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])
-    rollout = SimpleNamespace(scores=torch.tensor([1.0, 1.0]), ref_logprobs=ref_tokens, response_mask=mask,
-                              extras={})
+    rollout = Scored(input_ids=torch.zeros(2, 5, dtype=torch.long), attention_mask=torch.ones(2, 5),
+                     response_mask=mask, prompt_width=2, group_size=2, logprobs=torch.zeros(2, 3),
+                     entropy=torch.zeros(2, 3), scores=torch.tensor([1.0, 1.0]), ref_logprobs=ref_tokens, extras={})
     maker = SimpleNamespace(rescale=mode_anchor, cfg=OmegaConf.create({"reward": {"rescale_threshold": 0.9}}))
-    ExperienceMaker._rescale(maker, rollout, 2, 0.25)
+    rollout = ExperienceMaker._rescale(maker, rollout, 2, 0.25)  # the scored stage is frozen: a new one back
     # log π_ref = (−3, −1): the anchor is sample 1; R̄0 = 1 + 0.25·(−1 + 3) = 1.5
     torch.testing.assert_close(rollout.scores, torch.tensor([1.5, 1.0]))
     torch.testing.assert_close(rollout.extras["reward/task"], torch.tensor([1.0, 1.0]))
