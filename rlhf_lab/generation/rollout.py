@@ -75,7 +75,7 @@ class _Rows:
 class Samples(_Rows):
     """What an engine returns (the first stage of a step, made by the engine alone): the sampled tokens, their
     masks and the sampling policy's own per-token numbers. Read by the experience, which makes a
-    :class:`Rollout` from it (:meth:`Rollout.from_samples`); the engine's fields are never written after.
+    :class:`Scored` batch from it (:meth:`Scored.from_samples`); the engine's fields are never written after.
 
     Rows are grouped: row i belongs to prompt i // group_size.
     """
