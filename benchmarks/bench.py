@@ -159,6 +159,8 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
     # One figure per run (a seed, with --seeds): the spread of these is the noise a reward comparison faces.
     run_rewards = [statistics.fmean(run) for run in per_run if run]
     rss = [r["peak_rss_mib"] for r in done]
+    gpu = [r["peak_gpu_mib"] for r in done if r.get("peak_gpu_mib") is not None]
+    mfu = [s["mfu"] for s in steps if _finite(s.get("mfu"))]
     setup = [r["setup_s"] for r in done if r.get("setup_s") is not None]
     from benchmarks.bench_floor import generation_floor_summary
 
@@ -176,6 +178,8 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
         "tokens_per_s": sum(s["tokens"] for s in steps) / sum(step_s),
         "peak_rss_mib": statistics.median(rss),
         "peak_rss_mib_max": max(rss),
+        "peak_gpu_mib": max(gpu) if gpu else None,
+        "mfu_median": statistics.median(mfu) if mfu else None,
         "reward_mean": statistics.fmean(rewards) if rewards else None,
         "reward_mean_per_run": run_rewards,
         "reward_mean_sd_over_runs": statistics.stdev(run_rewards) if len(run_rewards) > 1 else None,

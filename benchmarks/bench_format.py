@@ -48,6 +48,10 @@ def format_report(report: dict[str, Any]) -> str:
                 notes.append(f"{row['row']}: weight-sync canary {_number(floor['sync_check_s_mean'], 3)} s per step "
                              f"({100 * floor['sync_check_s_mean'] / floor['step_s_mean']:.1f}% of the mean step; "
                              "inside 'generate')")
+            if floor.get("peak_gpu_mib") is not None:
+                mfu = floor.get("mfu_median")
+                notes.append(f"{row['row']}: peak GPU memory {_number(floor['peak_gpu_mib'], 0)} MiB (allocator), "
+                             f"MFU {'-' if mfu is None else f'{100 * mfu:.1f}%'} (median step)")
             if floor.get("generation_over_floor") is not None:
                 notes.append(f"{row['row']}: generation {_number(floor['generation_over_floor'])}x its floor "
                              f"({_number(floor['generation_floor_s_mean'])} s, {floor['generation_floor_bound']}-bound "

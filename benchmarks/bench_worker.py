@@ -50,7 +50,8 @@ def run_rlhf_lab(cfg: Any, steps: int, warmup: int, work_dir: Path) -> tuple[lis
     ready = time.perf_counter()
     works = record_generation_work(trainer)
     shape = ModelShape.of(distributed.unwrap(trainer.policy))
-    floor = measure_floor(trainer.precision.name)
+    # The floor is this CPU's measured bandwidth and matrix rate: it says nothing of a GPU's generation.
+    floor = measure_floor(trainer.precision.name) if trainer.device.type == "cpu" else None
     weight_bytes = 2 if trainer.precision.name != "fp32" else 4  # autocast reads its cached half copies
     records = []
     try:
@@ -67,12 +68,14 @@ def run_rlhf_lab(cfg: Any, steps: int, warmup: int, work_dir: Path) -> tuple[lis
                 "sync_check_s": metrics.get("time/sync_check_s", 0.0),  # the weight-sync canary, inside generate
                 "tokens": round(metrics["throughput/tokens_per_s"] * metrics["time/step_s"]),
                 "reward_mean": metrics["reward/mean"],
-                "generation_floor": floor_seconds(works[0], shape, floor, weight_bytes) if len(works) == 1 else None,
+                "mfu": metrics.get("perf/mfu"),  # logged where the device's peak is known (a GPU by its name)
+                "generation_floor": (floor_seconds(works[0], shape, floor, weight_bytes)
+                                     if floor is not None and len(works) == 1 else None),
             })
     finally:
         trainer.records.close()
     return records, {"trainer": "rlhf_lab.Trainer", "device": str(trainer.device), "ready_at": ready,
-                     "floor": asdict(floor), "model_shape": asdict(shape), "hardware": describe(trainer.hardware),
+                     "floor": asdict(floor) if floor else None, "model_shape": asdict(shape), "hardware": describe(trainer.hardware),
                      "process_switches": process_switches()}
 
 def process_switches() -> dict[str, str | None]:

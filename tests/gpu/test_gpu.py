@@ -89,13 +89,19 @@ def test_two_fsdp_ranks_train_in_bf16_mixed(tmp_path: Path) -> None:
 
 def test_the_rollout_worker_s_order_holds_on_cuda(tmp_path: Path, monkeypatch) -> None:
     """The trainer on CUDA with the stand-in vLLM (tests/fake_vllm.py) sleeping at level 2 between generations:
-    every wake empties the cache first, every step's samples come from the synced weights."""
+    every wake empties the cache first, every step's samples come from the synced weights. The GPU machine has no
+    vLLM (its GPU wheels cannot reach it): the config's installed-check finds the stand-in instead."""
+    import importlib.util
+
     from rlhf_lab.config import compose
     from rlhf_lab.generation import vllm as vllm_engine
     from rlhf_lab.training.loop import Trainer
     from tests import fake_vllm
 
     monkeypatch.setattr(vllm_engine, "import_vllm", fake_vllm.module)
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *args: find_spec("tests.fake_vllm" if name == "vllm" else name, *args))
     emptied = []
     real_empty_cache = torch.cuda.empty_cache
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: (emptied.append(1), real_empty_cache()))

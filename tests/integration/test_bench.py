@@ -239,3 +239,21 @@ def test_the_weight_sync_canary_s_share_of_a_step_is_reported() -> None:
     text = bench.format_report(report)
     assert "grpo_full_vllm: weight-sync canary 0.030 s per step (1.0% of the mean step; inside 'generate')" in text
     assert "grpo_full: weight-sync" not in text
+
+
+def test_a_gpu_row_reports_its_peak_memory_and_median_mfu() -> None:
+    """On a GPU each row notes the allocator's peak (the largest of its runs) and the median step's MFU; a CPU row
+    (no GPU peak, no MFU) gets no such note."""
+    records = [{"step_s": 1.0, "phases": dict.fromkeys(bench.PHASES, 0.1), "tokens": 10, "reward_mean": 0.0,
+                "mfu": mfu} for mfu in (0.10, 0.30, 0.20)]
+    summary = bench.summarize([{"records": records[:2], "peak_rss_mib": 100.0, "peak_gpu_mib": 2048.0},
+                               {"records": records[2:], "peak_rss_mib": 100.0, "peak_gpu_mib": 4096.0}])
+    assert summary["peak_gpu_mib"] == 4096.0 and summary["mfu_median"] == pytest.approx(0.20)
+    cpu = bench.summarize([{"records": [{**r, "mfu": None} for r in records], "peak_rss_mib": 100.0,
+                            "peak_gpu_mib": None}])
+    assert cpu["peak_gpu_mib"] is None and cpu["mfu_median"] is None
+    report = {"rows": [{"row": "grpo_full", "frameworks": {"rlhf_lab": {"summary": summary}}},
+                       {"row": "grpo_lora", "frameworks": {"rlhf_lab": {"summary": cpu}}}], "scaling": []}
+    text = bench.format_report(report)
+    assert "grpo_full: peak GPU memory 4096 MiB (allocator), MFU 20.0% (median step)" in text
+    assert "grpo_lora: peak GPU" not in text

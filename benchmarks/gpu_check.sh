@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The GPU checks in one script, for a GPU machine whose Python has torch, transformers and peft but not this venv
+# and no network (docs/guides/scale-out.md): `make test-gpu` with the bundle `make gpu-bundle` wrote into .gpu/, then
+# the hf rows of the bench (full and LoRA) on a ~1B random-init Llama, then `rlhf-lab plan` for the same rows.
+# Logs and the bench's JSON go to $OUT (default outputs/gpu_check). Each part has its own time limit, so a hang in
+# one still leaves the others' figures.
+#
+#     bash benchmarks/gpu_check.sh            # PYTHON=python3 by default
+#
+# DEVICE=cpu and ROW_EXTRA="model.tiny.hidden_size=64 ..." try the script's own plumbing on a machine without one.
+set -o pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+OUT=${OUT:-outputs/gpu_check}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 WANDB_MODE=disabled TOKENIZERS_PARALLELISM=false
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+$PYTHON -c "import torch, transformers, peft, pyarrow; print('torch', torch.__version__, '| transformers',
+transformers.__version__, '| peft', peft.__version__, '| pyarrow', pyarrow.__version__)"
+
+# The bundle; pyarrow from .gpu/fallback only where the image's is too old for the bundle's datasets.
+$PYTHON -m pip install -q --no-index --no-deps --no-compile --upgrade --target .gpu/site .gpu/wheels/*.whl || exit 1
+if ! PYTHONPATH=.gpu/site $PYTHON -c "import datasets" 2>/dev/null && ls .gpu/fallback/*.whl >/dev/null 2>&1; then
+    echo "datasets does not import with this image's pyarrow: installing .gpu/fallback"
+    $PYTHON -m pip install -q --no-index --no-deps --no-compile --upgrade --target .gpu/site .gpu/fallback/*.whl
+fi
+
+if command -v make >/dev/null; then
+    timeout "${TEST_GPU_S:-270}" make test-gpu GPU_PYTHON="$PYTHON" GPU_BUNDLE=.gpu ARGS="-rA --durations=0" 2>&1 \
+        | tee "$OUT/test_gpu.log"
+else  # the same steps as the Makefile's target
+    timeout "${TEST_GPU_S:-270}" env PYTHONPATH="$PWD/.gpu/site:$PWD" RLHF_LAB_CACHE="$PWD/.gpu/cache" \
+        $PYTHON -m pytest -q -s -m gpu tests/gpu -rA --durations=0 2>&1 | tee "$OUT/test_gpu.log"
+fi
+echo "test-gpu exit status: $?"
+
+export PYTHONPATH="$PWD/.gpu/site:$PWD" RLHF_LAB_CACHE="$PWD/.gpu/cache"
+ROW=(model=tiny model.tiny.hidden_size=2048 model.tiny.num_hidden_layers=16 model.tiny.num_attention_heads=16
+     model.tiny.num_key_value_heads=8 model.tiny.intermediate_size=5632 hardware=default reward=length
+     trainer.device=${DEVICE:-cuda} trainer.precision=bf16-mixed trainer.prompts_per_step=8 algorithm.group_size=8
+     trainer.max_new_tokens=128 $ROW_EXTRA)
+timeout "${BENCH_S:-170}" $PYTHON -m benchmarks.bench --lora --steps 2 --warmup 1 --json "$OUT/bench_1b.json" \
+    -- "${ROW[@]}" 2>&1 | grep -v '^[ {}]' | tee "$OUT/bench_1b.log"
+echo "bench exit status: $?"
+
+# The plan of each row: the bench's own overrides (benchmarks/bench.py), then the row's.
+BENCH=(algorithm=grpo kl=k3 kl.coef=0.04 kl.placement=loss)
+for row in full lora; do
+    lora=(model.lora.enabled=false); [ "$row" = lora ] && lora=(model.lora.enabled=true model.lora.r=16 model.lora.alpha=32)
+    timeout 60 $PYTHON -m rlhf_lab plan "${BENCH[@]}" "${ROW[@]}" "${lora[@]}" --device "${DEVICE:-cuda}" 2>&1 \
+        | tee "$OUT/plan_1b_$row.log"
+done
