@@ -48,6 +48,6 @@ echo "bench exit status: $?"
 BENCH=(algorithm=grpo kl=k3 kl.coef=0.04 kl.placement=loss)
 for row in full lora; do
     lora=(model.lora.enabled=false); [ "$row" = lora ] && lora=(model.lora.enabled=true model.lora.r=16 model.lora.alpha=32)
-    timeout 60 $PYTHON -m rlhf_lab plan "${BENCH[@]}" "${ROW[@]}" "${lora[@]}" --device "${DEVICE:-cuda}" 2>&1 \
+    timeout "${PLAN_S:-60}" $PYTHON -m rlhf_lab plan "${BENCH[@]}" "${ROW[@]}" "${lora[@]}" --device "${DEVICE:-cuda}" 2>&1 \
         | tee "$OUT/plan_1b_$row.log"
 done

@@ -51,7 +51,8 @@ class Sampled:
     hidden: Tensor | None  # [B, T, H] last hidden state that predicted each token (``keep_hidden``)
     lengths: Tensor | None = None  # [B] tokens of each response, its last one included (EOS or a stop string's)
 
-def logits_processors(prompt_width: int, eos_token_id: int | list[int] | None, greedy: bool, temperature: float,
+def logits_processors(prompt_width: int, eos_token_id: int | list[int] | torch.Tensor | None, greedy: bool,
+                      temperature: float,
                       top_k: int, top_p: float, min_new_tokens: int = 1) -> LogitsProcessorList:
     """The processors ``generate`` applies for these settings, in its order."""
     processors = LogitsProcessorList()
@@ -109,9 +110,12 @@ def decode(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, past_key_v
     device = prompt_ids.device
     # generate's minimum length of 1 sets the EOS scores to −inf at the first step; later it returns a copy of the
     # scores it is given (the same numbers), so the later steps run without it, and without any processor copy.
-    first_processors = logits_processors(prompt_width, eos_token_id, greedy, temperature, top_k, top_p)
-    later_processors = logits_processors(prompt_width, eos_token_id, greedy, temperature, top_k, top_p, 0)
     eos_ids = torch.as_tensor([] if eos_token_id is None else eos_token_id, device=device).reshape(-1)
+    # The processors get the EOS ids on the scores' device: given ints, transformers keeps them on the CPU, and a
+    # GPU's first step then fails (``torch.isin`` across devices).
+    eos = None if eos_token_id is None else eos_ids
+    first_processors = logits_processors(prompt_width, eos, greedy, temperature, top_k, top_p)
+    later_processors = logits_processors(prompt_width, eos, greedy, temperature, top_k, top_p, 0)
     attention_mask = torch.cat([prompt_mask, prompt_mask.new_ones(batch, max_new_tokens)], dim=1)
     # Positions skip left padding: the next position of each row is its count of real tokens so far.
     positions = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)

@@ -81,6 +81,27 @@ def test_decode_draws_what_generate_draws(trainer: Trainer, temperature, top_k, 
     assert torch.equal(got.logits, torch.stack(expected.logits, dim=1).float() / temperature)
 
 
+def test_decode_gives_the_eos_ids_to_its_processors_on_the_prompts_device(trainer: Trainer, monkeypatch) -> None:
+    """transformers keeps EOS ids given as ints on the CPU: on a GPU the first step's minimum-length processor then
+    compares across devices and the run fails (seen on an H200). decode hands them over as a tensor on the device
+    of the prompts."""
+    from rlhf_lab.generation import decode as decode_module
+
+    given = []
+
+    class Recording(decode_module.MinNewTokensLengthLogitsProcessor):
+        def __init__(self, prompt_width, min_new_tokens, eos_token_id):
+            given.append(eos_token_id)
+            super().__init__(prompt_width, min_new_tokens, eos_token_id)
+
+    monkeypatch.setattr(decode_module, "MinNewTokensLengthLogitsProcessor", Recording)
+    model, tokenizer = trainer.policy.eval(), trainer.tokenizer
+    input_ids, attention_mask = encoded_prompts(tokenizer)
+    decode(model, input_ids, attention_mask, DynamicCache(), 0, 2, 1.0, 1.0, 0, [5, 9], tokenizer.pad_token_id)
+    assert len(given) == 1 and isinstance(given[0], torch.Tensor)
+    assert given[0].device == input_ids.device and given[0].tolist() == [5, 9]
+
+
 def test_decode_that_ends_early_leaves_the_generator_where_generate_leaves_it(trainer: Trainer) -> None:
     """Every row ends before the token limit: the loop stops where generate stops, having drawn exactly what
     generate drew (the generator's state afterwards is the same), and the kept logits are the steps taken."""
