@@ -101,3 +101,30 @@ def recomputing(modules: Sequence[nn.Module]) -> Iterator[None]:
                 del module.forward  # the class's forward again
             else:
                 module.forward = forward
+
+
+def checkpointed_layers(model: nn.Module) -> list[nn.Module]:
+    """The layers transformers' activation checkpointing wraps (``trainer.gradient_checkpointing``), if enabled."""
+    return [module for module in model.modules() if getattr(module, "gradient_checkpointing", False) is True]
+
+
+@contextmanager
+def layers_checkpointing(model: nn.Module) -> Iterator[None]:
+    """Within the block, transformers' activation checkpointing recomputes the policy's layers whatever the model's
+    train/eval mode.
+
+    transformers checkpoints a layer only while that layer is in training mode, and a model from
+    ``from_pretrained`` is in eval mode (as the policy stays: no dropout in any pass), so
+    ``trainer.gradient_checkpointing`` alone recomputed nothing there and every layer's activations were kept.
+    Only the layers' own flags are set (not their submodules': attention and dropout stay in eval mode), and put
+    back after the block; a backward pass after it still recomputes (it does not read the flag again). A no-op
+    where gradients are off."""
+    layers = checkpointed_layers(model) if torch.is_grad_enabled() else []
+    was = [layer.training for layer in layers]
+    for layer in layers:
+        layer.training = True
+    try:
+        yield
+    finally:
+        for layer, training in zip(layers, was, strict=True):
+            layer.training = training

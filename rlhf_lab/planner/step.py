@@ -167,6 +167,9 @@ def plan_step(cfg: Any, tokenizer: Any, precision: Precision, prompt_tokens: int
 def _plan_step(cfg: Any, tokenizer: Any, precision: Precision, prompt_tokens: int | None, fake: bool,
                count_flops: bool, world_size: int, fsdp: bool) -> StepPlan:
     cfg = per_rank(cfg, world_size, group_of_ranks=fsdp)
+    # The step runs on CPU tensors here: a CUDA run's autocast would not touch them (every pass then in float32,
+    # no half-precision copies), so the same precision's CPU autocast stands in for it.
+    precision = Precision(precision.name, "cpu")
     prompt_tokens = int(prompt_tokens or cfg.data.max_prompt_tokens)
     group, prompts = cfg.algorithm.get("group_size", 1), cfg.trainer.prompts_per_step
     rows, response = prompts * group, cfg.trainer.max_new_tokens

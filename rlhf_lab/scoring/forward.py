@@ -38,10 +38,11 @@ def prefill_shared(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, 
     return output
 
 def cache_off(model: nn.Module) -> bool:
-    """Whether ``model``'s forward returns no key/value cache: transformers turns it off in training mode under its
-    activation checkpointing (``trainer.gradient_checkpointing``), where the layers recompute their forward."""
-    return model.training and any(getattr(module, "gradient_checkpointing", False) is True
-                                  for module in model.modules())
+    """Whether ``model``'s forward returns no key/value cache: transformers turns it off under its activation
+    checkpointing (``trainer.gradient_checkpointing``) in a layer in training mode (the training pass sets the
+    layers' flags: :func:`~rlhf_lab.models.recompute.layers_checkpointing`), where the layers recompute."""
+    return any(getattr(module, "gradient_checkpointing", False) is True and module.training
+               for module in model.modules())
 
 
 def agreed(model: nn.Module, local: bool) -> bool:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from rlhf_lab.runtime import distributed
 from rlhf_lab.scoring.packing import row_tokens, split_to, token_budget_groups
@@ -45,10 +45,26 @@ def token_budget(trainer_cfg: Any, device: torch.device) -> int:
     return int(budget)
 
 
-def packs_rows(trainer_cfg: Any, device: torch.device) -> bool:
-    """Whether micro-batches are packed padding-free (``trainer.pack_rows``; null: where a token budget is set)."""
+# Attention implementations that run a packed sequence as variable-length rows. Under the others (``sdpa``,
+# ``eager``) transformers masks a packed sequence of N tokens with a dense [N, N] block-diagonal mask: the attention
+# then costs N² (every row against every other, masked out) instead of the rows' own T², in time and in memory,
+# which a GPU's fused kernels widen per head (a 1B step at a 16k-token budget ran out of 140 GB on an H200).
+VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3")
+
+
+def attention_implementation(model: nn.Module) -> str | None:
+    """The attention transformers runs in ``model`` (``config._attn_implementation``), None where unknown."""
+    config = getattr(model, "config", None) or getattr(getattr(model, "module", None), "config", None)
+    return getattr(config, "_attn_implementation", None)
+
+
+def packs_rows(trainer_cfg: Any, device: torch.device, attention: str | None = None) -> bool:
+    """Whether micro-batches are packed padding-free (``trainer.pack_rows``; null: where a token budget is set and
+    the model's attention runs variable-length rows, :data:`VARLEN_ATTENTION`; else padded rows)."""
     pack = trainer_cfg.get("pack_rows")
-    return bool(token_budget(trainer_cfg, device)) if pack is None else bool(pack)
+    if pack is not None:
+        return bool(pack)
+    return bool(token_budget(trainer_cfg, device)) and attention in VARLEN_ATTENTION
 
 
 def micro_batches(attention_mask: Tensor, rows: int, budget: int, agree: bool, stretch: bool = False) -> list[Tensor]:

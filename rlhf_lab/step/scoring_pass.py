@@ -36,7 +36,7 @@ from rlhf_lab.runtime.timer import StepTimer
 from rlhf_lab.scoring.forward import response_logits
 from rlhf_lab.scoring.head import HeadLogits, cat_head_logits
 from rlhf_lab.scoring.logprobs import entropy_from_logits, gather_logprobs
-from rlhf_lab.step.compute import head_chunk, micro_batches, packs_rows, token_budget
+from rlhf_lab.step.compute import attention_implementation, head_chunk, micro_batches, packs_rows, token_budget
 
 
 def sampler_differs(engine_class: Any, precision: Precision) -> bool:
@@ -124,7 +124,7 @@ class ScoringPass:
         self.precision = precision
         self.keep_hidden, self.logits_float32 = keep_hidden, logits_float32
         self.head_chunk = head_chunk(cfg.trainer, device)  # LM-head chunks of the log-probs (0: whole logits)
-        self.pack = packs_rows(cfg.trainer, device)  # padding-free chunks (trainer.pack_rows)
+        self.pack = packs_rows(cfg.trainer, device, attention_implementation(policy))  # padding-free chunks (trainer.pack_rows)
         self.token_budget = token_budget(cfg.trainer, device)  # tokens per micro-batch (0: by rows)
         self.sharded = any(map(distributed.sharded, policy.parameters()))  # FSDP: ranks agree on chunk counts
 

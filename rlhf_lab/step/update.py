@@ -27,14 +27,14 @@ from rlhf_lab.algorithms.base import Algorithm, LossContext, LossResult, PolicyO
 from rlhf_lab.generation.rollout import Rollout
 from rlhf_lab.hardware import HardwareProfile
 from rlhf_lab.kl.placements import KLPenalty
-from rlhf_lab.models.recompute import recompute_modules, recomputing
+from rlhf_lab.models.recompute import layers_checkpointing, recompute_modules, recomputing
 from rlhf_lab.runtime import distributed
 from rlhf_lab.runtime.precision import Precision
 from rlhf_lab.runtime.timer import StepTimer
 from rlhf_lab.scoring.forward import response_logits
 from rlhf_lab.scoring.logprobs import entropy_from_logits, gather_logprobs, needs_float32_logits
 from rlhf_lab.scoring.packing import packed_passes
-from rlhf_lab.step.compute import head_chunk, micro_batches, packs_rows, token_budget
+from rlhf_lab.step.compute import attention_implementation, head_chunk, micro_batches, packs_rows, token_budget
 
 
 def lr_lambda(schedule: str, warmup_steps: int, total_steps: int):
@@ -115,7 +115,7 @@ class Updater:
             self.temperature(cfg), getattr(algorithm, "reads_policy_logits", True),
             kl is not None and kl.in_loss and kl.reads_logits)
         self.head_chunk = head_chunk(trainer, device)  # LM-head chunks of the log-probs (0: whole logits)
-        self.pack = packs_rows(trainer, device)  # padding-free micro-batches (trainer.pack_rows)
+        self.pack = packs_rows(trainer, device, attention_implementation(policy))  # padding-free micro-batches (trainer.pack_rows)
         self.token_budget = token_budget(cfg.trainer, device)  # tokens per micro-batch (0: by rows)
         self.sharded = any(map(distributed.sharded, policy.parameters()))  # FSDP: ranks agree on micro-batch counts
         if strategy != "fsdp":  # FSDP2's shards get their state at the first step
@@ -156,7 +156,7 @@ class Updater:
 
     def micro_loss(self, batch: Rollout, context: LossContext, coef: float) -> LossResult:
         """The algorithm's loss of a micro-batch plus the loss-placed KL term; ``loss/total`` in the stats."""
-        with recomputing(self.recompute), packed_passes(self.pack):
+        with recomputing(self.recompute), layers_checkpointing(self.policy), packed_passes(self.pack):
             output = self.forward(batch)
         if batch.entropy_from_update:  # an engine with no logits, one update: the entropy of this very pass
             with torch.no_grad():

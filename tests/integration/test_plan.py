@@ -146,3 +146,16 @@ def test_the_trainers_memory_check_refuses_a_run_whose_planned_peak_does_not_fit
     assert message.endswith("or set trainer.skip_memory_check=true to start anyway") and "\n" not in message
     monkeypatch.setattr(memory_check, "available_memory", lambda device: int(plan.peak * 1.01))
     Trainer(cfg, tmp_path / "run2")  # fits, though the estimate alone would have refused it
+
+
+def test_a_cuda_precision_is_planned_with_the_autocast_of_the_cpu_tensors_it_runs_on(compose, tiny_tokenizer) -> None:
+    """The plan's step runs on CPU tensors: handed a CUDA run's precision (whose autocast would leave CPU tensors in
+    float32) it plans the same bf16-mixed step as for the CPU one."""
+    from rlhf_lab.runtime.precision import Precision
+
+    cfg = compose(["model=tiny", "trainer.precision=bf16-mixed", *SHORT])
+    on_cpu = plan_step(cfg, tiny_tokenizer, Precision("bf16-mixed", "cpu"), prompt_tokens=16, count_flops=False)
+    on_cuda = plan_step(cfg, tiny_tokenizer, Precision("bf16-mixed", "cuda"), prompt_tokens=16, count_flops=False)
+    fp32 = plan_step(compose(["model=tiny", "trainer.precision=fp32", *SHORT]), tiny_tokenizer,
+                     Precision("fp32", "cpu"), prompt_tokens=16, count_flops=False)
+    assert on_cuda.peaks == on_cpu.peaks and on_cuda.peaks != fp32.peaks

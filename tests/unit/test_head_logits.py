@@ -151,7 +151,13 @@ def test_compute_defaults_by_device(compose, tiny_overrides):
     assert (head_chunk(trainer, cpu), gradient_checkpointing(trainer, cpu), token_budget(trainer, cpu),
             packs_rows(trainer, cpu)) == (0, False, 0, False)
     assert (head_chunk(trainer, cuda), gradient_checkpointing(trainer, cuda), token_budget(trainer, cuda),
-            packs_rows(trainer, cuda)) == (trainer.lm_head_chunk, True, GPU_TOKEN_BUDGET, True)
+            packs_rows(trainer, cuda, "flash_attention_2")) == (trainer.lm_head_chunk, True, GPU_TOKEN_BUDGET, True)
+    # Packed under SDPA or eager attention, N tokens attend through a dense [N, N] mask: padded rows instead.
+    assert not packs_rows(trainer, cuda, "sdpa") and not packs_rows(trainer, cuda, "eager")
+    assert not packs_rows(trainer, cuda, None) and not packs_rows(trainer, cpu, "flash_attention_2")
+    trainer.pack_rows = True  # asked for: packed whatever the attention
+    assert packs_rows(trainer, cpu, "sdpa") and packs_rows(trainer, cuda, None)
+    trainer.pack_rows = None
     trainer.chunked_logprobs, trainer.max_tokens_per_micro_batch, trainer.gradient_checkpointing = True, 0, False
     assert (head_chunk(trainer, cpu), token_budget(trainer, cuda), gradient_checkpointing(trainer, cuda)) == \
         (trainer.lm_head_chunk, 0, False)
@@ -164,3 +170,16 @@ def test_a_default_budget_stretches_to_the_longest_row_and_a_set_one_does_not():
     assert [g.tolist() for g in micro_batches(mask, 2, 0, agree=False)] == [[0, 1], [2]]
     with pytest.raises(ConfigError, match="max_tokens_per_micro_batch=3 is smaller than the longest row"):
         micro_batches(mask, 0, 3, agree=False)
+
+
+def test_the_attention_implementation_is_read_through_a_wrapper():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rlhf_lab.step.compute import attention_implementation
+
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                         num_key_value_heads=1, intermediate_size=32, vocab_size=32))
+    wrapper = torch.nn.Module()
+    wrapper.module = model  # as DistributedDataParallel holds it
+    assert attention_implementation(model) == attention_implementation(wrapper) == "sdpa"
+    assert attention_implementation(torch.nn.Linear(2, 2)) is None
