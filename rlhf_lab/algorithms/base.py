@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -178,42 +178,62 @@ class Algorithm:
         parameters = [p for module in self.modules().values() for p in module.parameters() if p.requires_grad]
         return [{"params": parameters, "lr": lr}] if parameters else []
 
-    def prepare(self, rollout: Rollout, forward: Any = None) -> dict[str, float]:
-        """Build the token rewards, fill ``rollout.advantages`` ([B, T]) and ``returns``; return statistics."""
+    def training_batch(self, scored: Rollout, forward: Any = None, in_loss: Tensor | None = None,
+                       keep_ref_logits: bool = True) -> tuple[Rollout, dict[str, float]]:
+        """The training batch of a scored one (the third stage, frozen, made here alone): :meth:`prepare`'s
+        advantages, then the samples not in the loss (``in_loss`` False: a non-finite score, or dropped by the
+        sampling rules; they took part in the advantage statistics) masked out of every token, and the sampling-time
+        logits and hidden states (and the reference's logits unless the update reads them) let go. Returns it and
+        the advantage statistics."""
+        batch, stats = self.prepare(scored, forward)
+        dropped: dict[str, Any] = {"policy_logits": None, "hidden": None}
+        if not keep_ref_logits:
+            dropped["ref_logits"] = None
+        if in_loss is not None and not bool(in_loss.all()):
+            mask = batch.response_mask * in_loss[:, None]
+            dropped.update(response_mask=mask, advantages=batch.advantages * mask)
+        return replace(batch, **dropped), stats
+
+    def prepare(self, rollout: Rollout, forward: Any = None) -> tuple[Rollout, dict[str, float]]:
+        """The rollout with its token rewards, advantages ([B, T]) and returns (and the sampler correction's
+        weights); and their statistics."""
         mask = rollout.response_mask
-        rollout.token_rewards = build_token_rewards(rollout, rollout.scores)
-        returns = sequence_returns(rollout.token_rewards, mask)
-        advantages = self.advantages(rollout.token_rewards, mask, rollout.group_size, rollout.baseline_scores)
+        token_rewards = build_token_rewards(rollout, rollout.scores)
+        returns = sequence_returns(token_rewards, mask)
+        advantages = self.advantages(token_rewards, mask, rollout.group_size, rollout.baseline_scores)
         token_weights = policy_weights(advantages, rollout.scores, mask, self.cfg.weight_by,
                                        self.cfg.whiten_advantages, self.cfg.clamp_negative_weights)
-        rollout.advantages = token_weights
-        rollout.returns = returns[:, None] * mask
+        added: dict[str, Any] = {"token_rewards": token_rewards, "advantages": token_weights,
+                                 "returns": returns[:, None] * mask}
         if self.scales_kl:  # the factor the advantages gave each sample's task reward (kl.loss_scale=advantage)
-            rollout.kl_loss_scale = kl_loss_scale(self.cfg.advantage, returns, rollout.group_size, self.cfg)
+            added["kl_loss_scale"] = kl_loss_scale(self.cfg.advantage, returns, rollout.group_size, self.cfg)
         stats = {"advantages/mean": masked_mean(token_weights, mask, across_ranks=True).item(),
                  "returns/mean": distributed.mean(returns).item()}
         if rollout.baseline_scores is not None:
             stats["advantages/baseline_mean"] = distributed.mean(rollout.baseline_scores).item()
-        return {**stats, **self.importance_weights(rollout), **advantage_range(token_weights, mask)}
+        tis_weights, tis_stats = self.importance_weights(rollout)
+        return (replace(rollout, **added, tis_weights=tis_weights),
+                {**stats, **tis_stats, **advantage_range(token_weights, mask)})
 
-    def importance_weights(self, rollout: Rollout) -> dict[str, float]:
-        """``algorithm.tis_cap``: each token's loss weighted by the sampler-trainer correction
+    def importance_weights(self, rollout: Rollout) -> tuple[Tensor | None, dict[str, float]]:
+        """``algorithm.tis_cap``: each token's loss weight from the sampler-trainer correction
         (:func:`~rlhf_lab.algorithms.losses.sampler_correction`, ``algorithm.tis_mode``) between the trainer's
-        π_old (``logprobs``: the experience step rescores them under ``tis_cap``) and the engine's log-probs."""
+        π_old (``logprobs``: the experience step rescores them under ``tis_cap``) and the engine's log-probs; the
+        weights ([B, T], None without a cap) and their statistics."""
         cap = self.cfg.get("tis_cap")
         if cap is None:
-            return {}
+            return None, {}
         if rollout.sampler_logprobs is None:
             raise RuntimeError("algorithm.tis_cap needs the trainer's log-probs beside the sampler's (the scoring pass)")
         mask = rollout.response_mask
-        rollout.tis_weights = sampler_correction(rollout.logprobs, rollout.sampler_logprobs, mask, cap,
-                                                 self.cfg.get("tis_mode", "token_truncate"))
+        weights = sampler_correction(rollout.logprobs, rollout.sampler_logprobs, mask, cap,
+                                     self.cfg.get("tis_mode", "token_truncate"))
         ratio = torch.exp(rollout.logprobs - rollout.sampler_logprobs)
         if self.cfg.get("tis_mode", "token_truncate").startswith("sequence"):
             ratio = torch.exp(((rollout.logprobs - rollout.sampler_logprobs) * mask).sum(-1, keepdim=True))
             ratio = ratio.expand_as(mask)
-        return {"rollout/is_weight_mean": masked_mean(rollout.tis_weights, mask, across_ranks=True).item(),
-                "rollout/is_capped_frac": masked_mean((ratio > cap).float(), mask, across_ranks=True).item()}
+        return weights, {"rollout/is_weight_mean": masked_mean(weights, mask, across_ranks=True).item(),
+                         "rollout/is_capped_frac": masked_mean((ratio > cap).float(), mask, across_ranks=True).item()}
 
     def loss(self, batch: Rollout, output: PolicyOutput, context: LossContext) -> LossResult:
         """The policy loss of a micro-batch minus the entropy bonus, and its statistics (shares of the

@@ -13,6 +13,7 @@ whose mean ratio exploded (the loss result's ``veto``). The critic trains at its
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -174,19 +175,21 @@ class PPO(Algorithm):
         return [{**group, "lr": self.cfg.critic_lr or lr} for group in super().parameter_groups(lr)]
 
     @torch.no_grad()
-    def prepare(self, rollout: Rollout, forward: Any = None) -> dict[str, float]:
-        """Token rewards (shaped score on the last token − KL penalty), sampling-time values, GAE advantages
-        (whitened if asked) and returns for the rollout."""
+    def prepare(self, rollout: Rollout, forward: Any = None) -> tuple[Rollout, dict[str, float]]:
+        """The rollout with its token rewards (shaped score on the last token − KL penalty), sampling-time values,
+        GAE advantages (whitened if asked) and returns; and their statistics."""
         cfg, mask = self.cfg, rollout.response_mask
         scores = shape_scores(rollout.scores, cfg.reward_clip, cfg.normalize_scores)
-        rollout.token_rewards = build_token_rewards(rollout, scores)
+        token_rewards = build_token_rewards(rollout, scores)
         values = self.sampling_values(rollout, forward).float()
-        advantages, returns = gae_advantages(rollout.token_rewards, values, mask, cfg.gamma, cfg.lam)
-        rollout.values, rollout.returns = values, returns
-        rollout.advantages = masked_whiten(advantages, mask, across_ranks=True) if cfg.whiten_advantages else advantages
-        return {
-            **self.importance_weights(rollout),
-            **advantage_range(rollout.advantages, mask),
+        advantages, returns = gae_advantages(token_rewards, values, mask, cfg.gamma, cfg.lam)
+        trained = masked_whiten(advantages, mask, across_ranks=True) if cfg.whiten_advantages else advantages
+        tis_weights, tis_stats = self.importance_weights(rollout)
+        prepared = replace(rollout, token_rewards=token_rewards, values=values, returns=returns, advantages=trained,
+                           tis_weights=tis_weights)
+        return prepared, {
+            **tis_stats,
+            **advantage_range(trained, mask),
             "value/mean": masked_mean(values, mask, across_ranks=True).item(),
             "returns/mean": masked_mean(returns, mask, across_ranks=True).item(),
             "advantages/mean": masked_mean(advantages, mask, across_ranks=True).item(),

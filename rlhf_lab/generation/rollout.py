@@ -2,8 +2,9 @@
 
 Each stage is made by one module and read by the next: what the engine returns (:class:`Samples`, frozen), what
 the experience adds (:class:`Scored`, frozen: rewards, reference log-probs, KL terms, π_old's source), and the
-training batch every algorithm trains on (:class:`Rollout`, made by :meth:`Scored.for_training`; the algorithm's
-``prepare`` adds the advantages to it, the update reads it).
+training batch every algorithm trains on (:class:`Rollout`, frozen, made by the algorithm alone:
+:meth:`~rlhf_lab.algorithms.base.Algorithm.training_batch` adds the advantages to :meth:`Scored.for_training`'s
+fields; the update reads it).
 
 Layout: each row is ``[left padding | prompt | response | padding after EOS]``; the prompt part has the
 same width P for every row (left padding), the response part width T. ``response_mask`` [B, T] is 1 on
@@ -140,15 +141,16 @@ class Scored(_Rows):
 
     def for_training(self) -> Rollout:
         """The training batch (:class:`Rollout`) of these samples: every field carried over; the algorithm's
-        :meth:`~rlhf_lab.algorithms.base.Algorithm.prepare` adds the advantages to it."""
+        :meth:`~rlhf_lab.algorithms.base.Algorithm.training_batch` makes it and adds the advantages."""
         return Rollout(**{f.name: getattr(self, f.name) for f in fields(Scored)})
 
 
-@dataclass
+@dataclass(frozen=True)
 class Rollout(_Rows):
-    """The training batch: a :class:`Scored` batch's fields (:meth:`Scored.for_training`) and what the algorithm
-    adds (``token_rewards``, ``advantages``, ``returns``, PPO's ``values``, ``tis_weights``, ``kl_loss_scale``). The
-    offline stages build it from data (:mod:`rlhf_lab.offline.batch`).
+    """The training batch (frozen): a :class:`Scored` batch's fields (:meth:`Scored.for_training`) and what the
+    algorithm adds (``token_rewards``, ``advantages``, ``returns``, PPO's ``values``, ``tis_weights``,
+    ``kl_loss_scale``; :meth:`~rlhf_lab.algorithms.base.Algorithm.training_batch`, with :func:`dataclasses.replace`).
+    The offline stages build it from data (:mod:`rlhf_lab.offline.batch`) and add a reference pass the same way.
 
     Rows are grouped: row i belongs to prompt i // group_size.
     """

@@ -8,6 +8,7 @@ rlhf_lab/offline/losses.py) is averaged over the batch's pairs; metrics carry TR
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -41,16 +42,15 @@ class DPO(OfflineStage):
         return 2
 
     @torch.no_grad()
-    def prepare(self, batch: Rollout, trainer: Any) -> None:
-        """The reference's per-token log-probs of both responses (zeros for a reference-free loss)."""
+    def prepare(self, batch: Rollout, trainer: Any) -> Rollout:
+        """The batch with the reference's per-token log-probs of both responses (zeros for a reference-free loss)."""
         if is_reference_free(self.cfg.loss_type):
-            batch.ref_logprobs = torch.zeros_like(batch.response_mask)
-            return
+            return replace(batch, ref_logprobs=torch.zeros_like(batch.response_mask))
         models = trainer.models
         with models.reference_context(), trainer.precision.autocast():
             logits, _ = response_logits(models.reference_model(), batch.input_ids, batch.attention_mask,
                                         batch.prompt_width, trainer.updater.temperature(trainer.cfg))
-        batch.ref_logprobs = gather_logprobs(logits, batch.response_ids) * batch.response_mask
+        return replace(batch, ref_logprobs=gather_logprobs(logits, batch.response_ids) * batch.response_mask)
 
     def pair_loss(self, logps: PairLogps) -> torch.Tensor:
         cfg = self.cfg
@@ -73,7 +73,7 @@ class DPO(OfflineStage):
         sums: dict[str, float] = {}
         for part in chunks(examples):
             batch = to_device(trainer.collator.pairs(part), trainer.device)
-            self.prepare(batch, trainer)
+            batch = self.prepare(batch, trainer)
             logps = pair_logps(trainer.updater.forward(batch).logprobs, batch.ref_logprobs, batch.response_mask)
             values = {"loss": self.pair_loss(logps).sum(), **preference_metrics(self.cfg.loss_type, logps, self.cfg.beta)}
             for key, value in values.items():

@@ -106,7 +106,7 @@ class OfflineTrainer(Trainer):
             batch = to_device(self.algorithm.collate(self.collator, [self.examples.train[i] for i in indices]),
                               self.device)
         with timer.phase("reference"):
-            self.algorithm.prepare(batch, self)
+            batch = self.algorithm.prepare(batch, self)
         update_stats = self.updater.update(batch, 0.0, step, timer)
         self.updater.scheduler.step()
         synchronize()

@@ -29,7 +29,7 @@ from rlhf_lab.runtime import distributed
 from rlhf_lab.scoring.logprobs import scale_logits
 
 
-@dataclass
+@dataclass(frozen=True)
 class PackedRows(Rollout):
     """Packed documents in the rollout layout with a prompt width of 1: ``response_ids`` are every token after
     a row's first, and ``response_mask`` [R, W−1] marks the response tokens of the row's documents."""

@@ -57,8 +57,9 @@ class OfflineStage:
     def collate(self, collator: Any, examples: list[Example]) -> Rollout:
         return collator.pairs(examples) if self.pairs else collator.demonstrations(examples)
 
-    def prepare(self, batch: Rollout, trainer: Any) -> None:
-        """Fill what the loss needs beside the policy's forward pass (a reference pass)."""
+    def prepare(self, batch: Rollout, trainer: Any) -> Rollout:
+        """The batch with what the loss needs beside the policy's forward pass (a reference pass)."""
+        return batch
 
     def batch_metrics(self, batch: Rollout) -> dict[str, float]:
         """The stage's own metrics of a training batch's layout (logged with the step's)."""

@@ -330,13 +330,9 @@ def _run_step(cfg: Any, parts: dict[str, Any], phases: _Phases, prompts: list[li
     phases.run("scoring", score)
 
     def train() -> None:
-        held[0] = held[0].for_training()
-        batch = held[0]
-        algorithm.prepare(batch, updater.forward)
-        batch.policy_logits = batch.hidden = None  # as the trainer frees them before the update
-        if not maker.update_needs_ref_logits:
-            batch.ref_logits = None
-        updater.update(batch, KL_COEF, 0, timer)
+        held[0], _ = algorithm.training_batch(held[0].for_training(), updater.forward,
+                                              keep_ref_logits=maker.update_needs_ref_logits)
+        updater.update(held[0], KL_COEF, 0, timer)
 
     phases.run("training", train)
     return held[0]

@@ -17,6 +17,7 @@ every rank takes the same decision.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -123,6 +124,7 @@ class Updater:
         self.consecutive_skips = 0
         self.skipped_updates = 0
         self.last_grad_norm = float("nan")
+        self.pass_entropy: Tensor | None = None  # the last update's measured entropy (``entropy_from_update``)
 
     # ------------------------------------------------------------------ counters (saved with checkpoints)
     def state_dict(self) -> dict[str, int]:
@@ -154,13 +156,19 @@ class Updater:
         logprobs = gather_logprobs(logits, batch.response_ids) * batch.response_mask
         return PolicyOutput(logprobs=logprobs, logits=logits, hidden=hidden)
 
-    def micro_loss(self, batch: Rollout, context: LossContext, coef: float) -> LossResult:
-        """The algorithm's loss of a micro-batch plus the loss-placed KL term; ``loss/total`` in the stats."""
+    def micro_loss(self, batch: Rollout, context: LossContext, coef: float,
+                   entropies: list[Tensor] | None = None) -> LossResult:
+        """The algorithm's loss of a micro-batch plus the loss-placed KL term; ``loss/total`` in the stats. Where
+        the training pass measures the sampling policy's entropy (``entropy_from_update``) the loss reads this pass's,
+        appended to ``entropies``."""
         with recomputing(self.recompute), layers_checkpointing(self.policy), packed_passes(self.pack):
             output = self.forward(batch)
         if batch.entropy_from_update:  # an engine with no logits, one update: the entropy of this very pass
             with torch.no_grad():
-                batch.entropy = entropy_from_logits(output.logits.detach()) * batch.response_mask
+                batch = dataclasses.replace(batch, entropy=entropy_from_logits(output.logits.detach())
+                                            * batch.response_mask)
+            if entropies is not None:
+                entropies.append(batch.entropy)
         with self.precision.autocast(), packed_passes(self.pack):  # the algorithm's own networks (a separate critic)
             result = self.algorithm.loss(batch, output, context)
         loss, stats = result.loss, result.stats
@@ -198,8 +206,10 @@ class Updater:
         self.consecutive_skips = 0
         return True
 
-    def minibatch_update(self, minibatch: Rollout, coef: float, timer: StepTimer) -> dict[str, float]:
-        """Accumulate the micro-batches' gradients and take one optimizer step (or a veto, or a skip)."""
+    def minibatch_update(self, minibatch: Rollout, coef: float, timer: StepTimer,
+                         entropies: list[Tensor] | None = None) -> dict[str, float]:
+        """Accumulate the micro-batches' gradients and take one optimizer step (or a veto, or a skip). Where the
+        training pass measures the entropy, the mini-batch's rows' ([rows, T]) are appended to ``entropies``."""
         groups = micro_batches(minibatch.attention_mask, self.cfg.trainer.micro_batch_size,
                                self.token_budget, agree=self.sharded,
                                stretch=self.cfg.trainer.get("max_tokens_per_micro_batch") is None)
@@ -214,14 +224,13 @@ class Updater:
         extremes: dict[str, Tensor] = {}
         veto_sum: Tensor | None = None
         finite: Tensor | None = None
-        entropies: list[Tensor] = []  # the micro-batches' entropies where the training pass measures them
+        measured: list[Tensor] = []  # the micro-batches' entropies where the training pass measures them
         with timer.phase("policy_forward_backward"):
             for index, rows_index in enumerate(groups):
                 # DDP all-reduces the gradients once, in the mini-batch's last backward.
                 with distributed.no_sync(self.sync_modules, skip=index != len(groups) - 1):
                     micro_batch = minibatch.select(rows_index)
-                    result = self.micro_loss(micro_batch, context, coef)
-                    entropies += [micro_batch.entropy] if minibatch.entropy_from_update else []
+                    result = self.micro_loss(micro_batch, context, coef, measured)
                     loss_is_finite = torch.isfinite(result.loss.detach())
                     finite = loss_is_finite if finite is None else finite & loss_is_finite
                     self.backward(result.loss)
@@ -260,8 +269,8 @@ class Updater:
         if veto is not None:
             stats["optim/vetoed"] = float(veto > 0)
         stats["optim/skipped"] = 0.0 if applied else 1.0
-        if entropies:
-            minibatch.entropy = torch.cat(entropies)
+        if measured and entropies is not None:
+            entropies.append(torch.cat(measured))
         return stats
 
     def backward(self, loss: Tensor) -> None:
@@ -274,22 +283,28 @@ class Updater:
         loss.backward()
 
     def update(self, rollout: Rollout, coef: float, step: int, timer: StepTimer) -> dict[str, float]:
-        """All epochs over ``rollout``; returns the update metrics averaged over mini-batches."""
+        """All epochs over ``rollout``; returns the update metrics averaged over mini-batches. Where the training
+        pass measures the sampling policy's entropy (``rollout.entropy_from_update``) it is :attr:`pass_entropy`
+        afterwards ([B, T]); the batch itself is not written."""
         cfg = self.cfg
         batch_size = rollout.batch_size  # this rank's rows
         mini = cfg.algorithm.mini_batch_size // self.world_size or batch_size
         sums: dict[str, float] = {}
         updates = 0
         self.last_grad_norm = float("nan")  # stays nan if no optimizer step runs this step (all vetoed)
+        # Where the engine reports no entropy, the training pass measures it: the rows' entropies, in batch order.
+        entropy = torch.zeros_like(rollout.entropy) if rollout.entropy_from_update else None
+        self.pass_entropy = entropy
         generator = torch.Generator().manual_seed(cfg.seed * 7919 + step)
         for _epoch in range(cfg.algorithm.epochs):
             order = torch.randperm(batch_size, generator=generator) if mini < batch_size else torch.arange(batch_size)
             epoch_stats: dict[str, float] = {}
             for start in range(0, batch_size, mini):
                 minibatch = rollout.select(order[start : start + mini])
-                stats = self.minibatch_update(minibatch, coef, timer)
-                if rollout.entropy_from_update:  # the sampling policy's entropy is this first pass's (one update)
-                    rollout.entropy[order[start : start + mini]] = minibatch.entropy.to(rollout.entropy.dtype)
+                measured: list[Tensor] = []
+                stats = self.minibatch_update(minibatch, coef, timer, measured)
+                if measured:  # the sampling policy's entropy is this first pass's (one update)
+                    entropy[order[start : start + mini]] = measured[0].to(entropy.dtype)
                 updates += 1
                 for key, value in stats.items():
                     if key.endswith(EXTREMA):

@@ -185,36 +185,31 @@ class Trainer(RunState, StopSignals, Evaluates, StepRecord):
         experience = self.experience.make(  # sample and score; under generation.max_staleness=1 the next batch
             batch.prompts, cfg.algorithm.group_size, timer, batch.names, coef, rng_keys=batch.keys, train=True,
             refill=refill_source(cfg, self.prompts.train, step), then=lambda: self.launch_ahead(step, timer))
-        # The training batch made from the scored one (frozen): the algorithm adds the advantages to it.
-        experience = dataclasses.replace(experience, rollout=experience.rollout.for_training())
-        with timer.phase("advantages"), self.precision.autocast():  # a separate critic's trunk runs here
-            advantage_stats = self.algorithm.prepare(experience.rollout, self.updater.forward)
         sampled_mask = experience.rollout.response_mask  # every sample drawn, before dropped ones leave the loss
-        update_stats, kl_per_sequence = self.update_policy(experience, coef, step, timer)
+        # The training batch made from the scored one (both frozen): the algorithm's advantages, dropped samples out.
+        with timer.phase("advantages"), self.precision.autocast():  # a separate critic's trunk runs here
+            training, advantage_stats = self.algorithm.training_batch(
+                experience.rollout.for_training(), self.updater.forward, experience.in_loss,
+                keep_ref_logits=self.experience.update_needs_ref_logits)
+        experience = dataclasses.replace(experience, rollout=training)
+        update_stats, kl_per_sequence = self.update_policy(experience, sampled_mask, coef, step, timer)
+        if self.updater.pass_entropy is not None:  # measured by the training pass: the step records it
+            experience = dataclasses.replace(experience, rollout=dataclasses.replace(
+                training, entropy=self.updater.pass_entropy))
         synchronize()
         return self.record_step(step, experience, sampled_mask, coef, kl_per_sequence, time.perf_counter() - start,
                                 timer, {**advantage_stats, **update_stats})
 
-    def update_policy(self, experience: Experience, coef: float, step: int,
+    def update_policy(self, experience: Experience, sampled_mask: torch.Tensor, coef: float, step: int,
                       timer: StepTimer) -> tuple[dict[str, Any], torch.Tensor]:
         """The updater's epochs on the step's batch, then the KL controller and the schedule; returns the update's
-        metrics and the batch's KL per sequence (every rank's)."""
-        rollout, in_loss = experience.rollout, experience.in_loss
-        mask = rollout.response_mask
-        if not bool(in_loss.all()):
-            # Dropped samples (non-finite score; truncated or tied-filler ones under the sampling rules) took
-            # part in the advantage statistics; from here on their tokens count nowhere: no loss, no gradient,
-            # no token in any mean.
-            rollout.response_mask = mask * in_loss[:, None]
-            rollout.advantages = rollout.advantages * rollout.response_mask
-        rollout.policy_logits = rollout.hidden = None  # no longer needed; frees [B, T, V] and [B, T, H]
-        if not self.experience.update_needs_ref_logits:
-            rollout.ref_logits = None
+        metrics and the batch's KL per sequence over every sampled token (every rank's)."""
+        rollout = experience.rollout  # the training batch: dropped samples' tokens count nowhere from here on
         stats = self.updater.update(rollout, coef, step, timer)
         self.worker.weights_updated()  # the engine takes them before it next samples
         # The controller follows the exact KL per sequence where it is computed (kl.exact=step), else the estimate.
         measured = rollout.kl_exact if rollout.kl_exact is not None else rollout.kl_estimate
-        kl_per_sequence = distributed.gather_rows(masked_sum(measured, mask, dim=-1))
+        kl_per_sequence = distributed.gather_rows(masked_sum(measured, sampled_mask, dim=-1))
         self.kl_controller.update(float(kl_per_sequence.mean()), len(kl_per_sequence))
         self.updater.scheduler.step()
         return stats, kl_per_sequence

@@ -31,7 +31,7 @@ def scored_and_updated(compose, tiny_overrides, run_dir: Path, *overrides: str):
     rollout = experience.rollout.for_training()  # the training batch of the scored one
     scored = {key: getattr(rollout, key).clone() for key in ("response_mask", "ref_logprobs", "kl_exact", "kl_estimate")}
     kept_as_head = type(rollout.ref_logits).__name__  # what the update reads of the reference's logits
-    trainer.algorithm.prepare(rollout, trainer.updater.forward)
+    rollout, _ = trainer.algorithm.prepare(rollout, trainer.updater.forward)
     grads = []
     trainer.updater.optimizer.register_step_pre_hook(
         lambda optimizer, args, kwargs: grads.extend(p.grad.clone() for p in trainer.updater.parameters))

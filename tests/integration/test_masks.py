@@ -9,6 +9,7 @@ of padding.
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
@@ -134,15 +135,14 @@ def score(trainer: Trainer, rollout: Rollout) -> tuple[Rollout, torch.Tensor, to
         with trainer.models.reference_context():
             ref_logits, _ = response_logits(trainer.models.reference_model(), rollout.input_ids,
                                             rollout.attention_mask, rollout.prompt_width, 1.0)
-    rollout.policy_logits = policy_logits
-    rollout.ref_logits = ref_logits
-    rollout.ref_logprobs = gather_logprobs(ref_logits, rollout.response_ids) * mask
-    rollout.logprobs = rollout.ref_logprobs.clone()
-    rollout.entropy = entropy_from_logits(policy_logits) * mask
-    rollout.scores = SCORES.clone()
+    ref_logprobs = gather_logprobs(ref_logits, rollout.response_ids) * mask
+    rollout = replace(rollout, policy_logits=policy_logits, ref_logits=ref_logits, ref_logprobs=ref_logprobs,
+                      logprobs=ref_logprobs.clone(), entropy=entropy_from_logits(policy_logits) * mask,
+                      scores=SCORES.clone())
     estimate, exact = trainer.kl.sampled_terms(rollout)
-    rollout.kl_penalty = trainer.kl.placement.reward_penalty(estimate, trainer.kl_controller.coef, mask)
-    trainer.algorithm.prepare(rollout)
+    rollout = replace(rollout, kl_penalty=trainer.kl.placement.reward_penalty(estimate, trainer.kl_controller.coef,
+                                                                              mask))
+    rollout, _ = trainer.algorithm.prepare(rollout)
     return rollout, estimate, exact
 
 
@@ -246,8 +246,7 @@ def test_kl_in_the_reward_leaves_masked_positions_at_zero(trainer: Trainer,
     expected_row0 = [-coef * raw_kl[0, 0].item(), -coef * raw_kl[0, 1].item(), 1.0 - coef * raw_kl[0, 2].item()]
     assert shaped[0, :3].tolist() == pytest.approx(expected_row0, rel=1e-6)
     assert placement.loss_term(raw_kl, mask, coef).item() == 0.0
-    rollout.kl_penalty = placement.reward_penalty(raw_kl, coef, mask)
-    trainer.algorithm.prepare(rollout)
+    rollout, _ = trainer.algorithm.prepare(replace(rollout, kl_penalty=placement.reward_penalty(raw_kl, coef, mask)))
     torch.testing.assert_close(rollout.token_rewards, shaped)
     assert torch.all(rollout.advantages[mask == 0] == 0)
     assert torch.isfinite(rollout.advantages).all()

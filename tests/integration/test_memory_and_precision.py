@@ -51,7 +51,7 @@ def saved_bytes_and_grads(trainer: Trainer, rollout) -> tuple[int, list[torch.Te
         return tensor
 
     rollout = rollout.for_training()  # the training batch of the scored one
-    trainer.algorithm.prepare(rollout, trainer.updater.forward)
+    rollout, _ = trainer.algorithm.prepare(rollout, trainer.updater.forward)
     grads = []
     trainer.updater.optimizer.register_step_pre_hook(
         lambda optimizer, args, kwargs: grads.extend(p.grad.clone() for p in trainer.updater.parameters))

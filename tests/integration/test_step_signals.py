@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -36,14 +37,15 @@ def test_lengths_and_clipping_by_hand() -> None:
     eos = 2
     response_ids = torch.tensor([[5, 6, 2, 0], [5, 6, 7, 8], [5, 6, 7, 0], [2, 0, 0, 0]])
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 1, 0], [1, 0, 0, 0]])
-    rollout = Rollout.__new__(Rollout)
-    rollout.input_ids, rollout.prompt_width, rollout.truncated = torch.cat([response_ids[:, :1], response_ids], 1), 1, None
+    rollout = Rollout(input_ids=torch.cat([response_ids[:, :1], response_ids], 1), attention_mask=mask,
+                      response_mask=mask.float(), prompt_width=1, group_size=1, logprobs=mask.float(),
+                      entropy=mask.float())
     # row 0 ended by EOS; row 1 reached 4 tokens without EOS: clipped; row 2 stopped short (a stop string); row 3 EOS
     clipped = clipped_responses(rollout, mask, 4, eos)
     assert clipped.tolist() == [False, True, False, False]
     assert length_metrics(mask, clipped) == {"response/length_min": 1, "response/length_max": 4,
                                              "response/clipped_frac": 0.25}
-    rollout.truncated = torch.tensor([True, False, False, True])  # episodes: the environment's own cut
+    rollout = replace(rollout, truncated=torch.tensor([True, False, False, True]))  # the environment's own cut
     assert clipped_responses(rollout, mask, 4, eos).tolist() == [True, False, False, True]
 
 

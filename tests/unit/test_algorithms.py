@@ -7,6 +7,7 @@ the function under test a second way.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -100,7 +101,7 @@ def test_grpo_prepare_spreads_advantages_over_valid_tokens(compose, scale_by_std
                                  dtype=torch.float64)], dim=1)
     mask = torch.tensor([[1.0, 1.0, 0.0]] * 8, dtype=torch.float64)
     rollout = make_rollout(token_rewards, mask, group_size=4)
-    algorithm.prepare(rollout)
+    rollout, _ = algorithm.prepare(rollout)
     expected_tokens = torch.tensor(expected, dtype=torch.float64)[:, None] * mask
     torch.testing.assert_close(rollout.advantages, expected_tokens, rtol=0, atol=1e-12)
     torch.testing.assert_close(rollout.returns, RETURNS[:, None] * mask, rtol=0, atol=0)
@@ -146,7 +147,7 @@ def test_reinforce_prepare_per_baseline(compose, baseline: str, expected: list[f
     cfg = compose(["algorithm=reinforce", "algorithm.group_size=2", f"algorithm.baseline={baseline}"])
     token_rewards, mask = rewards_on_last_token(torch.tensor([1.0, 3.0], dtype=torch.float64))
     rollout = make_rollout(token_rewards, mask, group_size=2)
-    Algorithm(cfg.algorithm).prepare(rollout)
+    rollout, _ = Algorithm(cfg.algorithm).prepare(rollout)
     torch.testing.assert_close(rollout.advantages[:, 0], torch.tensor(expected, dtype=torch.float64))
 
 
@@ -160,7 +161,7 @@ def test_whitening_uses_valid_tokens_only(compose) -> None:
     token_rewards = torch.tensor([[0.0, 0.0, 1.0, 0.0], [3.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
     rollout = make_rollout(token_rewards, mask, group_size=2)
-    Algorithm(cfg.algorithm).prepare(rollout)
+    rollout, _ = Algorithm(cfg.algorithm).prepare(rollout)
     expected = torch.tensor([[-0.5, -0.5, -0.5, 0.0], [1.5, 0.0, 0.0, 0.0]], dtype=torch.float64)
     torch.testing.assert_close(rollout.advantages, expected, rtol=0, atol=1e-7)
 
@@ -197,10 +198,10 @@ def test_weight_by_reward_uses_the_raw_score_not_the_kl_penalised_return(compose
     cfg = compose(["algorithm=reinforce", "algorithm.group_size=2", "algorithm.baseline=none",
                    "algorithm.weight_by=reward"])
     # Scores [1, 3]; a KL penalty of 0.25 on each of 2 tokens makes the returns [0.5, 2.5].
-    rollout = make_rollout(torch.zeros(2, 2, dtype=torch.float64), torch.ones(2, 2, dtype=torch.float64), 2)
-    rollout.scores = torch.tensor([1.0, 3.0], dtype=torch.float64)
-    rollout.kl_penalty = torch.full((2, 2), 0.25, dtype=torch.float64)
-    Algorithm(cfg.algorithm).prepare(rollout)
+    rollout = replace(make_rollout(torch.zeros(2, 2, dtype=torch.float64), torch.ones(2, 2, dtype=torch.float64), 2),
+                      scores=torch.tensor([1.0, 3.0], dtype=torch.float64),
+                      kl_penalty=torch.full((2, 2), 0.25, dtype=torch.float64))
+    rollout, _ = Algorithm(cfg.algorithm).prepare(rollout)
     assert rollout.returns[:, 0].tolist() == [0.5, 2.5]
     assert rollout.advantages[:, 0].tolist() == [1.0, 3.0]
 
@@ -211,7 +212,7 @@ def test_prepare_weight_by_reward_ignores_the_baseline(compose) -> None:
     # The weights are the raw returns [-1, 2, 0.5, -3] with negatives set to 0, not the GRPO advantages.
     token_rewards, mask = rewards_on_last_token(torch.tensor([-1.0, 2.0, 0.5, -3.0], dtype=torch.float64))
     rollout = make_rollout(token_rewards, mask, group_size=4)
-    get("algorithm", "grpo")(cfg.algorithm).prepare(rollout)
+    rollout, _ = get("algorithm", "grpo")(cfg.algorithm).prepare(rollout)
     assert rollout.advantages[:, 0].tolist() == [0.0, 2.0, 0.5, 0.0]
     assert rollout.advantages[:, 2].tolist() == [0.0, 2.0, 0.5, 0.0]
 
@@ -222,7 +223,7 @@ def test_prepare_clamps_negative_advantages(compose) -> None:
     # Dr. GRPO advantages of [1, 2, 3, 6] are [-2, -1, 0, 3]; clamped [0, 0, 0, 3].
     token_rewards, mask = rewards_on_last_token(torch.tensor([1.0, 2.0, 3.0, 6.0], dtype=torch.float64))
     rollout = make_rollout(token_rewards, mask, group_size=4)
-    get("algorithm", "grpo")(cfg.algorithm).prepare(rollout)
+    rollout, _ = get("algorithm", "grpo")(cfg.algorithm).prepare(rollout)
     assert rollout.advantages[:, 1].tolist() == [0.0, 0.0, 0.0, 3.0]
 
 
@@ -332,8 +333,8 @@ def test_micro_batch_accumulation_equals_the_whole_mini_batch(compose, aggregati
     lengths = torch.tensor([5, 3, 1, 4])  # the halves hold 8 and 5 tokens: unequal on purpose
     mask = (torch.arange(5)[None, :] < lengths[:, None]).double()
     batch = make_rollout(torch.zeros(4, 5, dtype=torch.float64), mask, group_size=2)
-    batch.logprobs = -torch.rand(4, 5, generator=generator, dtype=torch.float64) * mask
-    batch.advantages = torch.tensor([[1.5], [-0.5], [2.0], [-1.0]], dtype=torch.float64) * mask
+    batch = replace(batch, logprobs=-torch.rand(4, 5, generator=generator, dtype=torch.float64) * mask,
+                    advantages=torch.tensor([[1.5], [-0.5], [2.0], [-1.0]], dtype=torch.float64) * mask)
     # New log-probs move the ratio by up to ±0.5, so the 0.2 clip binds on some tokens and not others.
     shift = (torch.rand(4, 5, generator=generator, dtype=torch.float64) - 0.5) * mask
     new_logprobs = (batch.logprobs + shift).requires_grad_(True)
@@ -377,3 +378,31 @@ def test_rloo_is_reinforce_with_the_loo_baseline(compose) -> None:
 def test_sequence_returns_sums_only_masked_tokens() -> None:
     token_rewards = torch.tensor([[1.0, 2.0, 3.0, 100.0], [-1.0, 50.0, 50.0, 50.0]])
     assert sequence_returns(token_rewards, MASK).tolist() == [6.0, -1.0]
+
+
+def test_the_training_batch_is_a_frozen_stage_made_by_the_algorithm_alone(compose) -> None:
+    """``Algorithm.training_batch``: a new, frozen batch with the advantages; the scored batch it came from is
+    untouched; a sample left out of the loss takes part in the group statistics and is then masked out of every
+    token; the sampling-time logits and hidden states are let go (the reference's too where the update reads none)."""
+    import dataclasses
+
+    cfg = compose(["algorithm=grpo", "algorithm.group_size=2"])
+    algorithm = get("algorithm", "grpo")(cfg.algorithm)
+    mask = torch.ones(4, 3, dtype=torch.float64)
+    token_rewards = torch.zeros(4, 3, dtype=torch.float64)
+    token_rewards[:, -1] = torch.tensor([1.0, 0.0, 2.0, 0.0], dtype=torch.float64)
+    scored = replace(make_rollout(token_rewards, mask, 2), policy_logits=torch.zeros(4, 3, 5), hidden=torch.zeros(4, 3, 2),
+                     ref_logits=torch.zeros(4, 3, 5))
+    in_loss = torch.tensor([True, True, True, False])
+    batch, stats = algorithm.training_batch(scored, in_loss=in_loss, keep_ref_logits=False)
+    whole, _ = algorithm.prepare(scored)
+    assert scored.advantages is None and scored.response_mask is mask  # the scored batch is not written
+    assert torch.equal(batch.response_mask, mask * in_loss[:, None].double())
+    assert torch.equal(batch.advantages[:3], whole.advantages[:3]) and torch.all(batch.advantages[3] == 0)
+    assert whole.advantages[3].abs().sum() > 0  # the dropped sample had its own advantage in the group's statistics
+    assert batch.policy_logits is None and batch.hidden is None and batch.ref_logits is None
+    assert stats["advantages/mean"] == pytest.approx(float(whole.advantages.mean()))
+    kept, _ = algorithm.training_batch(scored)
+    assert kept.ref_logits is scored.ref_logits and torch.equal(kept.response_mask, mask)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        batch.advantages = torch.zeros(4, 3)

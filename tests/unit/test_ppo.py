@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -192,7 +193,7 @@ def test_prepare_shapes_scores_only_and_whitens_over_valid_tokens() -> None:
     with torch.no_grad():
         algorithm.critic.linear.weight.fill_(1.0)
     rollout = fake_rollout(scores, token_rewards, mask)
-    stats = algorithm.prepare(rollout, lambda batch: PolicyOutput(batch.logprobs, None, hidden))
+    rollout, stats = algorithm.prepare(rollout, lambda batch: PolicyOutput(batch.logprobs, None, hidden))
 
     clipped_rewards = kl_part + scores_to_token_rewards(torch.tensor([1.0, -0.5]), mask)  # 3.0 clipped to 1.0
     expected_advantages, expected_returns = gae_advantages(clipped_rewards, hidden[..., 0], mask, 0.9, 0.8)
@@ -208,7 +209,7 @@ def test_prepare_shapes_scores_only_and_whitens_over_valid_tokens() -> None:
     unwhitened = PPO(ppo_config(gamma=0.9, lam=0.8, whiten_advantages=False))
     unwhitened.critic = algorithm.critic
     rollout = fake_rollout(scores, token_rewards, mask)
-    unwhitened.prepare(rollout, lambda batch: PolicyOutput(batch.logprobs, None, hidden))
+    rollout, _ = unwhitened.prepare(rollout, lambda batch: PolicyOutput(batch.logprobs, None, hidden))
     torch.testing.assert_close(rollout.advantages, gae_advantages(token_rewards, hidden[..., 0], mask, 0.9, 0.8)[0])
 
 
@@ -279,8 +280,7 @@ def _ratio_batch(rows: int, length: int) -> Rollout:
     """Old log-probs, values, returns 0, advantages 1: the new log-probs alone set the ratio."""
     mask = torch.ones(rows, length)
     rollout = fake_rollout(torch.zeros(rows), torch.zeros_like(mask), mask, values=torch.zeros_like(mask))
-    rollout.returns, rollout.advantages = torch.zeros_like(mask), torch.ones_like(mask)
-    return rollout
+    return replace(rollout, returns=torch.zeros_like(mask), advantages=torch.ones_like(mask))
 
 
 def test_ratio_threshold_vetoes_by_the_minibatch_mean_ratio_across_micro_batches() -> None:

@@ -80,7 +80,7 @@ def test_the_remax_algorithm_uses_the_rollouts_baseline() -> None:
                       response_mask=mask, prompt_width=1, group_size=2, logprobs=torch.zeros(2, 2),
                       entropy=torch.zeros(2, 2), scores=torch.tensor([1.0, -1.0]), kl_penalty=torch.zeros(2, 2),
                       baseline_scores=torch.tensor([0.25, 0.25]))
-    stats = Algorithm(cfg).prepare(rollout)
+    rollout, stats = Algorithm(cfg).prepare(rollout)
     torch.testing.assert_close(rollout.advantages, torch.tensor([[0.75, 0.75], [-1.25, 0.0]]))
     assert stats["advantages/baseline_mean"] == pytest.approx(0.25)
 
