@@ -8,6 +8,7 @@ with ``offline = True`` and the loop that runs it named in ``trainer`` (see :fun
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -71,11 +72,9 @@ class OfflineStage:
 
 
 def to_device(batch: Rollout, device: torch.device) -> Rollout:
-    """The batch's tensors on ``device``."""
-    for name, value in vars(batch).items():
-        if isinstance(value, torch.Tensor):
-            setattr(batch, name, value.to(device))
-    return batch
+    """The batch (frozen) with its tensors on ``device``."""
+    return replace(batch, **{name: value.to(device) for name, value in vars(batch).items()
+                             if isinstance(value, torch.Tensor)})
 
 
 def chunks(examples: list[Example], size: int = EVAL_CHUNK) -> list[list[Example]]:
