@@ -7,7 +7,7 @@
 #
 #     bash benchmarks/gpu_check.sh            # PYTHON=python3 by default
 #
-# DEVICE=cpu and ROW_EXTRA="model.tiny.hidden_size=64 ..." try the script's own plumbing on a machine without one.
+# DEVICE=cpu DIMS="model.tiny.hidden_size=64 ..." NEW_TOKENS=16 try the script's own plumbing without a GPU.
 set -o pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -26,6 +26,9 @@ if ! PYTHONPATH=.gpu/site $PYTHON -c "import datasets" 2>/dev/null && ls .gpu/fa
     $PYTHON -m pip install -q --no-index --no-deps --no-compile --upgrade --target .gpu/site .gpu/fallback/*.whl
 fi
 
+# The 1B step's allocation history (torch.cuda.memory._dump_snapshot), for where its peak's bytes come from.
+case $OUT in /*) SNAPSHOT_DIR=$OUT ;; *) SNAPSHOT_DIR=$PWD/$OUT ;; esac
+export RLHF_LAB_GPU_SNAPSHOT="$SNAPSHOT_DIR/1b_step_memory.pickle"
 if command -v make >/dev/null; then
     timeout "${TEST_GPU_S:-270}" make test-gpu GPU_PYTHON="$PYTHON" GPU_BUNDLE=.gpu ARGS="-rA --durations=0" 2>&1 \
         | tee "$OUT/test_gpu.log"
@@ -34,15 +37,23 @@ else  # the same steps as the Makefile's target
         $PYTHON -m pytest -q -s -m gpu tests/gpu -rA --durations=0 2>&1 | tee "$OUT/test_gpu.log"
 fi
 echo "test-gpu exit status: $?"
+[ -f "$RLHF_LAB_GPU_SNAPSHOT" ] && gzip -f "$RLHF_LAB_GPU_SNAPSHOT"
+unset RLHF_LAB_GPU_SNAPSHOT
 
 export PYTHONPATH="$PWD/.gpu/site:$PWD" RLHF_LAB_CACHE="$PWD/.gpu/cache"
-ROW=(model=tiny model.tiny.hidden_size=2048 model.tiny.num_hidden_layers=16 model.tiny.num_attention_heads=16
-     model.tiny.num_key_value_heads=8 model.tiny.intermediate_size=5632 hardware=default reward=length
-     trainer.device=${DEVICE:-cuda} trainer.precision=bf16-mixed trainer.prompts_per_step=8 algorithm.group_size=8
-     trainer.max_new_tokens=128 $ROW_EXTRA)
+DIMS=${DIMS:-"model.tiny.hidden_size=2048 model.tiny.num_hidden_layers=16 model.tiny.num_attention_heads=16
+      model.tiny.num_key_value_heads=8 model.tiny.intermediate_size=5632"}  # a ~1B Llama
+ROW=(model=tiny $DIMS hardware=default reward=length trainer.device=${DEVICE:-cuda} trainer.precision=bf16-mixed
+     trainer.prompts_per_step=8 algorithm.group_size=8 trainer.max_new_tokens=${NEW_TOKENS:-128})
 timeout "${BENCH_S:-170}" $PYTHON -m benchmarks.bench --lora --steps 2 --warmup 1 --json "$OUT/bench_1b.json" \
     -- "${ROW[@]}" 2>&1 | grep -v '^[ {}]' | tee "$OUT/bench_1b.log"
 echo "bench exit status: $?"
+
+# The full row once more as a plain run, 2 steps: where it fails, the whole traceback (the bench keeps its last line).
+timeout "${ROW_S:-90}" $PYTHON -m rlhf_lab "${ROW[@]}" trainer.steps=2 trainer.eval_prompts=0 logger=none \
+    trainer.progress_bar=false trainer.output_dir="$OUT/row_run" 2>&1 | tail -60 | tee "$OUT/row_run.log"
+echo "row run exit status: $?"
+rm -rf "$OUT/row_run"
 
 # The plan of each row: the bench's own overrides (benchmarks/bench.py), then the row's.
 BENCH=(algorithm=grpo kl=k3 kl.coef=0.04 kl.placement=loss)

@@ -185,11 +185,17 @@ def test_a_1b_step_s_peak_memory_is_the_plan_s(tmp_path: Path) -> None:
             return experience
 
         trainer.experience.make = recorded
+        snapshot = os.environ.get("RLHF_LAB_GPU_SNAPSHOT")  # benchmarks/gpu_check.sh: where the peak's bytes come from
+        if snapshot:
+            torch.cuda.memory._record_memory_history(max_entries=100_000, stacks="python")
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         trainer.train_step(1)
         torch.cuda.synchronize()
         measured = torch.cuda.max_memory_allocated()
+        if snapshot:
+            torch.cuda.memory._dump_snapshot(snapshot)
+            torch.cuda.memory._record_memory_history(enabled=None)
         plan = plan_step(cfg, trainer.tokenizer, trainer.precision, prompt_tokens=widths[0], count_flops=False)
         print(f"1B-class Llama step: measured peak {measured / 2**30:.2f} GiB, planned {plan.peak / 2**30:.2f} GiB "
               f"({plan.peak_phase}); phases {({k: round(v / 2**30, 2) for k, v in plan.peaks.items()})}")
