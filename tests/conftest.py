@@ -16,7 +16,7 @@ os.environ["WANDB_MODE"] = "disabled"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 os.environ["OMP_NUM_THREADS"] = "1"
 
-from collections.abc import Callable, Iterator  # noqa: E402
+from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
@@ -99,18 +99,6 @@ def own_folder(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.Mon
     folder = tmp_path_factory.mktemp("cwd")
     monkeypatch.chdir(folder)
     return folder
-
-
-@pytest.fixture(autouse=True)
-def no_process_group_left() -> Iterator[None]:
-    """A default process group an in-process test leaves behind (a trainer of ``trainer.strategy=fsdp`` in one
-    process starts a group of one) ends with the test: the next test in the same worker starts with none, whatever
-    order the workers run the files in."""
-    yield
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
 
 
 @pytest.fixture(name="compose", scope="session")
