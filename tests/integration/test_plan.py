@@ -79,10 +79,23 @@ def test_plan_prints_a_table_and_a_json_line(run_cli) -> None:
 
 
 def test_fsdp_ranks_hold_a_share_of_the_states(run_cli) -> None:
+    """The 4-rank plan as its own ``rlhf-lab plan`` process: its fake process group must be the process's default
+    group, which an in-process vLLM engine of an earlier test in the same worker may hold for good."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
     base = ["plan", "model=tiny", "trainer.prompts_per_step=4", "algorithm.group_size=2", "trainer.max_new_tokens=4",
             "data.max_prompt_tokens=16", "--device", "cuda"]
     one = json.loads(run_cli(base)[1].strip().splitlines()[-1])
-    four = json.loads(run_cli([*base, "trainer.strategy=fsdp", "--world-size", "4"])[1].strip().splitlines()[-1])
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+           "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-m", "rlhf_lab", *base, "trainer.strategy=fsdp", "--world-size", "4"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    four = json.loads(done.stdout.strip().splitlines()[-1])
     assert four["rows_per_rank"] == 2 and one["rows_per_rank"] == 8
     # FSDP2 over a fake group of 4 ranks: each holds a quarter of the weights and of AdamW's state
     assert four["phases"]["weights"] == pytest.approx(one["phases"]["weights"] / 4, abs=0.001)
