@@ -60,7 +60,7 @@ def recompute_modules(model: nn.Module, trainer_cfg: Any, auto: bool = False) ->
     names = trainer_cfg.recompute
     blocks = transformer_blocks(model)
     if names is None:
-        checkpointed = any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
+        checkpointed = bool(checkpointed_layers(model))
         if not auto or trainer_cfg.gradient_checkpointing or checkpointed or not blocks or \
                 hasattr(unwrap(model), "peft_config"):
             return []
@@ -109,9 +109,9 @@ def checkpointed_layers(model: nn.Module) -> list[nn.Module]:
 
 
 @contextmanager
-def layers_checkpointing(model: nn.Module) -> Iterator[None]:
-    """Within the block, transformers' activation checkpointing recomputes the policy's layers whatever the model's
-    train/eval mode.
+def layers_checkpointing(layers: Sequence[nn.Module]) -> Iterator[None]:
+    """Within the block, transformers' activation checkpointing recomputes ``layers`` (:func:`checkpointed_layers`
+    of the policy, found once) whatever the model's train/eval mode.
 
     transformers checkpoints a layer only while that layer is in training mode, and a model from
     ``from_pretrained`` is in eval mode (as the policy stays: no dropout in any pass), so
@@ -119,7 +119,7 @@ def layers_checkpointing(model: nn.Module) -> Iterator[None]:
     Only the layers' own flags are set (not their submodules': attention and dropout stay in eval mode), and put
     back after the block; a backward pass after it still recomputes (it does not read the flag again). A no-op
     where gradients are off."""
-    layers = checkpointed_layers(model) if torch.is_grad_enabled() else []
+    layers = layers if torch.is_grad_enabled() else []
     was = [layer.training for layer in layers]
     for layer in layers:
         layer.training = True

@@ -28,7 +28,7 @@ from rlhf_lab.algorithms.base import Algorithm, LossContext, LossResult, PolicyO
 from rlhf_lab.generation.rollout import Rollout
 from rlhf_lab.hardware import HardwareProfile
 from rlhf_lab.kl.placements import KLPenalty
-from rlhf_lab.models.recompute import layers_checkpointing, recompute_modules, recomputing
+from rlhf_lab.models.recompute import checkpointed_layers, layers_checkpointing, recompute_modules, recomputing
 from rlhf_lab.runtime import distributed
 from rlhf_lab.runtime.precision import Precision
 from rlhf_lab.runtime.timer import StepTimer
@@ -110,6 +110,7 @@ class Updater:
         )
         # Parts of each layer the backward runs again (trainer.recompute; null: the hardware profile's choice).
         self.recompute = recompute_modules(policy, trainer, auto=self.hardware.recompute)
+        self.checkpointed = checkpointed_layers(policy)  # transformers' activation checkpointing, where enabled
         # The training pass's logits: float32 for an algorithm, or an estimator in the loss, that reads them (the
         # log-prob gather's gradients are the same bit for bit from the LM head's bf16 logits).
         self.logits_float32 = needs_float32_logits(
@@ -161,7 +162,7 @@ class Updater:
         """The algorithm's loss of a micro-batch plus the loss-placed KL term; ``loss/total`` in the stats. Where
         the training pass measures the sampling policy's entropy (``entropy_from_update``) the loss reads this pass's,
         appended to ``entropies``."""
-        with recomputing(self.recompute), layers_checkpointing(self.policy), packed_passes(self.pack):
+        with recomputing(self.recompute), layers_checkpointing(self.checkpointed), packed_passes(self.pack):
             output = self.forward(batch)
         if batch.entropy_from_update:  # an engine with no logits, one update: the entropy of this very pass
             with torch.no_grad():

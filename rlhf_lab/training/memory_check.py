@@ -191,11 +191,10 @@ def check_plan(cfg: Any, tokenizer: Any, precision: Any, device: torch.device, a
     refuse it in one line where its peak exceeds ``available`` bytes; returns the plan."""
     from rlhf_lab.planner.report import DevicePlan, engine_reservation
     from rlhf_lab.planner.step import plan_step
-    from rlhf_lab.runtime.precision import Precision
 
     total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else available
     reservation, sleeps = engine_reservation(cfg, device.type, total)
-    step = plan_step(cfg, tokenizer, Precision(precision.name, "cpu"), count_flops=False)
+    step = plan_step(cfg, tokenizer, precision, count_flops=False)
     plan = DevicePlan(step, device.type, 1, available, False, reservation, sleeps)
     if plan.fits:
         return plan

@@ -57,14 +57,13 @@ class StepPerformance:
             from omegaconf import open_dict
 
             from rlhf_lab.planner.step import plan_step
-            from rlhf_lab.runtime.precision import Precision
 
             probe = copy.deepcopy(self.cfg)
             with open_dict(probe):
                 probe.trainer.prompts_per_step = 1  # one group (an algorithm may need several samples per prompt)
                 probe.trainer.max_new_tokens = min(probe.trainer.max_new_tokens, PROBE_TOKENS)
                 probe.algorithm.mini_batch_size = 0
-            plan = plan_step(probe, self.tokenizer, Precision(self.precision.name, "cpu"), prompt_tokens=PROBE_TOKENS)
+            plan = plan_step(probe, self.tokenizer, self.precision, prompt_tokens=PROBE_TOKENS)
             sampled = plan.flops["generation"] / max(plan.tokens["sampled"], 1)
             trained = (plan.flops["scoring"] + plan.flops["training"]) / max(plan.tokens["trained"], 1)
             self._per_token = (sampled, trained)

@@ -32,11 +32,11 @@ def one_update(tmp_path: Path, compose, tiny_overrides, checkpointing: bool, mon
         return forward(self, x)
 
     monkeypatch.setattr(modeling_llama.LlamaMLP, "forward", counted)
-    trainer.optimizer_steps = []
+    norms = []
     step = trainer.updater.optimizer_step
 
     def before_the_step(*args, **kwargs):  # the gradients the backward made, read before AdamW changes anything
-        trainer.optimizer_steps.append(next(trainer.policy.parameters()).grad.norm().item())
+        norms.append(next(trainer.policy.parameters()).grad.norm().item())
         return step(*args, **kwargs)
 
     monkeypatch.setattr(trainer.updater, "optimizer_step", before_the_step)
@@ -44,7 +44,7 @@ def one_update(tmp_path: Path, compose, tiny_overrides, checkpointing: bool, mon
     trainer.records.close()
     monkeypatch.setattr(modeling_llama.LlamaMLP, "forward", forward)
     assert not any(layer.training for layer in trainer.policy.modules())  # the flags put back after the pass
-    return metrics, sum(recomputed), trainer.optimizer_steps[0]
+    return metrics, sum(recomputed), norms[0]
 
 
 def test_an_eval_mode_policy_recomputes_its_layers_and_gets_the_same_gradients(tmp_path: Path, compose,
