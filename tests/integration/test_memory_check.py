@@ -48,3 +48,31 @@ def test_the_reward_model_stage_is_checked_too(compose, tiny_overrides, tmp_path
     with pytest.raises(ConfigError, match=r"^this run needs about .* \(weights 0\.012, gradients 0\.012, AdamW "
                                           r"0\.024, activations [0-9.e-]+\), this machine has 0\.00391 GiB"):
         run(cfg, Path(cfg.trainer.output_dir))
+
+
+def test_a_finished_run_frees_its_weights_even_from_a_reference_cycle(compose, tiny_overrides, tmp_path,
+                                                                      monkeypatch) -> None:
+    """The next job of an in-process sweep starts with the last one's memory free, whenever Python's cyclic
+    collector would run: a trainer held in a reference cycle (as a first import during its construction leaves
+    one) is freed when its run returns."""
+    import gc
+    import weakref
+
+    held = []
+    train = loop.Trainer.train
+
+    def train_in_a_cycle(self):
+        self.cycle = self  # freed only by the cyclic collector
+        held.append(weakref.ref(next(self.models.policy.parameters())))
+        return train(self)
+
+    monkeypatch.setattr(loop.Trainer, "train", train_in_a_cycle)
+    cfg = compose([*tiny_overrides(tmp_path), "trainer.steps=1"])
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        run(cfg, tmp_path / "run")
+        assert held and held[0]() is None
+    finally:
+        if enabled:
+            gc.enable()
