@@ -77,6 +77,7 @@ class SamplingSettings:
     top_k: int = 0
     max_prompt_tokens: int = 512
     stop: tuple[str, ...] = ()  # a response also ends once its text ends with one of these (kept in it)
+    seed: int = 0  # the run's ``seed``: an engine's own random stream, for the requests without a seed of their own
 
     @classmethod
     def from_config(cls, cfg: Any) -> SamplingSettings:
@@ -88,7 +89,7 @@ class SamplingSettings:
         episodes = env.get("name", "single_turn") != "single_turn" and not get("env", env["name"]).single_turn
         prompt_tokens = cfg.data.max_prompt_tokens + (int(env["max_tokens"]) if episodes else 0)
         return cls(trainer.max_new_tokens, trainer.temperature, trainer.top_p, trainer.top_k,
-                   prompt_tokens, tuple(generation.get("stop", None) or ()))
+                   prompt_tokens, tuple(generation.get("stop", None) or ()), int(cfg.get("seed", 0)))
 
 
 class GenerationBackend(Protocol):

