@@ -97,6 +97,7 @@ def make_plan(overrides: list[str], device: str | None = None, world_size: int =
     from rlhf_lab.models.loading import load_tokenizer
     from rlhf_lab.planner.report import DevicePlan, engine_reservation
     from rlhf_lab.planner.step import plan_step
+    from rlhf_lab.runtime import distributed
     from rlhf_lab.runtime.distributed import resolve_strategy
 
     if world_size < 1:
@@ -112,6 +113,9 @@ def make_plan(overrides: list[str], device: str | None = None, world_size: int =
         raise ToolError(f"model.name_or_path={cfg.model.name_or_path!r}: no tokenizer to read "
                         f"({str(error).splitlines()[0]})") from None
     strategy = cfg.trainer.strategy if world_size == 1 else resolve_strategy(cfg.trainer.strategy, world_size)
+    if strategy == "fsdp" and distributed.is_distributed():  # the plan runs over a fake process group of its own
+        raise ToolError(f"an FSDP plan (--world-size {world_size}) needs a process without a process group; this one "
+                        f"has one ({distributed.world_size()} ranks): run `rlhf-lab plan` in a process of its own")
     step = plan_step(cfg, tokenizer, run_precision(cfg, device), prompt_tokens=prompt_tokens, world_size=world_size,
                      fsdp=strategy == "fsdp")
     reservation, sleeps = engine_reservation(cfg, device, memory)

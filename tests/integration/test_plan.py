@@ -103,6 +103,33 @@ def test_fsdp_ranks_hold_a_share_of_the_states(run_cli) -> None:
     assert four["peak_gib"] < one["peak_gib"]
 
 
+def test_an_fsdp_plan_in_a_process_with_a_process_group_is_one_line(tmp_path) -> None:
+    """The plan's fake process group must be the process's default one: where a group exists (here a gloo group of
+    one rank, in a process of its own), one line names it instead of torch's "initialize twice" error."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    script = (
+        "import torch.distributed as dist\n"
+        f"dist.init_process_group('gloo', init_method='file://{tmp_path / 'store'}', rank=0, world_size=1)\n"
+        "from rlhf_lab.errors import ToolError\n"
+        "from rlhf_lab.tools.plan import make_plan\n"
+        "try:\n"
+        "    make_plan(['model=tiny', 'trainer.strategy=fsdp', 'trainer.max_new_tokens=2'], 'cuda', 4, 80.0)\n"
+        "except ToolError as error:\n"
+        "    print(error)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+           "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == ("an FSDP plan (--world-size 4) needs a process without a process group; this one "
+                                   "has one (1 ranks): run `rlhf-lab plan` in a process of its own")
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["model=tny"], "model='tny' is not an option"),
     (["trainer.lr=fast"], "trainer.lr"),
