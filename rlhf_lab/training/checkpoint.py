@@ -46,7 +46,6 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from rlhf_lab.errors import CheckpointError
-from rlhf_lab.runtime.random_state import rng_state, set_rng_state
 from rlhf_lab.training.checkpoint_find import (  # noqa: F401  (the layout's names and the finders, used as ckpt.X)
     COMPLETE_MARKER,
     CONFIG_FILE,
@@ -74,7 +73,7 @@ from rlhf_lab.training.checkpoint_sharded import (  # noqa: F401
     own_shard_digests,
     save_sharded,
 )
-from rlhf_lab.training.state_encoding import decode_state, encode_state
+from rlhf_lab.training.state_encoding import decode_state, encode_state, rng_state, set_rng_state
 from rlhf_lab.training.verify import fsync, fsync_tree, full_disk, manifest, seal
 
 TEMP_PREFIX = ".step_"

@@ -1,11 +1,13 @@
 """What a checkpoint stores as plain data: nested optimizer/scheduler states split into JSON and tensors
-(safetensors), and each rank's torch generators (every generator of the process: :mod:`rlhf_lab.runtime.random_state`)."""
+(safetensors), and every random generator's state (torch, CUDA, Python, NumPy)."""
 
 from __future__ import annotations
 
 import math
+import random
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -51,7 +53,33 @@ def decode_state(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
     return value
 
 
-# ----------------------------------------------------------------------------- this rank's generators
+# ----------------------------------------------------------------------------- RNG
+def rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Every random generator the run draws from: torch (+CUDA) as tensors, Python and NumPy as JSON."""
+    tensors = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for index, state in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"cuda_{index}"] = state
+    python_state = random.getstate()
+    numpy_state = np.random.get_state()
+    plain = {
+        "python": [python_state[0], list(python_state[1]), python_state[2]],
+        "numpy": [numpy_state[0], numpy_state[1].tolist(), *numpy_state[2:]],
+    }
+    return tensors, plain
+
+
+def set_rng_state(tensors: dict[str, torch.Tensor], plain: dict[str, Any]) -> None:
+    torch.set_rng_state(tensors["torch"])
+    cuda_states = [tensors[k] for k in sorted(tensors) if k.startswith("cuda_")]
+    if cuda_states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda_states)
+    version, state, gauss = plain["python"]
+    random.setstate((version, tuple(state), gauss))
+    kind, keys, pos, has_gauss, cached = plain["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
 def rank_rng_state() -> dict[str, list[int] | None]:
     """This rank's own torch generators, as JSON: the CPU one, and its GPU's (None without CUDA). Every rank's
     are saved with a multi-process checkpoint, so each resumes its own draws."""
