@@ -57,7 +57,7 @@ def decode_memory(layers: int, new_tokens: int) -> str:
 
 def step_memory(layers: int, new_tokens: int) -> str:
     from rlhf_lab.config import compose
-    from rlhf_lab.planner.fake import StepMemory
+    from rlhf_lab.planner.calibration import measured_step
     from rlhf_lab.planner.step import plan_step
     from rlhf_lab.training.loop import Trainer
 
@@ -71,21 +71,8 @@ def step_memory(layers: int, new_tokens: int) -> str:
     start = time.perf_counter()
     trainer = Trainer(cfg, run)
     trainer.train_step(0)
-    widths: list[int] = []
-    make = trainer.experience.make
-
-    def recorded(*args, **kwargs):
-        experience = make(*args, **kwargs)
-        widths.append(experience.rollout.prompt_width)
-        return experience
-
-    trainer.experience.make = recorded
-    with StepMemory() as memory:
-        memory.track_external(trainer.models.policy, trainer.models.reference, trainer.updater.optimizer)
-        memory.start_phase()
-        trainer.train_step(1)
-    measured = memory.phase_peak
-    plan = plan_step(cfg, trainer.tokenizer, trainer.precision, prompt_tokens=widths[0], count_flops=False)
+    measured, width = measured_step(trainer, 1)
+    plan = plan_step(cfg, trainer.tokenizer, trainer.precision, prompt_tokens=width, count_flops=False)
     phases = {name: round(value / GIB, 3) for name, value in plan.peaks.items()}
     return (f"step, {layers} layers: measured {measured / GIB:.3f} GiB, planned {plan.peak / GIB:.3f} GiB "
             f"({(plan.peak - measured) / measured:+.1%}); phases {phases}; {time.perf_counter() - start:.0f} s")

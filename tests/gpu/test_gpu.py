@@ -174,6 +174,7 @@ def test_a_1b_step_s_peak_memory_is_the_plan_s(tmp_path: Path) -> None:
     to on CUDA) — ``torch.cuda.max_memory_allocated`` over the second step, whose optimizer state exists — against
     ``rlhf-lab plan``'s prediction of the same step on fake tensors, within the planner's stated 15%."""
     from rlhf_lab.config import compose
+    from rlhf_lab.planner.calibration import prompt_widths
     from rlhf_lab.planner.step import plan_step
     from rlhf_lab.runtime import distributed
     from rlhf_lab.training.loop import Trainer
@@ -190,22 +191,14 @@ def test_a_1b_step_s_peak_memory_is_the_plan_s(tmp_path: Path) -> None:
     try:
         trainer = Trainer(cfg, tmp_path / "run")
         trainer.train_step(0)
-        widths = []
-        make = trainer.experience.make
-
-        def recorded(*args, **kwargs):
-            experience = make(*args, **kwargs)
-            widths.append(experience.rollout.prompt_width)
-            return experience
-
-        trainer.experience.make = recorded
         snapshot = os.environ.get("RLHF_LAB_GPU_SNAPSHOT")  # benchmarks/gpu_check.sh: where the peak's bytes come from
         if snapshot:
             torch.cuda.memory._record_memory_history(max_entries=100_000, stacks="python")
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         held = torch.cuda.memory_allocated()  # the states the step starts with (the plan counts them apart)
-        trainer.train_step(1)
+        with prompt_widths(trainer) as widths:
+            trainer.train_step(1)
         torch.cuda.synchronize()
         measured = torch.cuda.max_memory_allocated()
         if snapshot:

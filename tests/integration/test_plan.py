@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from rlhf_lab.models.loading import DTYPES
-from rlhf_lab.planner.fake import StepMemory
+from rlhf_lab.planner import calibration
 from rlhf_lab.planner.step import plan_step
 from rlhf_lab.training.loop import Trainer
 
@@ -26,20 +26,7 @@ def measured_step(cfg, run_dir) -> tuple[int, int, Trainer]:
     """(bytes at the peak of the real second step, its prompt width, the trainer)."""
     trainer = Trainer(cfg, run_dir)
     trainer.train_step(0)
-    widths = []
-    make = trainer.experience.make
-
-    def recorded(*args, **kwargs):
-        experience = make(*args, **kwargs)
-        widths.append(experience.rollout.prompt_width)
-        return experience
-
-    trainer.experience.make = recorded
-    with StepMemory() as memory:
-        memory.track_external(trainer.models.policy, trainer.models.reference, trainer.updater.optimizer)
-        memory.start_phase()
-        trainer.train_step(1)
-    return memory.phase_peak, widths[0], trainer
+    return (*calibration.measured_step(trainer, 1), trainer)
 
 
 @pytest.mark.parametrize("settings", [
