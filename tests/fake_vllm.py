@@ -18,7 +18,8 @@ What it keeps of vLLM (``LLM.sleep`` / ``LLM.wake_up``, as documented for vLLM 0
 
 Faults for the canary's tests: ``ignore_loads`` (the numbers, from 1, of weight loads to ignore) and
 ``ignore_adapters`` (adapter ids served with the previously loaded adapter). Every lifecycle call is recorded in
-``calls``. Use :func:`module` as what ``import vllm`` returns.
+``calls``, and each ``generate``'s adapter id (None: the base weights) in ``requested``. Use :func:`module` as what
+``import vllm`` returns.
 """
 
 from __future__ import annotations
@@ -102,6 +103,7 @@ class LLM:
         self.adapters: dict[int, Any] = {}
         self.last_adapter: int | None = None
         self.calls: list[str] = []
+        self.requested: list[int | None] = []  # each generate call's LoRA id (None: the base weights)
         LLM.built.append(self)
 
     # ------------------------------------------------------------------ sleep mode
@@ -174,6 +176,7 @@ class LLM:
     def generate(self, prompts: list[dict[str, list[int]]], params: list[SamplingParams], use_tqdm: bool = False,
                  lora_request: LoRARequest | None = None) -> list[RequestOutput]:
         self.calls.append("generate")
+        self.requested.append(None if lora_request is None else lora_request.lora_int_id)
         if not (self.weights_resident and self.kv_resident):
             raise EngineAsleep("generate while the engine sleeps (wake_up first)")
         if not self.weights_valid:

@@ -147,6 +147,16 @@ class ExperienceMaker:
         advantage = cfg.algorithm.get("advantage")
         self.greedy_baseline = bool(advantage) and getattr(get("advantage", advantage), "needs_greedy_baseline", False)
 
+    def reference_worker(self, cfg: Any, reference: nn.Module) -> Any:
+        """Sampling for the reference (the evaluation's win rate), never a second engine: this maker's engine with the
+        adapter off where it samples the base weights itself (LoRA on vLLM), else the hf engine over ``reference``'s
+        own weights (under LoRA the policy, whose adapter ``models.reference_context`` turns off)."""
+        if getattr(self.engine, "samples_base", False):
+            return self.worker.adapter_off()
+        engine = get("generation", "hf")(reference, self.tokenizer, SamplingSettings.from_config(cfg), self.precision,
+                                          self.hardware)
+        return RolloutWorker(engine, reference)
+
     def _sync_check(self, engine: GenerationBackend, probe: str | None) -> SyncCheck | None:
         """The weight-sync canary of an engine with weights of its own, probed with the start of ``probe``."""
         if not getattr(engine, "holds_weights", False) or probe is None:

@@ -168,8 +168,8 @@ def _evaluate(cfg: Any, base: list[str], overrides: list[str], source: str, chec
     reward = build_reward(cfg.reward, device=str(device))
     kl = KLPenalty(cfg.kl)
 
-    def make_maker(maker_cfg: Any, network: Any) -> ExperienceMaker:
-        return ExperienceMaker(maker_cfg, tokenizer, models, network, reward, kl, device, precision)
+    def make_maker(maker_cfg: Any, network: Any, worker: Any = None) -> ExperienceMaker:
+        return ExperienceMaker(maker_cfg, tokenizer, models, network, reward, kl, device, precision, worker=worker)
 
     evaluation = Evaluation.from_parts(cfg, make_maker(cfg, policy), make_maker, models,
                                        lambda reward_cfg: build_reward(reward_cfg, device=str(device)))

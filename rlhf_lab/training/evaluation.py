@@ -107,16 +107,20 @@ class Evaluation:
         self.reference_maker, self.reference_context, self.win_reward = reference_maker, reference_context, win_reward
 
     @classmethod
-    def from_parts(cls, cfg: Any, experience: Any, make_maker: Callable[[Any, Any], Any], models: Any,
+    def from_parts(cls, cfg: Any, experience: Any, make_maker: Callable[[Any, Any, Any], Any], models: Any,
                    build_reward: Callable[[Any], Any]) -> Evaluation:
-        """``experience``: training's maker; ``make_maker(cfg, policy)`` another one; ``build_reward(reward_cfg)``."""
+        """``experience``: training's maker; ``make_maker(cfg, policy, worker)`` another one sampling through
+        ``worker``; ``build_reward(reward_cfg)``. Every maker samples through ``experience``'s engine (the reference's
+        through it with the adapter off, or through the hf engine: :meth:`ExperienceMaker.reference_worker`), so an
+        evaluation never builds a second vLLM engine."""
         chosen = settings(cfg)
         eval_cfg = sampling_config(cfg, chosen)
-        maker = experience if eval_cfg is None else make_maker(eval_cfg, experience.policy)
+        maker = experience if eval_cfg is None else make_maker(eval_cfg, experience.policy, experience.worker)
         extra = {name: build_reward(reward_config(name)) for name in chosen.rewards}
         reference_maker = win_reward = None
         if chosen.win_rate:
-            reference_maker = make_maker(eval_cfg if eval_cfg is not None else cfg, models.reference_model())
+            reference_cfg, reference = eval_cfg if eval_cfg is not None else cfg, models.reference_model()
+            reference_maker = make_maker(reference_cfg, reference, experience.reference_worker(reference_cfg, reference))
             win_name = chosen.win_rate_reward
             win_reward = experience.reward if not win_name else build_reward(reward_config(win_name))
         return cls(chosen, maker, extra, reference_maker, models.reference_context, win_reward)

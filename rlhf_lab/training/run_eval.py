@@ -6,9 +6,6 @@ from typing import Any
 
 import torch
 
-from rlhf_lab.generation.backend import SamplingSettings
-from rlhf_lab.generation.worker import RolloutWorker
-from rlhf_lab.registry import get
 from rlhf_lab.rewards.base import build_reward
 from rlhf_lab.runtime.console import say
 from rlhf_lab.step.experience import ExperienceMaker
@@ -41,21 +38,9 @@ class Evaluates:
                                        for p, r, score in shown], step)
         return metrics
 
-    def _experience_maker(self, cfg: Any, policy: torch.nn.Module) -> ExperienceMaker:
-        # The policy's own worker, shared; the reference (win rate) samples through the same engine with the adapter
-        # off where it can (LoRA on vLLM), else through the hf engine over the reference: never a second engine.
-        worker = self.worker if policy is self.experience.policy else self.reference_worker(cfg, policy)
+    def _experience_maker(self, cfg: Any, policy: torch.nn.Module, worker: Any) -> ExperienceMaker:
         return ExperienceMaker(cfg, self.tokenizer, self.models, policy, self.reward, self.kl, self.device,
                                self.precision, hardware=self.hardware, worker=worker)
-
-    def reference_worker(self, cfg: Any, reference: torch.nn.Module) -> Any:
-        """Sampling for the reference: the run's engine with the adapter off (LoRA on vLLM), else the hf engine over
-        the reference's weights (no second copy of them, no second vLLM engine)."""
-        if getattr(self.worker.engine, "samples_base", False):
-            return self.worker.adapter_off()
-        engine = get("generation", "hf")(reference, self.tokenizer, SamplingSettings.from_config(cfg), self.precision,
-                                          self.hardware)
-        return RolloutWorker(engine, reference)
 
     def _print_example(self, when: str) -> None:
         if self._eval_examples:

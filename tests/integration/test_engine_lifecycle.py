@@ -65,8 +65,31 @@ def test_a_win_rate_on_a_lora_policy_samples_the_reference_without_the_adapter(c
                    "trainer.steps=1", "eval.win_rate=true"])
     Trainer(cfg, tmp_path / "run").train()
     assert len(fake_vllm.LLM.built) == 1  # no second engine for the reference
+    llm = fake_vllm.LLM.built[0]
+    # Each evaluation (before and after the update) samples the policy with its adapter, then the reference
+    # through the same engine with none; training's batch samples with the adapter.
+    assert None in llm.requested and llm.requested.count(None) == 2, llm.requested
+    assert llm.requested[-1] is None and llm.requested[-2] is not None, llm.requested
     final = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()][-1]
     assert 0.0 <= final["eval/win_rate"] <= 1.0
+
+
+@pytest.mark.parametrize("extra", [[], ["eval.temperature=0.5"], ["model.lora.enabled=true", "model.lora.r=4"]])
+def test_the_eval_command_samples_the_policy_and_the_reference_with_one_engine(compose, tiny_overrides, tmp_path,
+                                                                             extra: list[str]) -> None:
+    """``rlhf-lab eval`` with a win rate: its own sampling settings and the reference share the policy's engine
+    (the reference through the hf engine under full weights, the same engine with the adapter off under LoRA)."""
+    from rlhf_lab.tools.evaluate import _evaluate
+
+    cfg = compose([*tiny_overrides(tmp_path), "generation=vllm", "reward=length", "eval.win_rate=true", *extra])
+    result = _evaluate(cfg, [], [], "tiny", None, None, tmp_path / "out")
+    assert 0.0 <= result["metrics"]["eval/win_rate"] <= 1.0
+    assert len(fake_vllm.LLM.built) == 1
+    adapters = fake_vllm.LLM.built[0].requested
+    if extra and extra[0].startswith("model.lora"):
+        assert adapters[0] is not None and adapters[-1] is None, adapters  # the policy, then the reference
+    else:
+        assert len(adapters) == 1, adapters  # the reference samples through the hf engine over its own weights
 
 
 def test_an_ignored_load_stops_the_run_at_its_step(run_cli, tiny_overrides, tmp_path) -> None:
