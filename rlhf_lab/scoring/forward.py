@@ -55,7 +55,8 @@ def agreed(model: nn.Module, local: bool) -> bool:
 
 def plain_head(model: nn.Module) -> nn.Linear | None:
     """``model``'s LM head where :class:`~rlhf_lab.scoring.head.HeadLogits` can stand for its output: a plain
-    ``nn.Linear`` (not a LoRA-wrapped one), and no soft-capping after it; else None. Not under FSDP: a sharded
+    ``nn.Linear`` (not a LoRA-wrapped one), no soft-capping after it, and transformers' own ``forward`` (a
+    subclass's may change the logits after the head); else None. Not under FSDP: a sharded
     head's gathered weight lives only while FSDP holds it gathered, and its gradient must flow through FSDP's own
     hooks, so sharded models keep the whole logits (each pass's micro-batches bound them)."""
     from torch.distributed.fsdp import FSDPModule
@@ -70,6 +71,9 @@ def plain_head(model: nn.Module) -> nn.Linear | None:
         return None
     if getattr(config, "final_logit_softcapping", None) is not None:
         return None
+    base = inner.get_base_model() if hasattr(inner, "get_base_model") else inner  # under a LoRA wrapper, its model
+    if not type(base).forward.__module__.startswith("transformers."):
+        return None  # a forward of its own may change the logits after the head (the exact task masks tokens)
     return head
 
 

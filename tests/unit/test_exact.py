@@ -170,3 +170,23 @@ def test_every_ablation_arm_composes_to_its_estimator_and_placement(compose) -> 
         assert (cfg.kl.name, cfg.kl.placement) == expected, arm
         assert cfg.kl.coef == 0.2 and cfg.model.name == "exact" and OmegaConf.select(cfg, "reward.symbols") == 4
 
+
+
+def test_chunked_log_probs_keep_the_task_s_special_token_mask() -> None:
+    """The task's model masks its special tokens after the LM head, in its own ``forward``: the chunked log-probs
+    (``trainer.chunked_logprobs``, the default on a GPU) take its whole logits, so the mask holds and the numbers
+    are the unchunked ones."""
+    from rlhf_lab.scoring.forward import plain_head, response_logits
+
+    tokenizer = build_tokenizer(3)
+    model = build_model(tokenizer, DIMS)
+    assert plain_head(model) is None
+    responses = token_ids(all_responses(3, 2))
+    input_ids = torch.cat([torch.full((len(responses), 1), tokenizer.bos_token_id), responses], 1)
+    mask = torch.ones_like(input_ids)
+    with torch.no_grad():
+        chunked, _ = response_logits(model, input_ids, mask, 1, 1.0, head_chunk=4)
+        whole, _ = response_logits(model, input_ids, mask, 1, 1.0, head_chunk=0)
+    assert isinstance(chunked, torch.Tensor)
+    torch.testing.assert_close(chunked, whole)
+    assert bool((chunked[..., : len(SPECIAL_TOKENS)] <= -1e8).all())
