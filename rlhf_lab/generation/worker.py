@@ -11,7 +11,7 @@ use with vLLM's sleep mode:
 2. ``wake_up(tags=["weights"])``;
 3. the policy's weights loaded where the engine holds older ones, and always after a level-2 sleep (which
    discarded them);
-4. ``wake_up(tags=["kv_cache"])``;
+4. ``torch.cuda.empty_cache()`` again (the load's gathered tensors), then ``wake_up(tags=["kv_cache"])``;
 5. sampling (one call, or a whole multi-turn batch inside :meth:`RolloutWorker.awake`), with the weight-sync canary
    of a load (:mod:`rlhf_lab.generation.sync_check`): its probe one more request of the first call where the engine
    takes one, else sampled in a call of its own before the engine sleeps;
@@ -200,8 +200,7 @@ class RolloutWorker:
     def _wake(self, version: int) -> None:
         """Awake with the policy's weights, which are those of ``version`` updates (the ring's inside :meth:`lagging`)."""
         if self.sleeps:
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            _empty_cache()
             self.engine.wake_up(tags=["weights"])
         load = self.holds_weights and (self.weights_lost or self.engine_version != version)
         if load:
@@ -209,6 +208,7 @@ class RolloutWorker:
                 self.engine.sync_weights(self.policy)
             self.engine_version, self.weights_lost = version, False
         if self.sleeps:
+            _empty_cache()  # the load's gathered and staged tensors went back to torch's cache: returned first
             self.engine.wake_up(tags=["kv_cache"])
         # The canary samples after the cache is back: as one more request of the block's first batch where the
         # engine takes one (no engine call of its own), else in a call of its own before the engine sleeps again.
@@ -244,6 +244,12 @@ class RolloutWorker:
         if not self.holds_weights:
             return {}
         return {"rollout/weight_version": float(self.batch_version), **self.last_check}
+
+
+def _empty_cache() -> None:
+    """torch's cached GPU blocks returned to the device before a wake, so the engine can map its memory again."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 class AdapterOff:

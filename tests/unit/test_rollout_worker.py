@@ -15,6 +15,7 @@ import torch
 
 from rlhf_lab.errors import ConfigError, WeightSyncError
 from rlhf_lab.generation import vllm as vllm_engine
+from rlhf_lab.generation import worker as worker_module
 from rlhf_lab.generation.backend import SamplingSettings
 from rlhf_lab.generation.sync_check import DEFAULT_TOLERANCE, SyncCheck, tolerance
 from rlhf_lab.generation.worker import RolloutWorker
@@ -96,11 +97,14 @@ def test_the_previous_order_samples_the_initial_policy_where_the_write_lands(com
 
 # ------------------------------------------------------------------------------------------ the worker's order
 @pytest.mark.parametrize("lora", [False, True])
-def test_the_worker_samples_the_current_weights_through_sleep(compose, tiny_tokenizer, lora: bool) -> None:
+def test_the_worker_samples_the_current_weights_through_sleep(compose, tiny_tokenizer, lora: bool,
+                                                              monkeypatch) -> None:
     policy = tiny_policy(compose, tiny_tokenizer, lora)
     engine = vllm_engine.VLLMGeneration(policy, tiny_tokenizer, SETTINGS, options={"sleep": True})
     worker = RolloutWorker(engine, policy, check(tiny_tokenizer))
     llm = fake_vllm.LLM.built[-1]
+    # torch's cache emptied (as on a GPU; recorded in the engine's calls) before each wake.
+    monkeypatch.setattr(worker_module, "_empty_cache", lambda: llm.calls.append("empty_cache"))
     level = 1 if lora else 2
     assert worker.sleep_level == level and [c for c in llm.calls if "sleep" in c] == [f"sleep({level})"]
     for update in range(1, 4):
@@ -112,7 +116,8 @@ def test_the_worker_samples_the_current_weights_through_sleep(compose, tiny_toke
         load = [] if lora else ["reload_weights", "reset_prefix_cache"]
         adapter = ["reset_prefix_cache"] if lora else []  # a new adapter request: cached prompts are stale
         # One engine call: the canary's probe is one more request of the batch's.
-        assert llm.calls == ["wake_up(weights)", *load, *adapter, "wake_up(kv_cache)", "generate", f"sleep({level})"]
+        assert llm.calls == ["empty_cache", "wake_up(weights)", *load, *adapter, "empty_cache", "wake_up(kv_cache)",
+                             "generate", f"sleep({level})"]
         assert worker.metrics()["rollout/weight_version"] == update
         assert worker.metrics()["rollout/weight_sync_diff"] < 1e-4
     # An evaluation between updates: after a level-2 sleep the weights are loaded again (they were discarded).
