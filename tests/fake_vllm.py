@@ -6,7 +6,8 @@ What it keeps of vLLM (``LLM.sleep`` / ``LLM.wake_up``, as documented for vLLM 0
 - ``sleep(level=1)``: the weights are copied to a host backup and their device memory unmapped; ``wake_up`` with
   the ``weights`` tag copies the backup back, so anything written to the weights while asleep is lost;
 - ``sleep(level=2)``: the weights are discarded; after ``wake_up(tags=["weights"])`` the engine has none until they
-  are written (``collective_rpc("reload_weights", ...)``);
+  are written (``collective_rpc("reload_weights", ...)``): its memory holds garbage (seeded noise), and ``generate``
+  raises until a load (an ignored one included: the engine believes it loaded, and samples the garbage);
 - the key/value cache is gone after either level, and back with the ``kv_cache`` tag (``tags=None``: all);
 - a weight write while the weights sleep raises as vLLM does on a GPU (an illegal memory access), or with
   ``write_while_asleep="lost"`` lands in memory that the next level-1 wake overwrites;
@@ -125,9 +126,10 @@ class LLM:
             if self.slept_level == 1 and self.backup is not None:
                 self.model.load_state_dict(self.backup)  # whatever was written while asleep is gone
             elif self.slept_level == 2:
+                garbage = torch.Generator().manual_seed(self.loads)
                 with torch.no_grad():
-                    for parameter in self.model.parameters():
-                        parameter.fill_(float("nan"))  # memory mapped again, contents undefined
+                    for parameter in self.model.parameters():  # memory mapped again, contents undefined
+                        parameter.normal_(0.0, 1.0, generator=garbage)
             self.weights_resident = True
         if "kv_cache" in tags:
             self.kv_resident = True
@@ -147,7 +149,8 @@ class LLM:
             raise EngineAsleep("CUDA error: an illegal memory access was encountered (weights written while the "
                                "engine sleeps)")
         self.loads += 1
-        if self.loads in self.ignore_loads:
+        if self.loads in self.ignore_loads:  # reported done: the engine samples whatever its memory holds
+            self.weights_valid = self.weights_valid or self.weights_resident
             return [None]
         state = self.model.state_dict()
         with torch.no_grad():

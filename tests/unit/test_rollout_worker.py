@@ -172,14 +172,16 @@ def test_the_base_model_samples_the_reference_of_a_lora_policy(compose, tiny_tok
 
 
 # ------------------------------------------------------------------------------------------ the canary
+@pytest.mark.parametrize("sleep", [False, True])
 @pytest.mark.parametrize("lora", [False, True])
-def test_the_canary_stops_at_a_load_the_engine_ignored(compose, tiny_tokenizer, lora: bool) -> None:
-    """The engine takes the first update's weights and ignores the second's (full weights: the reload does nothing;
-    LoRA: the new adapter request is served with the old adapter): the second sync stops with one line."""
+def test_the_canary_stops_at_a_load_the_engine_ignored(compose, tiny_tokenizer, lora: bool, sleep: bool) -> None:
+    """The engine takes the first update's weights and ignores the second's (full weights: the reload does nothing,
+    so the engine keeps the old weights awake, or after a level-2 sleep samples the garbage its memory holds; LoRA:
+    the new adapter request is served with the old adapter): the second sync stops with one line."""
     # Loads are counted from the engine's first: under LoRA adapter 1 goes at start, so update 2 sends adapter 3.
     fake_vllm.LLM.faults = {"ignore_adapters": {3}} if lora else {"ignore_loads": {2}}
     policy = tiny_policy(compose, tiny_tokenizer, lora)
-    engine = vllm_engine.VLLMGeneration(policy, tiny_tokenizer, SETTINGS, options={"sleep": False})
+    engine = vllm_engine.VLLMGeneration(policy, tiny_tokenizer, SETTINGS, options={"sleep": sleep})
     worker = RolloutWorker(engine, policy, check(tiny_tokenizer))
     train_a_little(policy, seed=1)
     worker.weights_updated()
