@@ -135,7 +135,8 @@ class GenerationConfig:
     # step (rlhf_lab/generation/staleness.py); false: each batch sampled k steps early and held (hf, vllm)
     simulate_staleness: bool = False
     # After every weight load the engine and the trainer score a fixed probe (rlhf_lab/generation/sync_check.py);
-    # above this max |Δ log-prob| the run stops. null: the precision's default (fp32 0.02; half precision 0: logged only, its noise is ~1); 0: off
+    # above this max |Δ log-prob| the run stops. null: the precision's default (fp32 0.02; half precision 1.0, 5x its
+    # largest measured noise); 0: logged only
     sync_check_tol: float | None = None
 
 

@@ -263,9 +263,30 @@ def test_a_tolerance_that_is_negative_or_not_a_number_is_one_line(value) -> None
 
 
 def test_the_tolerance_follows_the_precision_unless_given() -> None:
-    assert tolerance(None, Precision("fp32", "cpu")) == DEFAULT_TOLERANCE["fp32"]
-    assert tolerance(None, Precision("bf16-mixed", "cpu")) == DEFAULT_TOLERANCE["bf16-mixed"]
+    assert tolerance(None, Precision("fp32", "cpu")) == 0.02
+    assert tolerance(None, Precision("bf16-mixed", "cpu")) == 1.0  # stops by default under the GPU's precision too
     assert tolerance(0.5, Precision("fp32", "cpu")) == 0.5
+    assert set(DEFAULT_TOLERANCE) == {"fp32", "bf16-mixed", "bf16-true", "fp16-mixed"}
+
+
+def test_under_half_precision_the_default_stops_an_ignored_load(compose, tiny_tokenizer) -> None:
+    """bf16-mixed, the engine sleeping at level 2 (as on a GPU) and ignoring the second load: the engine samples the
+    garbage its memory holds, and the default tolerance stops the run."""
+    fake_vllm.LLM.faults = {"ignore_loads": {2}}
+    policy = tiny_policy(compose, tiny_tokenizer)
+    precision = Precision("bf16-mixed", "cpu")
+    engine = vllm_engine.VLLMGeneration(policy, tiny_tokenizer, SETTINGS, precision, options={"sleep": True})
+    canary = SyncCheck.from_prompt(tiny_tokenizer, PROMPTS[1], tolerance(None, precision), precision,
+                                   torch.device("cpu"))
+    worker = RolloutWorker(engine, policy, canary)
+    train_a_little(policy, seed=1)
+    worker.weights_updated()
+    worker.generate(PROMPTS, 1, seeds=[1, 2])
+    assert worker.metrics()["rollout/weight_sync_diff"] < 0.1
+    train_a_little(policy, seed=2)
+    worker.weights_updated()
+    with pytest.raises(WeightSyncError, match=r"before step 2: .* over generation.sync_check_tol=1:"):
+        worker.generate(PROMPTS, 1, seeds=[1, 2])
 
 
 # ------------------------------------------------------------------------------------------ vLLM's settings
