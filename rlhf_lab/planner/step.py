@@ -135,6 +135,29 @@ def per_rank(cfg: Any, world_size: int, group_of_ranks: bool) -> Any:
     return cfg
 
 
+def on_device(cfg: Any, device: torch.device, longest_row: int) -> Any:
+    """``cfg`` with the compute options a run on ``device`` leaves null (gradient checkpointing, the chunked
+    log-probs, the token budget: :mod:`rlhf_lab.step.compute`) set as that run takes them: the planned step runs on
+    CPU tensors, where the nulls would take the CPU's defaults. A null budget stretches to the longest row, as the
+    run's does."""
+    from omegaconf import OmegaConf, open_dict
+
+    from rlhf_lab.step.compute import gradient_checkpointing, head_chunk, token_budget
+
+    trainer = cfg.trainer
+    resolved = {"gradient_checkpointing": gradient_checkpointing(trainer, device),
+                "chunked_logprobs": bool(head_chunk(trainer, device))}
+    if trainer.get("max_tokens_per_micro_batch") is None:
+        budget = token_budget(trainer, device)
+        resolved["max_tokens_per_micro_batch"] = max(budget, longest_row) if budget else 0
+    cfg = copy.deepcopy(cfg)
+    with open_dict(cfg):
+        for key, value in resolved.items():
+            cfg.trainer[key] = value
+    OmegaConf.set_readonly(cfg, False)
+    return cfg
+
+
 @contextmanager
 def fake_process_group(world_size: int) -> Iterator[None]:
     """A process group of ``world_size`` ranks whose collectives do nothing (torch's fake backend), for the block;
@@ -167,10 +190,11 @@ def plan_step(cfg: Any, tokenizer: Any, precision: Precision, prompt_tokens: int
 def _plan_step(cfg: Any, tokenizer: Any, precision: Precision, prompt_tokens: int | None, fake: bool,
                count_flops: bool, world_size: int, fsdp: bool) -> StepPlan:
     cfg = per_rank(cfg, world_size, group_of_ranks=fsdp)
+    prompt_tokens = int(prompt_tokens or cfg.data.max_prompt_tokens)
+    cfg = on_device(cfg, torch.device(precision.device_type), prompt_tokens + cfg.trainer.max_new_tokens)
     # The step runs on CPU tensors here: a CUDA run's autocast would not touch them (every pass then in float32,
     # no half-precision copies), so the same precision's CPU autocast stands in for it.
     precision = Precision(precision.name, "cpu")
-    prompt_tokens = int(prompt_tokens or cfg.data.max_prompt_tokens)
     group, prompts = cfg.algorithm.get("group_size", 1), cfg.trainer.prompts_per_step
     rows, response = prompts * group, cfg.trainer.max_new_tokens
     device = torch.device("cpu")

@@ -180,9 +180,33 @@ def test_a_cuda_precision_is_planned_with_the_autocast_of_the_cpu_tensors_it_run
     float32) it plans the same bf16-mixed step as for the CPU one."""
     from rlhf_lab.runtime.precision import Precision
 
-    cfg = compose(["model=tiny", "trainer.precision=bf16-mixed", *SHORT])
+    chosen = [*SHORT, *CPU_DEFAULTS]  # the compute options both devices would otherwise choose apart
+    cfg = compose(["model=tiny", "trainer.precision=bf16-mixed", *chosen])
     on_cpu = plan_step(cfg, tiny_tokenizer, Precision("bf16-mixed", "cpu"), prompt_tokens=16, count_flops=False)
     on_cuda = plan_step(cfg, tiny_tokenizer, Precision("bf16-mixed", "cuda"), prompt_tokens=16, count_flops=False)
-    fp32 = plan_step(compose(["model=tiny", "trainer.precision=fp32", *SHORT]), tiny_tokenizer,
+    fp32 = plan_step(compose(["model=tiny", "trainer.precision=fp32", *chosen]), tiny_tokenizer,
                      Precision("fp32", "cpu"), prompt_tokens=16, count_flops=False)
     assert on_cuda.peaks == on_cpu.peaks and on_cuda.peaks != fp32.peaks
+
+
+CPU_DEFAULTS = ["trainer.gradient_checkpointing=false", "trainer.chunked_logprobs=false",
+                "trainer.max_tokens_per_micro_batch=0"]
+
+
+def test_a_device_s_defaults_are_planned_as_its_run_takes_them(compose, tiny_tokenizer) -> None:
+    """The planned step runs on CPU tensors, but a CUDA run's null compute options are CUDA's (gradient
+    checkpointing, chunked log-probs, a 16k-token budget): the plan of the defaults is the plan of those set."""
+    from rlhf_lab.runtime.precision import Precision
+    from rlhf_lab.step.compute import GPU_TOKEN_BUDGET
+
+    cuda = Precision("bf16-mixed", "cuda")
+    shape = [*SHORT, "model.tiny.num_hidden_layers=2", "trainer.precision=bf16-mixed"]
+    defaults = plan_step(compose(["model=tiny", *shape]), tiny_tokenizer, cuda, prompt_tokens=16)
+    set_ = plan_step(compose(["model=tiny", *shape, "trainer.gradient_checkpointing=true",
+                              "trainer.chunked_logprobs=true", f"trainer.max_tokens_per_micro_batch={GPU_TOKEN_BUDGET}"]),
+                     tiny_tokenizer, cuda, prompt_tokens=16)
+    cpu = plan_step(compose(["model=tiny", *shape]), tiny_tokenizer, Precision("bf16-mixed", "cpu"), prompt_tokens=16)
+    cpu_set = plan_step(compose(["model=tiny", *shape, *CPU_DEFAULTS]), tiny_tokenizer, cuda, prompt_tokens=16)
+    assert defaults.peaks == set_.peaks and defaults.flops == set_.flops
+    assert cpu.peaks == cpu_set.peaks and cpu.flops == cpu_set.flops
+    assert defaults.flops != cpu.flops  # the layers recomputed in the backward
