@@ -33,6 +33,17 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_flags(args: argparse.Namespace) -> None:
+    """A size, a time or a throughput that is not a positive number is one line (0 would plan nothing, or silently
+    fall back to the default)."""
+    import math
+
+    for flag in ("world_size", "device_memory", "peak_tflops", "step_seconds", "prompt_tokens"):
+        value = getattr(args, flag)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ToolError(f"--{flag.replace('_', '-')} {value}: must be a positive number")
+
+
 def planned_device(cfg: Any, flag: str | None) -> str:
     """``--device``, else the run's ``trainer.device`` (auto: cuda where one is visible)."""
     if flag:
@@ -127,6 +138,7 @@ def main(argv: list[str]) -> None:
 
     args = parser().parse_intermixed_args(argv)
     try:
+        check_flags(args)
         plan, cfg = make_plan(args.overrides, args.device, args.world_size, args.device_memory, args.prompt_tokens)
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)

@@ -126,6 +126,18 @@ def test_a_config_that_does_not_compose_is_one_line(run_cli, overrides, message)
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--prompt-tokens", "-5"], "--prompt-tokens -5: must be a positive number"),
+    (["--prompt-tokens", "0"], "--prompt-tokens 0: must be a positive number"),
+    (["--device-memory", "-1"], "--device-memory -1.0: must be a positive number"),
+    (["--step-seconds", "0"], "--step-seconds 0.0: must be a positive number"),
+    (["--peak-tflops", "nan"], "--peak-tflops nan: must be a positive number"),
+    (["--world-size", "0"], "--world-size 0: must be a positive number"),
+])
+def test_a_flag_that_is_not_a_positive_number_is_one_line(run_cli, flags, message) -> None:
+    assert run_cli(["plan", "model=tiny", *flags]) == (2, "", f"error: {message}\n")
+
+
 @pytest.mark.parametrize("config", [
     {"model_type": "t5", "d_model": 64, "num_layers": 2, "num_heads": 2, "vocab_size": 100},
     {"model_type": "bert", "architectures": ["BertForMaskedLM"], "hidden_size": 64, "num_hidden_layers": 2,
