@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from rlhf_lab.training.checkpoint_find import MODEL_FOLDER
+
 SHARDED_FOLDER = "sharded"
 SHARD_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")  # DCP's file name: __<writing rank>_<index>.distcp
 TOKENIZER_FOLDER = "tokenizer"  # beside sharded/ when a checkpoint has no model/ folder to hold it
@@ -67,9 +69,12 @@ def shard_writer(relative: str) -> int | None:
 def hashed_by(relative: str, rank: int, world_size: int) -> bool:
     """Whether rank ``rank`` of ``world_size`` checks the digest of checkpoint file ``relative``: a rank's shard files
     by the rank that reads them (its own, at the process count that wrote them; spread over the ranks at another),
-    every other file (small: indices, JSON, the scheduler, the generators, an end-of-run export) by every rank."""
+    the end-of-run export (``model/``: the whole policy, which a resume from the shards does not read) by rank 0
+    alone, every other file (small: indices, JSON, the scheduler, the generators) by every rank."""
     writer = shard_writer(relative)
-    return writer is None or writer % world_size == rank
+    if writer is None:
+        return rank == 0 or not relative.startswith(f"{MODEL_FOLDER}/")
+    return writer % world_size == rank
 
 
 def own_shard_digests(folder: Path, rank: int) -> dict[str, str]:

@@ -140,6 +140,8 @@ def test_which_rank_hashes_which_file() -> None:
     assert hashed_by("sharded/__1_0.distcp", 1, 2) and not hashed_by("sharded/__1_0.distcp", 0, 2)
     assert hashed_by("sharded/__3_0.distcp", 1, 2)  # written by 4 ranks, read by 2: spread over them
     assert hashed_by("rng.safetensors", 0, 2) and hashed_by("rng.safetensors", 1, 2)
+    # The end-of-run export (the whole policy, not read on a resume from shards): rank 0 alone.
+    assert hashed_by("model/model.safetensors", 0, 2) and not hashed_by("model/model.safetensors", 1, 2)
 
 
 def test_shards_export_to_the_whole_model_in_one_process(sharded_run: Path, tmp_path: Path) -> None:
