@@ -46,11 +46,16 @@ def _candidates(block: nn.Module) -> list[str]:
     return [name for name, child in block.named_children() if not _takes_cache(child)]
 
 
-def check_config(trainer_cfg: Any) -> None:
-    """The check needing no model (run before any loads): parts named beside whole-layer checkpointing."""
-    if trainer_cfg.recompute and trainer_cfg.gradient_checkpointing:
-        raise ConfigError(f"trainer.recompute={list(trainer_cfg.recompute)}: trainer.gradient_checkpointing already "
-                          "recomputes whole layers; set trainer.recompute=[] or trainer.gradient_checkpointing=false")
+def check_config(trainer_cfg: Any, checkpointing: bool | None = None) -> None:
+    """Parts named beside whole-layer checkpointing: ``checkpointing`` where the model says (null
+    ``trainer.gradient_checkpointing`` is on under CUDA), else the config's (run before any loads)."""
+    if checkpointing is None:
+        checkpointing = bool(trainer_cfg.gradient_checkpointing)
+    if trainer_cfg.recompute and checkpointing:
+        why = " (null: on under CUDA)" if trainer_cfg.gradient_checkpointing is None else ""
+        raise ConfigError(f"trainer.recompute={list(trainer_cfg.recompute)}: trainer.gradient_checkpointing{why} "
+                          "already recomputes whole layers; set trainer.recompute=[] or "
+                          "trainer.gradient_checkpointing=false")
 
 
 def recompute_modules(model: nn.Module, trainer_cfg: Any, auto: bool = False) -> list[nn.Module]:
@@ -59,13 +64,12 @@ def recompute_modules(model: nn.Module, trainer_cfg: Any, auto: bool = False) ->
     part that cannot be recomputed."""
     names = trainer_cfg.recompute
     blocks = transformer_blocks(model)
+    checkpointed = bool(trainer_cfg.gradient_checkpointing) or bool(checkpointed_layers(model))
     if names is None:
-        checkpointed = bool(checkpointed_layers(model))
-        if not auto or trainer_cfg.gradient_checkpointing or checkpointed or not blocks or \
-                hasattr(unwrap(model), "peft_config"):
+        if not auto or checkpointed or not blocks or hasattr(unwrap(model), "peft_config"):
             return []
         names = [name for name in AUTO if all(name in _candidates(block) for block in blocks)]
-    check_config(trainer_cfg)
+    check_config(trainer_cfg, checkpointed)
     names = list(dict.fromkeys(names))  # a name given twice is one part
     if names and not blocks:
         raise ConfigError(f"trainer.recompute={names}: the model has no decoder layers (a ModuleList named "

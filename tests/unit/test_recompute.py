@@ -145,3 +145,17 @@ def test_a_model_without_decoder_layers(compose, tiny_overrides):
     assert recompute_modules(model, tiny_cfg(compose, tiny_overrides).trainer) == []
     with pytest.raises(ConfigError, match=r"^trainer.recompute=\['mlp'\]: the model has no decoder layers"):
         recompute_modules(model, tiny_cfg(compose, tiny_overrides, "trainer.recompute=[mlp]").trainer)
+
+
+def test_parts_named_beside_layers_checkpointed_by_the_device_s_default_are_one_line(compose, tiny_overrides,
+                                                                                     tiny_tokenizer):
+    """``trainer.gradient_checkpointing`` null is on under CUDA: the model's checkpointed layers decide, not the
+    config's null (the two would nest)."""
+    cfg = tiny_cfg(compose, tiny_overrides, "trainer.recompute=[mlp]")
+    assert cfg.trainer.gradient_checkpointing is None
+    model = tiny_policy(cfg, tiny_tokenizer)
+    assert recompute_modules(model, cfg.trainer)  # no layer checkpointed: the MLPs
+    models.enable_activation_checkpointing(model)  # as the trainer does under CUDA
+    with pytest.raises(ConfigError, match=r"^trainer.recompute=\['mlp'\]: trainer.gradient_checkpointing \(null: on "
+                                          r"under CUDA\) already recomputes whole layers"):
+        recompute_modules(model, cfg.trainer)
