@@ -88,7 +88,8 @@ def peak_tflops(cfg: Any, device: str, flag: float | None) -> float | None:
 
 
 def run_precision(cfg: Any, device: str) -> Any:
-    """The run's precision on ``device``, its autocast on this CPU (``auto`` on a GPU: bf16-mixed)."""
+    """The run's precision on ``device`` (``auto`` on a GPU: bf16-mixed); the plan runs its autocast on this CPU and
+    the compute options ``device``'s run leaves null as that run takes them."""
     import torch
 
     from rlhf_lab.runtime.precision import Precision, resolve_precision
@@ -98,7 +99,7 @@ def run_precision(cfg: Any, device: str) -> Any:
     else:
         name = resolve_precision(cfg.trainer.precision, cfg.trainer.dtype, warn=False, device=torch.device(device)
                                  if device == "cpu" else None)
-    return Precision(name, "cpu")
+    return Precision(name, device)
 
 
 def make_plan(overrides: list[str], device: str | None = None, world_size: int = 1,

@@ -205,6 +205,20 @@ CPU_DEFAULTS = ["trainer.gradient_checkpointing=false", "trainer.chunked_logprob
                 "trainer.max_tokens_per_micro_batch=0"]
 
 
+def test_the_plan_command_plans_cuda_s_defaults(run_cli) -> None:
+    """``rlhf-lab plan --device cuda``: the step a CUDA run takes with its null compute options."""
+    from rlhf_lab.step.compute import GPU_TOKEN_BUDGET
+
+    base = ["plan", "model=tiny", *SHORT[:3], "trainer.precision=bf16-mixed", "--device", "cuda"]
+    plans = []
+    for extra in ([], ["trainer.gradient_checkpointing=true", "trainer.chunked_logprobs=true",
+                       f"trainer.max_tokens_per_micro_batch={GPU_TOKEN_BUDGET}"], CPU_DEFAULTS):
+        code, out, err = run_cli([*base, *extra])
+        assert code == 0, err
+        plans.append(json.loads(out.strip().splitlines()[-1]))
+    assert plans[0] == plans[1] and plans[0]["flops_per_step"] != plans[2]["flops_per_step"]
+
+
 def test_a_device_s_defaults_are_planned_as_its_run_takes_them(compose, tiny_tokenizer) -> None:
     """The planned step runs on CPU tensors, but a CUDA run's null compute options are CUDA's (gradient
     checkpointing, chunked log-probs, a 16k-token budget): the plan of the defaults is the plan of those set."""
