@@ -53,6 +53,22 @@ def check_launch_environment(environ: Any = None) -> None:
         raise ConfigError(f"{given} makes this process rank {rank} of a single-process world; {fix}")
 
 
+def check_budget(cfg: Any) -> None:
+    """A token budget set below the longest row the config admits (``data.max_prompt_tokens`` +
+    ``trainer.max_new_tokens``) is refused before anything loads: the run would stop at the first step that samples
+    such a row (on one rank of several: the others left waiting)."""
+    budget = cfg.trainer.get("max_tokens_per_micro_batch")
+    prompt, response = cfg.get("data", {}).get("max_prompt_tokens"), cfg.trainer.get("max_new_tokens")
+    if not budget or prompt is None or response is None:
+        return
+    longest = int(prompt) + int(response)
+    if budget < longest:
+        raise ConfigError(f"trainer.max_tokens_per_micro_batch={budget} is smaller than the longest row a step may "
+                          f"sample ({longest} tokens: data.max_prompt_tokens={prompt} + trainer.max_new_tokens="
+                          f"{response}); raise it to at least {longest}, or set it to 0 (micro-batches by rows) or "
+                          "null (the device's default)")
+
+
 def check_scale(cfg: Any) -> None:
     check_launch_environment()
     trainer, algorithm = cfg.trainer, cfg.algorithm
@@ -62,6 +78,7 @@ def check_scale(cfg: Any) -> None:
     at_least("trainer.logprob_chunk", trainer.logprob_chunk, 0)
     at_least("trainer.lm_head_chunk", trainer.lm_head_chunk, 1)
     at_least("trainer.max_tokens_per_micro_batch", trainer.max_tokens_per_micro_batch, 0)
+    check_budget(cfg)
     check_recompute(trainer)
     strategy = distributed.resolve_strategy(trainer.strategy)
     if strategy == "fsdp" and cfg.model.lora.enabled:

@@ -15,7 +15,8 @@ import torch
 from rlhf_lab.runtime.timer import StepTimer
 from rlhf_lab.training.loop import Trainer
 
-WIDER = ["trainer.max_new_tokens=8", "trainer.prompts_per_step=2", "algorithm.group_size=4", "trainer.eval_prompts=0"]
+WIDER = ["trainer.max_new_tokens=8", "trainer.prompts_per_step=2", "algorithm.group_size=4", "trainer.eval_prompts=0",
+         "data.max_prompt_tokens=90"]  # a budget of 100 admits the longest row the config admits
 COMPUTE = ["trainer.chunked_logprobs=true", "trainer.lm_head_chunk=5", "trainer.max_tokens_per_micro_batch=100",
            "trainer.pack_rows=true"]
 ALGORITHMS = {  # readers of every quantity the layer computes: the full logits in the loss, entropy, a critic
@@ -67,7 +68,9 @@ def run_cli(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("override,message", [
     ("trainer.lm_head_chunk=0", r"trainer\.lm_head_chunk=0 is out of range; must be >= 1"),
     ("trainer.max_tokens_per_micro_batch=8", r"trainer\.max_tokens_per_micro_batch=8 is smaller than the longest row "
-                                             r"\(\d+ tokens, prompt \+ response\); raise it to at least \d+ or set it to 0"),
+                                             r"a step may sample \(260 tokens: data\.max_prompt_tokens=256 \+ "
+                                             r"trainer\.max_new_tokens=4\); raise it to at least 260, or set it to 0 "
+                                             r"\(micro-batches by rows\) or null \(the device's default\)"),
 ])
 def test_bad_compute_settings_stop_with_one_line(tmp_path, override, message):
     result = run_cli(tmp_path, override)
