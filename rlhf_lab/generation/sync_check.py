@@ -75,17 +75,21 @@ class SyncCheck:
         ids = tokenizer(prompt, add_special_tokens=False)["input_ids"][:PROBE_PROMPT_TOKENS]
         return cls(ids or [int(tokenizer.eos_token_id)], tol, precision, device)
 
-    def __call__(self, engine: Any, policy: nn.Module, version: int) -> dict[str, float]:
+    def __call__(self, engine: Any, policy: nn.Module, version: int, step: int | None = None) -> dict[str, float]:
         """Sample the probe in a call of its own and judge it (:meth:`judge`)."""
-        return self.judge(engine.generate([self.probe_ids], 1, greedy=True, settings=self.settings), policy, version)
+        return self.judge(engine.generate([self.probe_ids], 1, greedy=True, settings=self.settings), policy, version,
+                          step=step)
 
-    def judge(self, rollout: Samples, policy: nn.Module, version: int, temperature: float = 1.0) -> dict[str, float]:
+    def judge(self, rollout: Samples, policy: nn.Module, version: int, temperature: float = 1.0,
+              step: int | None = None) -> dict[str, float]:
         """The metrics of the engine's ``rollout`` of the probe (greedy in its own call, or one more request of a
-        batch's, sampled at its ``temperature``), or :class:`WeightSyncError` past the tolerance."""
+        batch's, sampled at its ``temperature``), or :class:`WeightSyncError` past the tolerance. ``version``: the
+        updates behind the weights loaded; ``step``: the run's step (None: the version's)."""
         difference = self.difference(rollout, policy, temperature)
         if self.tol > 0 and not difference <= self.tol:
+            where = f"step {version}" if step is None or step == version else f"step {step} (weights of {version} updates)"
             raise WeightSyncError(
-                f"weight sync before step {version}: the engine's log-probs of the probe differ from the trainer's by "
+                f"weight sync before {where}: the engine's log-probs of the probe differ from the trainer's by "
                 f"{difference:.3g}, over generation.sync_check_tol={self.tol:g}: the engine did not take the new "
                 "weights (or samples with other ones)")
         return {"rollout/weight_sync_diff": difference}

@@ -80,6 +80,7 @@ class RolloutWorker:
         self.batch_version = 0  # the engine's weights that sampled the last batch handed out
         self.last_check: dict[str, float] = {}
         self.timer: Any = None  # the step's timer (``phase(name)`` adds a phase's seconds), set by the trainer
+        self.step: int | None = None  # the run's step (or evaluation) sampling now, set by the trainer
         if self.sleeps:
             self._sleep()
 
@@ -221,9 +222,10 @@ class RolloutWorker:
         self.check_due = False
         with self._phase("sync_check"):
             if probe is None:
-                self.last_check = self.sync_check(self.engine, self.policy, self.engine_version)
+                self.last_check = self.sync_check(self.engine, self.policy, self.engine_version, step=self.step)
             else:
-                self.last_check = self.sync_check.judge(probe, self.policy, self.engine_version, temperature)
+                self.last_check = self.sync_check.judge(probe, self.policy, self.engine_version, temperature,
+                                                        step=self.step)
 
     def _phase(self, name: str) -> AbstractContextManager:
         return self.timer.phase(name) if self.timer is not None else nullcontext()

@@ -179,6 +179,7 @@ class Trainer(RunState, StopSignals, Evaluates, StepRecord):
         the caller, :meth:`train`)."""
         cfg, coef, timer = self.cfg, self.kl_controller.coef, StepTimer()
         self.step, self.worker.timer = step, timer  # the step being trained; the engine's loads are its phases
+        self.worker.step = step
         synchronize()
         start = time.perf_counter()
         batch = step_batch(cfg, self.prompts.train, step)

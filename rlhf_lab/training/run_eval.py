@@ -26,6 +26,7 @@ class Evaluates:
     def evaluate(self, step: int) -> dict[str, Any]:
         """Held-out prompts under ``eval.*`` (rlhf_lab/training/evaluation.py, the code ``rlhf-lab eval`` runs)."""
         self.worker.settle()  # the batch in flight is in; the evaluation samples with the current weights
+        self.worker.step = step
         if self.evaluation is None:
             self.evaluation = Evaluation.from_parts(self.cfg, self.experience, self._experience_maker, self.models,
                                                     lambda reward_cfg: build_reward(reward_cfg, device=str(self.device)))

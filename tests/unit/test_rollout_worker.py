@@ -197,6 +197,23 @@ def test_the_canary_stops_at_a_load_the_engine_ignored(compose, tiny_tokenizer, 
     assert difference > 0.02
 
 
+def test_the_stop_names_the_run_s_step_where_it_is_not_the_weights_version(compose, tiny_tokenizer) -> None:
+    """Under ``generation.simulate_staleness`` (or an evaluation) the run's step and the updates behind the weights
+    loaded differ: the line names both."""
+    fake_vllm.LLM.faults = {"ignore_loads": {2}}
+    policy = tiny_policy(compose, tiny_tokenizer)
+    worker = RolloutWorker(vllm_engine.VLLMGeneration(policy, tiny_tokenizer, SETTINGS, options={"sleep": False}),
+                           policy, check(tiny_tokenizer))
+    for seed in (1, 2):
+        train_a_little(policy, seed=seed)
+        worker.weights_updated()
+        worker.step = seed + 3
+        if seed == 1:
+            worker.generate(PROMPTS, 1, seeds=[1, 2])
+    with pytest.raises(WeightSyncError, match=r"^weight sync before step 5 \(weights of 2 updates\): "):
+        worker.generate(PROMPTS, 1, seeds=[1, 2])
+
+
 def test_the_canary_measures_what_a_forward_pass_gives(compose, tiny_tokenizer) -> None:
     """Its number is max |engine − trainer| over the probe's greedy tokens: an engine holding other weights
     differs by exactly what the two models' log-probs of those tokens differ by."""
