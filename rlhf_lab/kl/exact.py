@@ -20,7 +20,7 @@ def _row_blocks(*tensors: Tensor) -> list[tuple[Tensor, ...]]:
     """
     try:
         return [tuple(tensor.view(-1, tensor.shape[-1]) for tensor in tensors)]
-    except RuntimeError:
+    except (RuntimeError, ValueError):  # (fake tensors, the planner's, raise the latter)
         return list(zip(*(tensor.unbind(0) for tensor in tensors)))
 
 

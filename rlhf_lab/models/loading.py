@@ -162,7 +162,8 @@ def load_causal_lm(model_cfg: Any, tokenizer: PreTrainedTokenizerBase, dtype: st
             from transformers import AutoConfig, AutoModelForCausalLM
 
             config = AutoConfig.from_pretrained(model_cfg.name_or_path or str(smollm2_model_path()))
-            return AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype])
+            # in eval mode, as from_pretrained leaves rank 0's (its dropout off, its layers' cache on)
+            return AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype]).eval()
     if model_cfg.name == "tiny":
         model = build_tiny_llama(tokenizer, model_cfg.tiny, seed=seed)
         return model.to(DTYPES[dtype])

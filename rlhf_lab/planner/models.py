@@ -62,6 +62,8 @@ def build_on_meta(cfg: Any, tokenizer: Any, precision: Precision, fsdp: bool = F
             model = build_model(tokenizer, cfg.model.exact).to(dtype)
         else:
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+            if cfg.model.name != "tiny":  # as the trainer's from_pretrained leaves it (the tiny one is built)
+                model.eval()
         if cfg.model.lora.enabled:
             models = PolicyAndReference(apply_lora(model, cfg.model.lora), None, True)
         else:

@@ -217,6 +217,9 @@ def test_the_plan_command_plans_cuda_s_defaults(run_cli) -> None:
         assert code == 0, err
         plans.append(json.loads(out.strip().splitlines()[-1]))
     assert plans[0] == plans[1] and plans[0]["flops_per_step"] != plans[2]["flops_per_step"]
+    # LoRA under those defaults: the exact KL of whole logits sliced from the unshared pass (fake tensors).
+    code, out, err = run_cli([*base, "model.lora.enabled=true", "model.lora.r=4"])
+    assert code == 0 and json.loads(out.strip().splitlines()[-1])["fits"] is True, err
 
 
 def test_a_device_s_defaults_are_planned_as_its_run_takes_them(compose, tiny_tokenizer) -> None:

@@ -106,3 +106,18 @@ def test_the_reference_copy_is_made_in_the_compute_dtype() -> None:
     assert all(p.dtype == torch.float32 for p in exact.parameters())
     assert all(torch.equal(a, b) for a, b in zip(exact.parameters(), policy.parameters()))
     assert all(a.data_ptr() != b.data_ptr() for a, b in zip(exact.parameters(), policy.parameters()))
+
+
+def test_a_rank_built_on_the_meta_device_is_in_rank_0_s_mode(tmp_path: Path) -> None:
+    """Rank 0 reads a pretrained model with ``from_pretrained`` (eval mode: no dropout, the layers' cache on); a rank
+    that builds the structure alone on the meta device is in the same mode, so every rank runs the same passes."""
+    from rlhf_lab.models import loading
+
+    tokenizer = loading.load_tokenizer(SimpleNamespace(name="tiny", name_or_path=None))
+    loading.build_tiny_llama(tokenizer, TINY, seed=3).save_pretrained(tmp_path)
+    model_cfg = SimpleNamespace(name="path", name_or_path=str(tmp_path))
+    read = loading.load_causal_lm(model_cfg, tokenizer, "float32", 0)
+    built = loading.load_causal_lm(model_cfg, tokenizer, "float32", 0, meta=True)
+    assert built.device == torch.device("meta") or next(built.parameters()).is_meta
+    assert [m.training for m in built.modules()] == [m.training for m in read.modules()]
+    assert not read.training
