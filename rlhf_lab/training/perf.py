@@ -5,9 +5,11 @@
 - ``perf/tokens_per_s``: sampled (generated) plus trained (through the training pass, every epoch) tokens over the
   step's time.
 - ``perf/mfu``: the step's FLOPs over its time and the device's peak (``trainer.peak_tflops``, else a GPU's by its
-  name; not logged where neither is known). The FLOPs are :mod:`rlhf_lab.planner`'s count of a small step of the
-  run's config on fake tensors, per sampled and per trained token, times the step's tokens; counted once, at the
-  first step that needs them.
+  name; not logged where neither is known). The FLOPs are :mod:`rlhf_lab.planner`'s count of one prompt group of
+  the run's step on fake tensors, at the first step's prompt length and ``trainer.max_new_tokens`` (the split of
+  prompt and response tokens decides what a token costs: a group's prompt is computed once, the LM head runs on
+  response tokens only), per sampled and per trained token, times each step's tokens; counted once, at the first
+  step that needs them (fake tensors: a few seconds whatever the model's size).
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ from typing import Any
 import torch
 
 GIB = 1 << 30
-PROBE_TOKENS = 8  # prompt and response tokens of the small step whose FLOPs are counted
 
 
 def peak_memory_gib(device: torch.device) -> float:
@@ -49,8 +50,9 @@ class StepPerformance:
         self.peak_tflops = device_peak_tflops(cfg, device)
         self._per_token: tuple[float, float] | None = None
 
-    def flops_per_token(self) -> tuple[float, float]:
-        """(FLOPs per sampled token, per trained token) of the run's step, from the planner's count."""
+    def flops_per_token(self, prompt_tokens: int | None = None) -> tuple[float, float]:
+        """(FLOPs per sampled token, per trained token) of the run's step at ``prompt_tokens`` per prompt (default
+        ``data.max_prompt_tokens``; fixed by the first call), from the planner's count."""
         if self._per_token is None:
             import copy
 
@@ -61,22 +63,23 @@ class StepPerformance:
             probe = copy.deepcopy(self.cfg)
             with open_dict(probe):
                 probe.trainer.prompts_per_step = 1  # one group (an algorithm may need several samples per prompt)
-                probe.trainer.max_new_tokens = min(probe.trainer.max_new_tokens, PROBE_TOKENS)
                 probe.algorithm.mini_batch_size = 0
-            plan = plan_step(probe, self.tokenizer, self.precision, prompt_tokens=PROBE_TOKENS)
+            plan = plan_step(probe, self.tokenizer, self.precision, prompt_tokens=prompt_tokens)
             sampled = plan.flops["generation"] / max(plan.tokens["sampled"], 1)
             trained = (plan.flops["scoring"] + plan.flops["training"]) / max(plan.tokens["trained"], 1)
             self._per_token = (sampled, trained)
         return self._per_token
 
-    def metrics(self, seconds: float, sampled_tokens: int, trained_tokens: int) -> dict[str, float]:
-        """This step's ``perf/*`` values (tokens of every rank; the FLOPs of every rank over every rank's peak)."""
+    def metrics(self, seconds: float, sampled_tokens: int, trained_tokens: int,
+                prompt_tokens: int | None = None) -> dict[str, float]:
+        """This step's ``perf/*`` values (tokens of every rank; the FLOPs of every rank over every rank's peak);
+        ``prompt_tokens``: the step's prompt length (the FLOPs' count is taken at the first step's)."""
         from rlhf_lab.runtime import distributed
 
         values = {"perf/peak_memory_gib": peak_memory_gib(self.device),
                   "perf/tokens_per_s": (sampled_tokens + trained_tokens) / seconds}
         if self.peak_tflops:
-            per_sampled, per_trained = self.flops_per_token()
+            per_sampled, per_trained = self.flops_per_token(prompt_tokens)
             flops = per_sampled * sampled_tokens + per_trained * trained_tokens
             values["perf/mfu"] = flops / (seconds * self.peak_tflops * 1e12 * distributed.world_size())
         return values

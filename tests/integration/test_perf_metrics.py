@@ -8,6 +8,7 @@ import resource
 from pathlib import Path
 
 import pytest
+import torch
 
 from rlhf_lab.training.loop import Trainer
 
@@ -19,7 +20,7 @@ def test_each_step_logs_its_peak_memory_tokens_per_second_and_mfu(compose, tiny_
     trainer = Trainer(cfg, tmp_path / "run")
     trainer.train()
     per_sampled, per_trained = trainer.performance.flops_per_token()
-    assert per_trained > per_sampled > 0  # a trained token goes through scoring, forward and backward
+    assert per_trained > 0 and per_sampled > 0  # (a sampled token also carries its prompt's prefill)
     lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [line for line in lines if "perf/tokens_per_s" in line]
     assert len(steps) == 2
@@ -41,3 +42,23 @@ def test_no_mfu_where_the_device_peak_is_unknown(compose, tiny_overrides, tmp_pa
     Trainer(cfg, tmp_path / "run").train()
     (line,) = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert "perf/mfu" not in line and line["perf/peak_memory_gib"] > 0
+
+
+@pytest.mark.parametrize("shape", [(48, 4, 2), (16, 24, 4)])
+def test_the_flops_per_token_give_the_planned_step_at_its_prompt_and_response_lengths(compose, tiny_overrides,
+                                                                                     tiny_tokenizer, shape) -> None:
+    """The rates the MFU uses (one prompt group planned at the step's prompt length) times a whole step's tokens
+    give the planner's count of that whole step, whatever the split of prompt and response tokens (a group's prompt
+    computed once; the LM head on response tokens only)."""
+    from rlhf_lab.planner.step import plan_step
+    from rlhf_lab.runtime.precision import Precision
+    from rlhf_lab.training.perf import StepPerformance
+
+    prompt, response, groups = shape
+    cfg = compose([*tiny_overrides(None), f"trainer.max_new_tokens={response}", f"trainer.prompts_per_step={groups}",
+                   "algorithm.group_size=4", "trainer.precision=fp32"])
+    precision = Precision("fp32", "cpu")
+    per_sampled, per_trained = StepPerformance(cfg, tiny_tokenizer, precision, torch.device("cpu")).flops_per_token(prompt)
+    step = plan_step(cfg, tiny_tokenizer, precision, prompt_tokens=prompt)
+    estimate = per_sampled * step.tokens["sampled"] + per_trained * step.tokens["trained"]
+    assert estimate == pytest.approx(step.flops_per_step, rel=0.05)
