@@ -75,7 +75,7 @@ class Trainer(RunState, StopSignals, Evaluates, StepRecord):
         self.tokenizer = load_tokenizer(cfg.model)
         check_memory(cfg, self.tokenizer, DTYPES[self.precision.weights_dtype], self.precision.compute_dtype,
                      self.device, shards=distributed.world_size() if self.strategy == "fsdp" else 1,
-                     precision=self.precision if self.plans_steps else None)
+                     precision=self.precision if self.plans_steps else None, processes=distributed.world_size())
         fsdp = self.strategy == "fsdp"
         # Under FSDP only rank 0 reads the weights; the other ranks build on the meta device and receive their
         # shards from it (below). The reference is made in the compute dtype (under FSDP every weight), never as a

@@ -9,7 +9,9 @@ adapter is counted the same way. Bytes, per process:
 - reference: parameters x the same bytes for the frozen copy of full fine-tuning (none under LoRA, where the
   reference is the adapter-disabled policy; on the host, not the GPU, with ``trainer.offload_reference``);
 - activations of one micro-batch: rows x tokens x (logits width + layers x hidden size) x bytes of the compute
-  dtype: its logits ([rows, tokens, vocab]) and each layer's hidden states.
+  dtype: its logits ([rows, tokens, vocab]; one [chunk, vocab] chunk where the on-policy passes take the LM head
+  in chunks) and each layer's hidden states. A micro-batch is one rank's (``trainer.micro_batch_size`` rows, else
+  its share of the mini-batch or of the step's samples), and no more rows than the token budget holds.
 
 Under FSDP the first four are split over the processes. It leaves out what is small or varies (the KV cache of
 generation, the allocator's slack): it is a floor, not a promise. The estimate is compared with the memory
@@ -68,17 +70,20 @@ class MemoryEstimate:
 
 
 def estimate_memory(size: ModelSize, weight_bytes: int, compute_bytes: int, rows: int, tokens: int,
-                    reference: bool, logits_width: int | None = None, shards: int = 1) -> MemoryEstimate:
+                    reference: bool, logits_width: int | None = None, shards: int = 1,
+                    reference_bytes: int | None = None) -> MemoryEstimate:
     """The bytes of weights, gradients, AdamW moments, the reference copy and one micro-batch's activations
     (formulas in the module's docstring). ``logits_width``: the head's outputs per token (default: the
-    vocabulary); ``shards``: the processes FSDP splits the model's states over."""
+    vocabulary); ``shards``: the processes FSDP splits the model's states over; ``reference_bytes``: per weight
+    of the reference (default: the weights')."""
     trainable = size.adapter or size.parameters
     width = size.vocab if logits_width is None else logits_width
     return MemoryEstimate(
         weights=(size.parameters + size.adapter) * weight_bytes // shards,
         gradients=trainable * weight_bytes // shards,
         optimizer=ADAM_MOMENTS * trainable * weight_bytes // shards,
-        reference=size.parameters * weight_bytes // shards if reference and not size.adapter else 0,
+        reference=(size.parameters * (reference_bytes or weight_bytes) // shards
+                   if reference and not size.adapter else 0),
         activations=rows * tokens * (width + size.layers * size.hidden_size) * compute_bytes,
     )
 
@@ -125,11 +130,13 @@ def available_memory(device: torch.device) -> int | None:
     return None
 
 
-def micro_batch_rows(cfg: Any) -> int:
-    """Rows of one forward/backward pass: ``trainer.micro_batch_size``, else ``algorithm.mini_batch_size``, else
-    the step's samples."""
-    samples = cfg.trainer.prompts_per_step * cfg.algorithm.get("group_size", 1)
-    return cfg.trainer.micro_batch_size or cfg.algorithm.get("mini_batch_size") or samples
+def micro_batch_rows(cfg: Any, processes: int = 1) -> int:
+    """Rows of one forward/backward pass of one of ``processes`` ranks: ``trainer.micro_batch_size`` (a rank's),
+    else the rank's share of ``algorithm.mini_batch_size``, else of the step's samples (whole prompt groups)."""
+    group = cfg.algorithm.get("group_size", 1)
+    samples = -(-cfg.trainer.prompts_per_step // processes) * group
+    mini_batch = cfg.algorithm.get("mini_batch_size")
+    return cfg.trainer.micro_batch_size or (mini_batch and max(1, mini_batch // processes)) or samples
 
 
 def tokens_per_row(cfg: Any) -> int:
@@ -144,11 +151,14 @@ def tokens_per_row(cfg: Any) -> int:
 
 def check_memory(cfg: Any, tokenizer: Any, weight_dtype: torch.dtype, compute_dtype: torch.dtype | None,
                  device: torch.device, rows: int | None = None, logits_width: int | None = None,
-                 shards: int = 1, reference: bool = True, precision: Any = None) -> MemoryEstimate | None:
+                 shards: int = 1, reference: bool = True, precision: Any = None,
+                 processes: int = 1) -> MemoryEstimate | None:
     """Refuse in one line a run whose estimate (:func:`estimate_memory`) exceeds the memory available, unless
     ``trainer.skip_memory_check``; returns the estimate (None when skipped or not made). ``rows``: of one
-    micro-batch (default :func:`micro_batch_rows`); ``reference``: whether full fine-tuning keeps a frozen copy;
-    ``precision``: the on-policy run's, whose planned step decides where the estimate comes close (:func:`check_plan`)."""
+    micro-batch (default :func:`micro_batch_rows` of one of ``processes`` ranks, within the token budget);
+    ``reference``: whether full fine-tuning keeps a frozen copy; ``precision``: the on-policy run's, whose planned
+    step decides where the estimate comes close (:func:`check_plan`), and whose passes take the LM head in chunks
+    where ``trainer.chunked_logprobs`` says (no [rows, tokens, vocab] logits)."""
     if cfg.trainer.get("skip_memory_check"):
         return None
     size = model_size(cfg.model, tokenizer)
@@ -156,11 +166,22 @@ def check_memory(cfg: Any, tokenizer: Any, weight_dtype: torch.dtype, compute_dt
     if size is None or available is None:
         return None
     offloaded = cfg.trainer.offload_reference and device.type == "cuda"  # the copy lives in host memory
-    rows = micro_batch_rows(cfg) if rows is None else rows
     tokens = min(tokens_per_row(cfg), size.context or tokens_per_row(cfg))  # a longer prompt is refused later
+    if rows is None:
+        rows = micro_batch_rows(cfg, processes)
+        if precision is not None:  # the on-policy passes: micro-batches by the token budget, the head in chunks
+            from rlhf_lab.step.compute import head_chunk, token_budget
+
+            budget = token_budget(cfg.trainer, device)
+            rows = min(rows, max(1, budget // tokens)) if budget else rows
+            chunk = head_chunk(cfg.trainer, device)
+            if chunk and logits_width is None:  # one chunk's [chunk, vocab] logits, spread over the tokens
+                logits_width = min(size.vocab, -(-chunk * size.vocab // (rows * tokens)))
+    # The frozen reference is made in the compute dtype (trainer: models.loading.build_policy's reference_dtype).
+    reference_bytes = (compute_dtype or weight_dtype).itemsize if precision is not None else None
     estimate = estimate_memory(size, weight_dtype.itemsize, (compute_dtype or weight_dtype).itemsize, rows,
                                tokens, reference=reference and not offloaded, logits_width=logits_width,
-                               shards=shards)
+                               shards=shards, reference_bytes=reference_bytes)
     if precision is not None and not multi_process() and estimate.total * PLAN_WITHIN > available:
         check_plan(cfg, tokenizer, precision, device, available)  # close: the planned step decides
         return estimate

@@ -94,3 +94,23 @@ def test_host_memory_is_read_from_proc_meminfo_without_psutil(tmp_path, monkeypa
     assert memory_check.available_memory(torch.device("cpu")) == 1_024_000
     meminfo.write_text("nothing readable\n")
     assert memory_check.available_memory(torch.device("cpu")) is None
+
+
+def test_a_rank_of_a_sharded_gpu_run_counts_its_own_micro_batch_in_head_chunks(compose, tiny_tokenizer,
+                                                                               monkeypatch) -> None:
+    """8 ranks under FSDP on 80 GB GPUs (a rank of torchrun: no plan, the estimate alone), 64 rows of 2048 tokens:
+    each rank holds 8 rows, within CUDA's 16k-token budget, the LM head in 1024-position chunks, the reference in
+    bfloat16. By hand on the tiny model's shapes (the same code counts a 7B model's)."""
+    from rlhf_lab.runtime.precision import Precision
+
+    monkeypatch.setattr(memory_check, "available_memory", lambda device: 79 << 30)
+    cfg = compose(["model=tiny", "trainer.prompts_per_step=8", "algorithm.group_size=8", "data.max_prompt_tokens=1024",
+                   "trainer.max_new_tokens=1024", "trainer.precision=bf16-mixed"])
+    estimate = check_memory(cfg, tiny_tokenizer, torch.float32, torch.bfloat16, torch.device("cuda"), shards=8,
+                            precision=Precision("bf16-mixed", "cuda"), processes=8)
+    rows, tokens, width = 8, 2048, -(-1024 * V // (8 * 2048))  # a rank's 8 rows; one [1024, V] chunk over them
+    assert estimate.activations == rows * tokens * (width + L * H) * 2
+    assert estimate.reference == TINY_PARAMETERS * 2 // 8 and estimate.weights == TINY_PARAMETERS * 4 // 8
+    # The same run as one process of the whole batch, whole logits: the old count, 64 rows of the vocabulary.
+    whole = check_memory(cfg, tiny_tokenizer, torch.float32, torch.bfloat16, torch.device("cuda"), shards=8)
+    assert whole.activations == 64 * tokens * (V + L * H) * 2
