@@ -17,6 +17,7 @@ ends early): the step at its largest. The optimizer holds its state from an earl
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 import warnings
 from collections.abc import Iterator
@@ -38,6 +39,7 @@ from rlhf_lab.planner.models import build_on_meta, initialise, kv_cache_bytes, m
 from rlhf_lab.registry import get
 from rlhf_lab.runtime.precision import Precision
 from rlhf_lab.runtime.timer import StepTimer
+from rlhf_lab.scoring.head import HeadLogits
 from rlhf_lab.step.experience import ExperienceMaker, Scored
 from rlhf_lab.step.update import Updater
 
@@ -312,6 +314,11 @@ def extend_rollout(rollout: Any, width: int, token_id: int) -> Any:
         longer["response_mask"] = torch.cat([rollout.response_mask, rollout.response_mask.new_ones(rows, extra)], 1)
     for item in fields(rollout):
         value = getattr(rollout, item.name)
+        if isinstance(value, HeadLogits):  # kept as the LM head's inputs: those of every step
+            hidden = value.hidden
+            longer[item.name] = dataclasses.replace(value, hidden=torch.cat(
+                [hidden, hidden.new_zeros(rows, extra, *hidden.shape[2:])], 1))
+            continue
         if item.name in longer or not isinstance(value, torch.Tensor):
             continue
         if value.dim() < 2 or value.shape[:2] != (rows, short):
@@ -336,12 +343,11 @@ def _run_step(cfg: Any, parts: dict[str, Any], phases: _Phases, prompts: list[li
     """Generation, the scoring pass, then the algorithm's advantages and the update: the trainer's step
     (:meth:`rlhf_lab.step.experience.ExperienceMaker.make` and :meth:`rlhf_lab.training.loop.Trainer.train_step`)
     without the reward and the records."""
-    maker, kl, updater, algorithm = parts["maker"], parts["kl"], parts["updater"], parts["algorithm"]
+    maker, updater, algorithm = parts["maker"], parts["updater"], parts["algorithm"]
     timer = StepTimer()
     exact = maker.exact_kl == "step"
     sources = maker.plan.for_batch(exact, train=True)
-    if not sources.rescore:
-        maker.engine.keep_logits = exact or kl.reads_logits
+    maker.keep_sampler_logits(exact, sources)  # as the trainer's step does
     # The batch of each stage replaces the last one's in ``held`` (as the trainer's step drops it): no phase keeps
     # an earlier stage's tensors (the engine's kept logits) alive.
     held: list[Any] = [phases.run("generation", lambda: _generate(maker.engine, prompts, group, phases,

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from rlhf_lab.errors import ConfigError
 
@@ -195,8 +196,11 @@ def transformer_blocks(module: nn.Module) -> list[nn.Module]:
 
 def sharded(tensor: Tensor) -> bool:
     """Whether ``tensor`` holds its values as a tensor subclass (FSDP2's DTensor shards, say) rather than as one
-    plain tensor: code that reads or re-lays weights whole (stacking, packing, inference-mode gathers) skips it."""
-    return type(tensor.data) is not torch.Tensor
+    plain tensor: code that reads or re-lays weights whole (stacking, packing, inference-mode gathers) skips it. A
+    fake tensor (the planner's, :mod:`rlhf_lab.planner`) stands for a plain one: the planned step takes the plain
+    tensor's paths (the chunked LM head among them)."""
+    data = tensor.data
+    return type(data) is not torch.Tensor and not isinstance(data, FakeTensor)
 
 
 def unwrap(module: nn.Module) -> nn.Module:

@@ -147,6 +147,14 @@ class ExperienceMaker:
         advantage = cfg.algorithm.get("advantage")
         self.greedy_baseline = bool(advantage) and getattr(get("advantage", advantage), "needs_greedy_baseline", False)
 
+    def keep_sampler_logits(self, exact: bool, sources: Any) -> None:
+        """The engine keeps the sampler's own logits where the batch reads them and no rescoring pass gives them
+        (the exact KL, a logits-reading estimator): as the LM head's inputs under ``trainer.chunked_logprobs``."""
+        if not sources.rescore:
+            self.engine.keep_logits = exact or self.kl.reads_logits
+            if hasattr(self.engine, "head_chunk"):
+                self.engine.head_chunk = head_chunk(self.cfg.trainer, self.device)
+
     def reference_worker(self, cfg: Any, reference: nn.Module) -> Any:
         """Sampling for the reference (the evaluation's win rate), never a second engine: this maker's engine with the
         adapter off where it samples the base weights itself (LoRA on vLLM), else the hf engine over ``reference``'s
@@ -177,10 +185,7 @@ class ExperienceMaker:
         """
         exact = self.exact_kl == "step" if train else self.exact_kl != "off"
         sources = self.plan.for_batch(exact, train)
-        if not sources.rescore:  # the exact KL (and a logits-reading estimator) read the sampler's own logits
-            self.engine.keep_logits = exact or self.kl.reads_logits
-            if hasattr(self.engine, "head_chunk"):  # kept as the LM head's inputs (trainer.chunked_logprobs)
-                self.engine.head_chunk = head_chunk(self.cfg.trainer, self.device)
+        self.keep_sampler_logits(exact, sources)
         if not train:
             rollout, responses, valid = self.sample_and_score(prompts, group_size, timer, names, rng_keys)
             experience = Experience(rollout, self._sample_prompts(prompts, group_size), responses,

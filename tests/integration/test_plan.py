@@ -46,6 +46,22 @@ def test_the_plan_is_within_15_percent_of_the_measured_cpu_step(compose, tmp_pat
     assert plan.optimizer == sum(t.nbytes for s in trainer.updater.optimizer.state.values() for t in s.values())
 
 
+# CUDA's compute defaults set on the CPU, at responses longer than an LM-head chunk: the decode keeps the head's
+# inputs, every pass takes the head in chunks (whole [B, T, V] logits would be 4x the chunks here).
+GPU_LIKE = ["trainer.gradient_checkpointing=false", "trainer.chunked_logprobs=true", "trainer.lm_head_chunk=32",
+            "trainer.max_tokens_per_micro_batch=1024", "trainer.max_new_tokens=48", "algorithm.group_size=4",
+            "trainer.prompts_per_step=2", "trainer.eval_prompts=0", "trainer.progress_bar=false",
+            "trainer.num_threads=1", "trainer.steps=2", "reward=length"]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+def test_the_plan_of_chunked_passes_is_the_measured_step(compose, tmp_path, precision) -> None:
+    cfg = compose(["model=tiny", f"trainer.precision={precision}", *GPU_LIKE, f"trainer.output_dir={tmp_path / 'run'}"])
+    measured, width, trainer = measured_step(cfg, tmp_path / "run")
+    plan = plan_step(cfg, trainer.tokenizer, trainer.precision, prompt_tokens=width, count_flops=False)
+    assert abs(plan.peak - measured) <= 0.05 * measured, (plan.peaks, measured)
+
+
 def test_plan_prints_a_table_and_a_json_line(run_cli) -> None:
     code, out, err = run_cli(["plan", "model=tiny", *SHORT[:3], "data.max_prompt_tokens=16", "--device", "cuda",
                               "--device-memory", "1", "--peak-tflops", "100", "--step-seconds", "0.5"])
