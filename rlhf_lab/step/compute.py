@@ -67,17 +67,19 @@ def packs_rows(trainer_cfg: Any, device: torch.device, attention: str | None = N
     return bool(token_budget(trainer_cfg, device)) and attention in VARLEN_ATTENTION
 
 
-def micro_batches(attention_mask: Tensor, rows: int, budget: int, agree: bool, stretch: bool = False) -> list[Tensor]:
-    """The row indices of each micro-batch of a batch: up to ``budget`` tokens each (attended tokens: prompt +
-    response, padding excluded; :func:`~rlhf_lab.scoring.packing.token_budget_groups`) where ``budget`` > 0, else
-    ``rows`` rows each (0: all). ``stretch``: a default budget, raised to the longest row (a budget the user set
-    that is smaller is an error). ``agree``: every rank runs as many (sharded weights make each forward a
-    collective), the smaller counts split further."""
+def micro_batches(attention_mask: Tensor, rows: int, budget: int, agree: bool, stretch: bool = False,
+                  padded: bool = False) -> list[Tensor]:
+    """The row indices of each micro-batch of a batch: up to ``budget`` tokens each where ``budget`` > 0, else
+    ``rows`` rows each (0: all). A packed pass (padding-free) counts each row's attended tokens (prompt +
+    response, :func:`~rlhf_lab.scoring.packing.token_budget_groups`); a ``padded`` one the positions it computes,
+    the batch's width per row, so the budget bounds a pass's activations either way. ``stretch``: a default budget,
+    raised to the longest row (a budget the user set that is smaller is an error). ``agree``: every rank runs as
+    many (sharded weights make each forward a collective), the smaller counts split further."""
     batch = attention_mask.shape[0]
     if not budget:
         size = rows or batch
         return [torch.arange(start, min(start + size, batch)) for start in range(0, batch, size)]
-    tokens = row_tokens(attention_mask).tolist()
+    tokens = [attention_mask.shape[1]] * batch if padded else row_tokens(attention_mask).tolist()
     if stretch:
         budget = max([budget, *tokens])
     groups = token_budget_groups(tokens, budget)

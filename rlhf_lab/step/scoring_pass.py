@@ -135,7 +135,7 @@ class ScoringPass:
         model's pass too: ``logprobs``, ``entropy``, ``hidden`` and the engine's log-probs as ``sampler_logprobs``."""
         groups = micro_batches(rollout.attention_mask, self.cfg.trainer.logprob_chunk,
                                self.token_budget, agree=self.sharded,
-                               stretch=self.cfg.trainer.get("max_tokens_per_micro_batch") is None)
+                               stretch=self.cfg.trainer.get("max_tokens_per_micro_batch") is None, padded=not self.pack)
         pieces: dict[str, list[Tensor]] = {}
         for rows in groups:
             part = rollout if len(groups) == 1 else rollout.select(rows.to(rollout.input_ids.device))

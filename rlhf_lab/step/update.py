@@ -213,7 +213,7 @@ class Updater:
         training pass measures the entropy, the mini-batch's rows' ([rows, T]) are appended to ``entropies``."""
         groups = micro_batches(minibatch.attention_mask, self.cfg.trainer.micro_batch_size,
                                self.token_budget, agree=self.sharded,
-                               stretch=self.cfg.trainer.get("max_tokens_per_micro_batch") is None)
+                               stretch=self.cfg.trainer.get("max_tokens_per_micro_batch") is None, padded=not self.pack)
         # Rows count only with a response token: a dropped sample (mask zeroed) weighs nothing.
         local = torch.stack([minibatch.response_mask.sum().double(),
                              (minibatch.response_mask.sum(-1) > 0).sum().double()])

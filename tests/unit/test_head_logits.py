@@ -172,6 +172,14 @@ def test_a_default_budget_stretches_to_the_longest_row_and_a_set_one_does_not():
         micro_batches(mask, 0, 3, agree=False)
 
 
+def test_a_padded_pass_counts_the_positions_it_computes():
+    """Padded micro-batches keep the batch's width: rows of 5, 2 and 2 attended tokens in a width of 8 are 8
+    positions each, so a 16-token budget holds 2 of them (packed, all 3: 9 tokens)."""
+    mask = torch.tensor([[1, 1, 1, 1, 1, 0, 0, 0], [0, 0, 0, 1, 1, 0, 0, 0], [0, 0, 0, 1, 1, 0, 0, 0]])
+    assert [g.tolist() for g in micro_batches(mask, 0, 16, agree=False, padded=True)] == [[0, 1], [2]]
+    assert [g.tolist() for g in micro_batches(mask, 0, 16, agree=False)] == [[0, 1, 2]]
+
+
 def test_the_attention_implementation_is_read_through_a_wrapper():
     from transformers import LlamaConfig, LlamaForCausalLM
 
