@@ -94,6 +94,29 @@ def _eos_id(tokenizer: Any) -> int | None:
     return eos[0] if isinstance(eos, list) else eos
 
 
+class _GlobalOnly:
+    """In place of ``FlopCounterMode``'s module tracker: every count is the global one."""
+
+    parents = ("Global",)
+
+    def __enter__(self) -> _GlobalOnly:
+        return self
+
+    def __exit__(self, *args: Any) -> None:
+        return None
+
+
+class StepFlops(FlopCounterMode):
+    """torch's FLOP counter (its formulas, its dispatch mode) counting the global total only. Its own module tracker
+    hooks the gradient of every module's inputs and outputs; under activation checkpointing the recomputed layers'
+    hooks never fire, and what they hold stayed alive for the rest of the step (the memory counted beside it grew by
+    each micro-batch's recomputed activations)."""
+
+    def __init__(self) -> None:
+        super().__init__(display=False)
+        self.mod_tracker = _GlobalOnly()
+
+
 class _Phases:
     """The tracker's peak and the FLOP counter's count, per phase of the step."""
 
@@ -232,7 +255,7 @@ def _plan_step(cfg: Any, tokenizer: Any, precision: Precision, prompt_tokens: in
                                      else fake_tensors.StepMemory())
         memory.track_external(models.policy, models.reference, updater.optimizer,
                               *algorithm.modules().values())
-        counter = stack.enter_context(FlopCounterMode(display=False)) if count_flops else None
+        counter = stack.enter_context(StepFlops()) if count_flops else None
         phases = _Phases(memory, counter)
         if fake:
             phases.indices = stack.enter_context(RealIndices(ordinary_token(tokenizer, config.vocab_size),

@@ -255,3 +255,28 @@ def test_a_device_s_defaults_are_planned_as_its_run_takes_them(compose, tiny_tok
     assert defaults.peaks == set_.peaks and defaults.flops == set_.flops
     assert cpu.peaks == cpu_set.peaks and cpu.flops == cpu_set.flops
     assert defaults.flops != cpu.flops  # the layers recomputed in the backward
+
+
+def test_counting_flops_leaves_the_planned_memory_as_it_is(compose, tiny_tokenizer, monkeypatch) -> None:
+    """Under gradient checkpointing torch's FLOP counter's module tracker kept each micro-batch's recomputed layers
+    alive: the planned training peak grew with the batch. The step's counter counts the same FLOPs, globally."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from rlhf_lab.planner import step as planner_step
+    from rlhf_lab.runtime.precision import Precision
+
+    precision = Precision("bf16-mixed", "cpu")
+    base = ["model=tiny", *SHORT, "trainer.precision=bf16-mixed", "trainer.max_new_tokens=64",
+            "trainer.gradient_checkpointing=true", "trainer.chunked_logprobs=true",
+            "trainer.max_tokens_per_micro_batch=256", "data.max_prompt_tokens=64"]
+    peaks = {}
+    for groups in (2, 4):
+        cfg = compose([*base, f"trainer.prompts_per_step={groups}"])
+        counted = plan_step(cfg, tiny_tokenizer, precision, prompt_tokens=64)
+        uncounted = plan_step(cfg, tiny_tokenizer, precision, prompt_tokens=64, count_flops=False)
+        assert counted.peaks == uncounted.peaks
+        peaks[groups] = counted.peaks["training"]
+    assert abs(peaks[4] - peaks[2]) <= 0.02 * peaks[2]  # micro-batches of the same size: the same peak
+    monkeypatch.setattr(planner_step, "StepFlops", lambda: FlopCounterMode(display=False))
+    torch_counted = plan_step(cfg, tiny_tokenizer, precision, prompt_tokens=64)
+    assert torch_counted.flops == counted.flops
