@@ -181,6 +181,7 @@ class Trainer(RunState, StopSignals, Evaluates, StepRecord):
         self.step, self.worker.timer = step, timer  # the step being trained; the engine's loads are its phases
         self.worker.step = step
         synchronize()
+        self.performance.step_started()  # perf/peak_memory_gib: this step's peak on a GPU
         start = time.perf_counter()
         batch = step_batch(cfg, self.prompts.train, step)
         experience = self.experience.make(  # sample and score; under generation.max_staleness=1 the next batch

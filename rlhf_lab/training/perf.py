@@ -1,7 +1,7 @@
 """Every step's ``perf/*`` metrics: peak memory, tokens per second, and the MFU the planner's FLOP count implies.
 
-- ``perf/peak_memory_gib``: the CUDA allocator's peak (``torch.cuda.max_memory_allocated``) on a GPU; the process's
-  peak resident memory (``ru_maxrss``) on a CPU.
+- ``perf/peak_memory_gib``: the CUDA allocator's peak during the step (``torch.cuda.max_memory_allocated``, reset as
+  the step starts) on a GPU; the process's peak resident memory so far (``ru_maxrss``, which no call resets) on a CPU.
 - ``perf/tokens_per_s``: sampled (generated) plus trained (through the training pass, every epoch) tokens over the
   step's time.
 - ``perf/mfu``: the step's FLOPs over its time and the device's peak (``trainer.peak_tflops``, else a GPU's by its
@@ -49,6 +49,11 @@ class StepPerformance:
         self.cfg, self.tokenizer, self.precision, self.device = cfg, tokenizer, precision, device
         self.peak_tflops = device_peak_tflops(cfg, device)
         self._per_token: tuple[float, float] | None = None
+
+    def step_started(self) -> None:
+        """A step begins: the CUDA allocator's peak counts from here (the step's own)."""
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
 
     def flops_per_token(self, prompt_tokens: int | None = None) -> tuple[float, float]:
         """(FLOPs per sampled token, per trained token) of the run's step at ``prompt_tokens`` per prompt (default

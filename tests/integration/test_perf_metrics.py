@@ -62,3 +62,17 @@ def test_the_flops_per_token_give_the_planned_step_at_its_prompt_and_response_le
     step = plan_step(cfg, tiny_tokenizer, precision, prompt_tokens=prompt)
     estimate = per_sampled * step.tokens["sampled"] + per_trained * step.tokens["trained"]
     assert estimate == pytest.approx(step.flops_per_step, rel=0.05)
+
+
+def test_on_a_gpu_the_peak_is_the_step_s_own(compose, tiny_overrides, tiny_tokenizer, monkeypatch) -> None:
+    """The CUDA allocator's peak is reset as each step starts (``Trainer.train_step``), so each step logs its own."""
+    from rlhf_lab.runtime.precision import Precision
+    from rlhf_lab.training.perf import StepPerformance
+
+    reset = []
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: reset.append(device))
+    cfg = compose([*tiny_overrides(None), "trainer.peak_tflops=1"])
+    StepPerformance(cfg, tiny_tokenizer, Precision("fp32", "cpu"), torch.device("cpu")).step_started()
+    assert reset == []
+    StepPerformance(cfg, tiny_tokenizer, Precision("fp32", "cuda"), torch.device("cuda")).step_started()
+    assert reset == [torch.device("cuda")]
