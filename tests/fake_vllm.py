@@ -155,8 +155,9 @@ class LLM:
         state = self.model.state_dict()
         with torch.no_grad():
             for name, tensor in weights:
-                if name in state:
-                    state[name].copy_(tensor.to(state[name].dtype))
+                if name not in state:  # as vLLM's loaders: a name the model does not have stops the load
+                    raise KeyError(f"{name!r} is not a weight of the engine's model")
+                state[name].copy_(tensor.to(state[name].dtype))
         if self.weights_resident:
             self.weights_valid = True
         return [None]
