@@ -335,24 +335,31 @@ def test_a_memory_share_outside_zero_to_one_is_one_line(share) -> None:
 
 
 def test_only_the_worker_drives_an_engine_s_lifecycle() -> None:
-    """No module but the worker calls an engine's sleep, wake-up or weight sync; the engines' own modules call vLLM's
-    reload inside their load methods only."""
-    import re
+    """No module but the worker calls an engine's sleep, wake-up or weight sync (any call of a method of those names,
+    positional arguments or not, or reached through ``getattr``); the engines' own modules call vLLM's, and its
+    reload, inside their own methods only. Read from the source's syntax tree, not its text."""
+    import ast
     from pathlib import Path
 
     import rlhf_lab
 
     root = Path(rlhf_lab.__file__).parent
-    lifecycle = re.compile(r"\.(sleep\(level|wake_up\(|sync_weights\()")
-    prose = ("def ", "#", '"', "`", "-")  # definitions, comments and docstrings name them without calling
-
-    def calls(path: Path) -> list[str]:
-        return [line.strip() for line in path.read_text().splitlines()
-                if lifecycle.search(line) and not line.lstrip().startswith(prose)]
-
-    callers = {str(path.relative_to(root)) for path in root.rglob("*.py") if calls(path)}
-    assert callers <= {"generation/worker.py", "generation/vllm.py"}, callers
-    vllm_calls = calls(root / "generation/vllm.py")
-    assert vllm_calls and all(line.startswith("self.llm.") for line in vllm_calls), vllm_calls  # vLLM's own
-    reloads = {str(path.relative_to(root)) for path in root.rglob("*.py") if '"reload_weights"' in path.read_text()}
-    assert reloads <= {"generation/vllm.py", "generation/serve_engine.py"}, reloads  # the engines' own loads
+    names = ("sleep", "wake_up", "sync_weights")
+    calls: dict[str, set[str]] = {}  # module -> "receiver.method" of each lifecycle call
+    reloads: set[str] = set()
+    for path in root.rglob("*.py"):
+        module = str(path.relative_to(root))
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                function = node.func
+                if isinstance(function, ast.Attribute) and function.attr in names:
+                    calls.setdefault(module, set()).add(f"{ast.unparse(function.value)}.{function.attr}")
+                if (isinstance(function, ast.Name) and function.id == "getattr" and len(node.args) >= 2
+                        and isinstance(node.args[1], ast.Constant) and node.args[1].value in names):
+                    calls.setdefault(module, set()).add(f"getattr({node.args[1].value})")
+            if isinstance(node, ast.Constant) and node.value == "reload_weights":
+                reloads.add(module)
+    assert calls.pop("runtime/rank_output.py") == {"time.sleep"}  # a wait, not an engine
+    assert calls == {"generation/worker.py": {"self.engine.sleep", "self.engine.wake_up", "self.engine.sync_weights"},
+                     "generation/vllm.py": {"self.llm.sleep", "self.llm.wake_up"}}, calls  # vLLM's own
+    assert reloads == {"generation/vllm.py", "generation/serve_engine.py"}, reloads  # the engines' own loads
