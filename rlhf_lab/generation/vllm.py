@@ -198,20 +198,22 @@ class VLLMGeneration(SamplesInPlace):
         settings = settings or self.settings
         encoded = encode_prompts(self.tokenizer, prompts)
         check_prompt_lengths([len(ids) for ids in encoded], settings.max_prompt_tokens)
-        # Under tensor parallelism every rank of a group runs the same requests: the group's prompts, each rank's
-        # outputs sliced back.
-        encoded_all, seeds_all, mine = self.tensor_parallel.gather(encoded, seeds)
-        requests = [{"prompt_token_ids": ids} for ids in encoded_all]
-        params = sampling_params(self.vllm, settings, group_size, seeds_all, greedy, len(encoded_all),
-                                 self.allowed_token_ids)
+        # Under tensor parallelism every rank of a group runs the same requests: the group's prompts, each with its
+        # own rank's sampling settings, each rank's outputs sliced back.
+        parts, mine = self.tensor_parallel.gather(Request(encoded, seeds, settings, group_size, greedy))
+        requests = [{"prompt_token_ids": ids} for part in parts for ids in part.encoded]
+        params = [param for part in parts for param in part.params(self.vllm, self.allowed_token_ids)]
         # The probe rides in the batch's call, sampled as the batch samples (its temperature, no top-p/top-k): with a
         # seed of its own in a seeded batch (the batch's seeds untouched), unseeded in an unseeded one (no request
-        # then has a generator of its own). A greedy or top-p/top-k batch gets it in a call of its own.
-        rides = probe is not None and not greedy and settings.top_p >= 1 and not settings.top_k
+        # then has a generator of its own). A greedy or top-p/top-k batch gets it in a call of its own, and so does a
+        # group whose ranks sample at different temperatures (every rank decides alike, from the same parts).
+        temperatures = {part.settings.temperature for part in parts}
+        rides = probe is not None and all(part.probe_rides() for part in parts) and len(temperatures) == 1
         if rides:  # last, the same on every rank of a group
             requests.append({"prompt_token_ids": list(probe[0])})
             probe_settings = dataclasses.replace(probe[1], temperature=settings.temperature)
-            params += sampling_params(self.vllm, probe_settings, 1, None if seeds_all is None else [PROBE_SEED],
+            seeded = any(part.seeds is not None for part in parts)
+            params += sampling_params(self.vllm, probe_settings, 1, [PROBE_SEED] if seeded else None,
                                       False, 1, self.allowed_token_ids)
         outputs = self.llm.generate(requests, params, use_tqdm=False,
                                     lora_request=self._adapter if self.lora and adapter else None)
@@ -287,17 +289,35 @@ class TensorParallel:
         self.size, self.group_index = size, distributed.rank() // size
         self.group = distributed.rank_groups(size) if size > 1 else None
 
-    def gather(self, encoded: list[list[int]], seeds: list[int] | None
-               ) -> tuple[list[list[int]], list[int] | None, slice]:
-        """The group's prompts and seeds in rank order, and the slice of them that is this rank's."""
+    def gather(self, request: Request) -> tuple[list[Request], slice]:
+        """Every rank's request of the group in rank order (prompts, seeds and sampling settings: a multi-turn
+        episode's next turn, say, may ask for fewer tokens on one rank than on another), and the slice of the
+        group's prompts that is this rank's."""
         if self.group is None:
-            return encoded, seeds, slice(0, len(encoded))
-        parts = distributed.gather_objects([(encoded, seeds)], group=self.group)
+            return [request], slice(0, len(request.encoded))
+        parts = distributed.gather_objects([request], group=self.group)
         position = distributed.rank() % self.size
-        start = sum(len(part[0]) for part in parts[:position])
-        prompts = [ids for part in parts for ids in part[0]]
-        every_seed = None if seeds is None else [s for part in parts for s in part[1]]
-        return prompts, every_seed, slice(start, start + len(encoded))
+        start = sum(len(part.encoded) for part in parts[:position])
+        return parts, slice(start, start + len(request.encoded))
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One rank's sampling call: its prompts' ids, their seeds, how to sample them."""
+
+    encoded: list[list[int]]
+    seeds: list[int] | None
+    settings: SamplingSettings
+    group_size: int
+    greedy: bool
+
+    def params(self, vllm: Any, allowed_token_ids: list[int] | None) -> list[Any]:
+        return sampling_params(vllm, self.settings, self.group_size, self.seeds, self.greedy, len(self.encoded),
+                               allowed_token_ids)
+
+    def probe_rides(self) -> bool:
+        """Whether the canary's probe can ride in this call (sampled at its temperature: no greedy, top-p or top-k)."""
+        return not self.greedy and self.settings.top_p >= 1 and not self.settings.top_k
 
 
 def sampling_params(vllm: Any, settings: SamplingSettings, group_size: int, seeds: list[int] | None, greedy: bool,

@@ -38,14 +38,18 @@ engine = engine_module.VLLMGeneration(policy, tokenizer, SamplingSettings(max_ne
 mine = [["Hi there"], ["Say something kind.", "Name a colour."]][rank]
 seeds = [[5], [6, 7]][rank]
 rollout = engine.generate(mine, 2, seeds=seeds)
-calls = []
+calls, tokens = [], []
 original = fake_vllm.LLM.generate
 def recording(self, prompts, params, **kwargs):
     calls.append([p["prompt_token_ids"] for p in prompts])
+    tokens.append([p.max_tokens for p in params])
     return original(self, prompts, params, **kwargs)
 fake_vllm.LLM.generate = recording
 again = engine.generate(mine, 2, seeds=seeds)
+# A later turn of a multi-turn batch: each rank asks for as many tokens as its own rows have left.
+turn = engine.generate(mine, 1, seeds=seeds, settings=SamplingSettings(max_new_tokens=[3, 2][rank], max_prompt_tokens=64))
 json.dump({"rows": rollout.batch_size, "same": bool(torch.equal(rollout.input_ids, again.input_ids)),
+           "turn_tokens": tokens[1], "turn_width": turn.response_ids.shape[1],
            "seed": fake_vllm.LLM.built[-1].kwargs["seed"], "sent": calls[0],
            "mine": [tokenizer(p, add_special_tokens=False)["input_ids"] for p in mine],
            "prompts": [row[rollout.attention_mask[i, :rollout.prompt_width].bool()].tolist()
@@ -75,6 +79,9 @@ def test_two_ranks_share_one_engine_s_requests_and_keep_their_own_outputs(tmp_pa
     assert first["prompts"] == [ids for ids in first["mine"] for _ in range(2)]
     assert second["prompts"] == [ids for ids in second["mine"] for _ in range(2)]
     assert first["same"] and second["same"]
+    # Each rank's prompts sampled with its own settings, the same requests on both ranks.
+    assert first["turn_tokens"] == second["turn_tokens"] == [3, 2, 2]
+    assert first["turn_width"] <= 3 and second["turn_width"] <= 2
 
 
 def test_a_size_that_does_not_divide_the_ranks_is_one_line() -> None:
