@@ -96,6 +96,13 @@ def reward_config(name: str, search_paths: tuple[str, ...] = ()) -> Any:
     return _hydra_compose([f"reward={name}", *searchpath_override(search_paths)]).reward
 
 
+def in_lockstep(maker: Any) -> bool:
+    """Whether every rank must sample as many times as every other: sharded weights (FSDP), or an engine whose
+    tensor-parallel group spans ranks (``generation.tensor_parallel_size`` > 1)."""
+    tensor_parallel = getattr(maker.engine, "tensor_parallel", None)
+    return getattr(tensor_parallel, "size", 1) > 1 or any(map(distributed.sharded, maker.policy.parameters()))
+
+
 class Evaluation:
     """What an evaluation needs besides the policy's experience maker: its own sampling, extra rewards, and the
     reference's maker for the win rate. Built once per run (:meth:`from_parts`)."""
@@ -132,9 +139,10 @@ class Evaluation:
         group = self.settings.samples_per_prompt
         positions = shard(len(prompts), distributed.rank(), distributed.world_size())
         real = len(positions) * group  # this rank's samples
-        if any(map(distributed.sharded, self.maker.policy.parameters())):
-            # FSDP: a forward pass is a collective, so every rank generates as often as the rank with the most
-            # prompts; the padding (repeats of a prompt) is generated and dropped.
+        if in_lockstep(self.maker):
+            # FSDP (a forward pass is a collective) or an engine shared by a tensor-parallel group (its ranks send
+            # the group's requests together): every rank generates as often as the rank with the most prompts; the
+            # padding (repeats of a prompt) is generated and dropped.
             width = -(-len(prompts) // distributed.world_size())
             positions = positions + [positions[-1] if positions else 0] * (width - len(positions))
         timer, started, chunks = StepTimer(), time.perf_counter(), -(-len(positions) // EVAL_CHUNK)

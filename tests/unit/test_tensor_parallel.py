@@ -89,3 +89,20 @@ def test_a_size_that_does_not_divide_the_ranks_is_one_line() -> None:
         TensorParallel(2)
     with pytest.raises(ConfigError, match=r"tensor_parallel_size=0"):
         TensorParallel(0)
+
+
+def test_an_evaluation_samples_in_lockstep_where_an_engine_spans_ranks() -> None:
+    """An evaluation's ranks pad their prompts to as many chunks as the rank with the most where a forward or an
+    engine call is collective: FSDP's sharded weights, or a tensor-parallel group's engine (33 prompts over 2 ranks
+    would otherwise send 2 chunks from one rank and 1 from the other, and the group's engine would wait)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from rlhf_lab.training.evaluation import in_lockstep
+
+    policy = torch.nn.Linear(2, 2)
+    assert not in_lockstep(SimpleNamespace(engine=SimpleNamespace(), policy=policy))  # hf: no group
+    assert not in_lockstep(SimpleNamespace(engine=SimpleNamespace(tensor_parallel=SimpleNamespace(size=1)),
+                                           policy=policy))
+    assert in_lockstep(SimpleNamespace(engine=SimpleNamespace(tensor_parallel=SimpleNamespace(size=2)), policy=policy))
