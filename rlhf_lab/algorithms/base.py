@@ -143,6 +143,9 @@ class Algorithm:
 
     def __init__(self, cfg: Any) -> None:
         self.cfg = cfg
+        # How a sampling-time pass over a whole batch (a critic's values) is cut: the updater's micro-batches
+        # (``by_micro_batches(rollout, fn) -> [B, T]``, set by :class:`~rlhf_lab.step.update.Updater`); None: whole.
+        self.by_micro_batches: Any = None
         self.clip_low = cfg.clip_eps_low if cfg.clip_eps_low is not None else cfg.clip_eps
         self.clip_high = cfg.clip_eps_high if cfg.clip_eps_high is not None else cfg.clip_eps
         self.clip = ClipRange(self.clip_low, self.clip_high, cfg.get("clip_ratio_c"))

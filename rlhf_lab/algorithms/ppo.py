@@ -162,13 +162,17 @@ class PPO(Algorithm):
         """The critic's values at sampling time, [B, T]. The shared head reads the hidden states the decode
         loop kept (``Rollout.hidden``: the same weights' states, so the values a no-grad forward pass over the
         rollout would give, to float precision); without them, that forward pass runs."""
-        if not self.shared_critic:
-            return self.values(rollout, None)
-        if rollout.hidden is not None:
+        if self.shared_critic and rollout.hidden is not None:
             return self.critic(rollout.hidden) * rollout.response_mask
-        if forward is None:
+        if self.shared_critic and forward is None:
             raise RuntimeError("critic=shared: prepare needs Rollout.hidden or the trainer's forward")
-        return self.values(rollout, forward(rollout))
+
+        def values(part: Rollout) -> Tensor:  # a forward pass over ``part``: the critic's, or the policy's trunk
+            return self.values(part, forward(part) if self.shared_critic else None)
+
+        # In the training pass's micro-batches (its rows or token budget, packed where it packs) where the updater
+        # lends them: a whole batch's pass would hold every row's activations at once.
+        return self.by_micro_batches(rollout, values) if self.by_micro_batches is not None else values(rollout)
 
     def parameter_groups(self, lr: float) -> list[dict[str, Any]]:
         """The critic's trainable tensors at ``critic_lr`` (default: the policy's ``lr``)."""

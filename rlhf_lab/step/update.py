@@ -122,6 +122,7 @@ class Updater:
         self.sharded = any(map(distributed.sharded, policy.parameters()))  # FSDP: ranks agree on micro-batch counts
         if strategy != "fsdp":  # FSDP2's shards get their state at the first step
             self.hardware.prepare_optimizer(self.optimizer)
+        algorithm.by_micro_batches = self.by_micro_batches  # its sampling-time passes cut as the training pass
         self.consecutive_skips = 0
         self.skipped_updates = 0
         self.last_grad_norm = float("nan")
@@ -207,13 +208,26 @@ class Updater:
         self.consecutive_skips = 0
         return True
 
+    def row_groups(self, batch: Rollout) -> list[Tensor]:
+        """The rows of each micro-batch of ``batch``: ``trainer.micro_batch_size`` rows, or the token budget."""
+        return micro_batches(batch.attention_mask, self.cfg.trainer.micro_batch_size, self.token_budget,
+                             agree=self.sharded, stretch=self.cfg.trainer.get("max_tokens_per_micro_batch") is None,
+                             padded=not self.pack)
+
+    def by_micro_batches(self, batch: Rollout, fn: Any) -> Tensor:
+        """``fn(part)`` ([rows, T]) over the micro-batches of ``batch`` (packed where the training pass packs), in
+        row order: [B, T]."""
+        groups = self.row_groups(batch)
+        with packed_passes(self.pack):
+            if len(groups) == 1:
+                return fn(batch)
+            return torch.cat([fn(batch.select(rows)) for rows in groups])
+
     def minibatch_update(self, minibatch: Rollout, coef: float, timer: StepTimer,
                          entropies: list[Tensor] | None = None) -> dict[str, float]:
         """Accumulate the micro-batches' gradients and take one optimizer step (or a veto, or a skip). Where the
         training pass measures the entropy, the mini-batch's rows' ([rows, T]) are appended to ``entropies``."""
-        groups = micro_batches(minibatch.attention_mask, self.cfg.trainer.micro_batch_size,
-                               self.token_budget, agree=self.sharded,
-                               stretch=self.cfg.trainer.get("max_tokens_per_micro_batch") is None, padded=not self.pack)
+        groups = self.row_groups(minibatch)
         # Rows count only with a response token: a dropped sample (mask zeroed) weighs nothing.
         local = torch.stack([minibatch.response_mask.sum().double(),
                              (minibatch.response_mask.sum(-1) > 0).sum().double()])

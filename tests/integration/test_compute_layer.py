@@ -3,6 +3,7 @@ padding-free packing leave the scoring pass's and the update's numbers alone; it
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -77,3 +78,37 @@ def test_bad_compute_settings_stop_with_one_line(tmp_path, override, message):
     assert result.returncode == 2, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
     assert re.fullmatch(f"error: {message}", result.stderr.rstrip().splitlines()[-1]), result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("critic", ["separate", "shared"])
+def test_a_critic_s_sampling_time_values_run_in_the_training_pass_s_micro_batches(compose, tiny_overrides, tmp_path,
+                                                                                  monkeypatch, critic):
+    """PPO's values at sampling time (a separate critic's trunk, or the policy's where the decode kept no hidden
+    states) run over the training pass's micro-batches, packed where it packs, and equal the whole batch's."""
+    from rlhf_lab.algorithms.critic import SeparateCritic
+    from rlhf_lab.step.update import Updater
+
+    overrides = [*tiny_overrides(None), *WIDER, "algorithm=ppo", f"algorithm.critic={critic}",
+                 "algorithm.mini_batch_size=0"]
+    trainer = Trainer(compose([*overrides, *COMPUTE]), tmp_path / "cut")
+    torch.manual_seed(0)
+    rollout = trainer.experience.make(trainer.prompts.train[:2], 4, StepTimer(), ["a", "b"],
+                                      kl_coef=0.05).rollout.for_training()
+    rollout = dataclasses.replace(rollout, hidden=None)  # the shared head reads a forward pass, as on vLLM
+    seen = []
+    spied = SeparateCritic.forward if critic == "separate" else Updater.forward
+
+    def spy(self, *args, **kwargs):
+        batch = args[0]
+        seen.append(batch.shape[0] if critic == "separate" else batch.input_ids.shape[0])
+        return spied(self, *args, **kwargs)
+
+    monkeypatch.setattr(SeparateCritic if critic == "separate" else Updater, "forward", spy)
+    with trainer.precision.autocast():
+        cut = trainer.algorithm.sampling_values(rollout, trainer.updater.forward)
+    expected_groups = [len(rows) for rows in trainer.updater.row_groups(rollout)]
+    assert len(expected_groups) > 1 and seen == expected_groups  # one pass per micro-batch, none whole
+    trainer.algorithm.by_micro_batches = None
+    with trainer.precision.autocast():
+        whole = trainer.algorithm.sampling_values(rollout, trainer.updater.forward)
+    torch.testing.assert_close(cut, whole, rtol=1e-5, atol=1e-6)
