@@ -30,6 +30,7 @@ import dataclasses
 import os
 import shutil
 import tempfile
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +93,11 @@ class VLLMGeneration(SamplesInPlace):
         self.folder = Path(distributed.gather_objects(
             [tempfile.mkdtemp(prefix="rlhf_lab_vllm_") if distributed.is_main_process() else None])[0])
         self.folder.mkdir(parents=True, exist_ok=True)
+        # The node's writer removes it: at close(), else when the engine is collected or the process exits (a run
+        # that raised, an engine built and dropped), so no run leaves an exported model behind in the temp folder.
+        self._remove_folder = weakref.finalize(self, shutil.rmtree, self.folder, ignore_errors=True)
+        if int(os.environ.get("LOCAL_RANK", distributed.rank())) != 0:
+            self._remove_folder.detach()
         self._adapter_version = 0
         model_path = self._export_base(policy)
         dtype = {"bf16-mixed": "bfloat16", "bf16-true": "bfloat16", "fp16-mixed": "float16"}.get(
@@ -157,8 +163,7 @@ class VLLMGeneration(SamplesInPlace):
     def close(self) -> None:
         """At the end of a run: its folder (the exported base model, the adapters) removed, vLLM's logging as it
         was, and the one line saying how many of its lines went to the log file."""
-        if int(os.environ.get("LOCAL_RANK", distributed.rank())) == 0:  # the node's writer
-            shutil.rmtree(self.folder, ignore_errors=True)
+        self._remove_folder()  # the node's writer's (a no-op on the other ranks, and the second time)
         line = self.logs.close()
         if line and distributed.is_main_process():
             say(line)

@@ -95,6 +95,37 @@ def test_the_previous_order_samples_the_initial_policy_where_the_write_lands(com
     assert gap(policy, rollout) > 1e-2  # not the trained one's
 
 
+@pytest.mark.parametrize("ending", ["closed", "dropped", "failed to build"])
+def test_the_engine_s_exported_model_is_removed_however_the_engine_ends(compose, tiny_tokenizer, tmp_path,
+                                                                       monkeypatch, ending: str) -> None:
+    """The engine exports the policy to a temporary folder for vLLM to build from. It goes at close(), when an engine
+    is dropped without one (a run that raised, an engine built by a tool), and when vLLM refuses to build: a test
+    suite or a sweep that builds hundreds of engines leaves no model copies behind."""
+    import gc
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    policy = tiny_policy(compose, tiny_tokenizer)
+    exported = lambda: sorted(p.name for p in tmp_path.glob("rlhf_lab_vllm_*"))  # noqa: E731
+    if ending == "failed to build":
+        def refuse(*args, **kwargs):
+            assert exported(), "the export exists while vLLM builds"
+            raise ValueError("vLLM refuses the model")
+        monkeypatch.setattr(fake_vllm.LLM, "__init__", refuse)
+        with pytest.raises(ValueError, match="refuses"):
+            vllm_engine.VLLMGeneration(policy, tiny_tokenizer, SETTINGS, options={"sleep": False})
+    else:
+        engine = vllm_engine.VLLMGeneration(policy, tiny_tokenizer, SETTINGS, options={"sleep": False})
+        assert len(exported()) == 1 and (engine.folder / "base" / "config.json").is_file()
+        if ending == "closed":
+            engine.close()
+            assert not exported()
+            engine.close()  # a second close is harmless
+        del engine
+    gc.collect()
+    assert not exported()
+
+
 # ------------------------------------------------------------------------------------------ the worker's order
 @pytest.mark.parametrize("lora", [False, True])
 def test_the_worker_samples_the_current_weights_through_sleep(compose, tiny_tokenizer, lora: bool,
