@@ -9,6 +9,7 @@ SmolLM2 smoke run took 47 s with one thread and 172 s with two under the same lo
 
 from __future__ import annotations
 
+import logging
 import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -16,7 +17,7 @@ os.environ["WANDB_MODE"] = "disabled"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 os.environ["OMP_NUM_THREADS"] = "1"
 
-from collections.abc import Callable  # noqa: E402
+from collections.abc import Callable, Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
@@ -99,6 +100,23 @@ def own_folder(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.Mon
     folder = tmp_path_factory.mktemp("cwd")
     monkeypatch.chdir(folder)
     return folder
+
+
+@pytest.fixture(autouse=True)
+def logging_as_it_was() -> Iterator[None]:
+    """No log file of a test's is written after it: an in-process command leaves Hydra's job-log handler on the root
+    logger (a process that runs one command ends there), and an engine a test does not close leaves its routing of
+    vLLM's lines to that file; a later test's lines would go to a folder that is gone. Both are taken off."""
+    from rlhf_lab.generation.vllm_logs import VLLM_LOGGER, _ToFiles
+
+    root, vllm = logging.getLogger(), logging.getLogger(VLLM_LOGGER)
+    before = list(root.handlers)
+    yield
+    for handler in [h for h in root.handlers if isinstance(h, logging.FileHandler) and h not in before]:
+        root.removeHandler(handler)
+        handler.close()
+    for handler in [h for h in vllm.handlers if isinstance(h, _ToFiles)]:
+        vllm.removeHandler(handler)
 
 
 @pytest.fixture(name="compose", scope="session")

@@ -64,6 +64,14 @@ def hf_name(name: str) -> str:
     return name.removeprefix("base_model.model.").replace(".base_layer.", ".").replace("_checkpoint_wrapped_module.", "")
 
 
+def _release(folder: Path | None, logs: VLLMLogs) -> str | None:
+    """What an engine leaves when it ends: its exported folder (the node's writer's; None on the other ranks)
+    removed and vLLM's logging put back. Returns the logs' closing line."""
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)
+    return logs.close()
+
+
 @register("generation", "vllm")
 class VLLMGeneration(SamplesInPlace):
     """A :class:`~rlhf_lab.generation.backend.GenerationBackend` on a colocated vLLM engine (see the module)."""
@@ -93,11 +101,11 @@ class VLLMGeneration(SamplesInPlace):
         self.folder = Path(distributed.gather_objects(
             [tempfile.mkdtemp(prefix="rlhf_lab_vllm_") if distributed.is_main_process() else None])[0])
         self.folder.mkdir(parents=True, exist_ok=True)
-        # The node's writer removes it: at close(), else when the engine is collected or the process exits (a run
-        # that raised, an engine built and dropped), so no run leaves an exported model behind in the temp folder.
-        self._remove_folder = weakref.finalize(self, shutil.rmtree, self.folder, ignore_errors=True)
-        if int(os.environ.get("LOCAL_RANK", distributed.rank())) != 0:
-            self._remove_folder.detach()
+        # At close(), else when the engine is collected or the process exits (a run that raised, an engine built and
+        # dropped): the node's writer removes the folder (no run leaves an exported model in the temp folder), and
+        # vLLM's logging is put back (no later line goes to this run's log file).
+        writer = int(os.environ.get("LOCAL_RANK", distributed.rank())) == 0
+        self._release = weakref.finalize(self, _release, self.folder if writer else None, self.logs)
         self._adapter_version = 0
         model_path = self._export_base(policy)
         dtype = {"bf16-mixed": "bfloat16", "bf16-true": "bfloat16", "fp16-mixed": "float16"}.get(
@@ -163,8 +171,7 @@ class VLLMGeneration(SamplesInPlace):
     def close(self) -> None:
         """At the end of a run: its folder (the exported base model, the adapters) removed, vLLM's logging as it
         was, and the one line saying how many of its lines went to the log file."""
-        self._remove_folder()  # the node's writer's (a no-op on the other ranks, and the second time)
-        line = self.logs.close()
+        line = self._release()  # (None the second time)
         if line and distributed.is_main_process():
             say(line)
 

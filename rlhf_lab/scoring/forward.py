@@ -56,18 +56,26 @@ def agreed(model: nn.Module, local: bool) -> bool:
 def plain_head(model: nn.Module) -> nn.Linear | None:
     """``model``'s LM head where :class:`~rlhf_lab.scoring.head.HeadLogits` can stand for its output: a plain
     ``nn.Linear`` (not a LoRA-wrapped one), no soft-capping after it, and transformers' own ``forward`` (a
-    subclass's may change the logits after the head); else None. Not under FSDP: a sharded
-    head's gathered weight lives only while FSDP holds it gathered, and its gradient must flow through FSDP's own
-    hooks, so sharded models keep the whole logits (each pass's micro-batches bound them)."""
+    subclass's may change the logits after the head); else None.
+
+    Under FSDP2 (:func:`~rlhf_lab.runtime.distributed.shard`) the head is one of the root's parameters, which the
+    root keeps gathered from its forward to the end of its backward (FSDP2 does not reshard the root after its
+    forward): a pass with gradient reads the gathered weight there, and its gradient reaches FSDP's reduce-scatter as
+    the whole logits' would (tests/unit/test_fsdp_head.py). A head that is an FSDP unit of its own (resharded after
+    its forward) is not taken."""
     from torch.distributed.fsdp import FSDPModule
 
     inner = distributed.unwrap(model)
-    if any(isinstance(module, FSDPModule) for module in inner.modules()):
-        return None
     getter = getattr(inner, "get_output_embeddings", None)
     head = getter() if getter is not None else None
     config = getattr(inner, "config", None)
-    if type(head) is not nn.Linear or distributed.sharded(head.weight):
+    if type(head) is not nn.Linear:
+        return None
+    units = [module for module in inner.modules() if isinstance(module, FSDPModule) and module is not inner]
+    if isinstance(inner, FSDPModule):
+        if any(head is module for unit in units for module in unit.modules()):
+            return None  # in an FSDP unit below the root: resharded after its own forward
+    elif units or distributed.sharded(head.weight):
         return None
     if getattr(config, "final_logit_softcapping", None) is not None:
         return None
@@ -77,27 +85,42 @@ def plain_head(model: nn.Module) -> nn.Linear | None:
     return head
 
 
+def gathered_by_fsdp(model: nn.Module) -> bool:
+    """Whether ``model``'s weights are FSDP2's, gathered for a pass and freed (or overwritten) at its next reshard."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(distributed.unwrap(model), FSDPModule)
+
+
 @contextmanager
-def head_skipped(head: nn.Linear) -> Iterator[None]:
+def head_skipped(head: nn.Linear, copy: bool = False) -> Iterator[None]:
     """Within the block ``head`` hands its input on unchanged: the model's "logits" are the hidden states the
-    head reads (an instance ``forward``, removed after the block)."""
-    head.forward = lambda hidden: hidden
+    head reads (an instance ``forward``, removed after the block). ``copy``: a copy of them (an FSDP2 root must not
+    return a view of its activations)."""
+    head.forward = (lambda hidden: hidden.clone()) if copy else (lambda hidden: hidden)
     try:
         yield
     finally:
         del head.forward
 
 
-def head_logits(head: nn.Linear, hidden: Tensor, temperature: float, chunk: int, detach: bool) -> HeadLogits:
+def head_logits(head: nn.Linear, hidden: Tensor, temperature: float, chunk: int, detach: bool,
+                copy: bool = False) -> HeadLogits:
     """The :class:`HeadLogits` of ``hidden`` through ``head``, under the autocast now active (the model's).
 
     ``detach``: a pass without gradient keeps the weight as it is now (a reference moved off the device after
-    its pass keeps these on it)."""
+    its pass keeps these on it). ``copy`` (with ``detach``): a copy of it, for FSDP2's gathered weight, which its
+    next reshard frees: one [V, H] weight in place of the pass's [B, T, V] logits."""
     device = hidden.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
     weight, bias = head.weight, head.bias
+    if distributed.sharded(weight):
+        raise RuntimeError("the LM head's weight is sharded after its forward: FSDP resharded it, so the chunked "
+                           "LM head cannot read it (set trainer.chunked_logprobs=false)")
     if detach:
         weight, bias = weight.detach(), None if bias is None else bias.detach()
+        if copy:
+            weight, bias = weight.clone(), None if bias is None else bias.clone()
     return HeadLogits(hidden, weight, bias, temperature, chunk, dtype)
 
 
@@ -124,10 +147,11 @@ def response_logits(model: nn.Module, input_ids: Tensor, attention_mask: Tensor,
     """
     head = plain_head(model) if head_chunk > 0 else None
     if head is not None:
-        with head_skipped(head):
+        fsdp = gathered_by_fsdp(model)
+        with head_skipped(head, copy=fsdp):
             hidden_in, hidden = response_logits(model, input_ids, attention_mask, prompt_width, 1.0,
                                                 output_hidden_states, share_prompts, float32=False, pack=pack)
-        return head_logits(head, hidden_in, temperature, head_chunk, not torch.is_grad_enabled()), hidden
+        return head_logits(head, hidden_in, temperature, head_chunk, not torch.is_grad_enabled(), fsdp), hidden
     packed = pack_rows(input_ids, attention_mask, prompt_width) if pack else None
     if packed is not None:
         output = model(input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=None,

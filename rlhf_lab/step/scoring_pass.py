@@ -150,7 +150,10 @@ class ScoringPass:
             keep += ["logprobs", "entropy", "hidden"] if rescore else []
             keep += ["ref_logits"] if self.kl.loss_reads_ref_logits else []
             for key in keep:
-                pieces.setdefault(key, []).append(scored[key])
+                value, earlier = scored[key], pieces.setdefault(key, [])
+                if isinstance(value, HeadLogits) and earlier:  # the pass's weights are one (under FSDP one copy)
+                    value = replace(value, weight=earlier[0].weight, bias=earlier[0].bias)
+                earlier.append(value)
             del part, scored  # the chunk's [rows, T, V] logits die here
         fields_ = {key: None if values[0] is None else values[0] if len(values) == 1 else
                    cat_head_logits(values) if isinstance(values[0], HeadLogits) else torch.cat(values)

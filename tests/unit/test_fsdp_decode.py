@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from tests import gloo_ranks
 
 GATHERS_PER_FORWARD = 3  # two decoder blocks and the root, each its own FSDP group
 
@@ -17,16 +18,12 @@ def _generate(rank: int, store: str, out: str) -> None:
     from torch.distributed.fsdp._fully_shard import _fsdp_collectives
 
     import rlhf_lab.generation.hf as hf
-    from rlhf_lab.models import loading
     from rlhf_lab.runtime import distributed
 
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
-    torch.set_num_threads(1)
+    gloo_ranks.join(rank, store)
     try:
-        tokenizer = loading.load_tokenizer(SimpleNamespace(name="tiny", name_or_path=None))
-        dims = SimpleNamespace(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                               num_key_value_heads=2)
-        model = distributed.shard(loading.build_tiny_llama(tokenizer, dims, seed=0))
+        tokenizer = gloo_ranks.tiny_tokenizer()
+        model = gloo_ranks.sharded_tiny_llama(tokenizer)
         calls = {"gathers": 0}
         original = _fsdp_collectives.DefaultAllGather.__call__
 

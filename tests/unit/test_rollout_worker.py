@@ -100,11 +100,18 @@ def test_the_engine_s_exported_model_is_removed_however_the_engine_ends(compose,
                                                                        monkeypatch, ending: str) -> None:
     """The engine exports the policy to a temporary folder for vLLM to build from. It goes at close(), when an engine
     is dropped without one (a run that raised, an engine built by a tool), and when vLLM refuses to build: a test
-    suite or a sweep that builds hundreds of engines leaves no model copies behind."""
+    suite or a sweep that builds hundreds of engines leaves no model copies behind. vLLM's lines stop going to the
+    run's log file then too."""
     import gc
+    import logging
     import tempfile
 
+    from rlhf_lab.generation.vllm_logs import VLLM_LOGGER, _ToFiles
+
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    log_file = logging.FileHandler(tmp_path / "run.log")  # a run's log file (Hydra's job log)
+    logging.getLogger().addHandler(log_file)
+    routed = lambda: [h for h in logging.getLogger(VLLM_LOGGER).handlers if isinstance(h, _ToFiles)]  # noqa: E731
     policy = tiny_policy(compose, tiny_tokenizer)
     exported = lambda: sorted(p.name for p in tmp_path.glob("rlhf_lab_vllm_*"))  # noqa: E731
     if ending == "failed to build":
@@ -117,13 +124,16 @@ def test_the_engine_s_exported_model_is_removed_however_the_engine_ends(compose,
     else:
         engine = vllm_engine.VLLMGeneration(policy, tiny_tokenizer, SETTINGS, options={"sleep": False})
         assert len(exported()) == 1 and (engine.folder / "base" / "config.json").is_file()
+        assert routed()
         if ending == "closed":
             engine.close()
             assert not exported()
             engine.close()  # a second close is harmless
         del engine
     gc.collect()
-    assert not exported()
+    logging.getLogger().removeHandler(log_file)
+    log_file.close()
+    assert not exported() and not routed()
 
 
 # ------------------------------------------------------------------------------------------ the worker's order
