@@ -93,7 +93,7 @@ def gathered_once(model: nn.Module) -> Iterator[None]:
 def decode(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, past_key_values: Any, cached: int,
            max_new_tokens: int, temperature: float, top_p: float, top_k: int, eos_token_id: int | list[int] | None,
            pad_token_id: int, greedy: bool = False, keep_logits: bool = False,
-           keep_hidden: bool = False, logits_float32: bool = True, head_chunk: int = 0,
+           keep_hidden: bool = False, logits_float32: bool = True, head_chunk: int = 0, head_copy: bool = False,
            sample: Callable[[Tensor], Tensor] = multinomial,
            stopped: Callable[[Tensor], Tensor] | None = None) -> Sampled:
     """Sample up to ``max_new_tokens`` tokens after left-padded prompts ``prompt_ids`` [B, P].
@@ -104,7 +104,8 @@ def decode(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, past_key_v
     draws); ``stopped`` (the sequences so far [B, P + t] -> [B] bool) ends a row besides its EOS (stop strings).
     With ``head_chunk`` > 0 and a plain LM head, ``keep_logits`` keeps the head's inputs instead of [B, T, V]
     logits (``Sampled.logits`` is then a :class:`~rlhf_lab.scoring.head.HeadLogits`, ``head_chunk`` positions
-    at a time): no [B, T, V] buffer.
+    at a time): no [B, T, V] buffer. It reads the head's weight when it is read; ``head_copy`` keeps a copy of
+    it instead (for a batch read after an update of the weights; under FSDP2 always: its reshard frees them).
     """
     batch, prompt_width = prompt_ids.shape
     device = prompt_ids.device
@@ -175,7 +176,7 @@ def decode(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, past_key_v
     if hook is not None:
         hook.remove()
         kept = head_logits(head, torch.stack(head_inputs, dim=1), temperature, head_chunk, detach=True,
-                           copy=gathered_by_fsdp(model))
+                           copy=head_copy or gathered_by_fsdp(model))
     return Sampled(
         response_ids=torch.stack(tokens, dim=1),
         logprobs=torch.stack(logprobs, dim=1),

@@ -56,6 +56,7 @@ def generate(
     sample: Callable[[Tensor], Tensor] = multinomial,
     stop: tuple[str, ...] = (),
     head_chunk: int = 0,
+    head_copy: bool = False,
 ) -> Samples:
     """Sample ``group_size`` responses per prompt and collect the sampling policy's log-probs and entropy.
 
@@ -91,6 +92,7 @@ def generate(
                          temperature=temperature, top_p=top_p, top_k=top_k, eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id, greedy=greedy, keep_logits=keep_logits,
                          keep_hidden=keep_hidden, logits_float32=logits_float32, sample=sample, head_chunk=head_chunk,
+                         head_copy=head_copy,
                          stopped=stop_strings(tokenizer, stop, prompt_width=prompt_ids.shape[1]) if stop else None)
     model.train(was_training)
     prompt_width = prompt_ids.shape[1]
@@ -160,6 +162,7 @@ class HFGeneration(SamplesInPlace):
         self.hardware = hardware
         self.keep_logits, self.keep_hidden, self.logits_float32 = keep_logits, keep_hidden, logits_float32
         self.head_chunk = 0  # > 0: kept logits stay the LM head's inputs (trainer.chunked_logprobs)
+        self.head_copy = False  # those keep a copy of the head's weight (a batch scored after an update)
 
     def generate(self, prompts: list[Prompt], group_size: int, seeds: list[int] | None = None,
                  greedy: bool = False, settings: SamplingSettings | None = None) -> Samples:
@@ -179,7 +182,8 @@ class HFGeneration(SamplesInPlace):
                         settings.temperature, settings.top_p, settings.top_k, settings.max_prompt_tokens,
                         keep_logits=self.keep_logits and not greedy, greedy=greedy,
                         keep_hidden=self.keep_hidden and not greedy, logits_float32=self.logits_float32,
-                        sample=sample, stop=settings.stop, head_chunk=self.head_chunk)
+                        sample=sample, stop=settings.stop, head_chunk=self.head_chunk,
+                        head_copy=self.head_copy)
 
     def sync_weights(self, policy: nn.Module) -> None:
         """Nothing to copy: it samples with the policy's own weights."""

@@ -160,3 +160,18 @@ def test_a_server_engine_samples_while_the_trainer_goes_on(compose, tiny_overrid
     finally:
         server.gate.set()
         server.server.shutdown()
+
+
+def test_the_sampler_s_kept_head_inputs_are_read_with_the_sampler_s_head(compose, tiny_overrides, tmp_path) -> None:
+    """With ``generation.logprobs=sampler`` and the exact KL, a batch sampled ahead is scored from the logits the
+    decode kept, after an update. Kept as the LM head's inputs (``trainer.chunked_logprobs``), they are read with a
+    copy of the head as it sampled: the run's exact KL equals the run that keeps the whole logits, step by step
+    (read with the updated head instead, every batch scored after an update differs: steps 1 and 2)."""
+    common = [*tiny_overrides(None), *STEPS, "trainer.steps=3", "generation.max_staleness=1",
+              "generation.logprobs=sampler", "kl.exact=step", "trainer.lm_head_chunk=3"]
+    for chunked in ("true", "false"):
+        Trainer(compose([*common, f"trainer.chunked_logprobs={chunked}"]), tmp_path / chunked).train()
+    kl = {chunked: [line["kl/exact"] for line in lines(tmp_path / chunked) if "kl/exact" in line]
+          for chunked in ("true", "false")}
+    assert len(kl["true"]) == 3 and kl["true"][2] > 1e-3  # steps 0 and 1 sampled by the initial policy: 0
+    assert kl["true"] == pytest.approx(kl["false"], rel=1e-4, abs=1e-6)  # (with the updated head: 6e-4 and 5% off)
