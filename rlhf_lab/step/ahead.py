@@ -66,6 +66,12 @@ def staleness(cfg: Any) -> int:
     return 0 if generation.get("simulate_staleness", False) else int(generation.get("max_staleness", 0))
 
 
+def sampled_behind(cfg: Any) -> bool:
+    """Whether a training batch is sampled by weights older than those of its scoring pass: sampled ahead
+    (``generation.max_staleness``) or with past weights (``generation.simulate_staleness``)."""
+    return int((cfg.get("generation") or {}).get("max_staleness", 0)) > 0
+
+
 def encode_ahead(states: list[list[dict[str, Any]]]) -> tuple[dict[str, Tensor], list[Any]]:
     """The ranks' batches in flight as tensors (``ahead.safetensors``) and JSON (in ``trainer_state.json``)."""
     tensors: dict[str, Tensor] = {}

@@ -37,7 +37,7 @@ from rlhf_lab.runtime import distributed
 from rlhf_lab.runtime.precision import Precision
 from rlhf_lab.runtime.timer import StepTimer
 from rlhf_lab.scoring.logprobs import needs_float32_logits
-from rlhf_lab.step.ahead import staleness
+from rlhf_lab.step.ahead import sampled_behind
 from rlhf_lab.step.compute import head_chunk
 from rlhf_lab.step.sampling import SamplingRules, informative_groups, overlong_penalty, truncated
 from rlhf_lab.step.scoring_pass import BatchScoring, ScoringPass, ScoringPlan
@@ -151,13 +151,13 @@ class ExperienceMaker:
     def keep_sampler_logits(self, exact: bool, sources: Any) -> None:
         """The engine keeps the sampler's own logits where the batch reads them and no rescoring pass gives them
         (the exact KL, a logits-reading estimator): as the LM head's inputs under ``trainer.chunked_logprobs``, with a
-        copy of the head's weight where a batch is sampled ahead (``generation.max_staleness``): it is scored after
-        an update, and the head's inputs are the sampler's, so its weight must be the sampler's too."""
+        copy of the head's weight where a batch is sampled by older weights than score it (sampled ahead, or with
+        simulated staleness): the head's inputs are the sampler's, so its weight must be the sampler's too."""
         if not sources.rescore:
             self.engine.keep_logits = exact or self.kl.reads_logits
             if hasattr(self.engine, "head_chunk"):
                 self.engine.head_chunk = head_chunk(self.cfg.trainer, self.device)
-                self.engine.head_copy = staleness(self.cfg) > 0
+                self.engine.head_copy = sampled_behind(self.cfg)
 
     def reference_worker(self, cfg: Any, reference: nn.Module) -> Any:
         """Sampling for the reference (the evaluation's win rate), never a second engine: this maker's engine with the

@@ -162,13 +162,17 @@ def test_a_server_engine_samples_while_the_trainer_goes_on(compose, tiny_overrid
         server.server.shutdown()
 
 
-def test_the_sampler_s_kept_head_inputs_are_read_with_the_sampler_s_head(compose, tiny_overrides, tmp_path) -> None:
+@pytest.mark.parametrize("simulated", [False, True])
+def test_the_sampler_s_kept_head_inputs_are_read_with_the_sampler_s_head(compose, tiny_overrides, tmp_path,
+                                                                         simulated: bool) -> None:
     """With ``generation.logprobs=sampler`` and the exact KL, a batch sampled ahead is scored from the logits the
     decode kept, after an update. Kept as the LM head's inputs (``trainer.chunked_logprobs``), they are read with a
     copy of the head as it sampled: the run's exact KL equals the run that keeps the whole logits, step by step
-    (read with the updated head instead, every batch scored after an update differs: steps 1 and 2)."""
+    (read with the updated head instead, every batch scored after an update differs: steps 1 and 2). Likewise
+    where the lag is simulated (each step samples with the weights of one update before, then scores)."""
     common = [*tiny_overrides(None), *STEPS, "trainer.steps=3", "generation.max_staleness=1",
-              "generation.logprobs=sampler", "kl.exact=step", "trainer.lm_head_chunk=3"]
+              "generation.logprobs=sampler", "kl.exact=step", "trainer.lm_head_chunk=3",
+              f"generation.simulate_staleness={str(simulated).lower()}"]
     for chunked in ("true", "false"):
         Trainer(compose([*common, f"trainer.chunked_logprobs={chunked}"]), tmp_path / chunked).train()
     kl = {chunked: [line["kl/exact"] for line in lines(tmp_path / chunked) if "kl/exact" in line]
