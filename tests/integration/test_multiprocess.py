@@ -105,6 +105,18 @@ def test_two_processes_equal_one(one_process, tmp_path: Path, algorithm: str, st
     assert sorted(p.name for p in (two / "checkpoints").glob("step_*")) == ["step_3"]
 
 
+def test_two_fsdp_ranks_at_cuda_s_compute_defaults_equal_one_plain_process(one_process, tmp_path: Path) -> None:
+    """The LM head in chunks under FSDP2 (the gathered weight in the training pass, a copy of it kept by the decode
+    and the reference pass for the exact KL), with gradient checkpointing and a token budget, as a GPU runs by
+    default: the same run as one process with whole logits. (The weights to 1e-4: AdamW makes the tiny gradients
+    of never-sampled tokens' embedding rows lr-sized steps, so float rounding in another order moves a few of them
+    by ~5e-5 in three steps, with the whole logits on these ranks as well.)"""
+    two = tmp_path / "two"
+    train(two, 2, *ALGORITHMS["grpo"], "trainer.strategy=fsdp", "trainer.chunked_logprobs=true",
+          "trainer.lm_head_chunk=3", "trainer.gradient_checkpointing=true", "trainer.max_tokens_per_micro_batch=512")
+    assert_same_run(one_process["grpo"], two, atol=1e-4)
+
+
 def test_fsdp_in_one_process_equals_the_plain_run(one_process, tmp_path: Path) -> None:
     run = tmp_path / "fsdp"
     train(run, 1, *ALGORITHMS["grpo"], "trainer.strategy=fsdp")
