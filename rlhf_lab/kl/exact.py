@@ -18,10 +18,16 @@ def _row_blocks(*tensors: Tensor) -> list[tuple[Tensor, ...]]:
     One block [B·T, V] when every tensor can be viewed that way; otherwise (e.g. a slice along T of a
     longer [B, T_full, V] tensor) one [T, V] block per batch element. Row order is (b, t) either way.
     """
-    try:
+    if all(_rows_merge(tensor) for tensor in tensors):
         return [tuple(tensor.view(-1, tensor.shape[-1]) for tensor in tensors)]
-    except (RuntimeError, ValueError):  # (fake tensors, the planner's, raise the latter)
-        return list(zip(*(tensor.unbind(0) for tensor in tensors)))
+    return list(zip(*(tensor.unbind(0) for tensor in tensors)))
+
+
+def _rows_merge(tensor: Tensor) -> bool:
+    """Whether ``tensor``'s first two dimensions merge into one without a copy (``view``): each b's rows follow the
+    previous b's at the same stride (a slice along T of a longer tensor does not)."""
+    batch, rows = tensor.shape[0], tensor.shape[1]
+    return batch <= 1 or rows <= 1 or tensor.stride(0) == tensor.stride(1) * rows
 
 
 def _probs_and_log_ratio(logits_rows: Tensor, ref_rows: Tensor) -> tuple[Tensor, Tensor]:

@@ -126,6 +126,28 @@ def test_exact_kl_gradcheck_including_sliced_inputs() -> None:
     assert torch.autograd.gradcheck(lambda w: exact_kl(fixed_logits, w, chunk_size=3), (ref_logits,))
 
 
+@pytest.mark.parametrize("sliced", [False, True])
+def test_exact_kl_rows_are_viewed_whole_or_per_batch_element_by_their_strides(sliced: bool) -> None:
+    """[B, T, V] as one [B·T, V] view where the strides allow, else one [T, V] block per b (a slice along T); the
+    same on the planner's fake tensors, whose view raises another error than a real tensor's."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from rlhf_lab.kl.exact import _row_blocks
+
+    def blocks(make):
+        logits = make(2, 5, 6)
+        part = logits[:, 1:4] if sliced else logits
+        found = _row_blocks(part, part)
+        return part, found, (len(found), [tuple(block.shape) for block in found[0]])
+
+    expected = (2, [(3, 6), (3, 6)]) if sliced else (1, [(10, 6), (10, 6)])
+    part, found, shape = blocks(torch.randn)
+    assert shape == expected
+    assert all(block._base is not None and block.data_ptr() >= part.data_ptr() for row in found for block in row)
+    with FakeTensorMode():
+        assert blocks(torch.empty)[2] == expected
+
+
 # ------------------------------------------------------------------------------------------------
 # Sample means: k1 and k3 are unbiased for KL(π‖π_ref), k2 is not
 # ------------------------------------------------------------------------------------------------
