@@ -104,8 +104,8 @@ class VLLMGeneration(SamplesInPlace):
         # At close(), else when the engine is collected or the process exits (a run that raised, an engine built and
         # dropped): the node's writer removes the folder (no run leaves an exported model in the temp folder), and
         # vLLM's logging is put back (no later line goes to this run's log file).
-        writer = int(os.environ.get("LOCAL_RANK", distributed.rank())) == 0
-        self._release = weakref.finalize(self, _release, self.folder if writer else None, self.logs)
+        self.writer = int(os.environ.get("LOCAL_RANK", distributed.rank())) == 0  # the node's first rank
+        self._release = weakref.finalize(self, _release, self.folder if self.writer else None, self.logs)
         self._adapter_version = 0
         model_path = self._export_base(policy)
         dtype = {"bf16-mixed": "bfloat16", "bf16-true": "bfloat16", "fp16-mixed": "float16"}.get(
@@ -138,11 +138,10 @@ class VLLMGeneration(SamplesInPlace):
         """A folder vLLM can build the model from: the policy's config, tokenizer and (base) weights."""
         base = policy.get_base_model() if self.lora else policy
         folder = self.folder / "base"
-        writer = int(os.environ.get("LOCAL_RANK", distributed.rank())) == 0  # one writer per node
         # Every rank gathers each sharded weight in turn (a collective); only the writer keeps them, in host memory.
         state = {hf_name(name): tensor.cpu() for name, tensor in streamed_state(base)
-                 if writer and "lora_" not in name}
-        if writer:
+                 if self.writer and "lora_" not in name}
+        if self.writer:
             base.save_pretrained(folder, state_dict=state, safe_serialization=True)
             self.tokenizer.save_pretrained(folder)
             _name_the_architecture(folder, base)

@@ -73,7 +73,7 @@ def plain_head(model: nn.Module) -> nn.Linear | None:
         return None
     units = [module for module in inner.modules() if isinstance(module, FSDPModule) and module is not inner]
     if isinstance(inner, FSDPModule):
-        if any(head is module for unit in units for module in unit.modules()):
+        if any(head in unit.modules() for unit in units):
             return None  # in an FSDP unit below the root: resharded after its own forward
     elif units or distributed.sharded(head.weight):
         return None

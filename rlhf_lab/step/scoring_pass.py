@@ -36,6 +36,7 @@ from rlhf_lab.runtime.timer import StepTimer
 from rlhf_lab.scoring.forward import response_logits
 from rlhf_lab.scoring.head import HeadLogits, cat_head_logits
 from rlhf_lab.scoring.logprobs import entropy_from_logits, gather_logprobs
+from rlhf_lab.step.ahead import sampled_behind
 from rlhf_lab.step.compute import attention_implementation, head_chunk, micro_batches, packs_rows, token_budget
 
 
@@ -65,8 +66,7 @@ def rescores(cfg: Any, differs: bool) -> bool:
         return True
     if source == "sampler":
         return False
-    stale = int((cfg.get("generation") or {}).get("max_staleness", 0)) > 0  # the sampler is one update behind
-    return stale or (differs and not single_update(cfg))
+    return sampled_behind(cfg) or (differs and not single_update(cfg))  # stale: the sampler is an update behind
 
 
 @dataclass(frozen=True)
