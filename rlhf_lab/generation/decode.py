@@ -34,7 +34,7 @@ from transformers import (
 from rlhf_lab.runtime import distributed
 from rlhf_lab.runtime.distributed import sharded
 from rlhf_lab.scoring.draws import multinomial
-from rlhf_lab.scoring.forward import head_logits, plain_head
+from rlhf_lab.scoring.forward import gathered_by_fsdp, head_logits, plain_head
 from rlhf_lab.scoring.logprobs import entropy_from_logits, gather_logprobs, scale_logits
 
 
@@ -176,7 +176,8 @@ def decode(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, past_key_v
     if hook is not None:
         hook.remove()
         kept = head_logits(head, torch.stack(head_inputs, dim=1), temperature, head_chunk, detach=True,
-                           copy=head_copy or sharded_weights)
+                           copy=head_copy or gathered_by_fsdp(model))  # (not sharded_weights: False
+        # where an earlier pass of the generation gathered them, as the shared prompts' prefill does)
     return Sampled(
         response_ids=torch.stack(tokens, dim=1),
         logprobs=torch.stack(logprobs, dim=1),

@@ -72,6 +72,7 @@ def _run(rank: int, store: str, out: str) -> None:
             policy.eval()
             torch.manual_seed(3)
             with torch.no_grad(), gathered_once(policy):
+                policy(input_ids=input_ids[:, :PROMPT])  # gathered before the decode, as a shared prompts' prefill
                 sampled = decode(policy, input_ids[:, :PROMPT], mask[:, :PROMPT], None, 0, max_new_tokens=4,
                                  temperature=0.7, top_p=1.0, top_k=0, eos_token_id=None, pad_token_id=0,
                                  keep_logits=True, head_chunk=chunk)
