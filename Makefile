@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: install install-ray install-mlflow install-vllm install-reasoning install-verifiers train test test-unit test-gpu gpu-bundle lint docs clean bench
+.PHONY: install install-ray install-mlflow install-vllm install-reasoning install-verifiers install-trl install-extras train test test-extras test-unit test-gpu gpu-bundle lint docs clean bench
 
 $(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,9 +27,17 @@ install: $(STAMP)
 train: install
 	$(VENV)/bin/rlhf-lab hardware=cpu_tuned $(ARGS)
 
-# Two workers (pytest-xdist), one file per worker at a time; each test process runs torch on one thread.
+# Two workers (pytest-xdist), one file per worker at a time; each test process runs torch on one thread. Needs no
+# optional extra: a test that does is skipped, its reason the command that installs the extra (`make test-extras`
+# runs those).
 test: install
 	$(PY) -m pytest -q -n 2 --dist loadfile $(ARGS)
+
+# `make test-extras`: every optional extra installed, then exactly the tests that need one (marked `extra(NAME)`, the
+# ones `make test` skips without them). The verifiers extra has a venv of its own, and its tests run there.
+test-extras: install-extras
+	$(PY) -m pytest -q -n 2 --dist loadfile -m extra $(ARGS)
+	$(VERIFIERS_VENV)/bin/python -m pytest -q -m extra tests/integration/test_env_verifiers.py $(ARGS)
 
 # The fast unit tests only (tests/unit: pure functions and single units, about a minute).
 test-unit: install
@@ -66,6 +74,8 @@ TRL_STAMP := $(VENV)/.installed-trl
 $(TRL_STAMP): $(STAMP) requirements-trl.txt
 	$(PY) -m pip install --quiet -r requirements-trl.txt
 	touch $(TRL_STAMP)
+
+install-trl: $(TRL_STAMP)
 
 bench: $(TRL_STAMP)
 	HF_HUB_OFFLINE=$${HF_HUB_OFFLINE:-1} $(PY) -m benchmarks.bench $(BENCH_ARGS) $(ARGS)
@@ -115,8 +125,16 @@ $(VERIFIERS_STAMP): $(STAMP) requirements-verifiers.txt
 install-verifiers: $(VERIFIERS_STAMP)
 
 # `make install-mlflow`: the optional MLflow extra (requirements-mlflow.txt) for `logger=mlflow`.
-install-mlflow: $(STAMP) requirements-mlflow.txt
+MLFLOW_STAMP := $(VENV)/.installed-mlflow
+
+$(MLFLOW_STAMP): $(STAMP) requirements-mlflow.txt
 	$(PY) -m pip install --quiet -r requirements-mlflow.txt
+	touch $(MLFLOW_STAMP)
+
+install-mlflow: $(MLFLOW_STAMP)
+
+# `make install-extras`: every optional extra (what `make test-extras` tests).
+install-extras: install-vllm install-reasoning install-mlflow install-ray install-trl install-verifiers
 
 docs: install
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet

@@ -9,6 +9,7 @@ SmolLM2 smoke run took 47 s with one thread and 172 s with two under the same lo
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 
@@ -78,18 +79,48 @@ def scoring_batch(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat([prompts, responses], dim=1), mask
 
 
+# The optional extras a test may need (``@pytest.mark.extra("vllm")``): the module whose presence says the extra is
+# installed, and the command that installs it. ``make test`` (no extra) skips such a test with that command as the
+# reason; ``make test-extras`` installs every extra and runs exactly these tests (``-m extra``).
+EXTRAS = {
+    "vllm": ("vllm", "make install-vllm"),
+    "reasoning": ("reasoning_gym", "make install-reasoning"),
+    "mlflow": ("mlflow", "make install-mlflow"),
+    "ray": ("hydra_plugins.hydra_ray_launcher", "make install-ray"),
+    "trl": ("trl", "make install-trl"),
+    "verifiers": ("verifiers", "make install-verifiers, then .venv-verifiers/bin/python -m pytest"),
+}
+
+
+def extra_installed(name: str) -> bool:
+    """Whether the optional extra ``name`` (a key of :data:`EXTRAS`) is installed in this Python."""
+    try:
+        return importlib.util.find_spec(EXTRAS[name][0]) is not None
+    except ModuleNotFoundError:  # a dotted name whose parent package is absent
+        return False
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: runs the embedded SmolLM2 model (deselect with -m 'not slow')")
     config.addinivalue_line("markers", "integration: runs, CLI processes, sweeps (every test under tests/integration)")
     config.addinivalue_line("markers", "gpu: needs a CUDA device (tests/gpu; make test-gpu), skipped elsewhere")
-    config.addinivalue_line("markers", "vllm: needs the optional vLLM extra (make install-vllm), skipped without it")
+    config.addinivalue_line("markers", f"extra(name): needs the optional extra name (one of {', '.join(EXTRAS)}); "
+                                       "skipped with its install command where it is absent, run by make test-extras")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark every test under ``tests/integration/`` so ``-m 'not integration'`` is the fast unit run."""
+    """Mark every test under ``tests/integration/`` so ``-m 'not integration'`` is the fast unit run, and skip a test
+    whose optional extra is absent, naming the command that installs it."""
     for item in items:
         if "integration" in Path(str(item.fspath)).parts:
             item.add_marker(pytest.mark.integration)
+        for marker in item.iter_markers("extra"):
+            (name,) = marker.args
+            if name not in EXTRAS:
+                raise pytest.UsageError(f"{item.nodeid}: extra({name!r}) is not an extra; choose from: "
+                                        f"{', '.join(EXTRAS)}")
+            if not extra_installed(name):
+                item.add_marker(pytest.mark.skip(reason=f"needs the optional {name} extra: {EXTRAS[name][1]}"))
 
 
 @pytest.fixture(autouse=True)

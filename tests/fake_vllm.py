@@ -19,13 +19,15 @@ What it keeps of vLLM (``LLM.sleep`` / ``LLM.wake_up``, as documented for vLLM 0
 
 Faults for the canary's tests: ``ignore_loads`` (the numbers, from 1, of weight loads to ignore) and
 ``ignore_adapters`` (adapter ids served with the previously loaded adapter). Every lifecycle call is recorded in
-``calls``, and each ``generate``'s adapter id (None: the base weights) in ``requested``. Use :func:`module` as what
-``import vllm`` returns.
+``calls``, and each ``generate``'s adapter id (None: the base weights) in ``requested``. :func:`installed` puts it
+in ``sys.modules`` as ``vllm``, so the project's engines import it as they import vLLM; no optional package is needed.
 """
 
 from __future__ import annotations
 
 import copy
+import importlib.machinery
+import sys
 import types
 from dataclasses import dataclass, field
 from typing import Any
@@ -215,17 +217,49 @@ class LLM:
         return CompletionOutput(tokens, logprobs)
 
 
-def module() -> types.SimpleNamespace:
-    """What ``import vllm`` gives the project's code: ``LLM``, ``SamplingParams``, ``lora.request.LoRARequest``."""
-    lora = types.SimpleNamespace(request=types.SimpleNamespace(LoRARequest=LoRARequest))
-    return types.SimpleNamespace(LLM=LLM, SamplingParams=SamplingParams, lora=lora)
+@dataclass
+class LoggingConfig:
+    """``vllm.config.logging.LoggingConfig``: whether vLLM configures its own logger."""
+
+    configure_logging: bool = True
+
+
+def _package(name: str, **attributes: Any) -> types.ModuleType:
+    package = types.ModuleType(name)
+    package.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
+    package.__path__ = []
+    package.__dict__.update(attributes)
+    return package
+
+
+def modules() -> dict[str, types.ModuleType]:
+    """The stand-in as the modules the project's code imports of vLLM: ``vllm`` (``LLM``, ``SamplingParams``,
+    ``lora.request.LoRARequest``, ``config.logging.LoggingConfig``) and those submodules, each with a module spec
+    (``importlib.util.find_spec("vllm")`` finds it, as the config's check for the extra asks)."""
+    request = _package("vllm.lora.request", LoRARequest=LoRARequest)
+    lora = _package("vllm.lora", request=request)
+    logging_module = _package("vllm.config.logging", LoggingConfig=LoggingConfig)
+    config = _package("vllm.config", logging=logging_module)
+    root = _package("vllm", LLM=LLM, SamplingParams=SamplingParams, lora=lora, config=config)
+    return {"vllm": root, "vllm.lora": lora, "vllm.lora.request": request, "vllm.config": config,
+            "vllm.config.logging": logging_module}
+
+
+def module() -> types.ModuleType:
+    """What ``import vllm`` gives the project's code while the stand-in is installed."""
+    return modules()["vllm"]
+
+
+def install(monkeypatch: Any) -> None:
+    """``import vllm`` anywhere in this process gives this stand-in until the test ends (whether or not vLLM is
+    installed: monkeypatch puts the real package's modules back), no faults, no engines built yet."""
+    for name, stand_in in modules().items():
+        monkeypatch.setitem(sys.modules, name, stand_in)
+    LLM.faults, LLM.built = {}, []
 
 
 def installed(monkeypatch: Any) -> Any:
-    """A fixture's body: ``import vllm`` in the project's engine gives this stand-in, no faults, no engines built yet."""
-    from rlhf_lab.generation import vllm as engine
-
-    monkeypatch.setattr(engine, "import_vllm", module)
-    LLM.faults, LLM.built = {}, []
+    """A fixture's body: :func:`install`, and no faults left for the next test."""
+    install(monkeypatch)
     yield
     LLM.faults = {}

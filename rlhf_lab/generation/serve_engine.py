@@ -75,9 +75,7 @@ class VLLMServerEngine:
         return counted.count
 
     def set_adapter(self, folder: str | None, version: int) -> None:
-        from vllm.lora.request import LoRARequest
-
-        self.adapter = None if folder is None else LoRARequest("policy", version, folder)
+        self.adapter = None if folder is None else self.vllm.lora.request.LoRARequest("policy", version, folder)
         self.llm.reset_prefix_cache()  # prompts cached under the previous adapter
 
 

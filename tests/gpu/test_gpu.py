@@ -23,6 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.limits import HANG_GUARD_S
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
                                                   reason="no CUDA device (make test-gpu stops before this)")]
 
@@ -53,7 +55,7 @@ def run(tmp_path: Path, *overrides: str, processes: int = 1) -> list[dict]:
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
                 "-m", "rlhf_lab"]
     result = subprocess.run([*launcher, *TINY, *overrides, f"trainer.output_dir={tmp_path / 'run'}"],
-                            capture_output=True, text=True, timeout=600, env=environment())
+                            capture_output=True, text=True, timeout=HANG_GUARD_S, env=environment())
     assert result.returncode == 0, result.stderr[-4000:]
     return [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
 
@@ -102,18 +104,12 @@ def test_two_fsdp_ranks_train_in_bf16_mixed(tmp_path: Path) -> None:
 def test_the_rollout_worker_s_order_holds_on_cuda(tmp_path: Path, monkeypatch) -> None:
     """The trainer on CUDA with the stand-in vLLM (tests/fake_vllm.py) sleeping at level 2 between generations:
     every wake empties the cache first, every step's samples come from the synced weights. The GPU machine has no
-    vLLM (its GPU wheels cannot reach it): the config's installed-check finds the stand-in instead."""
-    import importlib.util
-
+    vLLM (its GPU wheels cannot reach it): the stand-in is what ``import vllm`` finds."""
     from rlhf_lab.config import compose
-    from rlhf_lab.generation import vllm as vllm_engine
     from rlhf_lab.training.loop import Trainer
     from tests import fake_vllm
 
-    monkeypatch.setattr(vllm_engine, "import_vllm", fake_vllm.module)
-    find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *args: find_spec("tests.fake_vllm" if name == "vllm" else name, *args))
+    fake_vllm.install(monkeypatch)
     emptied = []
     real_empty_cache = torch.cuda.empty_cache
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: (emptied.append(1), real_empty_cache()))

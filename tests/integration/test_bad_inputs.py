@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from rlhf_lab.data.prompts import prompt_indices
+from tests.limits import HANG_GUARD_S
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 TINY = ["model=tiny", "trainer.steps=1", "trainer.prompts_per_step=2", "algorithm.group_size=2",
@@ -168,7 +169,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Case, s
         replaced = {o.split("=", 1)[0] for o in case.overrides}  # the command line refuses a key given twice
         command = [sys.executable, "-m", "rlhf_lab", *(o for o in TINY if o.split("=", 1)[0] not in replaced),
                    *case.overrides]
-        return subprocess.run(command, cwd=folder, capture_output=True, text=True, timeout=300, env=environment())
+        return subprocess.run(command, cwd=folder, capture_output=True, text=True, timeout=HANG_GUARD_S, env=environment())
 
     with ThreadPoolExecutor(max_workers=4) as pool:
         done = list(pool.map(run, cases))
@@ -204,7 +205,7 @@ def test_bad_input_stops_with_one_line(results, case_id: str) -> None:
 def test_ddp_without_a_distributed_launch_names_torchrun(tmp_path: Path) -> None:
     """``trainer.strategy=ddp`` in one process would train alone: one line naming torchrun, exit 2."""
     command = [sys.executable, "-m", "rlhf_lab", *TINY, "trainer.strategy=ddp", f"trainer.output_dir={tmp_path / 'run'}"]
-    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=environment())
+    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=HANG_GUARD_S, env=environment())
     assert result.returncode == 2, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
     assert result.stderr.rstrip().splitlines()[-1] == (

@@ -32,6 +32,7 @@ from test_bad_inputs import TINY, Case, environment, write_jsonl
 
 from rlhf_lab.app import cli
 from rlhf_lab.training import run_lock
+from tests.limits import HANG_GUARD_S
 
 BIG_SEED = 2**70
 
@@ -194,7 +195,7 @@ def process_results(folder: Path) -> dict[str, tuple[Case, subprocess.CompletedP
 
     def run(case: Case) -> subprocess.CompletedProcess:
         command = [sys.executable, "-m", "rlhf_lab", *without(TINY, case.overrides), *case.overrides]
-        return subprocess.run(command, cwd=folder, capture_output=True, text=True, timeout=300, env=environment())
+        return subprocess.run(command, cwd=folder, capture_output=True, text=True, timeout=HANG_GUARD_S, env=environment())
 
     try:
         with ThreadPoolExecutor(max_workers=4) as pool:
@@ -259,7 +260,7 @@ def test_a_pickle_passed_to_experimental_rerun_never_runs(tmp_path: Path) -> Non
     payload.write_bytes(pickle.dumps(Payload(marker)))
     for flag in (["--experimental-rerun", str(payload)], [f"--experimental-rerun={payload}"], ["--exp", str(payload)]):
         result = subprocess.run([sys.executable, "-m", "rlhf_lab", *flag], cwd=tmp_path, capture_output=True,
-                                text=True, timeout=120, env=environment())
+                                text=True, timeout=HANG_GUARD_S, env=environment())
         assert result.returncode == 2, result.stderr[-2000:]
         name = flag[0].split("=", 1)[0]
         assert result.stderr == (f"error: {name} is not supported (it would unpickle a file); re-run a job with "

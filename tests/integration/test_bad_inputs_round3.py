@@ -13,6 +13,7 @@ from test_bad_inputs_round2 import without
 
 from rlhf_lab.app import cli
 from rlhf_lab.config import compose
+from tests.limits import HANG_GUARD_S
 
 CORES = os.cpu_count() or 1
 SIZES = [
@@ -214,5 +215,5 @@ def test_printing_the_config_checks_it_first(tmp_path: Path, monkeypatch, capsys
     import sys
 
     printed = subprocess.run([sys.executable, "-m", "rlhf_lab", "--cfg", "job", "model=tiny", "trainer.steps=3"],
-                             cwd=tmp_path, capture_output=True, text=True, timeout=120)
+                             cwd=tmp_path, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert printed.returncode == 0 and "  steps: 3\n" in printed.stdout and list(tmp_path.iterdir()) == []

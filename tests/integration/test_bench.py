@@ -8,7 +8,6 @@ installed (it is an optional extra: ``pip install -r requirements-trl.txt``).
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
 import json
 import math
@@ -20,7 +19,6 @@ from benchmarks import bench
 from benchmarks.bench_trl import PHASES as TRL_PHASES
 from benchmarks.bench_trl import grpo_config_kwargs, unsupported_reason
 
-HAS_TRL = importlib.util.find_spec("trl") is not None
 TINY = ["model=tiny", "algorithm.group_size=4", "trainer.max_new_tokens=8", "trainer.num_threads=1"]
 
 
@@ -177,7 +175,7 @@ def test_trl_settings_match_the_config(compose) -> None:
         assert kwargs["bf16"] is bf16 and kwargs["model_init_kwargs"] == {"dtype": dtype}
 
 
-@pytest.mark.skipif(not HAS_TRL, reason="TRL is not installed (optional extra: pip install -r requirements-trl.txt)")
+@pytest.mark.extra("trl")
 def test_trl_rejects_settings_it_cannot_match(compose) -> None:
     assert unsupported_reason(compose(["algorithm=grpo"])) is None
     assert "rloo" in unsupported_reason(compose(["algorithm=rloo"]))
@@ -185,7 +183,7 @@ def test_trl_rejects_settings_it_cannot_match(compose) -> None:
     assert "k3" in unsupported_reason(compose(["kl=mse"]))
 
 
-@pytest.mark.skipif(not HAS_TRL, reason="TRL is not installed (optional extra: pip install -r requirements-trl.txt)")
+@pytest.mark.extra("trl")
 def test_trl_runner_does_one_step_on_a_tiny_model(tmp_path: Path, compose) -> None:
     from benchmarks.bench_trl import run_trl
     from rlhf_lab.models.loading import build_tiny_llama, load_tokenizer

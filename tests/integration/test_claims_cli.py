@@ -12,12 +12,13 @@ import pytest
 from test_sweeps import read_offline_run
 
 from rlhf_lab.tools.report import write_report
+from tests.limits import HANG_GUARD_S
 from tests.unit.test_claims import write_job
 
 
 def test_a_bad_claim_on_the_command_line_stops_before_any_job(tmp_path: Path) -> None:
     result = subprocess.run([sys.executable, "-m", "rlhf_lab", "experiment=kl_to_go", 'claims.0.b="kl_arm=k9_loss"',
-                             f"hydra.sweep.dir={tmp_path / 'sweep'}"], capture_output=True, text=True, timeout=120)
+                             f"hydra.sweep.dir={tmp_path / 'sweep'}"], capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert lines[-1] == ("error: claim 'to_go_beats_per_position': b='kl_arm=k9_loss' names no arm of the "

@@ -164,8 +164,8 @@ def test_bad_config_fails_at_start_with_one_line(results, case: str) -> None:
     assert "Traceback" not in outcome.stderr
     assert outcome.stderr == f"error: {expected}\n"
     assert outcome.stdout == ""
-    # "At start": well under 15 s of work (the imports), and nothing loaded or written.
+    # "At start": well under 15 s of the process's own CPU time (the imports; other processes' load does not add to
+    # it, and wall time is not asserted), and nothing loaded or written.
     assert outcome.cpu_s < START_LIMIT_S
-    assert outcome.wall_s < 4 * START_LIMIT_S  # wall time only guards against a hang: the machine is shared
     assert list(outcome.cache.iterdir()) == []  # no tokenizer or model was loaded
     assert list(outcome.cwd.iterdir()) == []  # no outputs/ run folder, no metrics, nothing at all

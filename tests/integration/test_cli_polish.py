@@ -12,13 +12,14 @@ import pytest
 
 from rlhf_lab import __version__
 from rlhf_lab.app.cli import SUBCOMMANDS, main
+from tests.limits import HANG_GUARD_S
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def rlhf_lab(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "rlhf_lab", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
+                          timeout=HANG_GUARD_S, env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
 
 
 def test_version_is_rlhf_labs(capsys) -> None:

@@ -15,6 +15,7 @@ import torch
 
 from rlhf_lab.runtime.timer import StepTimer
 from rlhf_lab.training.loop import Trainer
+from tests.limits import HANG_GUARD_S
 
 WIDER = ["trainer.max_new_tokens=8", "trainer.prompts_per_step=2", "algorithm.group_size=4", "trainer.eval_prompts=0",
          "data.max_prompt_tokens=90"]  # a budget of 100 admits the longest row the config admits
@@ -63,7 +64,7 @@ def run_cli(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "rlhf_lab", "model=tiny", "trainer.steps=1", "trainer.prompts_per_step=2",
                "algorithm.group_size=2", "trainer.max_new_tokens=4", "trainer.eval_prompts=0",
                "trainer.progress_bar=false", f"trainer.output_dir={tmp_path / 'run'}", *overrides]
-    return subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    return subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=HANG_GUARD_S, env=env)
 
 
 @pytest.mark.parametrize("override,message", [

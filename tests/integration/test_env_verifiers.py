@@ -10,7 +10,6 @@ everywhere (without verifiers, the missing package is the line).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import sys
@@ -26,9 +25,6 @@ from tests.integration.test_serve_security import call
 
 pytestmark = pytest.mark.integration
 
-HAS_VERIFIERS = importlib.util.find_spec("verifiers") is not None
-needs_verifiers = pytest.mark.skipif(not HAS_VERIFIERS, reason="verifiers is not installed (make install-verifiers: "
-                                                               "a venv of its own, see docs/guides/environments.md)")
 QUESTIONS = ["Name a colour.", "Say hello.", "Count to three.", "Spell cat."]
 
 
@@ -99,7 +95,7 @@ def overrides(tiny_overrides, tmp_path: Path, env_id: str) -> list[str]:
             "env.max_tokens=32", "trainer.eval_every=0", "trainer.eval_prompts=0"]
 
 
-@needs_verifiers
+@pytest.mark.extra("verifiers")
 def test_the_trainer_trains_on_the_ids_the_server_sampled(compose, tiny_overrides, tmp_path: Path,
                                                           monkeypatch) -> None:
     served, trained = capture(monkeypatch)
@@ -133,7 +129,7 @@ def test_the_trainer_trains_on_the_ids_the_server_sampled(compose, tiny_override
     assert all("env/length_reward" in m for m in metrics if "reward/mean" in m)
 
 
-@needs_verifiers
+@pytest.mark.extra("verifiers")
 def test_an_unknown_environment_is_one_line(compose, tiny_overrides, tmp_path: Path) -> None:
     with pytest.raises(EnvError, match=r"env.id='no_such_env' is not an installed verifiers environment.*"
                                        r"make install-verifiers"):
@@ -142,7 +138,7 @@ def test_an_unknown_environment_is_one_line(compose, tiny_overrides, tmp_path: P
         Trainer(compose(overrides(tiny_overrides, tmp_path, "tests.nowhere:make_env")), tmp_path / "run")
 
 
-@needs_verifiers
+@pytest.mark.extra("verifiers")
 def test_a_failing_rollout_is_one_line_or_left_out(compose, tiny_overrides, tmp_path: Path) -> None:
     failing = [*overrides(tiny_overrides, tmp_path, f"{__name__}:make_failing_env"), "trainer.steps=1"]
     with pytest.raises(EnvError, match="^" + re.escape(f"env=verifiers env.id={__name__}:make_failing_env ") +
@@ -160,7 +156,7 @@ def test_without_verifiers_the_run_says_how_to_install_it(compose, tiny_override
         Trainer(compose(overrides(tiny_overrides, tmp_path, "anything")), tmp_path / "run")
 
 
-@needs_verifiers
+@pytest.mark.extra("verifiers")
 def test_a_multi_turn_trajectory_is_the_servers_ids_with_the_environments_tokens_out_of_the_loss(
         compose, tiny_overrides, tmp_path: Path, monkeypatch) -> None:
     served, trained = capture(monkeypatch)

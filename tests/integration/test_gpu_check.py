@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.limits import HANG_GUARD_S
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -18,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.skipif(shutil.which("make") is None, reason="no make on this machine")
 def test_make_test_gpu_without_cuda_fails_with_one_line() -> None:
     result = subprocess.run(["make", "-s", "test-gpu", f"GPU_PYTHON={sys.executable}"], cwd=ROOT,
-                            capture_output=True, text=True, timeout=120)
+                            capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert result.returncode != 0
     assert result.stderr.splitlines()[0] == "no CUDA device: nothing was tested", result.stderr
     assert "passed" not in result.stdout and "skipped" not in result.stdout

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.limits import HANG_GUARD_S
+
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 RUN = ["model=tiny", "trainer.steps=1", "trainer.prompts_per_step=1", "algorithm.group_size=2",
        "trainer.max_new_tokens=2", "trainer.eval_prompts=1", "trainer.progress_bar=false", "trainer.num_threads=1"]
@@ -30,7 +32,7 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
         shutil.copytree(PROJECT_ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
     target = tmp_path_factory.mktemp("site")
     subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-                    "--target", str(target), str(source)], check=True, capture_output=True, text=True, timeout=300)
+                    "--target", str(target), str(source)], check=True, capture_output=True, text=True, timeout=HANG_GUARD_S)
     return target
 
 
@@ -61,7 +63,7 @@ def test_an_installed_package_runs_from_another_folder(installed: Path, tmp_path
     assert Path(module_file).is_relative_to(installed) and Path(conf_dir) == installed / "rlhf_lab" / "conf"
     run_dir = tmp_path / "run"
     result = subprocess.run([sys.executable, "-m", "rlhf_lab", *RUN, f"trainer.output_dir={run_dir}"], cwd=cwd,
-                            env=env, capture_output=True, text=True, timeout=300)
+                            env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert result.returncode == 0, result.stderr[-3000:]
     assert (run_dir / "metrics.jsonl").is_file()
     assert list(cwd.iterdir()) == []  # everything went to the run folder
@@ -75,18 +77,18 @@ def test_a_users_conf_beside_the_project_joins_the_installed_tree(installed: Pat
     command = [sys.executable, "-m", "rlhf_lab", "model=tiny", "reward=my_length"]
     for where in (["--config-dir", "conf"], ["hydra.searchpath=[file://conf]"]):
         result = subprocess.run([*command, *where, "--cfg", "job"], cwd=project, env=environment(installed), capture_output=True,
-                                text=True, timeout=300)
+                                text=True, timeout=HANG_GUARD_S)
         assert result.returncode == 0, result.stderr[-3000:]
         reward = yaml.safe_load(result.stdout)["reward"]
         assert (reward["name"], reward["min_words"], reward["max_words"]) == ("length", 3, 7)
     alone = subprocess.run([*command, "--cfg", "job"], cwd=project, env=environment(installed), capture_output=True, text=True,
-                           timeout=300)  # without the search path the option is not there
+                           timeout=HANG_GUARD_S)  # without the search path the option is not there
     assert alone.returncode == 2 and alone.stderr.startswith("error: reward='my_length' is not an option"), alone.stderr
 
 
 def test_bench_names_the_repository_when_installed_without_it(installed: Path, tmp_path: Path) -> None:
     result = subprocess.run([sys.executable, "-m", "rlhf_lab", "bench", "--compare", "trl"], cwd=tmp_path,
-                            env=environment(installed), capture_output=True, text=True, timeout=120)
+                            env=environment(installed), capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert result.returncode == 2 and result.stdout == ""
     (line,) = result.stderr.splitlines()
     assert line.startswith("error: rlhf-lab bench runs from a repository checkout") and "make bench" in line

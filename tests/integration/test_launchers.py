@@ -31,8 +31,7 @@ from test_sweeps import (
 )
 
 from rlhf_lab.app.cli import main as cli_main
-
-RAY_HINT = "the optional ray extra is not installed: pip install -r requirements-ray.txt (or: make install-ray)"
+from tests.limits import HANG_GUARD_S
 
 
 def run_smoke_sweep(base: Path, name: str, *launcher: str) -> Sweep:
@@ -40,7 +39,7 @@ def run_smoke_sweep(base: Path, name: str, *launcher: str) -> Sweep:
     command = [sys.executable, "-m", "rlhf_lab", "experiment=smoke", *launcher, "logger=wandb", "logger.mode=offline",
                f"hydra.sweep.dir={folder}"]
     start = time.perf_counter()
-    result = subprocess.run(command, cwd=base, env=wandb_test_env(base), capture_output=True, text=True, timeout=500)
+    result = subprocess.run(command, cwd=base, env=wandb_test_env(base), capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return Sweep(folder, time.perf_counter() - start, result.stdout + result.stderr)
 
@@ -78,9 +77,9 @@ def test_submitit_local_runs_the_smoke_sweep(tmp_path: Path, capsys) -> None:
 
 
 @pytest.mark.slow  # starts Ray (about 6 s) and 4 Ray workers: 40-60 s here
+@pytest.mark.extra("ray")
 def test_ray_launcher_runs_the_smoke_sweep_on_a_local_ray_instance(tmp_path: Path, monkeypatch, capsys) -> None:
-    ray = pytest.importorskip("ray", reason=RAY_HINT)
-    pytest.importorskip("hydra_plugins.hydra_ray_launcher", reason=RAY_HINT)
+    import ray
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # a local test instance: no token written under ~/.ray
     context = ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
@@ -94,8 +93,8 @@ def test_ray_launcher_runs_the_smoke_sweep_on_a_local_ray_instance(tmp_path: Pat
     check_sweep(sweep, capsys)
 
 
+@pytest.mark.extra("ray")
 def test_ray_launcher_configs_compose() -> None:
-    pytest.importorskip("hydra_plugins.hydra_ray_launcher", reason=RAY_HINT)
     from test_sweeps import _compose
 
     local = _compose("hydra/launcher=ray").hydra.launcher
@@ -133,7 +132,7 @@ def test_a_launcher_that_is_not_installed_names_the_extra(launcher: str, tmp_pat
     work.mkdir()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(hide), os.environ.get("PYTHONPATH")]))}
     result = subprocess.run([sys.executable, "-m", "rlhf_lab", "experiment=smoke", f"hydra/launcher={launcher}"],
-                            cwd=work, env=env, capture_output=True, text=True, timeout=120)
+                            cwd=work, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert result.returncode == 2, result.stderr[-2000:]
     assert result.stderr == (
         f"error: hydra/launcher={launcher} needs hydra-ray-launcher and ray, which are not installed; install the "

@@ -21,6 +21,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.limits import HANG_GUARD_S
+
 TINY = [
     "model=tiny", "trainer.precision=fp32", "trainer.steps=3", "trainer.prompts_per_step=2", "algorithm.group_size=2",
     "trainer.max_new_tokens=4", "trainer.eval_prompts=2", "trainer.progress_bar=false", "trainer.num_threads=1",
@@ -33,7 +35,7 @@ ALGORITHMS = {
     "grpo_kl_scaled": ["algorithm=grpo", "kl=k3", "kl.placement=loss", "kl.loss_scale=advantage"],
 }
 WALL_CLOCK = ("time/", "throughput/", "perf/")
-TIMEOUT = 300
+TIMEOUT = HANG_GUARD_S
 
 
 def environment() -> dict[str, str]:
@@ -213,7 +215,7 @@ def test_fsdp_ranks_decode_in_lock_step_until_every_rank_is_done(tmp_path: Path)
     script = tmp_path / "lockstep.py"
     script.write_text(LOCKSTEP)
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                             str(script)], capture_output=True, text=True, timeout=120, env=environment())
+                             str(script)], capture_output=True, text=True, timeout=HANG_GUARD_S, env=environment())
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [(tmp_path / f"result_{rank}.txt").read_text() for rank in (0, 1)]
     assert lines == ["0 2 [2.0, 2.0, 2.0, 2.0]", "1 6 [6.0, 6.0, 6.0, 6.0]"]
@@ -237,7 +239,7 @@ def test_exact_resume_after_sigkill_of_every_rank(tmp_path: Path) -> None:
         assert time.monotonic() < deadline
         time.sleep(0.05)
     os.killpg(process.pid, signal.SIGKILL)  # torchrun and both ranks at once
-    process.wait(timeout=60)
+    process.wait(timeout=HANG_GUARD_S)
     train(run, 2, *overrides, "trainer.resume=auto")
     assert metrics(run) == metrics(reference)
 
@@ -252,12 +254,10 @@ def test_a_failing_rank_stops_every_rank_with_its_message(tmp_path: Path) -> Non
         "    return [0.0] * len(responses)\n"
     )
     env = {**environment(), "PYTHONPATH": str(tmp_path)}
-    started = time.monotonic()
     result = subprocess.run(command(2, "reward=python", "reward.function=rank_reward:score",
-                                    f"trainer.output_dir={tmp_path / 'run'}"),
+                                    f"trainer.output_dir={tmp_path / 'run'}"),  # a rank left waiting: past the guard
                             cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT, env=env)
     assert result.returncode != 0
-    assert time.monotonic() - started < 120  # no hang: torchrun stops the other rank
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert errors and "rank one cannot score" in errors[0], result.stderr[-3000:]
 

@@ -19,6 +19,7 @@ import pytest
 from test_multiprocess import TIMEOUT, command, environment, metrics
 
 from rlhf_lab.app import cli
+from tests.limits import HANG_GUARD_S
 
 QUICK = ["trainer.eval_prompts=0"]
 
@@ -55,9 +56,7 @@ def test_sigterm_to_one_rank_stops_every_rank_with_a_checkpoint_that_resumes(tmp
     run.mkdir()
     process = start(run, "trainer.steps=60")
     os.kill(rank_pid(process.pid, 1), signal.SIGTERM)
-    signalled = time.monotonic()
-    _, stderr = process.communicate(timeout=TIMEOUT)
-    assert time.monotonic() - signalled < 60, stderr[-3000:]
+    _, stderr = process.communicate(timeout=TIMEOUT)  # a rank left waiting would hang past the guard
     stops = re.findall(r"^stopped after step (\d+): rank 1 received SIGTERM; checkpoint", stderr, re.MULTILINE)
     assert len(stops) == 1, stderr[-3000:]
     assert "exitcode  : 143" in stderr  # every rank's status: stopped by SIGTERM after writing the checkpoint
@@ -103,10 +102,9 @@ def test_a_user_error_under_torchrun_is_one_line_from_rank_zero(tmp_path: Path, 
     bad = tmp_path / "prompts.jsonl"
     bad.write_text('{"prompt": "Tell me"}\nnot json\n')
     overrides = [o.format(bad=bad) for o in overrides]
-    started = time.monotonic()
     result = subprocess.run(command(2, *QUICK, *overrides, f"trainer.output_dir={tmp_path / 'run'}"), cwd=tmp_path,
                             capture_output=True, text=True, timeout=TIMEOUT, env=environment())
-    assert result.returncode != 0 and time.monotonic() - started < 90
+    assert result.returncode != 0
     errors = error_lines(result.stderr)
     assert len(errors) == 1 and errors[0].startswith(message.format(bad=bad)), result.stderr[-3000:]
     assert re.search(r"rank\s+: 0 \(local_rank: 0\)\n\s+exitcode\s+: 2 ", result.stderr)
@@ -152,11 +150,10 @@ def test_a_rendezvous_nobody_joins_ends_after_the_collective_timeout_in_one_line
     ``trainer.collective_timeout_s`` at the rendezvous, then stops with one line, not torch's 30-minute wait."""
     stale = stale_variables()
     env = {**environment(), **stale, "LOCAL_RANK": "0"}
-    started = time.monotonic()
+    # torch's own wait is 30 minutes, past the hang guard: a process that waited it fails here with TimeoutExpired.
     result = subprocess.run([sys.executable, "-m", "rlhf_lab", *ONE_PROCESS, "trainer.collective_timeout_s=2",
                              f"trainer.output_dir={tmp_path / 'run'}"], cwd=tmp_path, capture_output=True, text=True,
-                            timeout=120, env=env)
-    assert time.monotonic() - started < 60
+                            timeout=HANG_GUARD_S, env=env)
     assert result.returncode == 2
     assert result.stderr.startswith(
         "error: rank 0 of WORLD_SIZE=2 waited trainer.collective_timeout_s=2 for the other processes at "

@@ -24,6 +24,7 @@ from test_sweeps import read_offline_run, wandb_test_env
 
 from rlhf_lab.app.cli import main as cli_main
 from rlhf_lab.config.objective import objective
+from tests.limits import HANG_GUARD_S
 
 TINY = ["model=tiny", "trainer.steps=1", "trainer.prompts_per_step=2", "algorithm.group_size=2",
         "trainer.max_new_tokens=4", "trainer.eval_prompts=2", "trainer.progress_bar=false", "trainer.num_threads=1"]
@@ -49,7 +50,7 @@ def run_search(base: Path, name: str, n_trials: int) -> Search:
     folder = base / name
     command = [sys.executable, "-m", "rlhf_lab", *SEARCH, f"hydra.sweeper.n_trials={n_trials}",
                f"hydra.sweeper.storage=sqlite:///{base / 'study.db'}", f"hydra.sweep.dir={folder}"]
-    result = subprocess.run(command, cwd=base, env=wandb_test_env(base), capture_output=True, text=True, timeout=300)
+    result = subprocess.run(command, cwd=base, env=wandb_test_env(base), capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return Search(folder, result.stdout + result.stderr)
 
@@ -186,7 +187,7 @@ def test_the_wheel_ships_the_plugin(tmp_path: Path) -> None:
     for package in ("rlhf_lab", "conf", "hydra_plugins"):
         shutil.copytree(root / package, source / package, ignore=shutil.ignore_patterns("__pycache__"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "-w",
-                    str(tmp_path / "dist"), str(source)], check=True, capture_output=True, text=True, timeout=300)
+                    str(tmp_path / "dist"), str(source)], check=True, capture_output=True, text=True, timeout=HANG_GUARD_S)
     (wheel,) = (tmp_path / "dist").glob("rlhf_lab-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     assert {"hydra_plugins/rlhf_lab_optuna/optuna_sweeper.py", "hydra_plugins/rlhf_lab_optuna/_search.py",
@@ -232,7 +233,7 @@ def test_bad_search_space_is_a_one_line_config_error(case: str) -> None:
 def test_cli_rejects_a_search_key_the_schema_lacks_before_any_job(tmp_path: Path) -> None:
     result = subprocess.run([sys.executable, "-m", "rlhf_lab", "+hparams_search=lr_kl", *TINY,
                              "+hydra.sweeper.params.trainer.lrr='interval(1e-5,1e-3)'"], cwd=tmp_path,
-                            capture_output=True, text=True, timeout=120)
+                            capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert result.returncode == 2, result.stderr[-2000:]
     assert result.stderr.startswith("error: " + BAD["unknown key"][1]) and result.stderr.count("\n") == 1
     assert list(tmp_path.iterdir()) == []  # no sweep folder, no study: nothing started
@@ -271,7 +272,7 @@ def test_a_search_with_other_settings_does_not_join_the_study(both: tuple[Search
     command = [sys.executable, "-m", "rlhf_lab", *SEARCH, "trainer.max_new_tokens=5", "hydra.sweeper.n_trials=1",
                f"hydra.sweeper.storage=sqlite:///{base / 'study.db'}", f"hydra.sweep.dir={base / 'other'}"]
     command.remove("trainer.max_new_tokens=4")
-    result = subprocess.run(command, cwd=base, env=wandb_test_env(base), capture_output=True, text=True, timeout=300)
+    result = subprocess.run(command, cwd=base, env=wandb_test_env(base), capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert result.returncode == 2, result.stderr[-3000:]
     assert result.stderr == (f"error: hydra.sweeper.study_name='{STUDY}' holds a search with other fixed settings "
                              "(['trainer.max_new_tokens=4'] there, ['trainer.max_new_tokens=5'] here); give this "

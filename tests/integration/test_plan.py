@@ -17,6 +17,7 @@ from rlhf_lab.models.loading import DTYPES
 from rlhf_lab.planner import calibration
 from rlhf_lab.planner.step import plan_step
 from rlhf_lab.training.loop import Trainer
+from tests.limits import HANG_GUARD_S
 
 SHORT = ["trainer.prompts_per_step=2", "algorithm.group_size=2", "trainer.max_new_tokens=4", "trainer.eval_prompts=0",
          "trainer.progress_bar=false", "trainer.num_threads=1", "trainer.steps=2"]
@@ -96,7 +97,7 @@ def test_fsdp_ranks_hold_a_share_of_the_states(run_cli) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
            "HF_HUB_OFFLINE": "1"}
     done = subprocess.run([sys.executable, "-m", "rlhf_lab", *base, "trainer.strategy=fsdp", "--world-size", "4"],
-                          capture_output=True, text=True, timeout=300, env=env)
+                          capture_output=True, text=True, timeout=HANG_GUARD_S, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     four = json.loads(done.stdout.strip().splitlines()[-1])
     assert four["rows_per_rank"] == 2 and one["rows_per_rank"] == 8
@@ -127,7 +128,7 @@ def test_an_fsdp_plan_in_a_process_with_a_process_group_is_one_line(tmp_path) ->
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
            "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=HANG_GUARD_S, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == ("an FSDP plan (--world-size 4) needs a process without a process group; this one "
                                    "has one (1 ranks): run `rlhf-lab plan` in a process of its own")

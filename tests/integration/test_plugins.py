@@ -17,6 +17,7 @@ import pytest
 
 from rlhf_lab.config.compose import compose
 from rlhf_lab.errors import ConfigError
+from tests.limits import HANG_GUARD_S
 
 PLUGIN = '''
 from dataclasses import dataclass
@@ -100,7 +101,7 @@ def test_entry_point_plugin_trains_with_its_reward_and_estimator_through_the_cli
     env = {**os.environ, "PYTHONPATH": str(site), "HF_HUB_OFFLINE": "1"}
     command = [sys.executable, "-m", "rlhf_lab", *TINY, "reward=ep_plugin_constant", "kl=ep_plugin_quarter",
                "hydra.searchpath=[pkg://ep_plugin.conf]", f"trainer.output_dir={run_dir}"]
-    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert result.returncode == 0, result.stderr[-3000:]
     step = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[1])
     assert step["reward/mean"] == pytest.approx(0.75)

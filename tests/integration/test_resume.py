@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from rlhf_lab.registry import names
+from tests.limits import HANG_GUARD_S
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 STEPS = 6
@@ -34,7 +35,7 @@ ALGORITHMS = {
     "ppo": ["algorithm=ppo", "algorithm.mini_batch_size=2", "kl=kl", "kl.placement=reward"],
 }
 WALL_TIME_KEYS = ("time/", "throughput/", "perf/")
-TIMEOUT = 300
+TIMEOUT = HANG_GUARD_S
 
 
 def environment() -> dict[str, str]:

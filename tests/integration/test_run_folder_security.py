@@ -13,11 +13,13 @@ from pathlib import Path
 import pytest
 
 import rlhf_lab
+from tests.limits import HANG_GUARD_S
 
 TINY = ["model=tiny", "trainer.steps=1", "trainer.eval_prompts=2", "trainer.progress_bar=false",
         "algorithm.group_size=2", "trainer.prompts_per_step=2", "trainer.max_new_tokens=4", "trainer.precision=fp32"]
 PLANTED = '''
 from pathlib import Path
+
 Path({marker!r}).write_text("ran")
 def score(prompts, responses):
     return [0.0] * len(responses)
@@ -70,7 +72,7 @@ def test_a_dist_info_in_the_working_folder_injects_no_plugin(tmp_path: Path) -> 
     (info / "entry_points.txt").write_text("[rlhf_lab.plugins]\nevil = evil_plugin\n")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     result = subprocess.run([sys.executable, "-m", "rlhf_lab", "model=tiny", "trainer.steps=-1"], cwd=tmp_path,
-                            env=env, capture_output=True, text=True, timeout=120)
+                            env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert result.returncode == 2 and "trainer.steps=-1" in result.stderr
     assert not marker.exists()
 
@@ -149,7 +151,7 @@ def test_a_named_pipe_in_a_checkpoint_blocks_no_reader(trained: Path, tmp_path: 
     os.mkfifo(step / "trainer_state.json")
     args = {"eval": ["eval", str(run)], "export": ["export", str(run), str(tmp_path / "out")],
             "resume": [*TINY, "trainer.steps=2", f"trainer.output_dir={run}", "trainer.resume=auto"]}[command]
-    result = subprocess.run([sys.executable, "-m", "rlhf_lab", *args], capture_output=True, text=True, timeout=60,
+    result = subprocess.run([sys.executable, "-m", "rlhf_lab", *args], capture_output=True, text=True, timeout=HANG_GUARD_S,
                             cwd=tmp_path)
     if command == "resume":  # the pipe is never opened: its checkpoint is not complete, the run goes on without it
         assert "Traceback" not in result.stderr, result.stderr
@@ -165,7 +167,7 @@ def test_a_named_pipe_as_a_log_blocks_no_run(tmp_path: Path, name: str) -> None:
     run.mkdir()
     os.mkfifo(run / name)
     result = subprocess.run([sys.executable, "-m", "rlhf_lab", *TINY, f"trainer.output_dir={run}"],
-                            capture_output=True, text=True, timeout=60, cwd=tmp_path)
+                            capture_output=True, text=True, timeout=HANG_GUARD_S, cwd=tmp_path)
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
     assert result.stderr == (f"error: '{run / name}' is not a regular file (a named pipe or a device); a run folder's "
                              "files are only regular files (remove it, or choose another trainer.output_dir)\n")

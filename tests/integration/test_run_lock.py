@@ -21,6 +21,7 @@ from test_resume import TINY, Run
 
 from rlhf_lab.training import run_lock
 from rlhf_lab.training.checkpoint import latest_checkpoint
+from tests.limits import HANG_GUARD_S
 
 
 def command(run_dir: Path, *overrides: str) -> list[str]:
@@ -73,7 +74,7 @@ def test_the_output_folder_is_checked_before_anything_runs(tmp_path: Path) -> No
 def test_a_second_process_is_refused_and_a_killed_holders_folder_is_taken_over(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     first = Run(tmp_path, run_dir, command=command(run_dir, "trainer.steps=500", "trainer.checkpoint_every=2"))
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + HANG_GUARD_S
     while latest_checkpoint(run_dir / "checkpoints") is None:
         assert first.process.poll() is None, first.output
         assert time.monotonic() < deadline
@@ -81,7 +82,7 @@ def test_a_second_process_is_refused_and_a_killed_holders_folder_is_taken_over(t
     assert (run_dir / run_lock.LOCK_FILE).read_text() == f"{first.process.pid}\n"
     overrides_before = (run_dir / ".hydra" / "overrides.yaml").read_text()
 
-    second = subprocess.run(command(run_dir, "trainer.resume=auto"), cwd=tmp_path, capture_output=True, text=True, timeout=300, env=environment())
+    second = subprocess.run(command(run_dir, "trainer.resume=auto"), cwd=tmp_path, capture_output=True, text=True, timeout=HANG_GUARD_S, env=environment())
     assert second.returncode == 2, second.stderr[-2000:]
     assert second.stderr == (
         f"error: run folder {str(run_dir)!r} is in use by process {first.process.pid} (lock "

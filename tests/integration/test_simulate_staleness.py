@@ -167,8 +167,7 @@ def test_the_colocated_vllm_engine_takes_the_snapshot_and_the_canary_checks_it(c
     the evaluation in between from the current weights again."""
     from tests import fake_vllm
 
-    stand_in = fake_vllm.installed(monkeypatch)
-    next(stand_in)
+    fake_vllm.install(monkeypatch)
     lora_overrides = ["model.lora.enabled=true", "model.lora.r=4"] if lora else []
     cfg = compose([*tiny_overrides(tmp_path), *STEPS, *lora_overrides, "trainer.eval_every=1",
                    "trainer.eval_prompts=2", "generation=vllm", "generation.sleep=true", "trainer.max_new_tokens=6",

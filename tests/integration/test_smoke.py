@@ -19,6 +19,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from rlhf_lab.trackers.jsonl import read_jsonl
+from tests.limits import HANG_GUARD_S
 
 
 @pytest.mark.slow
@@ -27,7 +28,7 @@ def test_embedded_default_trains_two_steps(tmp_path: Path) -> None:
     command = [sys.executable, "-m", "rlhf_lab", "trainer.steps=2", "trainer.eval_prompts=2",
                f"trainer.output_dir={run_dir}"]
     assert os.environ["OMP_NUM_THREADS"] == "1"
-    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
 

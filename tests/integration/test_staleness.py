@@ -19,6 +19,7 @@ from rlhf_lab.generation.backend import SamplingSettings
 from rlhf_lab.generation.hf import HFGeneration
 from rlhf_lab.step.update import Updater
 from rlhf_lab.training.loop import Trainer
+from tests.limits import HANG_GUARD_S
 
 # Rewards that differ within a group from the first step (a word-count band the tiny model's responses straddle),
 # so every update moves the weights.
@@ -117,7 +118,7 @@ class _GatedServer:
                 request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 body: dict = {"ok": True}
                 if self.path == "/generate":
-                    outer.gate.wait(30)
+                    outer.gate.wait(HANG_GUARD_S)
                     rows = len(request["prompt_ids"]) * request["group_size"]
                     body = {"samples": [[[7, 8], [-0.5, -0.25]] for _ in range(rows)]}
                     outer.answered.append(rows)

@@ -14,6 +14,7 @@ import yaml
 
 from rlhf_lab.app.completion import offered
 from rlhf_lab.tools import report
+from tests.limits import HANG_GUARD_S
 
 
 def test_a_wandb_run_saves_the_hydra_files_without_a_symlink_line(tmp_path: Path, capfd) -> None:
@@ -46,7 +47,7 @@ def test_completion_leaves_the_schemas_out() -> None:
         "algorithm=grpo", "kl/", "trainer="]
     line = "rlhf-lab algorithm="
     done = subprocess.run([sys.executable, "-m", "rlhf_lab", "-sc", "query=bash"], capture_output=True, text=True,
-                          env={**os.environ, "COMP_LINE": line, "COMP_POINT": str(len(line))}, timeout=120)
+                          env={**os.environ, "COMP_LINE": line, "COMP_POINT": str(len(line))}, timeout=HANG_GUARD_S)
     words = done.stdout.split()
     assert done.returncode == 0, done.stderr
     assert "algorithm=grpo" in words and "algorithm=ppo" in words

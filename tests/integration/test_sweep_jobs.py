@@ -15,6 +15,7 @@ import yaml
 from rlhf_lab.config.compose import CONF_DIR, compose
 from rlhf_lab.config.sweep_jobs import expand_globs, expand_jobs
 from rlhf_lab.errors import ConfigError
+from tests.limits import HANG_GUARD_S
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -60,7 +61,7 @@ def test_cli_sweep_with_choice_and_range_names_job_folders_short(tmp_path: Path)
     command = [sys.executable, "-m", "rlhf_lab", "-m", "model=tiny", "trainer.steps=1", "trainer.eval_prompts=1",
                "algorithm.group_size=2", "trainer.max_new_tokens=4", "kl=choice(k3,kl)", "seed=range(0,1)", f"+model.system_prompt={long_value}",
                f"hydra.sweep.dir={tmp_path / 'sweep'}"]
-    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=HANG_GUARD_S,
                             env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
     assert result.returncode == 0, result.stderr[-3000:]
     jobs = sorted(p.name for p in (tmp_path / "sweep").iterdir() if p.is_dir())

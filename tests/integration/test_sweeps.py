@@ -23,6 +23,8 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.limits import HANG_GUARD_S
+
 REPO = Path(__file__).resolve().parents[2]
 SMOKE_JOBS = ["algorithm=grpo,kl=k3", "algorithm=grpo,kl=kl", "algorithm=rloo,kl=k3", "algorithm=rloo,kl=kl"]
 SMOKE_STEPS = 2
@@ -81,7 +83,7 @@ def smoke_sweep(base: Path, launcher: str = "basic") -> Sweep:
     if launcher == "joblib":
         command += ["hydra/launcher=joblib", "hydra.launcher.n_jobs=2"]
     start = time.perf_counter()
-    result = subprocess.run(command, cwd=base, env=wandb_test_env(base), capture_output=True, text=True, timeout=400)
+    result = subprocess.run(command, cwd=base, env=wandb_test_env(base), capture_output=True, text=True, timeout=HANG_GUARD_S)
     wall = time.perf_counter() - start
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return Sweep(folder, wall, result.stdout + result.stderr)

@@ -30,6 +30,7 @@ from rlhf_lab.models.loading import build_tiny_llama, load_tokenizer
 from rlhf_lab.scoring.forward import response_logits
 from rlhf_lab.trackers.jsonl import read_jsonl
 from rlhf_lab.training.loop import Trainer
+from tests.limits import HANG_GUARD_S
 
 ALGORITHMS = ["grpo", "reinforce", "rloo"]
 ESTIMATORS = ["kl", "abs", "mse", "k3", "full", "none"]
@@ -327,7 +328,7 @@ def test_command_line_sweep_writes_one_folder_per_job(tiny_overrides, tmp_path: 
                *tiny_overrides(None), f"hydra.sweep.dir={sweep_dir}"]
     assert "model=tiny" in command and not any(a.startswith("trainer.output_dir") for a in command)
     start = time.perf_counter()
-    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=400)
+    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert result.returncode == 0, result.stderr[-3000:]
     assert time.perf_counter() - start < 300
 

@@ -30,8 +30,8 @@ def test_conversational_prompts_with_an_answer_column_train_under_math_verify(co
     assert samples[0]["prompt"].startswith("system: Answer with a number.\nuser: What is ")
 
 
+@pytest.mark.extra("reasoning")
 def test_a_reasoning_gym_task_trains_with_its_verifier(compose, tiny_overrides, tmp_path: Path) -> None:
-    pytest.importorskip("reasoning_gym")
     lines = train(compose, [*tiny_overrides(tmp_path), "data=reasoning_gym", "data.size=8", "data.eval_size=2",
                             "reward=reasoning_gym"], tmp_path / "run")
     assert [line["step"] for line in lines if "reward/mean" in line] == [0, 1]

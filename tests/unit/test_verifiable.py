@@ -44,8 +44,8 @@ def test_a_python_reward_gets_the_columns_it_names(monkeypatch) -> None:
     assert build("plain")(prompts, ["4", "5"]).scores.tolist() == [1.0, 1.0]
 
 
+@pytest.mark.extra("reasoning")
 def test_reasoning_gym_tasks_are_generated_from_their_seed_and_scored_by_their_verifier() -> None:
-    pytest.importorskip("reasoning_gym")
     from omegaconf import OmegaConf
 
     from rlhf_lab.data.prompts import load_prompts

@@ -15,6 +15,7 @@ from rlhf_lab.config import compose
 from rlhf_lab.errors import ToolError
 from rlhf_lab.trackers.wandb_sweep import COMMAND, sweep_config
 from rlhf_lab.trackers.wandb_workspace import GROUP_BY, SECTIONS, spec, workspace
+from tests.limits import HANG_GUARD_S
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 
@@ -72,12 +73,12 @@ def test_what_the_agent_passes_composes_to_the_points_values() -> None:
 def test_the_command_writes_the_file_and_refuses_in_one_line(tmp_path: Path) -> None:
     out = tmp_path / "sweep.yaml"
     done = subprocess.run([sys.executable, "-m", "rlhf_lab", "wandb", "sweep", "model=tiny", "seed=0,1",
-                           "--out", str(out)], capture_output=True, text=True, timeout=120)
+                           "--out", str(out)], capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert done.returncode == 0, done.stderr
     assert yaml.safe_load(out.read_text())["parameters"]["seed"] == {"values": [0, 1]}
     assert f"wrote {out} (grid, 2 runs, ranked by eval/reward/mean maximize)" in done.stdout
     done = subprocess.run([sys.executable, "-m", "rlhf_lab", "wandb", "sweeps"], capture_output=True, text=True,
-                          timeout=120)
+                          timeout=HANG_GUARD_S)
     assert done.returncode == 2
     assert done.stderr.strip() == ("error: rlhf-lab wandb takes a command, got 'sweeps'; choose from: sweep, "
                                    "workspace")

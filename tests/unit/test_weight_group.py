@@ -11,6 +11,7 @@ import torch
 
 from rlhf_lab.errors import ConfigError
 from rlhf_lab.generation.weight_group import WeightGroup
+from tests.limits import HANG_GUARD_S
 
 
 def free_port() -> int:
@@ -44,7 +45,7 @@ def test_every_weight_arrives_with_its_name_dtype_shape_and_bytes() -> None:
     sender.end()
     sender.send("model.norm.weight", weights[2][1] * 2)
     sender.end()
-    thread.join(timeout=60)
+    thread.join(timeout=HANG_GUARD_S)
     assert not thread.is_alive()
     assert [name for name, _ in received["first"]] == [name for name, _ in weights]
     for (_, sent), (_, got) in zip(weights, received["first"], strict=True):
