@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import tempfile
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["WANDB_MODE"] = "disabled"
@@ -121,6 +122,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                                         f"{', '.join(EXTRAS)}")
             if not extra_installed(name):
                 item.add_marker(pytest.mark.skip(reason=f"needs the optional {name} extra: {EXTRAS[name][1]}"))
+
+
+@pytest.fixture(autouse=True, scope="session")
+def temporary_files_in_the_test_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Every temporary file of the run, the processes' it starts included (torchrun's ``torchelastic_*`` log folders,
+    compile caches, exported models), goes under pytest's own base folder (``TMPDIR``), never loose in ``/tmp``."""
+    folder = tmp_path_factory.mktemp("tmp")
+    before, cached = os.environ.get("TMPDIR"), tempfile.tempdir
+    os.environ["TMPDIR"], tempfile.tempdir = str(folder), None
+    yield
+    tempfile.tempdir = cached
+    if before is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = before
 
 
 @pytest.fixture(autouse=True)
