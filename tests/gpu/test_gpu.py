@@ -164,6 +164,29 @@ def test_memory_after_init_of_a_1b_llama_under_fsdp(tmp_path: Path) -> None:
         distributed.teardown()
 
 
+def warmed_baseline() -> int:
+    """The bytes this process holds on the GPU before a measured run starts, after what can be freed is freed: earlier
+    tests' cached blocks and cuBLAS's workspaces (on sm90 each (handle, stream) keeps 32 MiB in the caching
+    allocator, which ``empty_cache`` does not free). A measurement subtracts it: what CUDA and earlier tests keep is
+    not the step's, and no absolute guard on it can hold across devices."""
+    import gc
+
+    gc.collect()
+    torch.cuda.synchronize()
+    torch._C._cuda_clearCublasWorkspaces()
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_allocated()
+
+
+def versions() -> str:
+    """The versions and attention code a GPU figure was measured with (a plan calibrated with other versions does
+    not hold: transformers 5.17's SDPA path copies K and V where 5.23's does not)."""
+    import transformers
+
+    return (f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.cuda.get_device_name()}, "
+            f"capability {'.'.join(map(str, torch.cuda.get_device_capability()))}")
+
+
 def test_a_1b_step_s_peak_memory_is_the_plan_s(tmp_path: Path) -> None:
     """The peak GPU memory during a full step of a ~1B random-init Llama in bf16-mixed at the CUDA defaults
     (gradient checkpointing, chunked log-probs, a micro-batch token budget; given here as the values null resolves
@@ -182,8 +205,7 @@ def test_a_1b_step_s_peak_memory_is_the_plan_s(tmp_path: Path) -> None:
     cfg = compose([*TINY, *dims, *defaults, "trainer.precision=bf16-mixed", "trainer.eval_prompts=0",
                    "trainer.prompts_per_step=4", "algorithm.group_size=4", "trainer.max_new_tokens=64",
                    f"trainer.output_dir={tmp_path / 'run'}"])
-    left = torch.cuda.memory_allocated()  # what earlier tests left: counted in the peak below
-    assert left < 64 << 20, f"{left / 2**20:.0f} MiB allocated before the trainer (an earlier test's tensors)"
+    baseline = warmed_baseline()  # what the process holds before the trainer: not the step's, taken off the peak
     try:
         trainer = Trainer(cfg, tmp_path / "run")
         trainer.train_step(0)
@@ -196,7 +218,7 @@ def test_a_1b_step_s_peak_memory_is_the_plan_s(tmp_path: Path) -> None:
         with prompt_widths(trainer) as widths:
             trainer.train_step(1)
         torch.cuda.synchronize()
-        measured = torch.cuda.max_memory_allocated()
+        measured = torch.cuda.max_memory_allocated() - baseline
         if snapshot:
             torch.cuda.memory._dump_snapshot(snapshot)
             torch.cuda.memory._record_memory_history(enabled=None)
@@ -204,7 +226,8 @@ def test_a_1b_step_s_peak_memory_is_the_plan_s(tmp_path: Path) -> None:
         states = plan.weights + plan.reference + plan.optimizer
         print(f"1B-class Llama step: measured peak {measured / 2**30:.2f} GiB, planned {plan.peak / 2**30:.2f} GiB "
               f"({plan.peak_phase}); phases {({k: round(v / 2**30, 2) for k, v in plan.peaks.items()})}; held "
-              f"before the step {held / 2**30:.2f} GiB, planned states {states / 2**30:.2f} GiB")
+              f"before the step {(held - baseline) / 2**30:.2f} GiB, planned states {states / 2**30:.2f} GiB; "
+              f"baseline {baseline / 2**20:.0f} MiB; {versions()}")
         assert abs(plan.peak - measured) <= 0.15 * measured, (plan.peaks, measured)
     finally:
         distributed.teardown()
