@@ -4,10 +4,13 @@ run by ``make test-extras``)."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from tests.conftest import EXTRAS
 from tests.limits import HANG_GUARD_S
@@ -47,16 +50,41 @@ def test_every_extra_has_its_install_target_and_test_extras_installs_them_all() 
         make_target(target)  # exists
 
 
-def test_no_test_module_imports_an_optional_package_at_collection() -> None:
-    """Collect the whole suite in a process where every optional package fails to import, as on a fresh clone:
-    nothing errors."""
+COUNTER = """
+import collections, json, sys
+class Count:
+    def pytest_collection_modifyitems(self, items):
+        counts = collections.Counter(m.args[0] for item in items for m in item.iter_markers("extra"))
+        print("extras:", json.dumps(counts))
+"""
+
+
+@pytest.fixture(scope="module")
+def collection() -> subprocess.CompletedProcess:
+    """The whole suite collected in a process where every optional package fails to import, as on a fresh clone; it
+    prints how many tests need each extra."""
     # None in sys.modules: ``import NAME`` raises ModuleNotFoundError and ``importlib.util.find_spec(NAME)`` is None,
     # as where the package is not installed.
     blocked = [*OPTIONAL_MODULES, "hydra_plugins.hydra_ray_launcher"]
-    script = (f"import sys; sys.modules.update(dict.fromkeys({blocked!r})); import pytest; "
-              "sys.exit(pytest.main(['--collect-only', '-q', '-p', 'no:cacheprovider', '-p', 'no:xdist', 'tests']))")
-    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True,
-                            timeout=HANG_GUARD_S)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert re.search(r"^\d+ tests collected", result.stdout, flags=re.MULTILINE), result.stdout[-1000:]
-    assert "error" not in result.stdout.splitlines()[-1].lower()
+    script = (f"{COUNTER}\nsys.modules.update(dict.fromkeys({blocked!r}))\nimport pytest\n"
+              "sys.exit(pytest.main(['--collect-only', '-q', '-p', 'no:cacheprovider', '-p', 'no:xdist', 'tests'], "
+              "plugins=[Count()]))")
+    return subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True,
+                          timeout=HANG_GUARD_S)
+
+
+def test_no_test_module_imports_an_optional_package_at_collection(collection) -> None:
+    assert collection.returncode == 0, collection.stdout[-3000:] + collection.stderr[-3000:]
+    assert re.search(r"^\d+ tests collected", collection.stdout, flags=re.MULTILINE), collection.stdout[-1000:]
+    assert "error" not in collection.stdout.splitlines()[-1].lower()
+
+
+def test_the_readme_counts_the_tests_each_extra_skips(collection) -> None:
+    counts = json.loads(re.search(r"^extras: (.*)$", collection.stdout, flags=re.MULTILINE).group(1))
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert set(counts) == set(EXTRAS)
+    assert f"the {sum(counts.values())} tests that do are skipped" in readme
+    named = {"vllm": "vLLM", "verifiers": "verifiers", "reasoning": "reasoning-gym", "ray": "Ray", "trl": "TRL",
+             "mlflow": "MLflow"}
+    listed = dict(re.findall(r"(vLLM|verifiers|reasoning-gym|Ray|TRL|MLflow) (\d+)", readme))
+    assert {name: int(listed[named[name]]) for name in counts} == counts
