@@ -244,9 +244,14 @@ class PolicyAndReference:
     policy: nn.Module
     reference: nn.Module | None  # None: use `policy` inside `reference_context()`
     uses_adapter: bool
+    host_weights: Any = None  # the reference's weights in host memory between passes (rlhf_lab/models/offload.py)
 
     def reference_model(self) -> nn.Module:
         return self.policy if self.reference is None else self.reference
+
+    def reference_on_device(self) -> AbstractContextManager:
+        """The reference's weights on the device for a pass (where they live in host memory between passes)."""
+        return nullcontext() if self.host_weights is None else self.host_weights.on_device()
 
     def reference_context(self) -> AbstractContextManager:
         return self.policy.disable_adapter() if self.reference is None else nullcontext()

@@ -181,19 +181,15 @@ class ScoringPass:
 
     def _reference_pass(self, part: Scored, timer: StepTimer) -> dict[str, Any]:
         """The reference's logits and log-probs: the adapter-disabled policy under LoRA, else the frozen copy (on
-        the CPU between passes with ``trainer.offload_reference``)."""
+        host memory between passes with ``trainer.offload_reference``: rlhf_lab/models/offload.py; FSDP moves its
+        offloaded shards itself)."""
         model = self.models.reference_model()
-        offload = self.cfg.trainer.offload_reference and self.models.reference is not None \
-            and not distributed.sharded(next(model.parameters()))  # FSDP moves its offloaded shards itself
-        with timer.phase("reference"), torch.no_grad(), self.models.reference_context(), self.precision.autocast():
-            if offload:
-                model.to(self.device)
+        with timer.phase("reference"), torch.no_grad(), self.models.reference_context(), self.precision.autocast(), \
+                self.models.reference_on_device():
             ref_logits, _ = response_logits(model, part.input_ids, part.attention_mask, part.prompt_width,
                                             self.cfg.trainer.temperature, float32=self.logits_float32,
                                             head_chunk=self.head_chunk, pack=self.pack)
             ref_logprobs = gather_logprobs(ref_logits, part.response_ids) * part.response_mask
-            if offload:
-                model.to("cpu")
         return {"ref_logits": ref_logits, "ref_logprobs": ref_logprobs}
 
 

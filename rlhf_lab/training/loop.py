@@ -23,6 +23,7 @@ from rlhf_lab.hardware import HardwareProfile
 from rlhf_lab.kl.placements import KLPenalty
 from rlhf_lab.masked import masked_sum
 from rlhf_lab.models.loading import DTYPES, build_policy, enable_activation_checkpointing, load_tokenizer
+from rlhf_lab.models.offload import HostWeights
 from rlhf_lab.registry import get
 from rlhf_lab.rewards.base import build_reward
 from rlhf_lab.runtime import distributed
@@ -164,10 +165,12 @@ class Trainer(RunState, StopSignals, Evaluates, StepRecord):
         reference, offload = self.models.reference, self.cfg.trainer.offload_reference
         if reference is not None and fsdp:  # its shards in host memory with trainer.offload_reference
             distributed.shard(reference, self.precision.compute_dtype, offload=offload)
-        elif reference is not None:
-            reference.to("cpu" if offload else self.device)
+        elif reference is not None and not offload:
+            reference.to(self.device)
         if not fsdp:  # under FSDP its MixedPrecisionPolicy gathers the weights in the compute dtype
             self.precision.store_frozen_weights(self.models.reference_model())
+        if reference is not None and offload and not fsdp:  # pinned host memory, copied in for each pass
+            self.models.host_weights = HostWeights(reference, self.device)
 
     def load_prompts(self) -> PromptSplits:
         """The train and held-out prompts (the offline stages read them from their examples)."""

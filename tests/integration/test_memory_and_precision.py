@@ -113,23 +113,33 @@ def test_chunked_reference_bounds_the_logits_and_gives_the_same_terms(compose, t
     assert chunked.ref_logits is None  # not kept: the update does not need them (mse in the reward)
 
 
-def test_offloaded_reference_visits_the_device_only_for_its_pass(compose, tiny_overrides, tmp_path):
+def test_offloaded_reference_visits_the_device_only_for_its_pass(compose, tiny_overrides, tmp_path, monkeypatch):
+    """``trainer.offload_reference``: the reference's weights live in host memory (pinned on a GPU run); for its pass
+    each is copied to the device once, non-blocking, and after it they are the same host tensors again (nothing
+    copied back, nothing allocated anew); the numbers are those of a reference that never moved."""
     plain = make_trainer(compose, tiny_overrides, tmp_path / "plain")
     offloaded = make_trainer(compose, tiny_overrides, tmp_path / "offloaded", "trainer.offload_reference=true")
-    reference = offloaded.models.reference
-    moves = []
-    move = reference.to
+    reference, host_weights = offloaded.models.reference, offloaded.models.host_weights
+    assert host_weights is not None and plain.models.host_weights is None
+    host = [tensor.data_ptr() for tensor in host_weights.host]
+    assert [t.data_ptr() for t in [*reference.parameters(), *reference.buffers()]] == host
+    copies, during = [], []
+    to = torch.Tensor.to
 
-    def recording_to(*args, **kwargs):
-        moves.append(str(args[0]))
-        return move(*args, **kwargs)
+    def recording_to(self, *args, **kwargs):
+        if kwargs.get("non_blocking"):
+            copies.append(str(args[0]))
+        return to(self, *args, **kwargs)
 
-    reference.to = recording_to
+    monkeypatch.setattr(torch.Tensor, "to", recording_to)
+    reference.register_forward_pre_hook(lambda module, args: during.append({p.device.type for p in module.parameters()}))
     rollout = sampled_rollout(plain)
     a, b = copy.deepcopy(rollout), copy.deepcopy(rollout)
     a = dataclasses.replace(a, **plain.experience.scoring(a, StepTimer(), exact=True))
     b = dataclasses.replace(b, **offloaded.experience.scoring(b, StepTimer(), exact=True))
-    assert moves == [str(offloaded.device), "cpu"]
+    assert copies == [str(offloaded.device)] * len(host)  # every weight and buffer once, in the pass
+    assert during and all(devices == {offloaded.device.type} for devices in during)
+    assert [t.data_ptr() for t in [*reference.parameters(), *reference.buffers()]] == host
     assert all(p.device.type == "cpu" for p in reference.parameters())
     for key in ("ref_logprobs", "kl_estimate", "kl_exact"):
         assert torch.equal(getattr(a, key), getattr(b, key))
