@@ -26,7 +26,6 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from rlhf_lab.generation.decode import truncates
 from rlhf_lab.generation.rollout import Rollout, Scored
 from rlhf_lab.kl.placements import KLPenalty
 from rlhf_lab.masked import masked_mean
@@ -61,16 +60,13 @@ def rescores(cfg: Any, differs: bool) -> bool:
     the engine's numbers may not be the trainer's (``differs``, :func:`sampler_differs`) and the rollout gets more
     than one update (with a single update the training pass's own detached log-probs are π_old,
     :func:`single_update`), and always under ``generation.max_staleness=1`` (the sampler's numbers, entropies and
-    exact KL are then a past policy's) and under top-k/top-p truncation (every engine's log-probs are then of the
-    truncated distribution q the tokens were drawn from, not of the policy softmax(logits / T) the trainer trains:
-    they are kept as the sampler's, μ, for ``algorithm.tis_cap`` and the KL's off-policy correction)."""
+    exact KL are then a past policy's)."""
     source = cfg.generation.get("logprobs", "auto") if cfg.get("generation") else "auto"
     if source == "trainer" or cfg.algorithm.get("tis_cap") is not None:
         return True
     if source == "sampler":
-        return False  # refused at compose time under truncation (rlhf_lab/config/validate_values.py)
-    truncated = truncates(cfg.trainer.get("top_k", 0), cfg.trainer.get("top_p", 1.0))
-    return sampled_behind(cfg) or truncated or (differs and not single_update(cfg))
+        return False
+    return sampled_behind(cfg) or (differs and not single_update(cfg))  # stale: the sampler is an update behind
 
 
 @dataclass(frozen=True)
