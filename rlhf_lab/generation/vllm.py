@@ -142,15 +142,9 @@ class VLLMGeneration(SamplesInPlace):
         folder = self.folder / "base"
         # Every rank gathers each sharded weight in turn (a collective); only the writer keeps them, in host memory.
         cast: dict[tuple[int, Any, Any], torch.Tensor] = {}  # tied weights (one storage) cast once: saved once
-
-        def engine_copy(tensor: torch.Tensor) -> torch.Tensor:
-            key = (tensor.data_ptr(), tuple(tensor.shape), tensor.stride())
-            if key not in cast:
-                cast[key] = tensor.to("cpu", dtype=dtype if tensor.is_floating_point() else tensor.dtype)
-            return cast[key]
-
-        state = {hf_name(name): engine_copy(tensor) for name, tensor in streamed_state(base)
-                 if self.writer and "lora_" not in name}
+        state = {hf_name(name): cast.setdefault((t.data_ptr(), tuple(t.shape), t.stride()), t.to(
+            "cpu", dtype=dtype if t.is_floating_point() else t.dtype)) for name, t in streamed_state(base)
+            if self.writer and "lora_" not in name}
         if self.writer:
             base.save_pretrained(folder, state_dict=state, safe_serialization=True)
             self.tokenizer.save_pretrained(folder)
