@@ -125,18 +125,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(autouse=True, scope="session")
-def temporary_files_in_the_test_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+def temporary_files_in_the_test_run() -> Iterator[None]:
     """Every temporary file of the run, the processes' it starts included (torchrun's ``torchelastic_*`` log folders,
-    compile caches, exported models), goes under pytest's own base folder (``TMPDIR``), never loose in ``/tmp``."""
-    folder = tmp_path_factory.mktemp("tmp")
+    compile caches, exported models), goes into one folder of the test process's (``TMPDIR``), removed as the session
+    ends: never left loose in ``/tmp``. A short path of its own (Ray's socket paths must stay under 108 bytes)."""
+    import shutil
+
+    folder = tempfile.mkdtemp(prefix="rlhf_lab_tests_")
     before, cached = os.environ.get("TMPDIR"), tempfile.tempdir
-    os.environ["TMPDIR"], tempfile.tempdir = str(folder), None
+    os.environ["TMPDIR"], tempfile.tempdir = folder, None
     yield
     tempfile.tempdir = cached
     if before is None:
         os.environ.pop("TMPDIR", None)
     else:
         os.environ["TMPDIR"] = before
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

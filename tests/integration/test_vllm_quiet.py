@@ -168,7 +168,7 @@ def test_the_runs_weights_leave_the_sync_folder_at_its_end(client_and_server) ->
 
 
 @pytest.mark.extra("vllm")
-def test_the_rotary_reload_line_is_no_failed_load_and_the_engines_folder_goes(compose) -> None:
+def test_the_rotary_reload_line_is_no_failed_load_and_the_engines_folder_goes(compose, monkeypatch) -> None:
     """At a sync vLLM warns ``RotaryEmbedding: Failed to load weights``: its rotary layer's only tensor is the
     cos/sin cache computed at start, which no checkpoint holds. The cache after the sync is the one before, and both
     are the policy's rotary frequencies (cos and sin of position × ``inv_freq``): nothing failed to load."""
@@ -186,6 +186,8 @@ def test_the_rotary_reload_line_is_no_failed_load_and_the_engines_folder_goes(co
                 if "cos_sin_cache" in module._buffers}
 
     before = engine.llm.collective_rpc(rotary_caches)[0]
+    # An in-process Hydra run earlier in this process (its logging dictConfig) may have disabled vLLM's loggers.
+    monkeypatch.setattr(logging.getLogger(RELOAD_LOGGER), "disabled", False)
     engine.sync_weights(policy)
     after = engine.llm.collective_rpc(rotary_caches)[0]
     assert before and engine.logs.rotary.dropped == 1  # the line came, once per sync, and was dropped
