@@ -62,7 +62,7 @@ test-gpu:
 # rest (no network there): pure-Python wheels of the config, data and launcher packages, the embedded tokenizer
 # (the tiny model's vocabulary; the 98 MB GGUF stays here), and the pinned transformers with what it needs beyond
 # the image (GPU_MODEL_WHEELS: the image's own transformers runs other attention code than the pinned one every plan
-# here is calibrated with; tests/unit/test_fresh_clone.py keeps these pins equal to requirements.txt's). About 40 MB.
+# here is calibrated with; tests/unit/test_gpu_bundle.py keeps these pins equal to requirements.txt's). About 40 MB.
 GPU_WHEELS = hydra-core==1.3.8 omegaconf==2.3.1 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
 GPU_MODEL_WHEELS = transformers==$(TRANSFORMERS_PIN) tokenizers==0.23.3 huggingface_hub==2.4.0 safetensors==0.8.0 peft==0.21.2 \
 	accelerate==1.15.0 hf-xet==1.8.0 httpx2==2.16.2 httpcore2==2.16.2 anyio==4.16.0 idna==3.20 truststore==0.10.5 \

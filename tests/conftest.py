@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import shutil
 import tempfile
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -129,8 +130,6 @@ def temporary_files_in_the_test_run() -> Iterator[None]:
     """Every temporary file of the run, the processes' it starts included (torchrun's ``torchelastic_*`` log folders,
     compile caches, exported models), goes into one folder of the test process's (``TMPDIR``), removed as the session
     ends: never left loose in ``/tmp``. A short path of its own (Ray's socket paths must stay under 108 bytes)."""
-    import shutil
-
     folder = tempfile.mkdtemp(prefix="rlhf_lab_tests_")
     before, cached = os.environ.get("TMPDIR"), tempfile.tempdir
     os.environ["TMPDIR"], tempfile.tempdir = folder, None

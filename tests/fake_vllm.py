@@ -245,11 +245,6 @@ def modules() -> dict[str, types.ModuleType]:
             "vllm.config.logging": logging_module}
 
 
-def module() -> types.ModuleType:
-    """What ``import vllm`` gives the project's code while the stand-in is installed."""
-    return modules()["vllm"]
-
-
 def install(monkeypatch: Any) -> None:
     """``import vllm`` anywhere in this process gives this stand-in until the test ends (whether or not vLLM is
     installed: monkeypatch puts the real package's modules back), no faults, no engines built yet."""
