@@ -11,7 +11,9 @@ import contextlib
 import io
 import json
 import math
+import os
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -20,6 +22,14 @@ from benchmarks.bench_trl import PHASES as TRL_PHASES
 from benchmarks.bench_trl import grpo_config_kwargs, unsupported_reason
 
 TINY = ["model=tiny", "algorithm.group_size=4", "trainer.max_new_tokens=8", "trainer.num_threads=1"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _the_process_environment_as_it_was():
+    """Importing TRL sets ``VLLM_LOGGING_LEVEL=ERROR`` in the process environment (its default for vLLM): after this
+    module it is put back, so a vLLM engine a later test of the same worker builds logs at vLLM's own level."""
+    with mock.patch.dict(os.environ):
+        yield
 
 
 @pytest.fixture(scope="module")

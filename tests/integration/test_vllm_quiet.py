@@ -176,6 +176,7 @@ def test_the_rotary_reload_line_is_no_failed_load_and_the_engines_folder_goes(co
     from rlhf_lab.generation.vllm import VLLMGeneration
     from rlhf_lab.models import loading
 
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "INFO")  # vLLM's default: the line is a warning (TRL's import sets ERROR)
     cfg = compose(["model=tiny", "trainer.precision=fp32", *DIMS])
     tokenizer = loading.load_tokenizer(cfg.model)
     policy = loading.build_tiny_llama(tokenizer, cfg.model.tiny, seed=0).eval()
