@@ -4,12 +4,13 @@
     python examples/grpo_minimal.py --model smollm2_135m  # the embedded SmolLM2-135M-Instruct (slower)
 
 One step (Shao et al. 2024, "DeepSeekMath"; the KL as Schulman's k3, placed in the loss):
-  1. sample G responses per prompt from π_θ, keeping each token's log-prob log π_old(y_t) (before top-k);
+  1. sample G responses per prompt from π_θ (among its top-k tokens);
   2. score each response: R_i;
   3. group-relative advantages A_i = (R_i − mean_group R) / (std_group R + ε), the same for every token of i;
   4. reference log-probs log π_ref(y_t) (the frozen initial model);
   5. loss = token-mean of  max(−A·r_t, −A·clip(r_t, 1−ε, 1+ε))  +  β · token-mean of k3_t,
-     r_t = π_θ(y_t)/π_old(y_t),   k3_t = π_ref/π_θ − 1 − log(π_ref/π_θ);
+     r_t = π_θ(y_t)/π_old(y_t),   k3_t = π_ref/π_θ − 1 − log(π_ref/π_θ);  with one update per batch π_old is
+     π_θ itself, detached (the sampler's log-probs are of the top-k truncation it drew from, not of π_θ);
   6. one AdamW step.
 The toy reward is the share of response tokens from the lower half of the vocabulary. Sampling among the 16
 likeliest tokens (top-k), a random model starts near 0.5 and GRPO takes it near 1 in about six steps, while the k3
@@ -80,7 +81,7 @@ def train(args: argparse.Namespace) -> list[dict[str, float]]:
     clip = ClipRange(args.clip_eps, args.clip_eps)
     history = []
     for step in range(args.steps):
-        # 1. sample: G responses per prompt, with the sampler's log-probs (π_old).
+        # 1. sample: G responses per prompt.
         with torch.no_grad():
             rollout = generate(policy, tokenizer, PROMPTS, args.group_size, args.max_new_tokens, temperature=1.0,
                                top_p=1.0, top_k=args.top_k, max_prompt_tokens=128, keep_logits=False)
@@ -97,7 +98,7 @@ def train(args: argparse.Namespace) -> list[dict[str, float]]:
         # 5. the policy's log-probs with gradient, the clipped surrogate and the k3 term, token means.
         logits, _ = response_logits(policy, rollout.input_ids, rollout.attention_mask, rollout.prompt_width, 1.0)
         logprobs = gather_logprobs(logits, rollout.response_ids)
-        surrogate = policy_loss(logprobs, rollout.logprobs, advantages, mask, clip)
+        surrogate = policy_loss(logprobs, logprobs.detach(), advantages, mask, clip)  # π_old: this pass, detached
         tokens = mask.sum()
         pg_loss = masked_sum(surrogate.per_token, mask) / tokens
         kl = k3(logprobs, ref_logprobs)

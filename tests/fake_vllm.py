@@ -14,7 +14,7 @@ What it keeps of vLLM (``LLM.sleep`` / ``LLM.wake_up``, as documented for vLLM 0
 - ``generate`` while asleep raises; otherwise it samples from whatever weights it holds (a small transformers
   model), with per-request seeds, ``n`` samples, ``allowed_token_ids``, ``min_tokens``, EOS stops and the sampled
   tokens' log-probs (``logprobs_mode``: ``raw_logprobs`` of the logits, or ``processed_logprobs`` after the
-  temperature, as vLLM);
+  temperature and the top-k / top-p truncation, renormalised, as vLLM);
 - LoRA requests are loaded by their integer id, once (vLLM caches an adapter by id).
 
 Faults for the canary's tests: ``ignore_loads`` (the numbers, from 1, of weight loads to ignore) and
@@ -206,7 +206,7 @@ class LLM:
             if position < params.min_tokens and self.eos_token_id is not None:
                 logits[self.eos_token_id] = float("-inf")
             greedy = params.temperature == 0.0
-            scaled = logits if greedy else logits / params.temperature
+            scaled = logits if greedy else truncated(logits / params.temperature, params.top_k, params.top_p)
             token = int(scaled.argmax()) if greedy else int(torch.multinomial(scaled.softmax(-1), 1, generator=generator))
             source = scaled if self.logprobs_mode == "processed_logprobs" else logits
             tokens.append(token)
@@ -243,6 +243,22 @@ def modules() -> dict[str, types.ModuleType]:
     root = _package("vllm", LLM=LLM, SamplingParams=SamplingParams, lora=lora, config=config)
     return {"vllm": root, "vllm.lora": lora, "vllm.lora.request": request, "vllm.config": config,
             "vllm.config.logging": logging_module}
+
+
+def truncated(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """vLLM's top-k then top-p over one position's [V] scores: −inf outside the kept tokens (top-p as vLLM's sampler
+    does it: sorted ascending, a token goes while the mass up to and including it is at most 1 − top_p; the most
+    likely token always stays)."""
+    if top_k and top_k > 0:
+        kth = scaled.topk(min(top_k, scaled.numel())).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if top_p < 1.0:
+        ascending, order = scaled.sort()
+        cumulative = ascending.softmax(-1).cumsum(-1)
+        drop = cumulative <= 1 - top_p
+        drop[-1] = False
+        scaled = scaled.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    return scaled
 
 
 def install(monkeypatch: Any) -> None:

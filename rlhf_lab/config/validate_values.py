@@ -83,6 +83,12 @@ def check_choices(cfg: Any) -> None:
         if not cfg.generation.get("sync_folder") and (cfg.generation.weight_sync == "folder" or lora):
             raise ConfigError(sync_folder_needed(lora))
     choice("generation.logprobs", cfg.generation.get("logprobs", "auto"), LOGPROB_SOURCES)
+    if cfg.generation.get("logprobs") == "sampler" and (trainer.top_p < 1.0 or trainer.top_k):
+        raise ConfigError(f"generation.logprobs=sampler with trainer.top_p={trainer.top_p} / trainer.top_k="
+                          f"{trainer.top_k}: the sampler's log-probs are of the truncated distribution it drew from, "
+                          "not of the policy softmax(logits / T) the trainer trains, so π_old would not be π_θ's; use "
+                          "generation.logprobs=auto or trainer (the engine's kept as μ for algorithm.tis_cap), or "
+                          "trainer.top_p=1.0 and trainer.top_k=0")
     if cfg.generation.get("logprobs") == "sampler" and algorithm.get("tis_cap") is not None:
         raise ConfigError(f"algorithm.tis_cap={algorithm.tis_cap} corrects the sampler's log-probs towards the "
                           "trainer's, which generation.logprobs=sampler does not compute: use generation.logprobs="

@@ -43,7 +43,8 @@ class Sampled:
     """What the decode loop returns; T is the number of steps taken (≤ max_new_tokens)."""
 
     response_ids: Tensor  # [B, T] sampled tokens, pad after a row's EOS
-    logprobs: Tensor  # [B, T] log softmax(logits / temperature) at the sampled token (unmasked)
+    logprobs: Tensor  # [B, T] log softmax(logits / temperature) at the sampled token (unmasked); under top-k/top-p
+    # truncation, of the truncated distribution the token was drawn from (:func:`truncates`)
     entropy: Tensor  # [B, T] entropy of softmax(logits / temperature) (unmasked)
     logits: Any  # [B, T, V] raw logits / temperature (a HeadLogits under ``head_chunk``), float32 (``keep_logits``; a view of a
     # [B, max_new_tokens, V] buffer when every row ended early); with ``logits_float32=False`` at temperature 1
@@ -67,6 +68,24 @@ def logits_processors(prompt_width: int, eos_token_id: int | list[int] | torch.T
     if top_p < 1.0:
         processors.append(TopPLogitsWarper(top_p=top_p, min_tokens_to_keep=1))
     return processors
+
+
+def truncates(top_k: int, top_p: float) -> bool:
+    """Whether sampling draws from a truncated distribution (top-k or top-p): q = softmax(logits / T) restricted to
+    the kept tokens and renormalised, not the policy's softmax(logits / T) (docs/guides/generation.md)."""
+    return bool(top_k) or top_p < 1.0
+
+
+def sampled_log_softmax(scaled: Tensor, top_k: int, top_p: float) -> Tensor:
+    """log q over the last dimension of temperature-scaled logits ``scaled`` [..., V]: the distribution a sampler
+    with ``top_k`` / ``top_p`` draws from (the decode's own warpers, in its order; vLLM's ``processed_logprobs``),
+    −inf outside the kept tokens. Without truncation, log softmax(``scaled``)."""
+    flat = scaled.reshape(-1, scaled.shape[-1]).float()
+    if top_k:
+        flat = TopKLogitsWarper(top_k=top_k, min_tokens_to_keep=1)(None, flat)
+    if top_p < 1.0:
+        flat = TopPLogitsWarper(top_p=top_p, min_tokens_to_keep=1)(None, flat.clone())
+    return flat.log_softmax(-1).reshape(scaled.shape)
 
 
 @contextmanager
@@ -116,6 +135,7 @@ def decode(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, past_key_v
     # GPU's first step then fails (``torch.isin`` across devices).
     eos = None if eos_token_id is None else eos_ids
     first_processors = logits_processors(prompt_width, eos, greedy, temperature, top_k, top_p)
+    truncated = not greedy and truncates(top_k, top_p)
     later_processors = logits_processors(prompt_width, eos, greedy, temperature, top_k, top_p, 0)
     attention_mask = torch.cat([prompt_mask, prompt_mask.new_ones(batch, max_new_tokens)], dim=1)
     # Positions skip left padding: the next position of each row is its count of real tokens so far.
@@ -151,7 +171,9 @@ def decode(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, past_key_v
         scores = processors(sequences, raw.clone()) if processors else raw
         next_tokens = scores.max(-1).indices if greedy else sample(torch.softmax(scores, dim=-1))
         next_tokens = torch.where(unfinished, next_tokens, pad_token_id)
-        logprobs.append(gather_logprobs(scaled, next_tokens))
+        # The sampled tokens' log-probs: of the distribution they were drawn from (the processed scores, as vLLM's
+        # processed log-probs) where top-k/top-p truncate it; else softmax(logits / T), the trainer's own numbers.
+        logprobs.append(gather_logprobs(scores if truncated else scaled, next_tokens))
         entropies.append(entropy_from_logits(scaled))
         if keep_logits and head is None:  # into one buffer: a list of [B, V] tensors stacked at the end is a second full copy
             kept = scaled if logits_float32 or temperature != 1.0 else output.logits[:, -1]

@@ -32,6 +32,7 @@ from torch import nn
 
 from rlhf_lab.errors import ConfigError, WeightSyncError
 from rlhf_lab.generation.backend import SamplingSettings
+from rlhf_lab.generation.decode import sampled_log_softmax
 from rlhf_lab.generation.rollout import Samples
 from rlhf_lab.runtime.precision import Precision
 
@@ -81,11 +82,12 @@ class SyncCheck:
                           step=step)
 
     def judge(self, rollout: Samples, policy: nn.Module, version: int, temperature: float = 1.0,
-              step: int | None = None) -> dict[str, float]:
+              step: int | None = None, top_k: int = 0, top_p: float = 1.0) -> dict[str, float]:
         """The metrics of the engine's ``rollout`` of the probe (greedy in its own call, or one more request of a
-        batch's, sampled at its ``temperature``), or :class:`WeightSyncError` past the tolerance. ``version``: the
-        updates behind the weights loaded; ``step``: the run's step (None: the version's)."""
-        difference = self.difference(rollout, policy, temperature)
+        batch's, sampled as the batch is: its ``temperature``, ``top_k``, ``top_p``), or :class:`WeightSyncError`
+        past the tolerance. ``version``: the updates behind the weights loaded; ``step``: the run's step (None: the
+        version's)."""
+        difference = self.difference(rollout, policy, temperature, top_k, top_p)
         if self.tol > 0 and not difference <= self.tol:
             where = f"step {version}" if step is None or step == version else f"step {step} (weights of {version} updates)"
             raise WeightSyncError(
@@ -95,9 +97,11 @@ class SyncCheck:
         return {"rollout/weight_sync_diff": difference}
 
     @torch.no_grad()
-    def difference(self, rollout: Samples, policy: nn.Module, temperature: float = 1.0) -> float:
+    def difference(self, rollout: Samples, policy: nn.Module, temperature: float = 1.0, top_k: int = 0,
+                   top_p: float = 1.0) -> float:
         """max |engine − trainer| log-prob over the probe's decoded tokens: one no-grad forward of the probe's few
-        tokens (the engine's log-probs are of the logits over ``temperature``, vLLM's processed ones)."""
+        tokens. The engine's log-probs are of the distribution it sampled from (vLLM's processed ones: the logits
+        over ``temperature``, truncated to ``top_k`` / ``top_p`` and renormalised), and so are the trainer's here."""
         mask = rollout.response_mask.bool()
         if not bool(mask.any()):
             return 0.0
@@ -105,7 +109,7 @@ class SyncCheck:
         with self.precision.autocast():
             logits = policy(input_ids=input_ids, attention_mask=rollout.attention_mask.to(self.device)).logits
         width = rollout.prompt_width
-        predicting = (logits[:, width - 1 : -1].float() / temperature).log_softmax(-1)
+        predicting = sampled_log_softmax(logits[:, width - 1 : -1].float() / temperature, top_k, top_p)
         trainer = predicting.gather(-1, input_ids[:, width:, None]).squeeze(-1)
         engine_logprobs = rollout.logprobs.to(trainer)
         return float((engine_logprobs - trainer).abs()[mask.to(self.device)].max())

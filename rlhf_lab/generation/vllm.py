@@ -202,9 +202,8 @@ class VLLMGeneration(SamplesInPlace):
                         group_size: int, seeds: list[int] | None = None, greedy: bool = False,
                         settings: SamplingSettings | None = None) -> tuple[Samples, Samples]:
         """:meth:`generate`, with the weight-sync canary's ``probe`` (prompt ids) sampled as one more request of the
-        same call, at the batch's temperature: vLLM schedules it with the batch, so the canary costs no engine call of
-        its own. Returns (the batch's rollout, the probe's; None where the batch's settings do not let it ride:
-        greedy, top-p or top-k)."""
+        same call, sampled as the batch is (temperature, top-p, top-k): vLLM schedules it with the batch, so the canary
+        costs no engine call of its own. Returns (the batch's rollout, the probe's; None where the batch is greedy)."""
         return self._sample(prompts, group_size, seeds, greedy, settings, True, (probe, probe_settings))  # type: ignore[return-value]
 
     def _sample(self, prompts: list[Prompt], group_size: int, seeds: list[int] | None, greedy: bool,
@@ -218,15 +217,15 @@ class VLLMGeneration(SamplesInPlace):
         parts, mine = self.tensor_parallel.gather(Request(encoded, seeds, settings, group_size, greedy))
         requests = [{"prompt_token_ids": ids} for part in parts for ids in part.encoded]
         params = [param for part in parts for param in part.params(self.vllm, self.allowed_token_ids)]
-        # The probe rides in the batch's call, sampled as the batch samples (its temperature, no top-p/top-k): with a
-        # seed of its own in a seeded batch (the batch's seeds untouched), unseeded in an unseeded one (no request
-        # then has a generator of its own). A greedy or top-p/top-k batch gets it in a call of its own, and so does a
-        # group whose ranks sample at different temperatures (every rank decides alike, from the same parts).
-        temperatures = {part.settings.temperature for part in parts}
-        rides = probe is not None and all(part.probe_rides() for part in parts) and len(temperatures) == 1
+        # The probe rides in the batch's call, sampled as the batch samples (its temperature, top-p and top-k; the
+        # trainer's side truncates alike): with a seed of its own in a seeded batch (the batch's seeds untouched),
+        # unseeded in an unseeded one (no request then has a generator of its own). A greedy batch gets it in a call
+        # of its own, and so does a group whose ranks sample otherwise (every rank decides alike, from the same parts).
+        rides = probe is not None and all(part.probe_rides() for part in parts) and len({p.sampled_as() for p in parts}) == 1
         if rides:  # last, the same on every rank of a group
             requests.append({"prompt_token_ids": list(probe[0])})
-            probe_settings = dataclasses.replace(probe[1], temperature=settings.temperature)
+            probe_settings = dataclasses.replace(probe[1], temperature=settings.temperature, top_p=settings.top_p,
+                                                 top_k=settings.top_k)
             seeded = any(part.seeds is not None for part in parts)
             params += sampling_params(self.vllm, probe_settings, 1, [PROBE_SEED] if seeded else None,
                                       False, 1, self.allowed_token_ids)
@@ -331,8 +330,12 @@ class Request:
                                allowed_token_ids)
 
     def probe_rides(self) -> bool:
-        """Whether the canary's probe can ride in this call (sampled at its temperature: no greedy, top-p or top-k)."""
-        return not self.greedy and self.settings.top_p >= 1 and not self.settings.top_k
+        """Whether the canary's probe can ride in this call (sampled as the batch is; not a greedy call)."""
+        return not self.greedy
+
+    def sampled_as(self) -> tuple[float, float, int]:
+        """How this call's tokens are drawn: (temperature, top-p, top-k)."""
+        return self.settings.temperature, self.settings.top_p, self.settings.top_k
 
 
 def sampling_params(vllm: Any, settings: SamplingSettings, group_size: int, seeds: list[int] | None, greedy: bool,

@@ -104,7 +104,7 @@ class RolloutWorker:
                                                              prompts, group_size, seeds=seeds, greedy=greedy,
                                                              settings=settings)
                 if probe is not None:  # else the block's end checks it in a call of its own
-                    self._check(probe, (settings or self.engine.settings).temperature)
+                    self._check(probe, settings or self.engine.settings)
                 return rollout
             return self.engine.generate(prompts, group_size, seeds=seeds, greedy=greedy, settings=settings)
 
@@ -217,15 +217,16 @@ class RolloutWorker:
         if self.check_due and version != self.policy_version:  # a past policy's weights: checked while the policy
             self._check()  # holds them (generation.simulate_staleness), not in the batch's call
 
-    def _check(self, probe: Samples | None = None, temperature: float = 1.0) -> None:
-        """The weight-sync canary of the last load, on the engine's ``probe`` rollout (None: sampled here)."""
+    def _check(self, probe: Samples | None = None, sampled: SamplingSettings | None = None) -> None:
+        """The weight-sync canary of the last load, on the engine's ``probe`` rollout (None: sampled here) that rode
+        in a batch sampled with ``sampled``."""
         self.check_due = False
         with self._phase("sync_check"):
             if probe is None:
                 self.last_check = self.sync_check(self.engine, self.policy, self.engine_version, step=self.step)
             else:
-                self.last_check = self.sync_check.judge(probe, self.policy, self.engine_version, temperature,
-                                                        step=self.step)
+                self.last_check = self.sync_check.judge(probe, self.policy, self.engine_version, sampled.temperature,
+                                                        step=self.step, top_k=sampled.top_k, top_p=sampled.top_p)
 
     def _phase(self, name: str) -> AbstractContextManager:
         return self.timer.phase(name) if self.timer is not None else nullcontext()

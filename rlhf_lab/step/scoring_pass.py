@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from rlhf_lab.generation.decode import truncates
 from rlhf_lab.generation.rollout import Rollout, Scored
 from rlhf_lab.kl.placements import KLPenalty
 from rlhf_lab.masked import masked_mean
@@ -65,8 +66,8 @@ def rescores(cfg: Any, differs: bool) -> bool:
     if source == "trainer" or cfg.algorithm.get("tis_cap") is not None:
         return True
     if source == "sampler":
-        return False
-    return sampled_behind(cfg) or (differs and not single_update(cfg))  # stale: the sampler is an update behind
+        return False  # refused at compose time under truncation (rlhf_lab/config/validate_values.py)
+    return sampled_behind(cfg) or (differs and not single_update(cfg))
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,11 @@ class ScoringPlan:
     @classmethod
     def from_config(cls, cfg: Any, engine_class: Any, precision: Precision, kl: KLPenalty, keep_hidden: bool,
                     episodes: bool) -> ScoringPlan:
-        differs = sampler_differs(engine_class, precision)
+        # Under top-k/top-p every engine's log-probs are of the truncated distribution q the tokens were drawn from,
+        # not of the policy softmax(logits / T) the trainer trains: never π_old (kept as the sampler's μ for
+        # algorithm.tis_cap and the KL's off-policy correction; docs/guides/generation.md).
+        truncated = truncates(cfg.trainer.get("top_k", 0), cfg.trainer.get("top_p", 1.0))
+        differs = sampler_differs(engine_class, precision) or truncated
         rescore = rescores(cfg, differs) or episodes  # an environment's turns are sampled apart: always rescored
         one_update = single_update(cfg)
         return cls(rescore=rescore, old_from_update=not rescore and differs and one_update,

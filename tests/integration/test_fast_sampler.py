@@ -25,6 +25,7 @@ from rlhf_lab.runtime.precision import Precision
 from rlhf_lab.scoring.forward import position_ids_from_mask
 from rlhf_lab.scoring.logprobs import entropy_from_logits, gather_logprobs
 from rlhf_lab.training.loop import Trainer
+from tests import fake_vllm
 
 PROMPTS = ["Hi", "Write two honest sentences about a slow but beautiful film about the sea and its sailors."]
 GROUP_SIZE = 3
@@ -199,7 +200,9 @@ def test_ppo_sampling_values_read_the_kept_hidden_states_without_a_forward_pass(
 
 def test_the_embedded_model_draws_what_generate_draws_and_scores_as_a_forward_pass(compose) -> None:
     """SmolLM2-135M (fp32): the same tokens as generate; log-probs of a fresh forward pass to 1e-5 absolute
-    plus 1e-5 relative (a log-prob of −10 carries float32 rounding of a 30-layer network)."""
+    plus 1e-5 relative (a log-prob of −10 carries float32 rounding of a 30-layer network), of the distribution the
+    tokens were drawn from: softmax(logits / 0.7) truncated to top-k 50, then top-p 0.95, renormalised (vLLM's rule,
+    the stand-in's independent implementation of it)."""
     model_cfg = compose(["model=smollm2_135m"]).model
     tokenizer = models.load_tokenizer(model_cfg)
     model = models.load_causal_lm(model_cfg, tokenizer, "float32", 0).eval()
@@ -218,8 +221,11 @@ def test_the_embedded_model_draws_what_generate_draws_and_scores_as_a_forward_pa
         logits = model(input_ids=sequences, attention_mask=full_mask,
                        position_ids=position_ids_from_mask(full_mask)).logits
     width = input_ids.shape[1]
-    fresh = gather_logprobs(logits[:, width - 1 : -1].float() / 0.7, got.response_ids)
+    scaled = logits[:, width - 1 : -1].float() / 0.7
+    kept = torch.stack([torch.stack([fake_vllm.truncated(position, 50, 0.95) for position in row]) for row in scaled])
+    fresh = gather_logprobs(kept, got.response_ids)
     torch.testing.assert_close(got.logprobs, fresh, rtol=1e-5, atol=1e-5)
+    assert bool((fresh - gather_logprobs(scaled, got.response_ids)).ge(0).all())  # q ≥ the policy where it keeps
 
 
 def test_the_embedded_model_under_bf16_autocast_draws_what_generate_draws(compose) -> None:

@@ -254,14 +254,21 @@ def test_kl_in_the_reward_leaves_masked_positions_at_zero(trainer: Trainer,
 
 @pytest.mark.parametrize(("temperature", "top_k"), [(1.0, 0), (0.7, 50)])
 def test_generation_logprobs_match_a_plain_forward_pass(trainer: Trainer, temperature: float, top_k: int) -> None:
+    """The decode's log-probs are of the distribution each token was drawn from: softmax(logits / T), or under
+    top-k its truncation to the k most likely tokens, renormalised (vLLM's processed log-probs); its entropy and
+    logits are the policy's, softmax(logits / T), either way."""
     rollout = sample(trainer, temperature=temperature, top_k=top_k)
     assert (rollout.attention_mask[:, : rollout.prompt_width] == 0).any()  # left padding present
     with torch.no_grad():
         logits, _ = response_logits(trainer.policy, rollout.input_ids, rollout.attention_mask, rollout.prompt_width,
                                     temperature, share_prompts=False)
     mask = rollout.response_mask.bool()
-    logprobs = gather_logprobs(logits, rollout.response_ids)
+    plain = gather_logprobs(logits, rollout.response_ids)
+    kept = logits >= logits.topk(top_k, dim=-1).values[..., -1:] if top_k else torch.ones_like(logits, dtype=torch.bool)
+    logprobs = gather_logprobs(logits.masked_fill(~kept, float("-inf")), rollout.response_ids)
     torch.testing.assert_close(rollout.logprobs[mask], logprobs[mask], rtol=0, atol=1e-4)
+    if top_k:  # the kept mass's log, log Z < 0, is added back: q's log-probs are above the policy's
+        assert bool((logprobs - plain)[mask].gt(1e-3).all())
     torch.testing.assert_close(rollout.entropy[mask], entropy_from_logits(logits)[mask], rtol=0, atol=1e-4)
     torch.testing.assert_close(rollout.policy_logits[mask], logits[mask], rtol=0, atol=1e-4)
 
