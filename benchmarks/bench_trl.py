@@ -301,6 +301,8 @@ def run_trl(cfg: Any, steps: int, warmup: int, work_dir: Path) -> tuple[list[dic
     from trl import GRPOConfig
 
     from rlhf_lab.models.loading import load_tokenizer
+    from rlhf_lab.runtime.versions import environment
+    from rlhf_lab.step.compute import attention_implementation
 
     if cfg.trainer.num_threads > 0:
         torch.set_num_threads(cfg.trainer.num_threads)
@@ -350,5 +352,6 @@ def run_trl(cfg: Any, steps: int, warmup: int, work_dir: Path) -> tuple[list[dic
         "trainer": "trl.GRPOTrainer",
         "prompt_ids_match": prompt_ids_match(cfg, tokenizer, raw[0], prompts[0]),
         "device": str(trainer.accelerator.device),
+        "versions": environment(trainer.accelerator.device.type, attention_implementation(trainer.model)),
     }
     return records, facts

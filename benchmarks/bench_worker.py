@@ -43,6 +43,8 @@ def run_rlhf_lab(cfg: Any, steps: int, warmup: int, work_dir: Path) -> tuple[lis
     from benchmarks.bench_floor import ModelShape, floor_seconds, measure_floor, record_generation_work
     from rlhf_lab.hardware import describe
     from rlhf_lab.runtime import distributed
+    from rlhf_lab.runtime.versions import environment
+    from rlhf_lab.step.compute import attention_implementation
     from rlhf_lab.training.loop import Trainer
     from rlhf_lab.training.records import synchronize
 
@@ -76,7 +78,8 @@ def run_rlhf_lab(cfg: Any, steps: int, warmup: int, work_dir: Path) -> tuple[lis
         trainer.records.close()
     return records, {"trainer": "rlhf_lab.Trainer", "device": str(trainer.device), "ready_at": ready,
                      "floor": asdict(floor) if floor else None, "model_shape": asdict(shape), "hardware": describe(trainer.hardware),
-                     "process_switches": process_switches()}
+                     "process_switches": process_switches(),
+                     "versions": environment(trainer.device.type, attention_implementation(trainer.policy))}
 
 def process_switches() -> dict[str, str | None]:
     """The environment switches a CPU profile may set, as this process has them (the user's, or the profile's)."""

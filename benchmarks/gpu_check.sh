@@ -71,6 +71,7 @@ rm -rf "$OUT/row_run"
 BENCH=(algorithm=grpo kl=k3 kl.coef=0.04 kl.placement=loss)
 for row in full lora; do
     lora=(model.lora.enabled=false); [ "$row" = lora ] && lora=(model.lora.enabled=true model.lora.r=16 model.lora.alpha=32)
-    timeout "$PLAN_S" $PYTHON -m rlhf_lab plan "${BENCH[@]}" "${ROW[@]}" "${lora[@]}" --device "${DEVICE:-cuda}" 2>&1 \
+    timeout "$PLAN_S" $PYTHON -m rlhf_lab plan "${BENCH[@]}" "${ROW[@]}" "${lora[@]}" --device "${DEVICE:-cuda}" \
+        --versions "$OUT/versions.json" 2>&1 \
         | tee "$OUT/plan_1b_$row.log"
 done

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from rlhf_lab.planner.step import GIB, StepPlan
+from rlhf_lab.runtime.versions import environment
 
 # Dense bf16 peak (TFLOP/s) of the GPUs the name says; elsewhere ``trainer.peak_tflops`` / ``--peak-tflops``.
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0, "L4": 121.0}
@@ -81,7 +82,7 @@ class DevicePlan:
             "flops_per_step": self.step.flops_per_step, "device": self.device, "world_size": self.world_size,
             "device_memory_gib": None if self.device_memory is None else round(self.device_memory / GIB, 3),
             "tokens_per_step": self.step.tokens, "rows_per_rank": self.step.rows,
-            "sequence_tokens": self.step.sequence_tokens,
+            "sequence_tokens": self.step.sequence_tokens, "versions": environment(self.device, self.step.attention),
         }
         if peak_tflops:
             result["peak_tflops"] = peak_tflops
@@ -126,6 +127,9 @@ def table(plan: DevicePlan, peak_tflops: float | None, step_seconds: float | Non
     mfu = plan.mfu(peak_tflops, step_seconds)
     if mfu is not None:
         lines.append(f"{'MFU':<22}{mfu:>10.1%}   at {step_seconds:g} s per step")
+    versions = environment(plan.device, plan.step.attention)
+    lines.append(f"planned with torch {versions['torch']}, transformers {versions['transformers']}, "
+                 f"{versions['attention']} attention, for {versions['device']}")
     return "\n".join(lines)
 
 

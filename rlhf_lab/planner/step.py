@@ -63,6 +63,7 @@ class StepPlan:
     sequence_tokens: int  # prompt + response of one row
     engine_reservation: int = 0  # an engine's own memory beside the trainer's (vLLM's share of the GPU)
     sharded_over: int = 1  # the ranks FSDP sharded the states over in this plan (the numbers are one rank's)
+    attention: str | None = None  # the attention code the plan ran (``config._attn_implementation``)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -79,8 +80,11 @@ class StepPlan:
 
 
 def synthetic_prompts(prompts: int, tokens: int, vocab: int) -> list[list[int]]:
-    """``prompts`` distinct prompts of ``tokens`` token ids each (ids as the engines take them)."""
-    return [[(11 + index + position) % vocab for position in range(tokens)] for index in range(prompts)]
+    """``prompts`` distinct prompts (ids as the engines take them), the first ``tokens`` long and the others
+    shorter, down to half of it: a real batch's prompts differ in length, so it runs left-padded with an attention
+    mask (the mask-free path some attention code takes for equal rows would plan an easier step)."""
+    lengths = [tokens - (tokens // 2) * index // max(prompts - 1, 1) for index in range(prompts)]
+    return [[(11 + index + position) % vocab for position in range(length)] for index, length in enumerate(lengths)]
 
 
 def ordinary_token(tokenizer: Any, vocab: int) -> int:
@@ -272,7 +276,8 @@ def _plan_step(cfg: Any, tokenizer: Any, precision: Precision, prompt_tokens: in
         if engine == "hf" else 0,
         peaks=phases.peaks, flops=phases.flops,
         tokens={"sampled": rows * response, "trained": trained},
-        rows=rows, sequence_tokens=prompt_tokens + response, sharded_over=world_size if fsdp else 1)
+        rows=rows, sequence_tokens=prompt_tokens + response, sharded_over=world_size if fsdp else 1,
+        attention=getattr(config, "_attn_implementation", None))
 
 
 def _cache_dtype(precision: Precision) -> torch.dtype:

@@ -18,7 +18,6 @@ deprecation line; ``float16`` (pure fp16 weights) has no safe equivalent and is 
 from __future__ import annotations
 
 import json
-import platform
 import sys
 import time
 from collections.abc import Callable
@@ -34,6 +33,7 @@ from torch import nn
 from rlhf_lab.errors import ConfigError
 from rlhf_lab.runtime.cache import cache_dir
 from rlhf_lab.runtime.files import write_json_atomic
+from rlhf_lab.runtime.versions import cpu_name
 
 PRECISIONS = ("auto", "fp32", "bf16-mixed", "bf16-true", "fp16-mixed")
 DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16-true"}  # trainer.dtype -> trainer.precision
@@ -93,17 +93,8 @@ def _read_answers(path: Path) -> dict[str, Any]:
 
 def _cpu_key(threads: int) -> str:
     """The answers file's key: the CPU's name and the vector unit torch uses, torch's version, the thread count."""
-    return (f"{_cpu_name()} | {torch.backends.cpu.get_cpu_capability()} | torch {torch.__version__} | "
+    return (f"{cpu_name()} | {torch.backends.cpu.get_cpu_capability()} | torch {torch.__version__} | "
             f"{threads} threads")
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
-            names = [line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")]
-    except OSError:
-        names = []
-    return names[0] if names else platform.processor() or platform.machine()
 
 
 def measure_bf16_products() -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -53,10 +54,33 @@ def agreed(model: nn.Module, local: bool) -> bool:
     return local
 
 
-def plain_head(model: nn.Module) -> nn.Linear | None:
+def head_parts(head: nn.Module | None) -> tuple[nn.Linear, tuple[Tensor, Tensor, float] | None] | None:
+    """(the linear layer of an LM head, a LoRA adapter's (A, B, scale) where one adds to it now) for a plain
+    ``nn.Linear`` or peft's LoRA-wrapped one (``model.lora.target_modules`` naming the head); None for any other
+    head, and for a LoRA head HeadLogits cannot reproduce: several active adapters, a LoRA variant (DoRA), a bias
+    on B, or dropout while training (each chunk's recomputation would draw its mask again)."""
+    if type(head) is nn.Linear:
+        return head, None
+    base = getattr(head, "base_layer", None)
+    if type(base) is not nn.Linear or not hasattr(head, "lora_A"):
+        return None
+    if head.merged or head.disable_adapters:  # merged into the base weight, or the reference's pass: the base alone
+        return base, None
+    active = [name for name in head.active_adapters if name in head.lora_A]
+    if not active:
+        return base, None
+    name = active[0]
+    dropout = head.lora_dropout[name]
+    if (len(active) > 1 or name in head.lora_variant or head.lora_B[name].bias is not None
+            or (head.training and isinstance(dropout, nn.Dropout) and dropout.p > 0)):
+        return None
+    return base, (head.lora_A[name].weight, head.lora_B[name].weight, float(head.scaling[name]))
+
+
+def plain_head(model: nn.Module) -> nn.Module | None:
     """``model``'s LM head where :class:`~rlhf_lab.scoring.head.HeadLogits` can stand for its output: a plain
-    ``nn.Linear`` (not a LoRA-wrapped one), no soft-capping after it, and transformers' own ``forward`` (a
-    subclass's may change the logits after the head); else None.
+    ``nn.Linear`` or a LoRA-wrapped one (:func:`head_parts`), no soft-capping after it, and transformers' own
+    ``forward`` (a subclass's may change the logits after the head); else None.
 
     Under FSDP2 (:func:`~rlhf_lab.runtime.distributed.shard`) the head is one of the root's parameters, which the
     root keeps gathered from its forward to the end of its backward (FSDP2 does not reshard the root after its
@@ -69,7 +93,7 @@ def plain_head(model: nn.Module) -> nn.Linear | None:
     getter = getattr(inner, "get_output_embeddings", None)
     head = getter() if getter is not None else None
     config = getattr(inner, "config", None)
-    if type(head) is not nn.Linear:
+    if head_parts(head) is None:
         return None
     units = [module for module in inner.modules() if isinstance(module, FSDPModule) and module is not inner]
     if isinstance(inner, FSDPModule):
@@ -104,7 +128,7 @@ def head_skipped(head: nn.Linear, copy: bool = False) -> Iterator[None]:
         del head.forward
 
 
-def head_logits(head: nn.Linear, hidden: Tensor, temperature: float, chunk: int, detach: bool,
+def head_logits(head: nn.Module, hidden: Tensor, temperature: float, chunk: int, detach: bool,
                 copy: bool = False) -> HeadLogits:
     """The :class:`HeadLogits` of ``hidden`` through ``head``, under the autocast now active (the model's).
 
@@ -113,15 +137,18 @@ def head_logits(head: nn.Linear, hidden: Tensor, temperature: float, chunk: int,
     next reshard frees: one [V, H] weight in place of the pass's [B, T, V] logits."""
     device = hidden.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
-    weight, bias = head.weight, head.bias
+    linear, lora = head_parts(head)  # the adapter as it is now: disabled in the reference's pass
+    weight, bias = linear.weight, linear.bias
     if distributed.sharded(weight):
         raise RuntimeError("the LM head's weight is sharded after its forward: FSDP resharded it, so the chunked "
                            "LM head cannot read it (set trainer.chunked_logprobs=false)")
+    logits = HeadLogits(hidden, weight, bias, temperature, chunk, dtype, lora)
     if detach:
-        weight, bias = weight.detach(), None if bias is None else bias.detach()
+        logits = logits.detach()
         if copy:
-            weight, bias = weight.clone(), None if bias is None else bias.clone()
-    return HeadLogits(hidden, weight, bias, temperature, chunk, dtype)
+            logits = replace(logits, weight=logits.weight.clone(), bias=None if bias is None else logits.bias.clone(),
+                             lora=None if lora is None else (lora[0].clone(), lora[1].clone(), lora[2]))
+    return logits
 
 
 def response_logits(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, prompt_width: int,

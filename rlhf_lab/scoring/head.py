@@ -36,7 +36,9 @@ class HeadLogits:
     """Temperature-scaled logits [B, T, V] = ``(hidden @ weightᵀ + bias) / temperature``, never held whole.
 
     ``autocast`` is the dtype the head ran under (None: no autocast), so each chunk rounds as the model's own
-    LM head would. Indexing rows (``select_rows``) and concatenation (:func:`cat_head_logits`) act on ``hidden``.
+    LM head would. ``lora``: a LoRA adapter's (A [r, H], B [V, r], scale) where the head is LoRA-wrapped, adding
+    ``scale · (hidden Aᵀ) Bᵀ`` as peft's layer does. Indexing rows (``select_rows``) and concatenation
+    (:func:`cat_head_logits`) act on ``hidden``.
     """
 
     hidden: Tensor  # [B, T, H] the final hidden states the LM head reads (after the final norm)
@@ -45,6 +47,7 @@ class HeadLogits:
     temperature: float = 1.0
     chunk: int = DEFAULT_CHUNK
     autocast: torch.dtype | None = None
+    lora: tuple[Tensor, Tensor, float] | None = None
 
     def __post_init__(self) -> None:
         if self.chunk < 1:
@@ -66,14 +69,22 @@ class HeadLogits:
         return replace(self, hidden=self.hidden[rows])
 
     def detach(self) -> HeadLogits:
+        lora = None if self.lora is None else (self.lora[0].detach(), self.lora[1].detach(), self.lora[2])
         return replace(self, hidden=self.hidden.detach(), weight=self.weight.detach(),
-                       bias=None if self.bias is None else self.bias.detach())
+                       bias=None if self.bias is None else self.bias.detach(), lora=lora)
+
+    def tensors(self) -> tuple[Tensor | None, ...]:
+        """Every tensor the logits are computed from (whether a gradient is wanted asks each)."""
+        return (self.hidden, self.weight, self.bias, *(self.lora[:2] if self.lora is not None else ()))
 
     def rows(self, hidden_rows: Tensor) -> Tensor:
         """Logits of ``hidden_rows`` [rows, H]: [rows, V], temperature-scaled, in float32 at least."""
         with torch.autocast(hidden_rows.device.type, dtype=self.autocast or torch.float32,
                             enabled=self.autocast is not None):
             logits = functional.linear(hidden_rows, self.weight, self.bias)
+            if self.lora is not None:
+                a, b, scale = self.lora
+                logits = logits + functional.linear(functional.linear(hidden_rows, a), b) * scale
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         return logits if self.temperature == 1.0 else logits / self.temperature
 
@@ -134,7 +145,7 @@ def head_logprobs(logits: HeadLogits, tokens: Tensor) -> Tensor:
     def chunk_logprobs(hidden_rows: Tensor, token_rows: Tensor) -> Tensor:
         return gather_logprobs(logits.rows(hidden_rows), token_rows, chunk_size=hidden_rows.shape[0] or 1)
 
-    grad = _needs_grad(logits.hidden, logits.weight, logits.bias)
+    grad = _needs_grad(*logits.tensors())
     flat = _over_chunks(chunk_logprobs, logits.chunk, [_flat(logits.hidden), tokens.reshape(-1)], grad)
     return flat.reshape(tokens.shape)
 
@@ -146,7 +157,7 @@ def head_entropy(logits: HeadLogits) -> Tensor:
         log_p = logits.rows(hidden_rows).log_softmax(-1)
         return -(log_p.exp() * log_p).sum(-1)
 
-    grad = _needs_grad(logits.hidden, logits.weight, logits.bias)
+    grad = _needs_grad(*logits.tensors())
     return _over_chunks(chunk_entropy, logits.chunk, [_flat(logits.hidden)], grad).reshape(logits.shape[:-1])
 
 
@@ -165,7 +176,6 @@ def head_exact_kl(logits: HeadLogits | Tensor, ref_logits: HeadLogits | Tensor) 
         policy, ref = side_rows(logits, policy_rows), side_rows(ref_logits, ref_rows)
         return exact_kl(policy[None], ref[None], chunk_size=max(policy.shape[0], 1))[0]
 
-    tensors = [t for side in sides for t in ((side.hidden, side.weight, side.bias) if isinstance(side, HeadLogits)
-                                             else (side,))]
+    tensors = [t for side in sides for t in (side.tensors() if isinstance(side, HeadLogits) else (side,))]
     grad = _needs_grad(*tensors)
     return _over_chunks(chunk_kl, chunk, inputs, grad).reshape(logits.shape[:-1])

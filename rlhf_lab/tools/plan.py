@@ -1,9 +1,11 @@
-"""``rlhf-lab plan [overrides] [--device cpu|cuda] [--world-size N] [--device-memory GIB] [--peak-tflops T]``.
+"""``rlhf-lab plan [overrides] [--device cpu|cuda] [--world-size N] [--device-memory GIB] [--peak-tflops T]
+[--versions FILE]``.
 
 The memory and FLOPs of one training step of the composed config, predicted without a GPU: the step's own code
 run on fake tensors (:mod:`rlhf_lab.planner`), phase by phase. A model may be given by its ``config.json`` alone
 (``model=path model.name_or_path=DIR``, a folder with ``config.json`` and a tokenizer, no weights). Prints a table,
-then one line of JSON: ``{"peak_gib": ..., "fits": ..., "phases": {...}, "flops_per_step": ...}``.
+then one line of JSON: ``{"peak_gib": ..., "fits": ..., "phases": {...}, "flops_per_step": ..., "versions": {...}}``
+(``versions``: torch, transformers, peft, the attention code and the device the plan was made with).
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--step-seconds", type=float, default=None, help="a step's measured time: the MFU it implies")
     p.add_argument("--prompt-tokens", type=int, default=None,
                    help="prompt tokens per row (default: data.max_prompt_tokens, the longest a run admits)")
+    p.add_argument("--versions", default=None, metavar="FILE",
+                   help="the versions.json of the run the plan stands for (benchmarks/gpu_check.sh writes one): "
+                        "refused in one line where this environment's torch, transformers or attention code differ")
     return p
 
 
@@ -136,11 +141,17 @@ def make_plan(overrides: list[str], device: str | None = None, world_size: int =
 
 def main(argv: list[str]) -> None:
     from rlhf_lab.planner.report import json_line, table
+    from rlhf_lab.runtime.versions import check_reproducible, environment, read_versions
 
     args = parser().parse_intermixed_args(argv)
     try:
         check_flags(args)
+        wanted = None if args.versions is None else read_versions(args.versions)
+        if wanted is not None:  # torch and transformers before the plan's seconds, its attention code after
+            check_reproducible(environment("cpu", None), wanted, args.versions)
         plan, cfg = make_plan(args.overrides, args.device, args.world_size, args.device_memory, args.prompt_tokens)
+        if wanted is not None:
+            check_reproducible(environment(plan.device, plan.step.attention), wanted, args.versions)
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)

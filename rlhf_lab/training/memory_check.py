@@ -182,6 +182,9 @@ def check_memory(cfg: Any, tokenizer: Any, weight_dtype: torch.dtype, compute_dt
     estimate = estimate_memory(size, weight_dtype.itemsize, (compute_dtype or weight_dtype).itemsize, rows,
                                tokens, reference=reference and not offloaded, logits_width=logits_width,
                                shards=shards, reference_bytes=reference_bytes)
+    if device.type == "cuda" and (cfg.get("generation") or {}).get("name") == "vllm":
+        check_engine_share(cfg, estimate.weights + estimate.reference, available,
+                           torch.cuda.get_device_properties(device).total_memory)
     if precision is not None and not multi_process() and estimate.total * PLAN_WITHIN > available:
         check_plan(cfg, tokenizer, precision, device, available)  # close: the planned step decides
         return estimate
@@ -190,6 +193,24 @@ def check_memory(cfg: Any, tokenizer: Any, weight_dtype: torch.dtype, compute_dt
                           f"machine has {available / GIB:.3g} GiB available on {device.type}; lower "
                           f"{remedy(cfg, estimate, rows)}, or set trainer.skip_memory_check=true to start anyway")
     return estimate
+
+
+def check_engine_share(cfg: Any, held: int, free: int, total: int) -> None:
+    """Refuse in one line a colocated vLLM engine that cannot start: vLLM starts only where the GPU's free memory
+    is at least ``generation.gpu_memory_utilization`` × its ``total`` when the engine is built, and by then the
+    trainer's weights and reference (``held`` bytes) are on the GPU; ``free``: what is free before them."""
+    from rlhf_lab.generation.vllm import GPU_MEMORY_UTILIZATION
+
+    fraction = float(cfg.generation.get("gpu_memory_utilization") or GPU_MEMORY_UTILIZATION)
+    fits = max(0.0, (free - held) / total)
+    if fraction * total <= free - held:
+        return
+    raise ConfigError(f"generation.gpu_memory_utilization={fraction:g} asks vLLM for {fraction * total / GIB:.3g} GiB of "
+                      f"the {total / GIB:.3g} GiB GPU when its engine starts, and {free / GIB:.3g} GiB are free before "
+                      f"the trainer's weights and reference take {held / GIB:.3g} GiB: at most {int(fits * 100) / 100:g} "
+                      "fits beside them (vLLM refuses to start otherwise); lower generation.gpu_memory_utilization, "
+                      "train an adapter (model.lora.enabled=true), set trainer.offload_reference=true, or sample on "
+                      "another GPU (generation=vllm_server)")
 
 
 PHASE_REMEDIES = {

@@ -12,6 +12,7 @@ import io
 import json
 import math
 import os
+from importlib.metadata import version
 from pathlib import Path
 from unittest import mock
 
@@ -20,6 +21,7 @@ import pytest
 from benchmarks import bench
 from benchmarks.bench_trl import PHASES as TRL_PHASES
 from benchmarks.bench_trl import grpo_config_kwargs, unsupported_reason
+from rlhf_lab.runtime.versions import cpu_name
 
 TINY = ["model=tiny", "algorithm.group_size=4", "trainer.max_new_tokens=8", "trainer.num_threads=1"]
 
@@ -68,6 +70,9 @@ def test_tiny_run_reports_every_promised_field(tiny_report: tuple[dict, str]) ->
     assert isinstance(summary["reward_mean"], float) and -1.0 <= summary["reward_mean"] <= 1.0
     assert summary["peak_rss_mib"] > 100  # a child that loaded torch and a model, in MiB
     assert "trl" not in row["frameworks"] and report["scaling"] == []
+    # What the run's figures were measured with, from the child that measured them.
+    assert run["versions"] == {"torch": version("torch"), "transformers": version("transformers"),
+                               "peft": version("peft"), "attention": "sdpa", "device": cpu_name()}
 
 
 def test_tiny_run_prints_table_and_json(tiny_report: tuple[dict, str]) -> None:

@@ -49,7 +49,9 @@ def test_the_flops_per_token_give_the_planned_step_at_its_prompt_and_response_le
                                                                                      tiny_tokenizer, shape) -> None:
     """The rates the MFU uses (one prompt group planned at the step's prompt length) times a whole step's tokens
     give the planner's count of that whole step, whatever the split of prompt and response tokens (a group's prompt
-    computed once; the LM head on response tokens only)."""
+    computed once; the LM head on response tokens only). The planned step's prompts differ in length as a real
+    batch's do, and its passes compute the left padding too: its trained rows count at their padded width (a run's
+    MFU counts its real tokens only, the FLOPs that are the model's)."""
     from rlhf_lab.planner.step import plan_step
     from rlhf_lab.runtime.precision import Precision
     from rlhf_lab.training.perf import StepPerformance
@@ -60,7 +62,8 @@ def test_the_flops_per_token_give_the_planned_step_at_its_prompt_and_response_le
     precision = Precision("fp32", "cpu")
     per_sampled, per_trained = StepPerformance(cfg, tiny_tokenizer, precision, torch.device("cpu")).flops_per_token(prompt)
     step = plan_step(cfg, tiny_tokenizer, precision, prompt_tokens=prompt)
-    estimate = per_sampled * step.tokens["sampled"] + per_trained * step.tokens["trained"]
+    assert step.tokens["trained"] < step.rows * step.sequence_tokens  # padded
+    estimate = per_sampled * step.tokens["sampled"] + per_trained * step.rows * step.sequence_tokens
     assert estimate == pytest.approx(step.flops_per_step, rel=0.05)
 
 

@@ -9,13 +9,15 @@ config on fake tensors, at the prompt width the real batch had.
 from __future__ import annotations
 
 import json
+from importlib.metadata import version
 
 import pytest
 import torch
 
 from rlhf_lab.models.loading import DTYPES
 from rlhf_lab.planner import calibration
-from rlhf_lab.planner.step import plan_step
+from rlhf_lab.planner.step import plan_step, synthetic_prompts
+from rlhf_lab.runtime.versions import device_name
 from rlhf_lab.training.loop import Trainer
 from tests.limits import HANG_GUARD_S
 
@@ -78,8 +80,44 @@ def test_plan_prints_a_table_and_a_json_line(run_cli) -> None:
     assert summary["phases"]["weights"] == round(3_219_776 * 4 / (1 << 30), 3)
     assert summary["mfu"] == pytest.approx(summary["flops_per_step"] / (0.5 * 100e12))
     assert any(line.startswith("peak") for line in lines)
+    # What it was planned with: this environment's versions and the attention code the plan's model ran.
+    assert summary["versions"] == {"torch": version("torch"), "transformers": version("transformers"),
+                                   "peft": version("peft"), "attention": "sdpa", "device": device_name("cuda")}
+    assert lines[-2] == (f"planned with torch {version('torch')}, transformers {version('transformers')}, sdpa "
+                         f"attention, for {device_name('cuda')}")
     code, out, _ = run_cli(["plan", "model=tiny", *SHORT[:3], "--device", "cuda", "--device-memory", "0.01"])
     assert json.loads(out.strip().splitlines()[-1])["fits"] is False
+
+
+def test_a_plan_for_a_run_of_other_versions_is_one_line(run_cli, tmp_path) -> None:
+    """``--versions`` (a run's versions.json): other torch or transformers are refused before the plan's seconds,
+    other attention code after it; the same versions plan; a damaged file is one line."""
+    here = {"torch": version("torch"), "transformers": version("transformers"), "device": "NVIDIA H200"}
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({**here, "transformers": "5.17.0"}))
+    code, out, err = run_cli(["plan", "model=tiny", *SHORT[:3], "--versions", str(other)])
+    assert (code, out) == (2, "") and err == (
+        f"error: a plan for the versions of {other} cannot be made here: transformers {version('transformers')} "
+        "here, 5.17.0 there (a plan runs the installed code); plan where those versions are installed (make "
+        "gpu-bundle carries the pinned ones), or leave out --versions\n")
+    eager = tmp_path / "eager.json"
+    eager.write_text(json.dumps({**here, "attention": "eager"}))
+    code, _, err = run_cli(["plan", "model=tiny", *SHORT[:3], "data.max_prompt_tokens=16", "--versions", str(eager)])
+    assert code == 2 and err.endswith("cannot be made here: attention sdpa here, eager there (a plan runs the installed "
+                                      "code); plan where those versions are installed (make gpu-bundle carries the "
+                                      "pinned ones), or leave out --versions\n")
+    same = tmp_path / "same.json"
+    same.write_text(json.dumps({**here, "attention": "sdpa", "cuda": "12.8"}))  # the device is the plan's own
+    code, out, err = run_cli(["plan", "model=tiny", *SHORT[:3], "data.max_prompt_tokens=16", "--versions", str(same)])
+    assert code == 0, err
+    for text, reason in [("{not json", "cannot read it as JSON (JSONDecodeError)"),
+                         ("[1, 2]", "not a versions file (a JSON object naming at least one of torch, transformers, "
+                                    "attention, as benchmarks/gpu_check.sh writes)")]:
+        other.write_text(text)
+        assert run_cli(["plan", "model=tiny", "--versions", str(other)]) == (2, "", f"error: --versions {other}: {reason}\n")
+    missing = tmp_path / "missing.json"
+    assert run_cli(["plan", "model=tiny", "--versions", str(missing)]) == (
+        2, "", f"error: --versions {missing}: cannot read it as JSON (No such file or directory)\n")
 
 
 def test_fsdp_ranks_hold_a_share_of_the_states(run_cli) -> None:
@@ -197,7 +235,7 @@ def test_the_trainers_memory_check_refuses_a_run_whose_planned_peak_does_not_fit
     with pytest.raises(memory_check.ConfigError) as refused:
         Trainer(cfg, tmp_path / "run")
     message = str(refused.value)
-    assert message.startswith(f"this run needs about {plan.peak / (1 << 30):.2g}")
+    assert message.startswith(f"this run needs about {plan.peak / (1 << 30):.3g} GiB")  # the message's 3 figures
     assert f"GiB at its {plan.peak_phase} peak (planned: weights 0.012, reference 0.012, optimizer 0.024" in message
     assert message.endswith("or set trainer.skip_memory_check=true to start anyway") and "\n" not in message
     monkeypatch.setattr(memory_check, "available_memory", lambda device: int(plan.peak * 1.01))
@@ -281,3 +319,12 @@ def test_counting_flops_leaves_the_planned_memory_as_it_is(compose, tiny_tokeniz
     monkeypatch.setattr(planner_step, "StepFlops", lambda: FlopCounterMode(display=False))
     torch_counted = plan_step(cfg, tiny_tokenizer, precision, prompt_tokens=64)
     assert torch_counted.flops == counted.flops
+
+
+def test_the_synthetic_prompts_are_left_padded_as_a_real_batch_is() -> None:
+    """The widest at the plan's prompt width, the others shorter down to half of it (a real batch's prompts differ
+    in length: its rows run with padding and an attention mask), every prompt distinct."""
+    prompts = synthetic_prompts(4, 16, 100)
+    assert [len(p) for p in prompts] == [16, 14, 11, 8]  # 16 − ⌊8·i/3⌋
+    assert len({tuple(p) for p in prompts}) == 4 and all(0 <= t < 100 for p in prompts for t in p)
+    assert [len(p) for p in synthetic_prompts(1, 16, 100)] == [16]

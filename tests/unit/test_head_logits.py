@@ -126,6 +126,55 @@ def test_scoring_pass_through_head_chunks_equals_the_whole_logits(compose, tiny_
         assert close(lazy_grads[name], grad), name
 
 
+def test_a_lora_wrapped_head_is_chunked_with_its_adapter(compose, tiny_overrides, tiny_tokenizer):
+    """``model.lora.target_modules`` naming ``lm_head``: the chunked head adds the adapter's ``scale · B A h`` as
+    peft's layer does, so the policy's log-probs, entropy and exact KL and their gradients (the adapter's A and B
+    among them) are the whole logits', and the reference's pass (the adapter disabled) is the base head's."""
+    from types import SimpleNamespace
+
+    from rlhf_lab.scoring.forward import head_parts, plain_head
+
+    base = models.build_tiny_llama(tiny_tokenizer, compose(tiny_overrides(None)).model.tiny, seed=0)
+    lora = SimpleNamespace(r=4, alpha=8, dropout=0.0, target_modules=["q_proj", "v_proj", "lm_head"])
+    model = models.apply_lora(base, lora)
+    head = plain_head(model)
+    assert head is model.get_output_embeddings() and head_parts(head)[1] is not None  # the wrapper, its adapter
+    torch.manual_seed(0)
+    with torch.no_grad():  # B starts at zero: an adapter that has trained
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0, 0.05)
+    input_ids, mask = scoring_batch(500)
+    tokens = input_ids[:, SCORED_PROMPT:]
+
+    def run(chunk: int):
+        model.zero_grad(set_to_none=True)
+        logits, _ = response_logits(model, input_ids, mask, SCORED_PROMPT, 0.8, head_chunk=chunk)
+        with torch.no_grad(), model.disable_adapter():
+            ref_logits, _ = response_logits(model, input_ids, mask, SCORED_PROMPT, 0.8, head_chunk=chunk)
+        logprobs, entropy = gather_logprobs(logits, tokens), entropy_from_logits(logits)
+        kl = exact_kl(logits, ref_logits)
+        (logprobs.sum() + 0.3 * entropy.sum() + 0.5 * kl.sum()).backward()
+        grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.requires_grad}
+        return logits, ref_logits, [logprobs.detach(), entropy.detach(), kl.detach()], grads
+
+    lazy, lazy_ref, lazy_values, lazy_grads = run(chunk=5)
+    whole, whole_ref, values, grads = run(chunk=0)
+    assert isinstance(lazy, HeadLogits) and lazy.lora is not None and lazy_ref.lora is None
+    assert values[2].abs().max() > 1e-4  # the adapter moved the policy off the reference
+    for got, want in zip(lazy_values, values, strict=True):
+        assert close(got, want)
+    assert any("lm_head.lora_B" in name for name in grads)
+    for name, grad in grads.items():
+        assert close(lazy_grads[name], grad), name
+    assert close(lazy_ref.materialize(), whole_ref)
+    model.train()
+    model.base_model.model.lm_head.lora_dropout["default"] = torch.nn.Dropout(0.1)
+    assert plain_head(model) is None  # a dropout mask per recomputed chunk would differ: the whole logits then
+    model.eval()
+    assert plain_head(model) is head
+
+
 def test_decode_keeps_the_head_s_inputs_not_a_vocabulary_buffer(compose, tiny_overrides, tiny_tokenizer):
     model = models.build_tiny_llama(tiny_tokenizer, compose(tiny_overrides(None)).model.tiny, seed=0).eval()
     input_ids, mask = scoring_batch(500)

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from rlhf_lab.errors import ConfigError
 from rlhf_lab.training import memory_check
@@ -114,3 +115,20 @@ def test_a_rank_of_a_sharded_gpu_run_counts_its_own_micro_batch_in_head_chunks(c
     # The same run as one process of the whole batch, whole logits: the old count, 64 rows of the vocabulary.
     whole = check_memory(cfg, tiny_tokenizer, torch.float32, torch.bfloat16, torch.device("cuda"), shards=8)
     assert whole.activations == 64 * tokens * (V + L * H) * 2
+
+
+def test_a_colocated_vllm_share_that_cannot_start_beside_the_trainer_is_one_line() -> None:
+    """vLLM starts where the free memory is at least gpu_memory_utilization × the GPU when its engine is built,
+    after the trainer's weights and reference: 80 GiB, 78 free, 26 held leave 52 (0.65 of the GPU)."""
+    gib = 1 << 30
+    cfg = OmegaConf.create({"generation": {"name": "vllm", "gpu_memory_utilization": 0.9}})
+    with pytest.raises(ConfigError) as caught:
+        memory_check.check_engine_share(cfg, held=26 * gib, free=78 * gib, total=80 * gib)
+    assert str(caught.value) == (
+        "generation.gpu_memory_utilization=0.9 asks vLLM for 72 GiB of the 80 GiB GPU when its engine starts, and 78 "
+        "GiB are free before the trainer's weights and reference take 26 GiB: at most 0.65 fits beside them (vLLM "
+        "refuses to start otherwise); lower generation.gpu_memory_utilization, train an adapter "
+        "(model.lora.enabled=true), set trainer.offload_reference=true, or sample on another GPU "
+        "(generation=vllm_server)")
+    fitting = OmegaConf.create({"generation": {"name": "vllm", "gpu_memory_utilization": 0.65}})
+    assert memory_check.check_engine_share(fitting, held=26 * gib, free=78 * gib, total=80 * gib) is None

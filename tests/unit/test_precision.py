@@ -91,7 +91,7 @@ def test_the_bf16_answer_is_measured_once_per_machine_and_read_back(probe_cache)
     path, measured = probe_cache
     assert precision_module.bf16_products_pay(2) is True and measured == [1]
     key = precision_module._cpu_key(2)
-    assert key.endswith(f" | torch {torch.__version__} | 2 threads") and precision_module._cpu_name() in key
+    assert key.endswith(f" | torch {torch.__version__} | 2 threads") and precision_module.cpu_name() in key
     assert json.loads(path.read_text()) == {key: True}
     precision_module.bf16_products_pay.cache_clear()  # a new process
     assert precision_module.bf16_products_pay(2) is True and measured == [1]  # read, not measured
