@@ -180,7 +180,7 @@ class Trainer(RunState, StopSignals, Evaluates, StepRecord):
     def train_step(self, step: int) -> dict[str, Any]:
         """One step on fresh samples: sample, score, advantages, update, record. Returns its metrics (written by
         the caller, :meth:`train`)."""
-        cfg, coef, timer = self.cfg, self.kl_controller.coef, StepTimer()
+        cfg, coef, timer = self.cfg, self.kl_controller.coef, self.performance.timer()
         self.step, self.worker.timer = step, timer  # the step being trained; the engine's loads are its phases
         self.worker.step = step
         synchronize()

@@ -2,6 +2,10 @@
 
 - ``perf/peak_memory_gib``: the CUDA allocator's peak during the step (``torch.cuda.max_memory_allocated``, reset as
   the step starts) on a GPU; the process's peak resident memory so far (``ru_maxrss``, which no call resets) on a CPU.
+- ``perf/peak_memory_gib/generation``, ``perf/peak_memory_gib/scoring``, ``perf/peak_memory_gib/training`` (a GPU
+  only): the peak of each of the plan's phases (``rlhf-lab plan``), the allocator's peak reset at every phase
+  boundary of the step (:class:`~rlhf_lab.runtime.timer.StepTimer`): generation is the decode, scoring the reward,
+  the scoring pass, the exact KL and the advantages, training the update's passes and the optimizer's step.
 - ``perf/tokens_per_s``: sampled (generated) plus trained (through the training pass, every epoch) tokens over the
   step's time.
 - ``perf/mfu``: the step's FLOPs over its time and the device's peak (``trainer.peak_tflops``, else a GPU's by its
@@ -20,7 +24,13 @@ from typing import Any
 
 import torch
 
+from rlhf_lab.runtime.timer import CudaPeak, StepTimer
+
 GIB = 1 << 30
+# The plan's phases (rlhf_lab.planner) by the step's timed phases (StepTimer's names).
+PLAN_PHASES = {"generation": ("generate", "generate_greedy"),
+               "scoring": ("reward", "policy_logprobs", "reference", "kl", "advantages"),
+               "training": ("policy_forward_backward", "optimizer")}
 
 
 def peak_memory_gib(device: torch.device) -> float:
@@ -50,6 +60,10 @@ class StepPerformance:
         self.peak_tflops = device_peak_tflops(cfg, device)
         self._per_token: tuple[float, float] | None = None
 
+    def timer(self) -> StepTimer:
+        """A step's timer: on a GPU it keeps each phase's peak memory too."""
+        return StepTimer(CudaPeak(self.device) if self.device.type == "cuda" else None)
+
     def step_started(self) -> None:
         """A step begins: the CUDA allocator's peak counts from here (the step's own)."""
         if self.device.type == "cuda":
@@ -76,13 +90,20 @@ class StepPerformance:
         return self._per_token
 
     def metrics(self, seconds: float, sampled_tokens: int, trained_tokens: int,
-                prompt_tokens: int | None = None) -> dict[str, float]:
+                prompt_tokens: int | None = None, timer: StepTimer | None = None) -> dict[str, float]:
         """This step's ``perf/*`` values (tokens of every rank; the FLOPs of every rank over every rank's peak);
-        ``prompt_tokens``: the step's prompt length (the FLOPs' count is taken at the first step's)."""
+        ``prompt_tokens``: the step's prompt length (the FLOPs' count is taken at the first step's); ``timer``: the
+        step's (:meth:`timer`), whose phases' peaks give the per-phase values on a GPU."""
         from rlhf_lab.runtime import distributed
 
         values = {"perf/peak_memory_gib": peak_memory_gib(self.device),
                   "perf/tokens_per_s": (sampled_tokens + trained_tokens) / seconds}
+        if timer is not None and timer.memory is not None:  # the phases reset the allocator's peak: theirs counts
+            values["perf/peak_memory_gib"] = timer.step_peak() / GIB
+            for phase, names in PLAN_PHASES.items():
+                peaks = [timer.peaks[name] for name in names if name in timer.peaks]
+                if peaks:
+                    values[f"perf/peak_memory_gib/{phase}"] = max(peaks) / GIB
         if self.peak_tflops:
             per_sampled, per_trained = self.flops_per_token(prompt_tokens)
             flops = per_sampled * sampled_tokens + per_trained * trained_tokens

@@ -38,7 +38,8 @@ class StepRecord:
         sampled = float(distributed.all_reduce_sum(sampled_mask.sum()))  # dropped samples were generated too
         trained = float(distributed.all_reduce_sum(rollout.attention_mask.sum())) * cfg.algorithm.get("epochs", 1)
         prompt = int(rollout.attention_mask[:, : rollout.prompt_width].sum(-1).float().mean().ceil())
-        metrics.update(self.performance.metrics(elapsed, int(sampled), int(trained), prompt_tokens=max(prompt, 1)))
+        metrics.update(self.performance.metrics(elapsed, int(sampled), int(trained), prompt_tokens=max(prompt, 1),
+                                                timer=timer))
         metrics.update(stats)
         metrics.setdefault("loss/policy", 0.0)
         metrics.setdefault("policy/clipfrac", 0.0)

@@ -190,8 +190,9 @@ def versions() -> str:
 def test_a_1b_step_s_peak_memory_is_the_plan_s(tmp_path: Path) -> None:
     """The peak GPU memory during a full step of a ~1B random-init Llama in bf16-mixed at the CUDA defaults
     (gradient checkpointing, chunked log-probs, a micro-batch token budget; given here as the values null resolves
-    to on CUDA) — ``torch.cuda.max_memory_allocated`` over the second step, whose optimizer state exists — against
-    ``rlhf-lab plan``'s prediction of the same step on fake tensors, within the planner's stated 15%."""
+    to on CUDA) — ``torch.cuda.max_memory_allocated`` over the second step, whose optimizer state exists, and over
+    each of its phases (generation, scoring, training: the peak reset at every boundary) — against ``rlhf-lab
+    plan``'s prediction of the same step and phases on fake tensors, within the planner's stated 15% each."""
     from rlhf_lab.config import compose
     from rlhf_lab.planner.calibration import prompt_widths
     from rlhf_lab.planner.step import plan_step
@@ -216,9 +217,13 @@ def test_a_1b_step_s_peak_memory_is_the_plan_s(tmp_path: Path) -> None:
         torch.cuda.reset_peak_memory_stats()
         held = torch.cuda.memory_allocated()  # the states the step starts with (the plan counts them apart)
         with prompt_widths(trainer) as widths:
-            trainer.train_step(1)
+            metrics = trainer.train_step(1)
         torch.cuda.synchronize()
-        measured = torch.cuda.max_memory_allocated() - baseline
+        # The step's timer resets the allocator's peak at each phase boundary: the step's and each phase's peaks are
+        # its perf/ metrics (rlhf_lab/training/perf.py), the baseline taken off each.
+        measured = round(metrics["perf/peak_memory_gib"] * 2**30) - baseline
+        phases = {phase: round(metrics[f"perf/peak_memory_gib/{phase}"] * 2**30) - baseline
+                  for phase in ("generation", "scoring", "training") if f"perf/peak_memory_gib/{phase}" in metrics}
         if snapshot:
             torch.cuda.memory._dump_snapshot(snapshot)
             torch.cuda.memory._record_memory_history(enabled=None)
@@ -228,6 +233,11 @@ def test_a_1b_step_s_peak_memory_is_the_plan_s(tmp_path: Path) -> None:
               f"({plan.peak_phase}); phases {({k: round(v / 2**30, 2) for k, v in plan.peaks.items()})}; held "
               f"before the step {(held - baseline) / 2**30:.2f} GiB, planned states {states / 2**30:.2f} GiB; "
               f"baseline {baseline / 2**20:.0f} MiB; {versions()}")
+        print("per phase, measured / planned GiB: " + ", ".join(
+            f"{phase} {value / 2**30:.2f} / {plan.peaks[phase] / 2**30:.2f}" for phase, value in phases.items()))
         assert abs(plan.peak - measured) <= 0.15 * measured, (plan.peaks, measured)
+        assert set(phases) == {"generation", "scoring", "training"}, phases
+        for phase, value in phases.items():
+            assert abs(plan.peaks[phase] - value) <= 0.15 * value, (phase, plan.peaks, phases)
     finally:
         distributed.teardown()
