@@ -17,7 +17,6 @@ ends early): the step at its largest. The optimizer holds its state from an earl
 from __future__ import annotations
 
 import copy
-import dataclasses
 import gc
 import warnings
 from collections.abc import Iterator
@@ -34,18 +33,17 @@ from rlhf_lab.hardware import HardwareProfile
 from rlhf_lab.kl.placements import KLPenalty
 from rlhf_lab.models.loading import DTYPES, PolicyAndReference
 from rlhf_lab.planner import fake as fake_tensors
+from rlhf_lab.planner.decode import planned_decode
 from rlhf_lab.planner.fake import RealIndices
 from rlhf_lab.planner.models import build_on_meta, initialise, kv_cache_bytes, materialize, storage_bytes
 from rlhf_lab.registry import get
 from rlhf_lab.runtime.precision import Precision
 from rlhf_lab.runtime.timer import StepTimer
-from rlhf_lab.scoring.head import HeadLogits
 from rlhf_lab.step.experience import ExperienceMaker, Scored
 from rlhf_lab.step.update import Updater
 
 GIB = 1 << 30
 KL_COEF = 0.1  # any coefficient: memory and FLOPs do not depend on it
-DECODE_STEPS = 3  # decode steps run on fake tensors; the rest are extrapolated (:func:`_generate`)
 
 
 @dataclass
@@ -128,8 +126,8 @@ class _Phases:
         self.memory, self.flop_counter = memory, flops
         self.peaks: dict[str, int] = {}
         self.flops: dict[str, int] = {}
-        self.indices: RealIndices | None = None  # fake tensors: the decode may stop early (:func:`_generate`)
-        self.extra_generation_flops = 0  # the FLOPs of decode steps not run (:func:`_generate`)
+        self.indices: RealIndices | None = None  # fake tensors: the decode may stop early (:mod:`.decode`)
+        self.extra_generation_flops = 0  # the FLOPs of decode steps not run (:mod:`.decode`)
 
     def total_flops(self) -> int:
         return self.flop_counter.get_total_flops() if self.flop_counter is not None else 0
@@ -307,58 +305,6 @@ def _build_parts(cfg: Any, tokenizer: Any, models: PolicyAndReference, precision
     return {"algorithm": algorithm, "kl": kl, "updater": updater, "maker": maker}
 
 
-def _generate(engine: Any, prompts: list[list[int]], group: int, phases: _Phases, response_tokens: int) -> Any:
-    """The engine's rollout of ``response_tokens`` per row. On fake tensors the decode stops after
-    ``DECODE_STEPS`` steps (its key/value cache and kept logits are allocated for every step at the first one, so
-    the memory peak is reached by then), the rollout is extended to full length (:func:`extend_rollout`), and the
-    FLOPs of the steps not run are extrapolated from the last ones (a step's FLOPs grow linearly with its
-    context)."""
-    if phases.indices is None or response_tokens <= DECODE_STEPS:
-        return engine.generate(prompts, group)
-    counts: list[int] = []
-    with phases.indices.draws(DECODE_STEPS, lambda: counts.append(phases.total_flops())):
-        rollout = engine.generate(prompts, group)
-    if phases.flop_counter is not None and len(counts) == DECODE_STEPS:
-        first, second = counts[-2] - counts[-3], counts[-1] - counts[-2]  # steps 1 and 2
-        growth, remaining = second - first, response_tokens - DECODE_STEPS
-        # steps DECODE_STEPS .. response_tokens - 1: the last measured step's FLOPs plus the growth per step
-        phases.extra_generation_flops = remaining * second + growth * remaining * (remaining + 1) // 2
-    return extend_rollout(rollout, response_tokens, phases.indices.token_id)
-
-
-def extend_rollout(rollout: Any, width: int, token_id: int) -> Any:
-    """``rollout`` with its response part extended to ``width`` tokens, all valid: sampled ``token_id``, per-token
-    values of zeros (new tensors like the engine's), the kept logits as the whole buffer the decode wrote into."""
-    from dataclasses import fields, replace
-
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-    rows, short = rollout.response_mask.shape
-    extra = width - short
-    longer: dict[str, Any] = {}
-    with unset_fake_temporarily():  # the bookkeeping stays real
-        longer["input_ids"] = torch.cat([rollout.input_ids, rollout.input_ids.new_full((rows, extra), token_id)], 1)
-        longer["attention_mask"] = torch.cat([rollout.attention_mask, rollout.attention_mask.new_ones(rows, extra)], 1)
-        longer["response_mask"] = torch.cat([rollout.response_mask, rollout.response_mask.new_ones(rows, extra)], 1)
-    for item in fields(rollout):
-        value = getattr(rollout, item.name)
-        if isinstance(value, HeadLogits):  # kept as the LM head's inputs: those of every step
-            hidden = value.hidden
-            longer[item.name] = dataclasses.replace(value, hidden=torch.cat(
-                [hidden, hidden.new_zeros(rows, extra, *hidden.shape[2:])], 1))
-            continue
-        if item.name in longer or not isinstance(value, torch.Tensor):
-            continue
-        if value.dim() < 2 or value.shape[:2] != (rows, short):
-            continue
-        base = value._base
-        if base is not None and base.shape[0] == rows and base.shape[1] == width and base.shape[2:] == value.shape[2:]:
-            longer[item.name] = base  # the decode's buffer for every step (kept logits)
-        else:
-            longer[item.name] = torch.cat([value, value.new_zeros(rows, extra, *value.shape[2:])], 1)
-    return replace(rollout, **longer)
-
-
 def _optimizer_state(updater: Updater) -> None:
     """AdamW's state as after an earlier step (zero gradients, one optimizer step; then no gradients)."""
     for parameter in updater.parameters:
@@ -378,7 +324,7 @@ def _run_step(cfg: Any, parts: dict[str, Any], phases: _Phases, prompts: list[li
     maker.keep_sampler_logits(exact, sources)  # as the trainer's step does
     # The batch of each stage replaces the last one's in ``held`` (as the trainer's step drops it): no phase keeps
     # an earlier stage's tensors (the engine's kept logits) alive.
-    held: list[Any] = [phases.run("generation", lambda: _generate(maker.engine, prompts, group, phases,
+    held: list[Any] = [phases.run("generation", lambda: planned_decode(maker.engine, prompts, group, phases,
                                                                    cfg.trainer.max_new_tokens))]
     held[0] = Scored.from_samples(held[0], scores=torch.zeros(held[0].batch_size, device=held[0].logprobs.device))
 
