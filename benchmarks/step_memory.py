@@ -2,6 +2,7 @@
 
     python -m benchmarks.step_memory decode --layers 16              # bytes a decode holds after it returns
     python -m benchmarks.step_memory step --layers 4                 # the real second step's peak vs the plan
+    python -m benchmarks.step_memory calibration --new-tokens 48     # docs/guides/plan.md's calibration rows
 
 Both run the ~1B Llama of ``tests/gpu/test_gpu.py`` (2048 wide, 5632 MLP, 16 heads, 8 key/value heads; fewer layers
 on a small machine) in ``bf16-mixed`` (CPU autocast), 4 prompts × 4 samples × 64 new tokens, and count bytes as the
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -78,12 +80,50 @@ def step_memory(layers: int, new_tokens: int) -> str:
             f"({(plan.peak - measured) / measured:+.1%}); phases {phases}; {time.perf_counter() - start:.0f} s")
 
 
+CALIBRATED = {"tiny fp32": ["trainer.precision=fp32"], "tiny bf16-mixed": ["trainer.precision=bf16-mixed"],
+              "tiny fp32 LoRA": ["trainer.precision=fp32", "model.lora.enabled=true"],
+              "tiny bf16-mixed LoRA": ["trainer.precision=bf16-mixed", "model.lora.enabled=true"]}
+
+
+def calibration(new_tokens: int) -> str:
+    """The plan against the trainer's real second step on this CPU (docs/guides/plan.md's calibration table): the
+    tiny model, 2 prompts x 2 samples of the embedded data (prompts of several lengths: a left-padded batch),
+    ``new_tokens`` per response; one line per config."""
+    from rlhf_lab.config import compose
+    from rlhf_lab.planner.calibration import measured_step
+    from rlhf_lab.planner.step import plan_step
+    from rlhf_lab.training.loop import Trainer
+
+    lines = []
+    for name, settings in CALIBRATED.items():
+        run = Path(tempfile.mkdtemp(prefix="step_memory_"))
+        cfg = compose(["model=tiny", *settings, "trainer.prompts_per_step=2", "algorithm.group_size=2",
+                       f"trainer.max_new_tokens={new_tokens}", "trainer.eval_prompts=0", "trainer.steps=2",
+                       "trainer.progress_bar=false", "trainer.num_threads=1", "logger=none", f"trainer.output_dir={run}"])
+        try:
+            trainer = Trainer(cfg, run)
+            trainer.train_step(0)
+            measured, width = measured_step(trainer, 1)
+            trainer.close()
+        finally:
+            shutil.rmtree(run, ignore_errors=True)
+        start = time.perf_counter()
+        plan = plan_step(cfg, trainer.tokenizer, trainer.precision, prompt_tokens=width, count_flops=False)
+        lines.append(f"{name}, {width} + {new_tokens} tokens: measured {measured / 2**20:.1f} MiB, planned "
+                     f"{plan.peak / 2**20:.1f} MiB ({plan.peak_phase}), {(plan.peak - measured) / measured:+.1%}, "
+                     f"plan {time.perf_counter() - start:.1f} s")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=("decode", "step"))
+    parser.add_argument("what", choices=("decode", "step", "calibration"))
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=64)
     args = parser.parse_args()
+    if args.what == "calibration":
+        print(calibration(args.new_tokens))
+        return
     print((decode_memory if args.what == "decode" else step_memory)(args.layers, args.new_tokens))
 
 

@@ -50,6 +50,7 @@ class TrainerConfig:
     recompute: list[str] | None = None
     offload_reference: bool = False  # keep the frozen reference on the CPU between its passes
     skip_memory_check: bool = False  # start even when the memory estimate exceeds what the machine has
+    overwrite: bool = False  # replace the finished run in the run folder (its checkpoints, summary and logs)
     peak_tflops: float | None = None  # the device's peak TFLOP/s for perf/mfu; null: a GPU's by its name (else none)
     logprob_chunk: int = 0  # rows per chunk of the reference scoring pass; 0: the whole batch at once
     # Log-probs, entropy and exact KL from the final hidden states through the LM head, lm_head_chunk positions at

@@ -13,8 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_lab.config.overrides import flatten
-
-SUMMARY_FILE = "summary.json"  # a run writes it last: a job folder without it did not finish
+from rlhf_lab.trackers.jsonl import SUMMARY_FILE  # a run writes it last: a job folder without it did not finish
 
 
 @dataclass

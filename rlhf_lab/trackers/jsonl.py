@@ -18,6 +18,8 @@ from rlhf_lab.runtime.files import jsonable, not_regular, write_json_atomic
 from rlhf_lab.runtime.files import open_in_folder as open_in_folder  # the CSV tracker's, too
 from rlhf_lab.trackers.base import Tracker
 
+SUMMARY_FILE = "summary.json"  # a finished run's (written last): a new run never replaces it (training/checkpoint_find.py)
+
 
 class JsonlWriter:
     """Append-only JSON Lines file, flushed after every line."""
@@ -76,7 +78,7 @@ class JsonlTracker(Tracker):
             self.samples_file.write(row)
 
     def finish(self, summary: dict[str, Any]) -> None:
-        write_json_atomic(self.run_dir / "summary.json", summary)
+        write_json_atomic(self.run_dir / SUMMARY_FILE, summary)
 
     def close(self) -> None:
         self.metrics_file.close()

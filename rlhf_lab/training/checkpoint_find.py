@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -121,24 +122,40 @@ def _warn_skipped(root: Path, found: Path | None) -> None:
               f"{number(found)})", file=sys.stderr, flush=True)
 
 
-def prepare_run_folder(resume: str | None, run_dir: Path, clear_logs: bool = True) -> Path | None:
+def prepare_run_folder(resume: str | None, run_dir: Path, clear_logs: bool = True,
+                       overwrite: bool = False) -> Path | None:
     """The checkpoint a run in ``run_dir`` resumes from (see :func:`resolve_resume`), or None to start fresh.
 
-    A fresh start never mixes with an earlier run's files: it refuses a folder that holds a complete
-    checkpoint unless asked to resume (``trainer.resume=auto``), and (``clear_logs``) empties the
-    ``metrics.jsonl``/``samples.jsonl`` left by a run that died before its first checkpoint.
+    A fresh start never mixes with an earlier run's files, and never replaces a finished run's: it refuses a folder
+    that holds a complete checkpoint unless asked to resume (``trainer.resume=auto``), refuses one that holds a
+    finished run's ``summary.json`` (a ``trainer.save=none`` run keeps no checkpoint: its summary and metrics are
+    all it has), and (``clear_logs``) empties the ``metrics.jsonl``/``samples.jsonl`` left by a run that died before
+    its first checkpoint. ``overwrite`` (``trainer.overwrite=true``): the earlier run's checkpoints, summary and
+    logs are removed and the run starts fresh.
     """
-    from rlhf_lab.trackers.jsonl import repair_jsonl
+    from rlhf_lab.trackers.jsonl import SUMMARY_FILE, repair_jsonl
 
     run_dir = Path(run_dir)
     root = run_dir / "checkpoints"
+    if overwrite and not resume:
+        replaced = [path for path in (root, run_dir / SUMMARY_FILE) if path.exists()]
+        if replaced and clear_logs:
+            print(f"trainer.overwrite=true: replacing the run in {run_dir}")
+            shutil.rmtree(root, ignore_errors=True)
+            (run_dir / SUMMARY_FILE).unlink(missing_ok=True)
     folder = resolve_resume(resume, root)
     if folder is not None:
         return folder
     if not resume and latest_checkpoint(root) is not None:
         raise CheckpointError(
-            f"run folder {str(run_dir)!r} already holds checkpoints; continue it with trainer.resume=auto "
-            "or choose another trainer.output_dir"
+            f"run folder {str(run_dir)!r} already holds checkpoints; continue it with trainer.resume=auto, choose "
+            "another trainer.output_dir, or replace it with trainer.overwrite=true"
+        )
+    if (run_dir / SUMMARY_FILE).is_file():
+        raise CheckpointError(
+            f"run folder {str(run_dir)!r} holds a finished run (its {SUMMARY_FILE}{' and no checkpoint' if resume else ''}"
+            f"): a new run would replace its {SUMMARY_FILE} and metrics.jsonl; choose another trainer.output_dir "
+            "(or hydra.run.dir), or replace it with trainer.overwrite=true"
         )
     if resume == "auto":
         print(f"trainer.resume=auto: no checkpoint in {root}, starting fresh")

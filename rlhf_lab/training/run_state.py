@@ -28,7 +28,8 @@ class RunState:
         continues in; a fresh start that would mix with an earlier run's files is refused."""
         cfg, main = self.cfg, distributed.is_main_process()
         self.checkpoint_root = self.run_dir / "checkpoints"
-        self.resume_from = ckpt.prepare_run_folder(cfg.trainer.resume, self.run_dir, clear_logs=main)
+        self.resume_from = ckpt.prepare_run_folder(cfg.trainer.resume, self.run_dir, clear_logs=main,
+                                                    overwrite=bool(cfg.trainer.get("overwrite", False)))
         self.resume_from, self.resume_changes = resume_contract.prepare(cfg, self.resume_from, warn=main)
         self.precision = resume_contract.continued_precision(cfg, self.resume_from, self.precision, announce=main)
 

@@ -182,8 +182,8 @@ def test_a_fresh_run_refuses_a_folder_with_checkpoints_before_loading_anything(c
     with pytest.raises(ckpt.CheckpointError) as raised:
         make_trainer(compose, tiny_overrides, run_dir)
     assert str(raised.value) == (
-        f"run folder {str(run_dir)!r} already holds checkpoints; continue it with trainer.resume=auto "
-        "or choose another trainer.output_dir"
+        f"run folder {str(run_dir)!r} already holds checkpoints; continue it with trainer.resume=auto, choose "
+        "another trainer.output_dir, or replace it with trainer.overwrite=true"
     )
 
 

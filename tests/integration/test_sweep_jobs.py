@@ -72,3 +72,12 @@ def test_cli_sweep_with_choice_and_range_names_job_folders_short(tmp_path: Path)
     (log_file,) = (tmp_path / "sweep" / "1_kl,seed=0").glob("*.log")
     assert "[after training] prompt:" in log_file.read_text()
     assert "train job 1 kl,seed=0" in result.stderr  # each job's progress bar names it
+    # The same sweep into the same folder: its first job's folder holds a finished run; refused in one line, the
+    # earlier jobs' files as they were.
+    summary = (tmp_path / "sweep" / "0_k3,seed=0" / "summary.json").read_bytes()
+    again = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=HANG_GUARD_S,
+                           env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
+    assert again.returncode != 0
+    assert f"run folder {str(tmp_path / 'sweep' / '0_k3,seed=0')!r} already holds checkpoints" in again.stderr
+    assert "Traceback" not in again.stderr
+    assert (tmp_path / "sweep" / "0_k3,seed=0" / "summary.json").read_bytes() == summary
