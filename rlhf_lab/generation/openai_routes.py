@@ -12,17 +12,24 @@ The routes sit behind the server's trust rules (:mod:`.serving`): the token as `
 with the engine the other routes load weights into (``--engine vllm`` or ``hf``), one request at a time.
 
 Sampling: ``max_tokens`` (or ``max_completion_tokens``; default: the room left in ``--max-model-len``),
-``temperature`` (0: greedy), ``top_p``, ``top_k`` (vLLM's extension; 0 or -1: off), ``n``, ``seed``, ``stop``.
+``temperature`` (0: greedy), ``top_p``, ``top_k`` (vLLM's extension; 0 or -1: off), ``n``, ``seed``, ``stop``. Each is
+checked against its bounds (``MAX_N``, ``MAX_STOP``, ``MAX_LOGPROBS``, the int64 seed, the vocabulary for token-id
+prompts) and a bad one is a 400 naming it; a null field takes its default, and 0 is never read as "unset".
 """
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from collections.abc import Callable
 from typing import Any
 
 from rlhf_lab.generation.serve_engine import RequestError
+
+MAX_N = 64  # samples per prompt of one request
+MAX_STOP, MAX_STOP_CHARS = 4, 256  # OpenAI's limit on stop sequences; each one's length (its setup grows with both)
+MAX_LOGPROBS = 20  # completions' logprobs and chat's top_logprobs (OpenAI's 0-20 for chat; vLLM's default max_logprobs)
 
 
 def _error(message: str, status: int = 400) -> Exception:
@@ -63,6 +70,11 @@ class OpenAIRoutes:
                                                              add_generation_prompt=True, return_dict=True)["input_ids"])
         except Exception as error:  # a template's own refusal (a role it does not know, ...)
             raise _error(f"the chat template refused the messages ({type(error).__name__}: {error})") from None
+        top_logprobs = request.get("top_logprobs")
+        if not isinstance(request.get("logprobs", False), bool | None):
+            raise _error("logprobs must be true or false")
+        if top_logprobs is not None and not (_integer(top_logprobs) and 0 <= top_logprobs <= MAX_LOGPROBS):
+            raise _error(f"top_logprobs must be an integer 0-{MAX_LOGPROBS}")
         samples, finish = self._sample([prompt], request)
         want_ids, want_logprobs = bool(request.get("return_token_ids")), bool(request.get("logprobs"))
         choices = []
@@ -79,6 +91,9 @@ class OpenAIRoutes:
 
     def completions(self, request: dict[str, Any]) -> dict[str, Any]:
         prompts = self._prompts(request.get("prompt"))
+        logprobs_asked = request.get("logprobs")
+        if logprobs_asked is not None and not (_integer(logprobs_asked) and 0 <= logprobs_asked <= MAX_LOGPROBS):
+            raise _error(f"logprobs must be an integer 0-{MAX_LOGPROBS}")
         samples, finish = self._sample(prompts, request)
         want_ids, logprobs_asked = bool(request.get("return_token_ids")), request.get("logprobs")
         n = len(samples) // len(prompts)
@@ -109,8 +124,14 @@ class OpenAIRoutes:
         out = []
         for item in prompt:
             if isinstance(item, str):
-                out.append(self.tokenizer(item, add_special_tokens=False)["input_ids"])
-            elif isinstance(item, list) and item and all(isinstance(t, int) and t >= 0 for t in item):
+                ids = self.tokenizer(item, add_special_tokens=False)["input_ids"]
+                if not ids:
+                    raise _error("prompt must not be empty")
+                out.append(ids)
+            elif isinstance(item, list) and item and all(_integer(t) for t in item):
+                vocabulary = len(self.tokenizer)
+                if not all(0 <= t < vocabulary for t in item):
+                    raise _error(f"prompt token ids must be in 0-{vocabulary - 1} (the served model's vocabulary)")
                 out.append(list(item))
             else:
                 raise _error("prompt must be a string, a list of strings, or token ids")
@@ -124,18 +145,22 @@ class OpenAIRoutes:
         room = self.max_model_len - longest
         if room <= 0:
             raise _error(f"the prompt is {longest} tokens, no room left in --max-model-len {self.max_model_len}")
-        max_tokens = request.get("max_tokens", request.get("max_completion_tokens")) or room
-        n, temperature = request.get("n") or 1, request.get("temperature", 1.0)
-        top_p, top_k, seed = request.get("top_p", 1.0), request.get("top_k") or 0, request.get("seed")
-        stop = request.get("stop") or []
+        max_tokens = _given(request, "max_tokens", _given(request, "max_completion_tokens", room))
+        n, temperature = _given(request, "n", 1), _given(request, "temperature", 1.0)
+        top_p, top_k, seed = _given(request, "top_p", 1.0), _given(request, "top_k", 0), request.get("seed")
+        stop = _given(request, "stop", [])
         stop = [stop] if isinstance(stop, str) else stop
-        checks = [(isinstance(max_tokens, int) and 0 < max_tokens <= room, f"max_tokens must be 1-{room}"),
-                  (isinstance(n, int) and 0 < n <= 64, "n must be 1-64"),
-                  (isinstance(temperature, (int, float)) and temperature >= 0, "temperature must be >= 0"),
-                  (isinstance(top_p, (int, float)) and 0 < top_p <= 1, "top_p must be in (0, 1]"),
-                  (isinstance(top_k, int), "top_k must be an integer"),
-                  (seed is None or isinstance(seed, int), "seed must be an integer"),
-                  (isinstance(stop, list) and all(isinstance(s, str) for s in stop), "stop must be strings")]
+        strings = isinstance(stop, list) and all(isinstance(s, str) for s in stop)
+        checks = [(_integer(max_tokens) and 0 < max_tokens <= room, f"max_tokens must be 1-{room}"),
+                  (_integer(n) and 0 < n <= MAX_N, f"n must be 1-{MAX_N}"),
+                  (_number(temperature) and temperature >= 0, "temperature must be a finite number >= 0"),
+                  (_number(top_p) and 0 < top_p <= 1, "top_p must be in (0, 1]"),
+                  (_integer(top_k) and top_k >= -1, "top_k must be an integer >= -1 (0 or -1: off)"),
+                  (seed is None or (_integer(seed) and seed >= -(2**63) and seed + len(prompts) <= 2**63),
+                   "seed must be an integer in [-2**63, 2**63 - 1]"),
+                  (strings, "stop must be strings"),
+                  (not strings or (len(stop) <= MAX_STOP and all(0 < len(s) <= MAX_STOP_CHARS for s in stop)),
+                   f"stop must be at most {MAX_STOP} strings of 1-{MAX_STOP_CHARS} characters")]
         for ok, message in checks:
             if not ok:
                 raise _error(message)
@@ -157,6 +182,20 @@ class OpenAIRoutes:
         if request.get("return_tokens_as_token_ids"):
             return [f"token_id:{token}" for token in tokens]
         return [self.tokenizer.decode([token]) for token in tokens]
+
+
+def _given(request: dict[str, Any], key: str, default: Any) -> Any:
+    """``request[key]``, ``default`` where it is absent or null (never where it is 0 or empty: those are checked)."""
+    value = request.get(key)
+    return default if value is None else value
+
+
+def _integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _usage(prompts: list[list[int]], samples: list[list[Any]]) -> dict[str, int]:

@@ -8,6 +8,7 @@ import ipaddress
 import os
 import secrets
 import socket
+import stat
 from pathlib import Path
 
 from rlhf_lab.errors import ConfigError, ToolError
@@ -17,6 +18,15 @@ TOKEN_FILE = ".serve_token"  # in the sync folder, mode 0600
 
 
 def _read_token(path: Path, where: str) -> str:
+    """The secret in ``path``; a file others may read is refused (a shared machine's other users would hold the
+    server's token: ``chmod 600``)."""
+    try:
+        mode = Path(path).expanduser().stat().st_mode
+    except OSError:
+        mode = 0
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ConfigError(f"{where}={str(path)!r} can be read or written by others (mode {stat.S_IMODE(mode):o}); the "
+                          f"server's token must be its owner's alone: chmod 600 {str(path)!r}")
     try:
         token = Path(path).expanduser().read_text(encoding="utf-8").strip()
     except (OSError, UnicodeDecodeError) as error:

@@ -77,8 +77,10 @@ class WeightServer:
     def allowed(self, authorization: str | None) -> bool:
         if not self.token:  # never: an empty secret would let in an empty header
             return False
-        given = (authorization or "").removeprefix("Bearer ").strip()
-        return hmac.compare_digest(given.encode(), self.token.encode())
+        scheme, _, given = (authorization or "").strip().partition(" ")
+        if scheme.lower() != "bearer":  # the scheme is case-insensitive (RFC 7235); a bare token is not one
+            return False
+        return hmac.compare_digest(given.strip().encode(), self.token.encode())
 
     def generate(self, request: dict[str, Any]) -> dict[str, Any]:
         _need(request, "prompt_ids", "group_size", "max_new_tokens", "temperature", "top_p", "top_k",

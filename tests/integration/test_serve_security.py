@@ -119,6 +119,15 @@ def test_every_route_needs_the_token_from_the_0600_file(server) -> None:
             assert status == 401 and "token" in reply["error"], (path, wrong, reply)
     assert call(url, "/health", token=token) == (200, {"ok": True, "model": str(sync.parent / "model")})
     assert sampled(url, token) == 4
+    # The scheme is case-insensitive (RFC 7235); a bare token, or another scheme, is no Bearer token.
+    for header, status in ((f"bearer {token}", 200), (f"BEARER  {token}", 200), (token, 401), (f"Basic {token}", 401),
+                           (f"Bearer{token}", 401)):
+        request = urllib.request.Request(url + "/health", headers={"Authorization": header})
+        try:
+            with urllib.request.urlopen(request, timeout=HANG_GUARD_S) as response:
+                assert (response.status, header) == (status, header)
+        except urllib.error.HTTPError as error:
+            assert (error.code, header) == (status, header)
     # The trainer reads the token from the same place and sends it.
     from rlhf_lab.generation.server import _post
 
@@ -257,6 +266,16 @@ def test_a_token_given_by_file_or_environment_is_used_and_none_is_one_line(tmp_p
     token_file = tmp_path / "secret"
     token_file.write_text("from-a-file\n")
     monkeypatch.delenv(serving.TOKEN_ENV, raising=False)
+    from rlhf_lab.errors import ConfigError
+
+    token_file.chmod(0o644)  # others may read it: refused, on both sides
+    for read in (lambda: serve_token.server_token(tmp_path, str(token_file)),
+                 lambda: serve_token.client_token(None, str(token_file))):
+        with pytest.raises(ConfigError) as refused:
+            read()
+        assert str(refused.value).endswith(f"={str(token_file)!r} can be read or written by others (mode 644); the "
+                                           f"server's token must be its owner's alone: chmod 600 {str(token_file)!r}")
+    token_file.chmod(0o600)
     assert serve_token.server_token(tmp_path, str(token_file)) == "from-a-file"
     assert not (tmp_path / serving.TOKEN_FILE).exists()  # a given token is not written anywhere
     assert serve_token.client_token(None, str(token_file)) == "from-a-file"
