@@ -46,7 +46,37 @@ def transformers_config(model_cfg: Any, tokenizer: Any) -> Any:
         kinds = kinds or [type(config).__name__]
         raise ConfigError(f"model.name_or_path={model_cfg.name_or_path!r} is not a causal language model "
                           f"({', '.join(kinds)}); give a model AutoModelForCausalLM loads (Llama, Qwen2, ...)")
+    check_shapes(config, model_cfg.name_or_path)
     return config
+
+
+SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+         "intermediate_size", "head_dim")
+
+
+def check_config_file(folder: Any) -> None:
+    """:func:`check_shapes` of ``folder/config.json`` as written, before transformers reads it (a Llama config with 0
+    heads divides by zero as it is built); a file that cannot be read is left to the loaders' own lines."""
+    import json
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    try:
+        raw = json.loads((Path(str(folder)).expanduser() / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return
+    if isinstance(raw, dict):
+        check_shapes(SimpleNamespace(**{key: raw[key] for key in SIZES if key in raw}), folder)
+
+
+def check_shapes(config: Any, source: Any) -> None:
+    """One line where ``config`` (read from ``source``) has a size no model can have: one that is not a positive
+    integer (a negative width, 0 heads: transformers divides by them)."""
+    for name in SIZES:
+        value = getattr(config, name, None)
+        if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+            raise ConfigError(f"model.name_or_path={source!r}: its config.json has {name}={value!r}; a model's sizes "
+                              "are positive integers")
 
 
 def build_on_meta(cfg: Any, tokenizer: Any, precision: Precision, fsdp: bool = False) -> PolicyAndReference:

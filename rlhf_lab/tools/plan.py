@@ -112,6 +112,7 @@ def make_plan(overrides: list[str], device: str | None = None, world_size: int =
     """The :class:`~rlhf_lab.planner.report.DevicePlan` of the config ``overrides`` compose to."""
     from rlhf_lab.config.compose import compose
     from rlhf_lab.models.loading import load_tokenizer
+    from rlhf_lab.planner.models import check_config_file
     from rlhf_lab.planner.report import DevicePlan, engine_reservation
     from rlhf_lab.planner.step import plan_step
     from rlhf_lab.runtime import distributed
@@ -124,6 +125,8 @@ def make_plan(overrides: list[str], device: str | None = None, world_size: int =
     cfg = compose(list(overrides), pending_paths=given)
     device = planned_device(cfg, device)
     memory = device_memory(device, memory_gib)
+    if cfg.model.get("name_or_path"):
+        check_config_file(cfg.model.name_or_path)  # impossible shapes: one line before transformers divides by them
     try:
         tokenizer = load_tokenizer(cfg.model)
     except (OSError, ValueError) as error:

@@ -205,6 +205,25 @@ def test_a_config_json_that_is_not_a_causal_lm_is_one_line(run_cli, tmp_path, ti
     assert code == 2 and "is not a causal language model" in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize(("architecture", "bad", "expected"), [
+    ("llama", {"num_attention_heads": 0}, "num_attention_heads=0"),  # Llama's config divides by it as it is built
+    ("qwen2", {"hidden_size": -64}, "hidden_size=-64"),
+    ("qwen2", {"num_hidden_layers": 1.5}, "num_hidden_layers=1.5"),
+    ("qwen2", {"num_key_value_heads": 0}, "num_key_value_heads=0"),
+])
+def test_a_config_json_with_impossible_shapes_is_one_line(run_cli, tmp_path, tiny_tokenizer, architecture, bad,
+                                                          expected) -> None:
+    tiny_tokenizer.save_pretrained(tmp_path)
+    name = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[architecture]
+    config = {"model_type": architecture, "architectures": [name], "vocab_size": 1000, "hidden_size": 64,
+              "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              **bad}
+    (tmp_path / "config.json").write_text(json.dumps(config), encoding="utf-8")
+    code, out, err = run_cli(["plan", "model=path", f"model.name_or_path={tmp_path}", "--device", "cpu"])
+    assert (code, out) == (2, "") and err.startswith(f"error: model.name_or_path={str(tmp_path)!r}: its config.json "
+                                                     f"has {expected}") and err.count("\n") == 1, err
+
+
 def test_a_model_given_by_its_config_json_alone_is_planned(run_cli, tmp_path, tiny_tokenizer) -> None:
     from transformers import Qwen2Config
 
