@@ -33,6 +33,12 @@ def check_sizes(cfg: Any) -> None:
         raise ConfigError(f"algorithm.max_refill_rounds={algorithm.max_refill_rounds} cannot finish; at most "
                           f"{MAX_REFILL_ROUNDS} extra generation rounds a step")
     cores = os.cpu_count() or 1
+    if trainer.num_threads < 0:  # torch would take it as its default without a word
+        raise ConfigError(f"trainer.num_threads={trainer.num_threads} is not a thread count; 0 (torch's default) or "
+                          f"1-{4 * cores}")
+    if cfg.get("logger") and cfg.logger.get("samples_every", 0) < 0:  # it would mean "never" without a word
+        raise ConfigError(f"logger.samples_every={cfg.logger.samples_every} is not a step interval; 0 (no sample "
+                          "tables sent to the tracker) or a positive number of steps")
     if trainer.num_threads and trainer.num_threads > 4 * cores:
         raise ConfigError(f"trainer.num_threads={trainer.num_threads} is more than 4 threads per core of this "
                           f"machine's {cores}; at most {4 * cores} (0: torch's default)")

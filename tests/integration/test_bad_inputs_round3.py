@@ -30,6 +30,11 @@ SIZES = [
     Case("threads_100000", ["trainer.num_threads=100000"],
          f"trainer.num_threads=100000 is more than 4 threads per core of this machine's {CORES}; at most "
          f"{4 * CORES} (0: torch's default)"),
+    Case("threads_negative", ["trainer.num_threads=-1"],
+         f"trainer.num_threads=-1 is not a thread count; 0 (torch's default) or 1-{4 * CORES}"),
+    Case("samples_every_negative", ["logger.samples_every=-1"],
+         "logger.samples_every=-1 is not a step interval; 0 (no sample tables sent to the tracker) or a positive "
+         "number of steps"),
     Case("temperature_1e-30", ["trainer.temperature=1e-30"],
          "trainer.temperature=1e-30 overflows the logits it divides; at least 0.001 (eval.greedy=true evaluates the "
          "most likely tokens)"),
