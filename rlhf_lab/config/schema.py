@@ -113,6 +113,9 @@ class PPOConfig(AlgorithmConfig):
 # ----------------------------------------------------------------------------------------------------- kl
 
 
+LARGE_KL_COEF = 1e3  # a kl.coef beyond it leaves the task reward nothing to move (a warning; named at overflow)
+
+
 @dataclass
 class KLConfig:
     """Every KL option shares this schema (``kl_schema``)."""

@@ -13,13 +13,13 @@ import os
 import warnings
 from typing import Any
 
+from rlhf_lab.config.schema import LARGE_KL_COEF
 from rlhf_lab.errors import ConfigError
 
 MAX_SAMPLES_PER_STEP = 1 << 16  # prompts_per_step x group_size: 65,536 samples a step
 MAX_REFILL_ROUNDS = 100  # dynamic sampling's extra generation rounds a step
 MAX_LORA_RANK = 4096  # beyond any layer width LoRA is used on here; the rank of a layer is at most its width
 MIN_TEMPERATURE = 1e-3  # logits divided by less overflow float32 (use a greedy evaluation for the most likely token)
-LARGE_KL_COEF = 1e3  # a coefficient beyond it leaves the task reward nothing to move
 
 
 def check_sizes(cfg: Any) -> None:

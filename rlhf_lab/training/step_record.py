@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from rlhf_lab.config.schema import LARGE_KL_COEF
 from rlhf_lab.runtime import distributed
 from rlhf_lab.runtime.timer import StepTimer
 from rlhf_lab.step.experience import Experience
@@ -53,4 +54,7 @@ class StepRecord:
             self.stop_requested = (
                 f"{self.updater.consecutive_skips} consecutive updates were skipped for non-finite loss or gradient"
             )
+            if cfg.kl.coef > LARGE_KL_COEF:  # the likely cause, named: the KL term overflows once the policy moves
+                self.stop_requested += (f" (kl.coef={cfg.kl.coef:g} scales the KL term past what the loss's float "
+                                        "holds once the policy leaves the reference: lower kl.coef)")
         return metrics

@@ -121,6 +121,21 @@ def test_nan_reward_with_drop_contributes_nothing(compose, tiny_overrides, tmp_p
 # ------------------------------------------------------------------------------ non-finite loss / gradient
 
 
+def test_a_kl_coefficient_that_overflows_every_update_stops_naming_it(compose, tiny_overrides, tmp_path):
+    """kl.coef=1e300 (a warning at compose: it may be a deliberate control) trains step 0, where the policy is the
+    reference and the KL exactly 0; once the policy moves the KL term overflows, every update is skipped, and the
+    stop says why."""
+    run_dir = tmp_path / "run"
+    with pytest.warns(UserWarning, match="kl.coef=1e"):
+        trainer = make_trainer(compose, tiny_overrides, run_dir, "trainer.steps=4", "kl.coef=1e300",
+                               "trainer.max_consecutive_skips=2", "trainer.save=none")
+    with pytest.raises(TrainingStopped) as raised:
+        trainer.train()
+    assert "2 consecutive updates were skipped for non-finite loss or gradient (kl.coef=1e+300 scales the KL term " \
+           "past what the loss's float holds once the policy leaves the reference: lower kl.coef)" in str(raised.value)
+    assert "\n" not in str(raised.value)
+
+
 def test_nonfinite_loss_and_gradient_skip_updates_then_stop_with_last_good_checkpoint(
     compose, tiny_overrides, tmp_path
 ):
