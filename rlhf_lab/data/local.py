@@ -59,13 +59,16 @@ def load_local(data_cfg: Any) -> tuple[Any, Any | None, str]:
         raise DataError(f"data.path={data_cfg.path!r} does not exist")
     train_split, eval_split = str(data_cfg.train_split), str(data_cfg.eval_split)
     if is_saved_dataset(path):
-        loaded = datasets.load_from_disk(str(path))
+        try:
+            loaded = datasets.load_from_disk(str(path))
+        except Exception as error:  # noqa: BLE001 (a torn or partial folder: datasets raises many types)
+            raise DataError(f"cannot read {path} as a save_to_disk dataset: {root_cause(error)}") from None
         if isinstance(loaded, datasets.DatasetDict):
             if train_split not in loaded:
                 raise DataError(f"data.path={str(path)!r} has no split {train_split!r} (data.train_split); "
                                 f"splits: {', '.join(loaded)}")
-            return loaded[train_split], loaded.get(eval_split), str(path)
-        return loaded, None, str(path)
+            return _rows(loaded[train_split], path), loaded.get(eval_split), str(path)
+        return _rows(loaded, path), None, str(path)
     if path.is_dir():
         train_files, eval_files = split_files(path, train_split), split_files(path, eval_split)
         if len(train_files) != 1:
@@ -83,4 +86,11 @@ def load_local(data_cfg: Any) -> tuple[Any, Any | None, str]:
             raise
         except Exception as error:  # noqa: BLE001 (datasets raises many types for an unreadable file)
             raise DataError(f"cannot read {file} as {builder_of(file)}: {root_cause(error)}") from None
-    return read["train"], read.get("eval"), str(files["train"])
+    return _rows(read["train"], files["train"]), read.get("eval"), str(files["train"])
+
+
+def _rows(dataset: Any, source: Path) -> Any:
+    """``dataset``, refused in one line naming ``source`` where it holds no rows (no prompt to train on)."""
+    if len(dataset) == 0:
+        raise DataError(f"{source} holds no rows: no prompt to train on")
+    return dataset

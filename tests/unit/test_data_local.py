@@ -94,3 +94,45 @@ def test_unknown_extensions_and_layouts_are_one_line(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     with pytest.raises(DataError, match=r"needs one train.<ext> file .* or a save_to_disk dataset; found: none"):
         prompts(tmp_path / "empty")
+
+
+def _torn_arrow(folder: Path) -> None:
+    arrow = next(folder.glob("*.arrow"))
+    arrow.write_bytes(arrow.read_bytes()[: arrow.stat().st_size // 2])
+
+
+@pytest.mark.parametrize(("damage", "reason"), [
+    (_torn_arrow, "cannot read {path} as a save_to_disk dataset: "),
+    (lambda folder: (folder / "dataset_info.json").write_text('{"features": '), "cannot read {path} as a save_to_disk "
+                                                                               "dataset: "),
+    (lambda folder: (folder / "state.json").unlink(), "cannot read {path} as a save_to_disk dataset: "),
+    (lambda folder: next(folder.glob("*.arrow")).unlink(), "cannot read {path} as a save_to_disk dataset: "),
+], ids=["torn_arrow", "torn_info", "no_state", "no_arrow"])
+def test_a_damaged_save_to_disk_folder_is_one_line_naming_it(tmp_path: Path, damage, reason: str) -> None:
+    folder = tmp_path / "saved"
+    Dataset.from_list(ROWS).save_to_disk(str(folder))
+    damage(folder)
+    with pytest.raises(DataError) as caught:
+        prompts(folder)
+    message = str(caught.value)
+    assert message.startswith(reason.format(path=folder)) and "\n" not in message, message
+
+
+def test_a_torn_dataset_dict_and_an_empty_dataset_are_one_line(tmp_path: Path) -> None:
+    folder = tmp_path / "dict"
+    DatasetDict({"train": Dataset.from_list(ROWS)}).save_to_disk(str(folder))
+    (folder / "dataset_dict.json").write_text('{"splits": ["tr')
+    with pytest.raises(DataError, match=rf"^cannot read {folder} as a save_to_disk dataset: "):
+        prompts(folder)
+    empty = tmp_path / "empty_saved"
+    Dataset.from_list(ROWS).select([]).save_to_disk(str(empty))  # datasets writes no data file for it
+    with pytest.raises(DataError, match=rf"^cannot read {empty} as a save_to_disk dataset: "):
+        prompts(empty)
+    empty_split = tmp_path / "empty_split"
+    DatasetDict({"train": Dataset.from_list(ROWS).filter(lambda row: False)}).save_to_disk(str(empty_split))
+    with pytest.raises(DataError, match=rf"^{empty_split} holds no rows: no prompt to train on$"):
+        prompts(empty_split)
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(DataError) as caught:
+        prompts(tmp_path / "empty.jsonl")
+    assert "\n" not in str(caught.value) and "empty.jsonl" in str(caught.value)
