@@ -66,6 +66,14 @@ def check_choices(cfg: Any) -> None:
     if reward.get("rescale", "none") != "none" and reward.get("rescale_threshold") is None:
         raise ConfigError(f"reward.rescale={reward.rescale} rescores the samples at or above "
                           "reward.rescale_threshold, which is null: set it (e.g. reward.rescale_threshold=1.0)")
+    if reward.get("rescale", "none") != "none":  # it rescores a prompt's group of sampled responses
+        if getattr(get("algorithm", algorithm.name), "offline", False):
+            raise ConfigError(f"reward.rescale={reward.rescale} rescores sampled responses, which "
+                              f"algorithm={algorithm.name} does not draw (it learns from data): use reward.rescale=none")
+        if algorithm.get("group_size", 1) < 2:
+            raise ConfigError(f"reward.rescale={reward.rescale} rescores within a prompt's group of samples, and "
+                              f"algorithm.group_size={algorithm.get('group_size', 1)} gives it one: use "
+                              "algorithm.group_size of 2 or more, or reward.rescale=none")
     choice("logger", cfg.logger.name, names("logger"))
     choice("logger.mode", cfg.logger.mode, MODES)
     choice("algorithm.loss_aggregation", algorithm.loss_aggregation, names("loss_aggregation"))

@@ -222,3 +222,20 @@ def test_printing_the_config_checks_it_first(tmp_path: Path, monkeypatch, capsys
     printed = subprocess.run([sys.executable, "-m", "rlhf_lab", "--cfg", "job", "model=tiny", "trainer.steps=3"],
                              cwd=tmp_path, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert printed.returncode == 0 and "  steps: 3\n" in printed.stdout and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["algorithm=sft"], "reward.rescale=mode_anchor rescores sampled responses, which algorithm=sft does not draw (it "
+                        "learns from data): use reward.rescale=none"),
+    (["algorithm=dpo"], "reward.rescale=mode_anchor rescores sampled responses, which algorithm=dpo does not draw (it "
+                        "learns from data): use reward.rescale=none"),
+    (["algorithm.group_size=1"], "reward.rescale=mode_anchor rescores within a prompt's group of samples, and "
+                                 "algorithm.group_size=1 gives it one: use algorithm.group_size of 2 or more, or "
+                                 "reward.rescale=none"),
+])
+def test_a_rescale_the_run_would_ignore_is_refused(overrides: list[str], message: str) -> None:
+    from rlhf_lab.errors import ConfigError
+
+    with pytest.raises(ConfigError) as refused:
+        compose(["model=tiny", "reward.rescale=mode_anchor", "reward.rescale_threshold=1.0", *overrides])
+    assert str(refused.value) == message
