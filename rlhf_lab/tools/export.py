@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -127,6 +128,13 @@ def _merge(config: dict[str, Any], model_dir: Path) -> Any:
 def export(source: Path, out: Path, adapter: bool = False, base: str | None = None, force: bool = False) -> Path:
     """Write the policy of ``source`` to ``out`` (see the module docstring); returns the checkpoint used."""
     out = Path(out).expanduser()
+    if out.is_symlink():  # --force would write through it, into a folder the command never named
+        raise ToolError(f"{str(out)!r} is a symbolic link (to {os.readlink(out)!r}); give the folder itself")
+    if out.is_dir() and force:
+        linked = sorted(str(path.relative_to(out)) for path in out.rglob("*") if path.is_symlink())
+        if linked:
+            raise ToolError(f"{str(out)!r} holds symbolic links ({', '.join(linked[:3])}); --force writes only into "
+                            "regular files: remove them or choose another folder")
     if out.exists() and not out.is_dir():
         raise ToolError(f"{str(out)!r} is a file; give a folder to export into")
     if out.exists() and any(out.iterdir()) and not force:

@@ -91,6 +91,19 @@ def test_mistakes_are_one_line(lora_run: Path, tmp_path: Path, run_cli) -> None:
     assert code == 2 and "exists and is not empty" in err and "--force" in err and err.count("\n") == 1
     code, _, err = run_cli(["export", str(lora_run), str(busy), "--force"])
     assert code == 0 and (busy / "model.safetensors").is_file()
+    # A link in OUT's place, or inside it, would let --force write into a folder the command never named.
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (tmp_path / "link").symlink_to(outside)
+    code, _, err = run_cli(["export", str(lora_run), str(tmp_path / "link"), "--force"])
+    assert (code, err) == (2, f"error: {str(tmp_path / 'link')!r} is a symbolic link (to {str(outside)!r}); give the "
+                              "folder itself\n")
+    (busy / "model.safetensors").unlink()
+    (busy / "model.safetensors").symlink_to(outside / "weights")
+    code, _, err = run_cli(["export", str(lora_run), str(busy), "--force"])
+    assert (code, err) == (2, f"error: {str(busy)!r} holds symbolic links (model.safetensors); --force writes only "
+                              "into regular files: remove them or choose another folder\n")
+    assert list(outside.iterdir()) == []  # nothing written through either link
 
 
 def test_model_card_without_summary() -> None:
