@@ -316,6 +316,24 @@ def make_http_server(server: WeightServer, host: str, port: int) -> ThreadingHTT
     return Server((host, port), Handler)
 
 
+def check_start(model: str, host: str, port: int) -> None:
+    """One line, before any model loads, where the server could not start: a port outside 0-65535 or one this
+    machine will not let it listen on (in use, privileged), or a model path that does not exist. A name that may be
+    a hub id (``org/name``) is left to the engine."""
+    if not 0 <= port <= 65535:
+        raise ToolError(f"--port {port}: a TCP port is 0-65535 (0: any free one)")
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the HTTP server binds
+            probe.bind((host, port))
+    except OSError as error:
+        raise ToolError(f"--host {host} --port {port}: cannot listen there ({error.strerror or error}); choose "
+                        "another --port (0: any free one)") from None
+    local = model.startswith(("/", ".", "~")) or model.count("/") > 1
+    if local and not Path(model).expanduser().exists():
+        raise ToolError(f"MODEL {model!r} does not exist; give a folder save_pretrained wrote (or a hub id)")
+
+
 def serve(model: str, host: str = "127.0.0.1", port: int = 8765, dtype: str = "auto", enforce_eager: bool = True,
           max_model_len: int = 2048, lora_rank: int = 0, *,
           sync_folder: str | Path, token_file: str | None = None, trainer_host: str = "127.0.0.1",
@@ -333,6 +351,7 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8765, dtype: str = "a
                         "generation.sync_folder)")
     dtype = check_dtype(dtype, torch.cuda.is_available())
     token = server_token(folder, token_file)
+    check_start(model, host, port)  # before the model's minutes of loading
     engine = engine_factory(model, dtype, enforce_eager, max_model_len, lora_rank, memory_share)
     weights = WeightServer(engine, folder, token, trainer_host, checkpoint_shapes(model), lora_rank)
     weights.model = model

@@ -319,6 +319,28 @@ def test_serve_options_it_cannot_run_are_one_line(tmp_path: Path, run_cli) -> No
                                  "trainer's generation.sync_folder)\n")
 
 
+def test_a_server_that_could_not_start_says_so_before_any_model_loads(tmp_path: Path, run_cli) -> None:
+    """A port outside 0-65535, one in use, a model folder that does not exist: one line each (checked before the
+    engine is built: serving.check_start)."""
+    import socket
+
+    sync = tmp_path / "sync"
+    sync.mkdir()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        cases = [
+            ([str(tmp_path), "--port", "99999"], "--port 99999: a TCP port is 0-65535 (0: any free one)"),
+            ([str(tmp_path), "--port", str(busy)], f"--host 127.0.0.1 --port {busy}: cannot listen there (Address "
+                                                   "already in use); choose another --port (0: any free one)"),
+            ([str(tmp_path / "no_model"), "--port", "0"], f"MODEL {str(tmp_path / 'no_model')!r} does not exist; give "
+                                                          "a folder save_pretrained wrote (or a hub id)"),
+        ]
+        for arguments, message in cases:
+            assert run_cli(["serve", *arguments, "--sync-folder", str(sync)]) == (2, "", f"error: {message}\n")
+
+
 def test_the_dtype_follows_the_device(monkeypatch) -> None:
     from rlhf_lab.errors import ToolError
     from rlhf_lab.generation.serve_engine import check_dtype
