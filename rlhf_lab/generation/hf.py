@@ -10,6 +10,7 @@ it samples with, so no second forward pass of the policy is needed for π_old.
 from __future__ import annotations
 
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -116,16 +117,22 @@ def generate(
 
 
 _STOP_CRITERIA: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> {stop strings: criteria}
+STOP_CACHE = 32  # stop-string lists kept per tokenizer, the least recently used dropped (a server's clients send any)
 
 
 def stop_strings(tokenizer: Any, stop: tuple[str, ...], prompt_width: int) -> Callable[[Tensor], Tensor]:
     """[B, P + t] sequences -> [B] bool: the response (past the prompt's ``prompt_width``) ends with a stop string.
 
     The criteria are built once per tokenizer and stop strings (building one walks the whole vocabulary: about a
-    second for SmolLM2's, which every generation call, every turn of an episode, would otherwise pay)."""
-    built = _STOP_CRITERIA.setdefault(tokenizer, {})
-    if stop not in built:
+    second for SmolLM2's, which every generation call, every turn of an episode, would otherwise pay), the last
+    ``STOP_CACHE`` lists kept."""
+    built = _STOP_CRITERIA.setdefault(tokenizer, OrderedDict())
+    if stop in built:
+        built.move_to_end(stop)
+    else:
         built[stop] = StopStringCriteria(tokenizer=tokenizer, stop_strings=list(stop))
+        while len(built) > STOP_CACHE:
+            built.popitem(last=False)
     criteria = built[stop]
 
     def stopped(sequences: Tensor) -> Tensor:

@@ -59,3 +59,30 @@ def test_the_step_timer_waits_for_the_gpu_at_each_phase_boundary(monkeypatch) ->
     with timer.phase("generate"):
         calls.append("work")
     assert calls == ["sync", "work", "sync"] and timer.times["generate"] >= 0
+
+
+def test_the_stop_string_criteria_cache_keeps_the_last_lists_used(monkeypatch) -> None:
+    """Building transformers' StopStringCriteria walks the vocabulary (about a second for SmolLM2's): built once per
+    list, the least recently used dropped past ``STOP_CACHE`` (a server's clients may send any lists)."""
+    from rlhf_lab.generation import hf
+
+    built = []
+
+    class Criteria:  # StopStringCriteria's contract here: built from a tokenizer and stop strings
+        def __init__(self, tokenizer, stop_strings) -> None:
+            built.append(tuple(stop_strings))
+
+    class Tokenizer:  # a tokenizer the cache can hold weakly
+        pass
+
+    monkeypatch.setattr(hf, "StopStringCriteria", Criteria)
+    tokenizer = Tokenizer()
+    lists = [(f"stop{i}",) for i in range(hf.STOP_CACHE + 3)]
+    for stop in lists:
+        hf.stop_strings(tokenizer, stop, 4)
+    hf.stop_strings(tokenizer, lists[-1], 4)  # cached: not built again
+    assert built == lists and list(hf._STOP_CRITERIA[tokenizer]) == lists[3:]
+    hf.stop_strings(tokenizer, lists[3], 4)  # used again: now the most recent
+    hf.stop_strings(tokenizer, lists[0], 4)  # dropped earlier: built again, and the least recent goes
+    assert built == [*lists, lists[0]] and list(hf._STOP_CRITERIA[tokenizer])[-2:] == [lists[3], lists[0]]
+    assert lists[4] not in hf._STOP_CRITERIA[tokenizer] and len(hf._STOP_CRITERIA[tokenizer]) == hf.STOP_CACHE
