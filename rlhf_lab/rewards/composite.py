@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import torch
@@ -53,7 +54,13 @@ class CompositeReward(Reward):
                 raise RewardError(
                     f"duplicate composite component key {key!r}; give each component a unique 'key'"
                 )
-            weight = float(component_cfg.get("weight", 1.0))
+            raw_weight = component_cfg.get("weight", 1.0)
+            try:
+                weight = float(raw_weight)
+            except (TypeError, ValueError):
+                weight = math.nan
+            if isinstance(raw_weight, bool) or not math.isfinite(weight):
+                raise RewardError(f"composite component {key!r}: weight {raw_weight!r} is not a finite number")
             reward_cfg = {k: v for k, v in component_cfg.items() if k not in COMPONENT_FIELDS}
             reward_class = get("reward", reward_cfg["name"])
             check_config_fields(

@@ -160,14 +160,23 @@ def main(args: list[str]) -> None:
     options = parser.parse_args(args)
     check_out(options.out, "sweep.yaml")
     config = sweep_config(options.overrides, options.method, options.metric, options.goal, options.name)
-    options.out.parent.mkdir(parents=True, exist_ok=True)
-    options.out.write_text(yaml.safe_dump(config, sort_keys=False))
+    write_out(options.out, yaml.safe_dump(config, sort_keys=False))
     count = 1
     for spec in config["parameters"].values():
         count *= len(spec.get("values", [1]))
     runs = f"{count} runs" if config["method"] == "grid" else "sampled runs"
     print(f"wrote {options.out} ({config['method']}, {runs}, ranked by {config['metric']['name']} "
           f"{config['metric']['goal']}); start it with: wandb sweep {options.out}")
+
+
+def write_out(out: Path, text: str) -> None:
+    """``text`` into ``out`` (its folder made if missing); a place that cannot be written is one line."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
+    except OSError as error:
+        raise ToolError(f"--out {str(out)!r} cannot be written ({error.strerror or type(error).__name__}); give a "
+                        "path you can write") from None
 
 
 def check_out(out: Path, example: str) -> None:

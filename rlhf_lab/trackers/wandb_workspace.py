@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_lab.errors import ToolError
-from rlhf_lab.trackers.wandb_sweep import check_out
+from rlhf_lab.trackers.wandb_sweep import check_out, write_out
 
 GROUP_BY = ("algorithm_name", "kl_name", "kl_placement")
 SECTIONS: dict[str, list[dict[str, Any]]] = {
@@ -119,8 +119,7 @@ def main(args: list[str]) -> None:
     view = workspace(options.entity or "", options.project, options.name, options.group)
     if options.out is not None:
         check_out(options.out, "workspace.json")
-        options.out.parent.mkdir(parents=True, exist_ok=True)  # as wandb sweep --out: a missing folder is made
-        options.out.write_text(json.dumps(spec(view), indent=1))
+        write_out(options.out, json.dumps(spec(view), indent=1))  # as wandb sweep --out: a missing folder is made
         print(f"wrote {options.out}: {sum(len(p) for p in SECTIONS.values())} panels in {len(SECTIONS)} sections")
     if options.save:
         from rlhf_lab.trackers.wandb_run import has_api_key

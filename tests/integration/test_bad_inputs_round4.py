@@ -178,6 +178,12 @@ def test_wandb_commands_refuse_in_one_line(tmp_path, monkeypatch, run_cli) -> No
     ]
     for args, message in cases:
         assert one_line(run_cli, args) == message, args
+    # A place nobody may write (not even root may make a folder in /sys; the reason is the system's): one line.
+    for args in (["wandb", "sweep", "model=tiny", "seed=0,1", "--out", "/sys/rlhf_lab_sweep/sweep.yaml"],
+                 ["wandb", "workspace", "--entity", "me", "--out", "/sys/rlhf_lab_view/view.json"]):
+        message = one_line(run_cli, args)
+        assert re.fullmatch(rf"--out '{re.escape(args[-1])}' cannot be written \([A-Za-z ]+\); give a path you can "
+                            "write", message), message
     assert not (tmp_path / "sweep.yaml").exists()
     # A missing folder is made, as for wandb sweep (a deliberate choice: --out names where the file goes).
     code, _, err = run_cli(["wandb", "workspace", "--entity", "me", "--out", str(tmp_path / "new" / "view.json")])

@@ -415,6 +415,10 @@ def test_composite_errors():
         match=r"'mn_words' for composite component 'length' \(reward 'length'\); valid fields: min_words",
     ):
         build_reward({"name": "composite", "components": [{"name": "length", "mn_words": 2}]})
+    for weight in ("abc", float("nan"), float("inf"), True, None, [1]):
+        with pytest.raises(ValueError) as refused:
+            build_reward({"name": "composite", "components": [{"name": "length", "key": "len", "weight": weight}]})
+        assert str(refused.value) == f"composite component 'len': weight {weight!r} is not a finite number"
 
 
 def test_length_reward_format_term_from_the_composed_config(compose) -> None:
