@@ -147,7 +147,8 @@ def test_a_server_engine_samples_while_the_trainer_goes_on(compose, tiny_overrid
     policy = build_policy(cfg.model, tokenizer, "float32", 0).policy
     server = _GatedServer()
     (tmp_path / "sync").mkdir()
-    (tmp_path / "sync" / ".serve_token").write_text("a token")  # where rlhf-lab serve writes its own
+    (tmp_path / "sync" / ".serve_token").write_text("a token")  # where rlhf-lab serve writes its own (mode 0600)
+    (tmp_path / "sync" / ".serve_token").chmod(0o600)
     try:
         engine = VLLMServerGeneration(policy, tokenizer, SamplingSettings(max_new_tokens=2), options={
             "url": server.url, "sync_folder": str(tmp_path / "sync")})
