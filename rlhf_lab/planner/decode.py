@@ -17,7 +17,10 @@ import torch
 
 from rlhf_lab.scoring.head import HeadLogits
 
-DECODE_STEPS = 3  # decode steps run on fake tensors (and twice as many); the rest are extrapolated
+# Decode steps run on fake tensors, then twice as many in a second decode; the rest are extrapolated. Two decodes, not
+# one read at its third draw: a decode's peak can come after its last draw (the rollout's assembly, whose size grows
+# with the steps), and only a whole decode's peak holds it.
+DECODE_STEPS = 3
 
 
 def planned_decode(engine: Any, prompts: list[list[int]], group: int, phases: Any, response_tokens: int) -> Any:
@@ -65,8 +68,6 @@ def _decode_growth(engine: Any, prompts: list[list[int]], group: int, phases: An
 def extend_rollout(rollout: Any, width: int, token_id: int) -> Any:
     """``rollout`` with its response part extended to ``width`` tokens, all valid: sampled ``token_id``, per-token
     values of zeros (new tensors like the engine's), the kept logits as the whole buffer the decode wrote into."""
-    from dataclasses import fields, replace
-
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     rows, short = rollout.response_mask.shape
@@ -76,7 +77,7 @@ def extend_rollout(rollout: Any, width: int, token_id: int) -> Any:
         longer["input_ids"] = torch.cat([rollout.input_ids, rollout.input_ids.new_full((rows, extra), token_id)], 1)
         longer["attention_mask"] = torch.cat([rollout.attention_mask, rollout.attention_mask.new_ones(rows, extra)], 1)
         longer["response_mask"] = torch.cat([rollout.response_mask, rollout.response_mask.new_ones(rows, extra)], 1)
-    for item in fields(rollout):
+    for item in dataclasses.fields(rollout):
         value = getattr(rollout, item.name)
         if isinstance(value, HeadLogits):  # kept as the LM head's inputs: those of every step
             hidden = value.hidden
@@ -92,4 +93,4 @@ def extend_rollout(rollout: Any, width: int, token_id: int) -> Any:
             longer[item.name] = base  # the decode's buffer for every step (kept logits)
         else:
             longer[item.name] = torch.cat([value, value.new_zeros(rows, extra, *value.shape[2:])], 1)
-    return replace(rollout, **longer)
+    return dataclasses.replace(rollout, **longer)

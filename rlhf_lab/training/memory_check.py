@@ -202,9 +202,9 @@ def check_engine_share(cfg: Any, held: int, free: int, total: int) -> None:
     from rlhf_lab.generation.vllm import GPU_MEMORY_UTILIZATION
 
     fraction = float(cfg.generation.get("gpu_memory_utilization") or GPU_MEMORY_UTILIZATION)
-    fits = max(0.0, (free - held) / total)
     if fraction * total <= free - held:
         return
+    fits = max(0.0, (free - held) / total)
     raise ConfigError(f"generation.gpu_memory_utilization={fraction:g} asks vLLM for {fraction * total / GIB:.3g} GiB of "
                       f"the {total / GIB:.3g} GiB GPU when its engine starts, and {free / GIB:.3g} GiB are free before "
                       f"the trainer's weights and reference take {held / GIB:.3g} GiB: at most {int(fits * 100) / 100:g} "

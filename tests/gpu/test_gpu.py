@@ -181,9 +181,10 @@ def warmed_baseline() -> int:
 def versions() -> str:
     """The versions and attention code a GPU figure was measured with (a plan calibrated with other versions does
     not hold: transformers 5.17's SDPA path copies K and V where 5.23's does not)."""
-    import transformers
+    from rlhf_lab.runtime.versions import environment
 
-    return (f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.cuda.get_device_name()}, "
+    facts = environment("cuda", None)
+    return (f"torch {facts['torch']}, transformers {facts['transformers']}, {facts['device']}, "
             f"capability {'.'.join(map(str, torch.cuda.get_device_capability()))}")
 
 
