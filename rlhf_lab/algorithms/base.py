@@ -18,8 +18,10 @@ import torch
 from torch import Tensor, nn
 
 from rlhf_lab.algorithms.advantages import GROUP_ADVANTAGES, kl_loss_scale, sequence_returns
-from rlhf_lab.algorithms.losses import ClipRange, sampler_correction
+from rlhf_lab.algorithms.losses import ClipRange, band_floor, sampler_correction
+from rlhf_lab.algorithms.off_policy import off_policy_sequence_mask, rejected
 from rlhf_lab.generation.rollout import Rollout, task_token_rewards
+from rlhf_lab.kl.corrections import behaviour_logprobs
 from rlhf_lab.masked import masked_mean, masked_sum, masked_whiten
 from rlhf_lab.registry import get, register
 from rlhf_lab.runtime import distributed
@@ -148,7 +150,7 @@ class Algorithm:
         self.by_micro_batches: Any = None
         self.clip_low = cfg.clip_eps_low if cfg.clip_eps_low is not None else cfg.clip_eps
         self.clip_high = cfg.clip_eps_high if cfg.clip_eps_high is not None else cfg.clip_eps
-        self.clip = ClipRange(self.clip_low, self.clip_high, cfg.get("clip_ratio_c"))
+        self.clip = ClipRange(self.clip_low, self.clip_high, cfg.get("clip_ratio_c"), float(cfg.get("dppo_tau", 0.0)))
 
     @classmethod
     def min_group_size(cls, cfg: Any) -> int:
@@ -192,10 +194,24 @@ class Algorithm:
         dropped: dict[str, Any] = {"policy_logits": None, "hidden": None}
         if not keep_ref_logits:
             dropped["ref_logits"] = None
+        mask = batch.response_mask
         if in_loss is not None and not bool(in_loss.all()):
-            mask = batch.response_mask * in_loss[:, None]
+            mask = mask * in_loss[:, None]
+        keep = self.rejection(batch)
+        if keep is not None:  # the correction's rejected tokens leave the loss (and its denominator)
+            stats["rollout/rejected_frac"] = 1.0 - masked_mean(keep, mask, across_ranks=True).item()
+            mask = mask * keep
+        if mask is not batch.response_mask:
             dropped.update(response_mask=mask, advantages=batch.advantages * mask)
         return replace(batch, **dropped), stats
+
+    def rejection(self, rollout: Rollout) -> Tensor | None:
+        """The tokens ``algorithm.tis_mode`` keeps in the loss ([B, T]; ``geo_mask``, ``m2po``), else None."""
+        mode = self.cfg.get("tis_mode", "token_truncate")
+        if self.cfg.get("tis_cap") is None or rollout.sampler_logprobs is None:
+            return None
+        return rejected(rollout.logprobs, rollout.sampler_logprobs, rollout.response_mask, mode,
+                        self.cfg.tis_cap, self.cfg.get("tis_floor"), float(self.cfg.get("m2po_tau", 0.04)))
 
     def prepare(self, rollout: Rollout, forward: Any = None) -> tuple[Rollout, dict[str, float]]:
         """The rollout with its token rewards, advantages ([B, T]) and returns (and the sampler correction's
@@ -229,23 +245,35 @@ class Algorithm:
         if rollout.sampler_logprobs is None:
             raise RuntimeError("algorithm.tis_cap needs the trainer's log-probs beside the sampler's (the scoring pass)")
         mask = rollout.response_mask
-        weights = sampler_correction(rollout.logprobs, rollout.sampler_logprobs, mask, cap,
-                                     self.cfg.get("tis_mode", "token_truncate"))
-        ratio = torch.exp(rollout.logprobs - rollout.sampler_logprobs)
-        if self.cfg.get("tis_mode", "token_truncate").startswith("sequence"):
-            ratio = torch.exp(((rollout.logprobs - rollout.sampler_logprobs) * mask).sum(-1, keepdim=True))
-            ratio = ratio.expand_as(mask)
+        mode, floor = self.cfg.get("tis_mode", "token_truncate"), self.cfg.get("tis_floor")
+        weights = sampler_correction(rollout.logprobs, rollout.sampler_logprobs, mask, cap, mode, floor)
+        log_ratio = (rollout.logprobs - rollout.sampler_logprobs) * mask
+        if mode.startswith("sequence") or mode == "geo_mask":  # the sequence's ratio (geo_mask: its geometric mean)
+            log_ratio = log_ratio.sum(-1, keepdim=True)
+            if mode == "geo_mask":
+                log_ratio = log_ratio / mask.sum(-1, keepdim=True).clamp(min=1.0)
+        ratio = torch.exp(log_ratio).expand_as(mask)
+        outside = ratio > cap
+        if mode in ("icepop", "geo_mask"):
+            outside = outside | (ratio < band_floor(cap, floor))
         return weights, {"rollout/is_weight_mean": masked_mean(weights, mask, across_ranks=True).item(),
-                         "rollout/is_capped_frac": masked_mean((ratio > cap).float(), mask, across_ranks=True).item()}
+                         "rollout/is_capped_frac": masked_mean(outside.float(), mask, across_ranks=True).item()}
 
     def loss(self, batch: Rollout, output: PolicyOutput, context: LossContext) -> LossResult:
         """The policy loss of a micro-batch minus the entropy bonus, and its statistics (shares of the
         mini-batch's: summed over micro-batches they give the mini-batch's values)."""
         mask = batch.response_mask
+        policy_loss_fn = get("policy_loss", self.cfg.policy_loss)
         old_logprobs = batch.old_logprobs(output.logprobs)
-        result = get("policy_loss", self.cfg.policy_loss)(output.logprobs, old_logprobs, batch.advantages, mask,
-                                                          self.clip)
+        behaviour = behaviour_logprobs(output.logprobs, batch)
+        ratio_base = behaviour if getattr(policy_loss_fn, "reads_behaviour", False) else old_logprobs
+        result = policy_loss_fn(output.logprobs, ratio_base, batch.advantages, mask, self.clip)
         per_token = result.per_token if batch.tis_weights is None else result.per_token * batch.tis_weights
+        threshold = self.cfg.get("off_policy_mask")
+        masked_out = None
+        if threshold is not None:  # DeepSeek-V3.2: negative-advantage samples far from μ leave the policy term
+            keep = off_policy_sequence_mask(output.logprobs, behaviour, batch.advantages, mask, threshold)
+            per_token, masked_out = per_token * keep, (1.0 - keep) * mask
         policy_loss = aggregate(per_token, mask, self.cfg.loss_aggregation, context)
         log_ratio = (output.logprobs - old_logprobs).detach()
         tokens = context.minibatch_tokens
@@ -259,6 +287,8 @@ class Algorithm:
         }
         for event, values in result.events.items():
             stats[f"policy/{event}_frac"] = masked_sum(values, mask) / tokens
+        if masked_out is not None:
+            stats["policy/off_policy_masked_frac"] = masked_sum(masked_out, mask) / tokens
         loss = policy_loss
         if self.cfg.entropy_coef > 0:
             bonus = self.cfg.entropy_coef * entropy_bonus(output.logits, mask, context)

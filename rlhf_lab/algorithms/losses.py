@@ -19,11 +19,13 @@ from rlhf_lab.registry import register
 @dataclass
 class ClipRange:
     """Ratio bounds: [1 − low, 1 + high] (None: unbounded on that side); ``dual``: Dual-clip's c (Ye et al.
-    2020), bounding the loss of negative-advantage tokens by −c·A; None: off."""
+    2020), bounding the loss of negative-advantage tokens by −c·A; None: off. ``tau``: the weight of a loss's
+    squared log-ratio term (``dppo``'s τ, ``algorithm.dppo_tau``)."""
 
     low: float | None = 0.2
     high: float | None = 0.2
     dual: float | None = None
+    tau: float = 0.0
 
     def bounds(self) -> tuple[float, float]:
         return (1.0 - (self.low if self.low is not None else float("inf")),
@@ -98,6 +100,29 @@ def reinforce_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, m
     return PolicyLoss(-advantages * logprobs * mask, torch.ones_like(logprobs), {})
 
 
+@register("policy_loss", "dppo")
+def dppo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
+              clip: ClipRange) -> PolicyLoss:
+    """prime-rl's default loss (its "DPPO+KL"), against the behaviour policy μ (``old_logprobs`` here are the
+    sampler's: :attr:`reads_behaviour`): r = π/μ with gradient and no clip; a token leaves the policy term where the
+    probabilities themselves moved past the trust region in the advantage's direction — A > 0 and π − μ > ``high``,
+    or A ≤ 0 and π − μ < −``low`` (a difference of probabilities, not of ratios); every token then adds
+    τ·(log r)², which pulls π back towards μ: loss_t = −keep_t·A·r + τ·(log π − log μ)²."""
+    log_ratio = logprobs - old_logprobs
+    ratio = torch.exp(log_ratio)
+    difference = (logprobs.exp() - old_logprobs.exp()).detach()
+    low, high = (bound if bound is not None else float("inf") for bound in (clip.low, clip.high))
+    above = (advantages > 0) & (difference > high)
+    below = (advantages <= 0) & (difference < -low)
+    keep = (~(above | below)).float()
+    per_token = -keep * advantages * ratio + clip.tau * log_ratio ** 2
+    return PolicyLoss(per_token * mask, ratio.detach(),
+                      {"clipped_high": above.float() * mask, "clipped_low": below.float() * mask})
+
+
+dppo_loss.reads_behaviour = True  # its old_logprobs are μ's (the sampler's), not π_old's
+
+
 def truncated_importance_weights(train_logprobs: Tensor, sampler_logprobs: Tensor, cap: float) -> Tensor:
     """TIS (Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL training"):
     w = min(π_train(y) / π_sampler(y), cap) per token, for when generation and training compute log-probs
@@ -105,27 +130,44 @@ def truncated_importance_weights(train_logprobs: Tensor, sampler_logprobs: Tenso
     return torch.exp(train_logprobs - sampler_logprobs).clamp(max=cap).detach()
 
 
-CORRECTIONS = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "none")
+CORRECTIONS = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "icepop", "geo_mask", "m2po",
+               "none")
+BANDED = ("icepop", "geo_mask")  # the corrections with a lower bound too (``algorithm.tis_floor``; null: 1 / cap)
 
 
 def sampler_correction(train_logprobs: Tensor, sampler_logprobs: Tensor, mask: Tensor, cap: float,
-                       mode: str = "token_truncate") -> Tensor:
-    """The weight of each token's loss for samples drawn by the engine (π_sampler) and scored by the trainer
-    (π_train = π_old), no gradient, 0 off the response (``algorithm.tis_cap``, ``algorithm.tis_mode``):
+                       mode: str = "token_truncate", floor: float | None = None) -> Tensor:
+    """The weight of each token's loss for samples drawn by the engine (π_sampler, μ) and scored by the trainer
+    (π_train = π_old, AReaL's proximal policy), no gradient, 0 off the response (``algorithm.tis_cap``,
+    ``algorithm.tis_mode``). The tokens it zeroes stay in the loss's denominator; the corrections that take samples
+    out of the loss altogether are :func:`rlhf_lab.algorithms.off_policy.rejected` (``geo_mask``, ``m2po``).
 
-    - ``token_truncate``: w_t = min(r_t, C) with r_t = π_train(y_t) / π_sampler(y_t) (TIS);
-    - ``token_mask``: w_t = r_t where r_t ≤ C, else 0 (the token leaves the loss);
+    - ``token_truncate``: w_t = min(r_t, C) with r_t = π_train(y_t) / μ(y_t) (TIS);
+    - ``token_mask``: w_t = r_t where r_t ≤ C, else 0 (the token leaves the loss) — with the clipped surrogate this is
+      AReaL's decoupled PPO (π_old the proximal policy, μ the behaviour policy, ``behav_imp_weight_cap`` C);
     - ``sequence_truncate`` / ``sequence_mask``: the same with the sequence's ratio Π_t r_t on every token;
+    - ``icepop``: w_t = r_t where floor ≤ r_t ≤ C, else 0 (IcePop's two-sided token mask, arXiv 2510.18855);
+    - ``geo_mask``: w_t = 1 (verl's geometric-mean rejection: the sequences outside the band leave the loss);
+    - ``m2po``: ``token_mask``'s weights (M2PO's tokens of largest second moment leave the loss);
     - ``none``: w_t = 1 (the control arm: the log-probs rescored, the samples left uncorrected).
 
-    The modes are TRL's ``vllm_importance_sampling_mode`` and verl's token/sequence rollout correction."""
+    μ's log-probs are per token: under asynchronous sampling each token's own sampler's (its policy version's), so a
+    sequence's ratio Π_t π_train(y_t) / μ_t(y_t) is the ratio of the probabilities of the sequence under the two.
+    The token and sequence modes are TRL's ``vllm_importance_sampling_mode`` and verl's rollout correction."""
     if mode not in CORRECTIONS:
         raise ValueError(f"algorithm.tis_mode={mode!r}; valid: {', '.join(CORRECTIONS)}")
-    if mode == "none":
+    if mode in ("none", "geo_mask"):
         return torch.ones_like(mask) * mask
     log_ratio = (train_logprobs - sampler_logprobs).detach() * mask
     if mode.startswith("sequence"):
         log_ratio = log_ratio.sum(-1, keepdim=True).expand_as(mask)
     ratio = torch.exp(log_ratio)
-    weights = ratio.clamp(max=cap) if mode.endswith("truncate") else torch.where(ratio <= cap, ratio, 0.0)
-    return weights * mask
+    if mode.endswith("truncate"):
+        return ratio.clamp(max=cap) * mask
+    low = band_floor(cap, floor) if mode == "icepop" else 0.0
+    return torch.where((ratio <= cap) & (ratio >= low), ratio, 0.0) * mask
+
+
+def band_floor(cap: float, floor: float | None) -> float:
+    """The lower bound of a two-sided band: ``algorithm.tis_floor``, or 1 / ``tis_cap`` where it is null (verl's)."""
+    return 1.0 / cap if floor is None else floor

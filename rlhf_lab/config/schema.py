@@ -54,7 +54,13 @@ class AlgorithmConfig:
     policy_loss: str = "clip"  # registered kind `policy_loss`: clip | gspo | cispo | reinforce
     clip_ratio_c: float | None = None  # Dual-clip c (> 1): negative-advantage tokens' loss at most −c·A
     tis_cap: float | None = None  # sampler-trainer correction: cap C of the importance weights (e.g. 2); null: off
-    tis_mode: str = "token_truncate"  # token_truncate | token_mask | sequence_truncate | sequence_mask | none
+    # token_truncate | token_mask (AReaL's decoupled PPO) | sequence_truncate | sequence_mask | icepop | geo_mask | m2po
+    # | none (rlhf_lab/algorithms/losses.py::sampler_correction, rlhf_lab/algorithms/off_policy.py)
+    tis_mode: str = "token_truncate"
+    tis_floor: float | None = None  # icepop / geo_mask: the band's lower bound; null: 1 / tis_cap
+    m2po_tau: float = 0.04  # tis_mode=m2po: the second moment of log(π_old/μ) the kept tokens stay below
+    off_policy_mask: float | None = None  # DeepSeek-V3.2's δ: negative-advantage samples with mean log(μ/π) > δ masked
+    dppo_tau: float = 1e-3  # policy_loss=dppo: weight of its τ·(log π/μ)² term
     group_size: int = 8  # samples per prompt; samples per step = prompts_per_step × group_size
     clip_eps: float | None = 0.2  # null: no ratio clipping
     clip_eps_low: float | None = None  # defaults to clip_eps

@@ -16,7 +16,7 @@ from typing import Any
 import rlhf_lab.components  # noqa: F401  (registers the built-in parts, whose names are the valid choices)
 from rlhf_lab.algorithms.advantages import REMAX_RETURNS
 from rlhf_lab.algorithms.base import WEIGHT_SOURCES
-from rlhf_lab.algorithms.losses import CORRECTIONS
+from rlhf_lab.algorithms.losses import BANDED, CORRECTIONS
 from rlhf_lab.algorithms.ppo import CRITICS
 from rlhf_lab.config.choices import (
     DEVICES,
@@ -149,7 +149,7 @@ def check_choices(cfg: Any) -> None:
 
 
 # Policy losses with no −A·r term for Dual-clip to bound: REINFORCE's −A·log π, CISPO's −sg(clip(r))·A·log π.
-NO_DUAL_CLIP = ("reinforce", "cispo")
+NO_DUAL_CLIP = ("reinforce", "cispo", "dppo")
 
 
 def check_ranges(cfg: Any) -> None:
@@ -190,6 +190,7 @@ def check_ranges(cfg: Any) -> None:
             f"algorithm.policy_loss={algorithm.policy_loss!r} has none; use policy_loss clip or gspo, or "
             "clip_ratio_c=null")
     at_least("algorithm.tis_cap", algorithm.tis_cap, 0.0, strict=True)
+    check_off_policy(algorithm)
     at_least("algorithm.max_refill_rounds", algorithm.max_refill_rounds, 0)
     at_least("algorithm.overlong_penalty", algorithm.overlong_penalty, 0.0)
     at_least("algorithm.overlong_window", algorithm.overlong_window, 0)
@@ -259,3 +260,21 @@ def check_values(cfg: Any) -> None:
     check_choices(cfg)
     check_ranges(cfg)
     check_batch_shape(cfg)
+
+
+def check_off_policy(algorithm: Any) -> None:
+    """The off-policy corrections' own settings (rlhf_lab/algorithms/off_policy.py): a band's floor below its cap and
+    only where a band is used, M2PO's τ and DPPO's τ positive, the V3.2 threshold not negative."""
+    mode, cap, floor = algorithm.get("tis_mode", "token_truncate"), algorithm.get("tis_cap"), algorithm.get("tis_floor")
+    if mode in ("icepop", "geo_mask", "m2po") and cap is None:
+        raise ConfigError(f"algorithm.tis_mode={mode} needs algorithm.tis_cap (the upper bound of its band, or M2PO's "
+                          "behaviour-weight cap; e.g. 5 for IcePop and M2PO, 1.001 for Geo-RS); it is null")
+    if floor is not None:
+        if mode not in BANDED:
+            raise ConfigError(f"algorithm.tis_floor={floor} is the lower bound of a band, and algorithm.tis_mode={mode} "
+                              f"has none: use tis_mode {' or '.join(BANDED)}, or tis_floor=null")
+        if cap is not None and not 0.0 < floor < cap:
+            raise ConfigError(f"algorithm.tis_floor={floor} is out of range; must be in (0, algorithm.tis_cap={cap})")
+    at_least("algorithm.m2po_tau", algorithm.get("m2po_tau", 0.04), 0.0, strict=True)
+    at_least("algorithm.dppo_tau", algorithm.get("dppo_tau", 0.0), 0.0)
+    at_least("algorithm.off_policy_mask", algorithm.get("off_policy_mask"), 0.0)

@@ -39,6 +39,7 @@ from rlhf_lab.kl.estimators import (
 from rlhf_lab.kl.exact import exact_kl
 from rlhf_lab.kl.placements import KLPenalty, LossPlacement, RewardPlacement
 from rlhf_lab.kl.truth import (
+    CORRECTION_SETTINGS,
     KL_LOSS_SCALE_UNDER_ADVANTAGE,
     MICRO_BATCH_INVARIANCE,
     MULTI_TURN_MASK,
@@ -47,6 +48,8 @@ from rlhf_lab.kl.truth import (
     OFF_POLICY_SEQUENCE_KL_GRADIENT,
     REVERSE_KL_GRADIENT_UNBIASED,
     REWARD_KL_UNDER_ADVANTAGE,
+    POLICY_CORRECTION_GRADIENT,
+    POLICY_CORRECTIONS,
     SAMPLER_CORRECTION,
     SEQUENCE_KL_GRADIENT_UNBIASED,
     ZERO_KL_GRADIENT,
@@ -54,8 +57,9 @@ from rlhf_lab.kl.truth import (
 )
 
 __all__ = [
-    "KL_LOSS_SCALE_UNDER_ADVANTAGE", "MICRO_BATCH_INVARIANCE", "MULTI_TURN_MASK", "OFF_POLICY_CORRECTIONS", "OFF_POLICY_KL_GRADIENT",
-    "OFF_POLICY_SEQUENCE_KL_GRADIENT", "REVERSE_KL_GRADIENT_UNBIASED", "REWARD_KL_UNDER_ADVANTAGE", "SAMPLER_CORRECTION",
+    "CORRECTION_SETTINGS", "KL_LOSS_SCALE_UNDER_ADVANTAGE", "MICRO_BATCH_INVARIANCE", "MULTI_TURN_MASK",
+    "OFF_POLICY_CORRECTIONS", "OFF_POLICY_KL_GRADIENT", "OFF_POLICY_SEQUENCE_KL_GRADIENT", "POLICY_CORRECTION_GRADIENT",
+    "POLICY_CORRECTIONS", "REVERSE_KL_GRADIENT_UNBIASED", "REWARD_KL_UNDER_ADVANTAGE", "SAMPLER_CORRECTION",
     "SEQUENCE_KL_GRADIENT_UNBIASED", "ZERO_KL_GRADIENT",
     "AdaptiveKLController", "FixedKLController", "KLPenalty", "LossPlacement", "RewardPlacement", "absolute", "estimate",
     "exact_kl", "full", "importance_weights", "k1", "k1_plus", "k2", "k3", "k3_plus", "log_ratio", "no_kl",

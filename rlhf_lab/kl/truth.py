@@ -201,3 +201,27 @@ MICRO_BATCH_INVARIANCE: dict[tuple[str, str], bool] = {
     **{(aggregation, "mini-batch"): True for aggregation in ("token_mean", "sequence_mean", "sequence_sum_constant")},
     **{(aggregation, "micro-batch"): False for aggregation in ("token_mean", "sequence_mean", "sequence_sum_constant")},
 }
+
+
+# The policy loss's off-policy corrections (``algorithm.tis_mode``, ``policy_loss=dppo``, ``algorithm.off_policy_mask``)
+# for the task reward, under asynchronous sampling: is E_μ[∇ surrogate] = ∇E_π[R] (π = π_old = π_θ at the update's
+# first step, every threshold above every ratio)? By exact enumeration (tests/unit/test_policy_correction_truth.py):
+# one token from μ; two-token sequences whose tokens two policy versions sampled (x1 ~ μ_a, x2 ~ μ_b(·|x1)) with each
+# token's own sampler log-prob ("per-token versions"), and the same samples scored with the first version's log-probs
+# for both tokens ("one version per sample": what a trainer that records one version per sample computes).
+#   A token's weight π/μ corrects only its own step: the prefix stays μ's, so token-level weights (TIS, AReaL's
+#   decoupled PPO, IcePop, M2PO's kept tokens, DPPO's ratio) are exact for one token, not for sequences; the
+#   sequence's Π_t π/μ_t is exact for sequences — with every token's own version's μ, not one version's. Geo-RS and
+#   the V3.2 mask only remove samples (no weight): uncorrected. A binding threshold (``binding``: IcePop's band
+#   [0.9, 1.1], M2PO's τ = 0.01, a cap of 1.05) is biased in every setting. DPPO here with τ = 0 (its
+#   τ·(log π/μ)² term pulls π towards μ: biased by design).
+POLICY_CORRECTIONS: tuple[str, ...] = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask",
+                                       "icepop", "geo_mask", "m2po", "dppo", "off_policy_mask")
+CORRECTION_SETTINGS: tuple[str, ...] = ("one token", "per-token versions", "one version per sample", "binding")
+_POLICY_EXACT = {
+    *((name, "one token") for name in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "icepop",
+                                       "m2po", "dppo")),
+    ("sequence_truncate", "per-token versions"), ("sequence_mask", "per-token versions"),
+}
+POLICY_CORRECTION_GRADIENT: dict[tuple[str, str], bool] = {
+    (name, setting): (name, setting) in _POLICY_EXACT for name in POLICY_CORRECTIONS for setting in CORRECTION_SETTINGS}

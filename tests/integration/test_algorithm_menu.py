@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -57,14 +58,38 @@ def test_dual_clip_and_tis_log_their_shares(compose, tiny_overrides, tmp_path: P
         assert 0.0 <= line["rollout/logprob_diff_mean"] <= line["rollout/logprob_diff_max"]
 
 
+@pytest.mark.parametrize("overrides", [
+    ("algorithm.tis_mode=icepop", "algorithm.tis_cap=5.0", "algorithm.tis_floor=0.5"),
+    ("algorithm.tis_mode=geo_mask", "algorithm.tis_cap=1.5"),
+    ("algorithm.tis_mode=m2po", "algorithm.tis_cap=5.0", "algorithm.m2po_tau=1e-6", "generation.max_staleness=1",
+     "generation.simulate_staleness=true"),
+    ("algorithm.policy_loss=dppo", "algorithm.off_policy_mask=0.0", "algorithm.tis_cap=2.0"),
+])
+def test_the_asynchronous_corrections_train_and_log(compose, tiny_overrides, tmp_path: Path, overrides) -> None:
+    """Each correction runs in the trainer on samples scored apart from the trainer (bf16 sampling), and logs what
+    it did: M2PO on the second step's samples of the first step's weights (one update stale), at a τ below their
+    second moment, rejects tokens (a step whose tokens all leave the loss has a finite loss); the V3.2 mask at δ = 0 logs its share."""
+    lines = train(compose, tiny_overrides, tmp_path / "run", "algorithm=grpo", "trainer.precision=bf16-mixed",
+                  *overrides)
+    for line in lines:
+        assert 0.0 <= line["rollout/is_capped_frac"] <= 1.0
+        assert all(math.isfinite(line[key]) for key in ("loss/policy", "loss/total"))
+        if "algorithm.tis_mode=m2po" in overrides:
+            assert 0.0 <= line["rollout/rejected_frac"] <= 1.0
+    if "algorithm.tis_mode=m2po" in overrides:
+        assert lines[-1]["rollout/rejected_frac"] > 0.0
+        if "algorithm.off_policy_mask=0.0" in overrides:
+            assert 0.0 <= line["policy/off_policy_masked_frac"] <= 1.0
+
+
 @pytest.mark.parametrize(("overrides", "message"), [
     (["algorithm=ppo", "algorithm.advantage=grpo"],
      "algorithm.advantage='grpo' does not fit algorithm=ppo, whose critic estimates advantages: it needs "
      "algorithm.advantage=gae"),
     (["algorithm=grpo", "algorithm.advantage=gae"],
      "algorithm.advantage=gae needs a critic, which algorithm=grpo has not; use algorithm=ppo"),
-    (["algorithm.policy_loss=ppo2"], "algorithm.policy_loss='ppo2' is not valid; choose from: cispo, clip, gspo, "
-                                     "reinforce"),
+    (["algorithm.policy_loss=vanilla"], "algorithm.policy_loss='vanilla' is not valid; choose from: cispo, clip, dppo, "
+                                     "gspo, reinforce"),
     (["algorithm.clip_ratio_c=0.5"], "algorithm.clip_ratio_c=0.5 is out of range; must be > 1.0"),
     (["algorithm=remax", "algorithm.remax_return=suffix"],
      "algorithm.remax_return='suffix' is not valid; choose from: total, to_go"),

@@ -26,7 +26,7 @@ def test_builtins_are_registered_once_components_is_imported() -> None:
             "rloo"} <= set(registry.names("algorithm"))
     assert registry.names("advantage") == ["dr_grpo", "gae", "grpo", "reinforce", "reinforce_pp",
                                            "reinforce_pp_baseline", "remax", "rloo"]
-    assert registry.names("policy_loss") == ["cispo", "clip", "gspo", "reinforce"]
+    assert registry.names("policy_loss") == ["cispo", "clip", "dppo", "gspo", "reinforce"]
     assert registry.names("kl") == ["abs", "full", "k1_plus", "k3", "k3_plus", "kl", "mse", "none", "sequence_full",
                                     "sequence_k1"]
     assert registry.names("kl_placement") == ["loss", "reward"]
