@@ -135,6 +135,11 @@ class GenerationConfig:
     # true: that lag from the last k policies' weights kept on the host, each step sampling its own prompts in its own
     # step (rlhf_lab/generation/staleness.py); false: each batch sampled k steps early and held (hf, vllm)
     simulate_staleness: bool = False
+    # With simulate_staleness: batch (every token of a batch from one version) | in_flight (a newer version lands every
+    # update_every_tokens decode steps, the cache of the older weights kept) | partial (the same, the requests resumed
+    # with their cache recomputed) (rlhf_lab/generation/inflight.py)
+    weight_updates: str = "batch"
+    update_every_tokens: int = 0  # decode steps between two landing weight updates (in_flight / partial)
     # After every weight load the engine and the trainer score a fixed probe (rlhf_lab/generation/sync_check.py);
     # above this max |Δ log-prob| the run stops. null: the precision's default (fp32 0.02; half precision 1.0, 5x its
     # largest measured noise); 0: logged only

@@ -31,6 +31,7 @@ from rlhf_lab.config.choices import (
 )
 from rlhf_lab.config.suggest import did_you_mean
 from rlhf_lab.errors import ConfigError
+from rlhf_lab.generation.inflight import WEIGHT_UPDATES
 from rlhf_lab.registry import get, names
 from rlhf_lab.rewards.classifier import OUTPUTS
 from rlhf_lab.rewards.sentiment import TARGETS
@@ -118,6 +119,7 @@ def check_choices(cfg: Any) -> None:
     if simulate and cfg.trainer.strategy == "fsdp":
         raise ConfigError("generation.simulate_staleness=true with trainer.strategy=fsdp: the snapshots keep whole "
                           "weights, which FSDP shards; use trainer.strategy=ddp, or generation.simulate_staleness=false")
+    check_weight_updates(cfg, simulate)
     if staleness and algorithm.get("dynamic_sampling"):
         raise ConfigError(f"generation.max_staleness={staleness} samples each batch {staleness} step(s) before its "
                           "own, and algorithm.dynamic_sampling=true refills a batch by sampling within its own step: "
@@ -278,3 +280,28 @@ def check_off_policy(algorithm: Any) -> None:
     at_least("algorithm.m2po_tau", algorithm.get("m2po_tau", 0.04), 0.0, strict=True)
     at_least("algorithm.dppo_tau", algorithm.get("dppo_tau", 0.0), 0.0)
     at_least("algorithm.off_policy_mask", algorithm.get("off_policy_mask"), 0.0)
+
+
+def check_weight_updates(cfg: Any, simulate: bool) -> None:
+    """``generation.weight_updates`` in flight or partial (rlhf_lab/generation/inflight.py): the simulator lands the
+    ring's newer versions between the ``hf`` decode's steps, so it needs the ring, that decode, and weights the decode
+    reads from the policy itself."""
+    generation = cfg.generation
+    mode, every = generation.get("weight_updates", "batch"), generation.get("update_every_tokens", 0)
+    choice("generation.weight_updates", mode, WEIGHT_UPDATES)
+    if mode == "batch":
+        return
+    if not simulate:
+        raise ConfigError(f"generation.weight_updates={mode} lands the weights of newer updates mid-generation from the "
+                          "snapshots generation.simulate_staleness=true keeps: set it (with generation.max_staleness "
+                          "≥ 1), or generation.weight_updates=batch")
+    if generation.name != "hf":
+        raise ConfigError(f"generation.weight_updates={mode} with generation={generation.name}: the simulated updates "
+                          "land between the hf engine's decode steps; use generation=hf")
+    if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+        raise ConfigError(f"generation.update_every_tokens={every!r} is out of range; generation.weight_updates={mode} "
+                          "needs an integer ≥ 1 (decode steps between two weight updates landing)")
+    if cfg.get("hardware", {}).get("generation_weights", False):
+        raise ConfigError(f"generation.weight_updates={mode} with hardware.generation_weights=true: the decode would "
+                          "read its prepared copy of the weights, which a landing update does not change; use "
+                          "hardware=default or hardware.generation_weights=false")

@@ -31,6 +31,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
+from rlhf_lab.generation.kv_cache import decode_cache
 from rlhf_lab.runtime import distributed
 from rlhf_lab.runtime.distributed import sharded
 from rlhf_lab.scoring.draws import multinomial
@@ -114,7 +115,8 @@ def decode(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, past_key_v
            pad_token_id: int, greedy: bool = False, keep_logits: bool = False,
            keep_hidden: bool = False, logits_float32: bool = True, head_chunk: int = 0, head_copy: bool = False,
            sample: Callable[[Tensor], Tensor] = multinomial,
-           stopped: Callable[[Tensor], Tensor] | None = None) -> Sampled:
+           stopped: Callable[[Tensor], Tensor] | None = None,
+           between_steps: Callable[[int], bool] | None = None) -> Sampled:
     """Sample up to ``max_new_tokens`` tokens after left-padded prompts ``prompt_ids`` [B, P].
 
     ``past_key_values`` holds the first ``cached`` prompt positions of every row (0 with an empty cache);
@@ -125,6 +127,10 @@ def decode(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, past_key_v
     logits (``Sampled.logits`` is then a :class:`~rlhf_lab.scoring.head.HeadLogits`, ``head_chunk`` positions
     at a time): no [B, T, V] buffer. It reads the head's weight when it is read; ``head_copy`` keeps a copy of
     it instead (for a batch read after an update of the weights; under FSDP2 always: its reshard frees them).
+    ``between_steps(step)`` runs before each step after the first (an asynchronous engine's weight update lands
+    there, :mod:`rlhf_lab.generation.inflight`); where it returns True the key/value cache is recomputed with the
+    weights of now from every token so far (a partial rollout resumed), else the cache of the earlier weights is kept
+    (an in-flight update).
     """
     batch, prompt_width = prompt_ids.shape
     device = prompt_ids.device
@@ -160,6 +166,10 @@ def decode(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, past_key_v
     inference = not torch.is_autocast_enabled(device.type) and not sharded_weights
     for step in range(max_new_tokens):
         width = prompt_width + step
+        if step and between_steps is not None and between_steps(step):  # the cache recomputed: every token so far
+            past_key_values = decode_cache(max_new_tokens - step)
+            step_ids = sequences
+            step_positions = torch.cat([positions, next_position + torch.arange(step, device=device)], dim=1)
         with torch.inference_mode() if inference else torch.no_grad():
             output = model(input_ids=step_ids, attention_mask=attention_mask[:, :width], position_ids=step_positions,
                            past_key_values=past_key_values, use_cache=True, logits_to_keep=1,

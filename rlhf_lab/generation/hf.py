@@ -58,6 +58,7 @@ def generate(
     stop: tuple[str, ...] = (),
     head_chunk: int = 0,
     head_copy: bool = False,
+    between_steps: Callable[[int], bool] | None = None,
 ) -> Samples:
     """Sample ``group_size`` responses per prompt and collect the sampling policy's log-probs and entropy.
 
@@ -71,7 +72,8 @@ def generate(
     (``Samples.hidden``, the shared PPO critic's input at sampling time); ``logits_float32=False`` keeps the
     LM head's own logits at temperature 1 (``Samples.policy_logits``, see
     :class:`rlhf_lab.generation.decode.Sampled`); ``sample`` draws each step's tokens; a response also ends where its
-    text ends with one of ``stop`` (transformers' ``StopStringCriteria``; the stop string stays in the response).
+    text ends with one of ``stop`` (transformers' ``StopStringCriteria``; the stop string stays in the response);
+    ``between_steps``: the decode's hook where weight updates land (:func:`~rlhf_lab.generation.decode.decode`).
     """
     device = next(model.parameters()).device
     encoded = left_padded(encode_prompts(tokenizer, prompts), tokenizer.pad_token_id)
@@ -93,7 +95,7 @@ def generate(
                          temperature=temperature, top_p=top_p, top_k=top_k, eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id, greedy=greedy, keep_logits=keep_logits,
                          keep_hidden=keep_hidden, logits_float32=logits_float32, sample=sample, head_chunk=head_chunk,
-                         head_copy=head_copy,
+                         head_copy=head_copy, between_steps=between_steps,
                          stopped=stop_strings(tokenizer, stop, prompt_width=prompt_ids.shape[1]) if stop else None)
     model.train(was_training)
     prompt_width = prompt_ids.shape[1]
@@ -170,6 +172,8 @@ class HFGeneration(SamplesInPlace):
         self.keep_logits, self.keep_hidden, self.logits_float32 = keep_logits, keep_hidden, logits_float32
         self.head_chunk = 0  # > 0: kept logits stay the LM head's inputs (trainer.chunked_logprobs)
         self.head_copy = False  # those keep a copy of the head's weight (a batch scored after an update)
+        # Where weight updates land between decode steps (set by the rollout worker for a block: in-flight updates)
+        self.between_steps: Callable[[int], bool] | None = None
 
     def generate(self, prompts: list[Prompt], group_size: int, seeds: list[int] | None = None,
                  greedy: bool = False, settings: SamplingSettings | None = None) -> Samples:
@@ -190,7 +194,7 @@ class HFGeneration(SamplesInPlace):
                         keep_logits=self.keep_logits and not greedy, greedy=greedy,
                         keep_hidden=self.keep_hidden and not greedy, logits_float32=self.logits_float32,
                         sample=sample, stop=settings.stop, head_chunk=self.head_chunk,
-                        head_copy=self.head_copy)
+                        head_copy=self.head_copy, between_steps=None if greedy else self.between_steps)
 
     def sync_weights(self, policy: nn.Module) -> None:
         """Nothing to copy: it samples with the policy's own weights."""

@@ -91,6 +91,7 @@ class Samples(_Rows):
     policy_logits: Tensor | None = None  # [B, T, V] sampling-time policy logits (temperature-scaled), in the
     # LM head's dtype or float32 (kept under ``engine.keep_logits``)
     hidden: Tensor | None = None  # [B, T, H] sampling-time last hidden states predicting each response token
+    versions: Tensor | None = None  # [B, T] long: the updates of the weights that sampled each token (0 off it)
 
     def select(self, rows: Tensor) -> Samples:
         """The samples of the given row indices."""
@@ -129,6 +130,7 @@ class Scored(_Rows):
     sampler_logprobs: Tensor | None = None  # [B, T] the engine's, where ``logprobs`` are the trainer's
     old_from_update: bool = False
     entropy_from_update: bool = False
+    versions: Tensor | None = None  # [B, T] the sampling weights' updates per token (:class:`Samples`)
 
     @classmethod
     def from_samples(cls, samples: Samples, **added: Any) -> Scored:
@@ -187,6 +189,7 @@ class Rollout(_Rows):
     # sum is ``scores``); the token rewards start from these instead of the score on the last token
     truncated: Tensor | None = None  # [B] bool, where the sampler knows it (multi-turn: the episode did not end)
     extras: dict[str, Tensor] = field(default_factory=dict)
+    versions: Tensor | None = None  # [B, T] long: the updates of the weights that sampled each token (0 off it)
 
     def old_logprobs(self, logprobs: Tensor) -> Tensor:
         """π_old for a training pass that computed ``logprobs``: themselves, detached, where the rollout gets one
@@ -236,7 +239,7 @@ def concat_rollouts(parts: list[Any], pad_token_id: int) -> Any:
 
     pieces: dict[str, list[Tensor]] = {key: [] for key in ("input_ids", "attention_mask", "response_mask",
                                                            "logprobs", "entropy", "policy_logits", "hidden", "scores",
-                                                           "turn_rewards", "truncated")}
+                                                           "turn_rewards", "truncated", "versions")}
     for part in parts:
         left, right = prompt_width - part.prompt_width, response_width - part.response_mask.shape[1]
         prompt_ids, response_ids = part.input_ids[:, : part.prompt_width], part.response_ids
@@ -246,7 +249,7 @@ def concat_rollouts(parts: list[Any], pad_token_id: int) -> Any:
         pieces["attention_mask"].append(torch.cat([pad(prompt_mask, left, 0), pad(response_attention, 0, right)], dim=1))
         for key in ("response_mask", "logprobs", "entropy"):
             pieces[key].append(pad(getattr(part, key), 0, right))
-        for key in ("policy_logits", "hidden", "turn_rewards"):
+        for key in ("policy_logits", "hidden", "turn_rewards", "versions"):
             if getattr(part, key, None) is not None:
                 pieces[key].append(pad(getattr(part, key), 0, right))
         for key in ("scores", "truncated"):
@@ -254,7 +257,8 @@ def concat_rollouts(parts: list[Any], pad_token_id: int) -> Any:
                 pieces[key].append(getattr(part, key))
     kind = type(parts[0])
     names = {f.name for f in fields(kind)}
-    optional = {key: pieces.pop(key) for key in ("policy_logits", "hidden", "scores", "turn_rewards", "truncated")}
+    optional = {key: pieces.pop(key) for key in ("policy_logits", "hidden", "scores", "turn_rewards", "truncated",
+                                                 "versions")}
     optional = {key: (values[0].cat(values) if hasattr(values[0], "select_rows") else torch.cat(values))
                 if getattr(parts[0], key) is not None else None for key, values in optional.items() if key in names}
     if "extras" in names:

@@ -64,6 +64,11 @@ class SnapshotRing:
         finally:
             self._load(self.snapshots[current])
 
+    def load(self, version: int) -> None:
+        """The policy holds the snapshot of ``version`` updates (inside :meth:`weights_of`: a newer weight update
+        landing mid-generation, :mod:`rlhf_lab.generation.inflight`; the block's end puts the current back)."""
+        self._load(self.snapshots[version])
+
     @torch.no_grad()
     def _load(self, snapshot: dict[str, Tensor]) -> None:
         for name, parameter in self.trainable().items():

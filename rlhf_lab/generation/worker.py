@@ -38,13 +38,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from rlhf_lab.generation.backend import GenerationBackend, Prompt, SamplingSettings
+from rlhf_lab.generation.inflight import InflightSchedule, batch_versions
 from rlhf_lab.generation.rollout import Samples
 from rlhf_lab.generation.staleness import SnapshotRing
 from rlhf_lab.generation.sync_check import SyncCheck
@@ -62,8 +63,12 @@ class RolloutWorker:
     """
 
     def __init__(self, engine: GenerationBackend, policy: nn.Module, sync_check: SyncCheck | None = None,
-                 ring: SnapshotRing | None = None) -> None:
+                 ring: SnapshotRing | None = None, inflight: tuple[bool, int] | None = None) -> None:
         self.engine, self.policy, self.sync_check, self.ring = engine, policy, sync_check, ring
+        # generation.weight_updates in_flight / partial: (partial, decode steps between landings); None: one version
+        self.inflight = inflight
+        self.sampling_version = 0  # the updates of the weights the engine samples with now (the ring's, lagging)
+        self.training_version = 0  # the policy's updates when the last training batch was handed out
         self.lags = False  # inside :meth:`lagging`: sampling with the ring's weights of max(t − k, 0) updates
         self.holds_weights = bool(getattr(engine, "holds_weights", False))
         self.sleeps = bool(getattr(engine, "sleeps", False))
@@ -105,14 +110,25 @@ class RolloutWorker:
                                                              settings=settings)
                 if probe is not None:  # else the block's end checks it in a call of its own
                     self._check(probe, settings or self.engine.settings)
-                return rollout
-            return self.engine.generate(prompts, group_size, seeds=seeds, greedy=greedy, settings=settings)
+                return stamped(rollout, self.sampling_version)
+            if self.inflight is None or not self.lags or greedy:
+                rollout = self.engine.generate(prompts, group_size, seeds=seeds, greedy=greedy, settings=settings)
+                return stamped(rollout, self.sampling_version)
+            partial, every = self.inflight
+            schedule = InflightSchedule(self.ring, self.sampling_version, self.policy_version, every, partial)
+            self.engine.between_steps = schedule
+            try:
+                rollout = self.engine.generate(prompts, group_size, seeds=seeds, settings=settings)
+            finally:
+                self.engine.between_steps = None
+            return replace(rollout, versions=schedule.token_versions(rollout.response_mask))
 
     @contextmanager
     def lagging(self) -> Iterator[None]:
         """A training batch: under ``generation.simulate_staleness`` the samples in the block come from the weights
         of max(t − k, 0) updates (the ring's), the weights of now are kept for the next k steps, and older ones
         dropped; without a ring, nothing changes."""
+        self.training_version = self.policy_version
         if self.ring is None:
             yield
             return
@@ -134,6 +150,7 @@ class RolloutWorker:
             yield self
             return
         version = self.ring.behind(self.policy_version) if self.lags else self.policy_version
+        self.sampling_version = version
         past = self.ring.weights_of(version, self.policy_version) if version != self.policy_version else nullcontext()
         with ExitStack() as block:
             if self.holds_weights:
@@ -159,7 +176,7 @@ class RolloutWorker:
         returns it. Several may be in flight (``generation.max_staleness=k``: the next k steps' batches)."""
         with self.awake():
             claim = self.engine.submit(prompts, group_size, seeds=seeds, settings=settings)
-            version = self.engine_version
+            version = self.sampling_version
         self.ahead.append((key, claim, version))
 
     def take(self, key: AheadKey) -> Samples | None:
@@ -169,7 +186,7 @@ class RolloutWorker:
             if held_key == key:
                 del self.ahead[index]
                 self.batch_version = version
-                return claim()
+                return stamped(claim(), version)
         return None
 
     def settle(self) -> None:
@@ -274,6 +291,13 @@ class AdapterOff:
     def take(self, key: AheadKey) -> None:
         """No batch is ever started ahead for the reference."""
         return None
+
+
+def stamped(rollout: Samples, version: int) -> Samples:
+    """The engine's samples with each token's version: ``version`` for every token where the engine recorded none."""
+    if rollout.versions is not None:
+        return rollout
+    return replace(rollout, versions=batch_versions(rollout.response_mask, version))
 
 
 def _held(rollout: Samples) -> Callable[[], Samples]:

@@ -24,6 +24,7 @@ from rlhf_lab.envs.episodes import EpisodeRunner
 from rlhf_lab.errors import RewardError
 from rlhf_lab.generation.backend import GenerationBackend, SamplingSettings
 from rlhf_lab.generation.rollout import Rollout, Samples, Scored, concat_rollouts
+from rlhf_lab.generation.inflight import inflight_settings
 from rlhf_lab.generation.staleness import snapshot_ring
 from rlhf_lab.generation.sync_check import SyncCheck, tolerance
 from rlhf_lab.generation.worker import RolloutWorker
@@ -138,7 +139,8 @@ class ExperienceMaker:
             engine = engine_class(policy, tokenizer, self.settings, self.precision, self.hardware,
                                   options=cfg.generation, keep_logits=False,
                                   keep_hidden=keep_hidden and not self.plan.rescore, logits_float32=self.logits_float32)
-            worker = RolloutWorker(engine, policy, self._sync_check(engine, sync_probe), snapshot_ring(cfg, policy))
+            worker = RolloutWorker(engine, policy, self._sync_check(engine, sync_probe), snapshot_ring(cfg, policy),
+                                   inflight_settings(cfg))
         # The one owner of the engine's wake, weights, sampling and sleep (rlhf_lab/generation/worker.py).
         self.worker = worker
         self.engine: GenerationBackend = worker.engine

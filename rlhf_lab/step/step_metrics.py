@@ -132,3 +132,29 @@ class StepSignals:
             if main:
                 say(warning, __name__, logging.WARNING)
         return metrics
+
+
+def staleness_metrics(rollout: Rollout, trained_at: int) -> dict[str, float]:
+    """How stale a training batch is, over every rank's samples: a token's staleness is the updates between the
+    weights that sampled it (``rollout.versions``) and the policy it trains (``trained_at`` updates); a sample's is
+    its oldest token's. Token mean and max, sample mean and max, the share of samples whose tokens span more than one
+    version (weights updated while they were sampled), and the samples at each staleness
+    (``staleness/samples_at_<k>``). Nothing where the engine recorded no versions."""
+    if rollout.versions is None:
+        return {}
+    mask = rollout.response_mask > 0
+    staleness = (trained_at - rollout.versions).to(rollout.response_mask.dtype)
+    oldest = torch.where(mask, rollout.versions, torch.iinfo(torch.long).max).min(-1).values
+    newest = torch.where(mask, rollout.versions, -1).max(-1).values
+    has_tokens = distributed.gather_rows(mask.any(-1))
+    sample = distributed.gather_rows(trained_at - oldest)[has_tokens]
+    spans = distributed.gather_rows(newest > oldest)[has_tokens]
+    if not len(sample):
+        return {}
+    metrics = {"staleness/token_mean": masked_mean(staleness, rollout.response_mask, across_ranks=True).item(),
+               "staleness/token_max": float(sample.max()),  # a sample's oldest token is its stalest
+               "staleness/sample_mean": sample.float().mean().item(), "staleness/sample_max": float(sample.max()),
+               "staleness/multi_version_frac": spans.float().mean().item()}
+    for k, count in enumerate(torch.bincount(sample.clamp(min=0)).tolist()):
+        metrics[f"staleness/samples_at_{k}"] = float(count)
+    return metrics

@@ -94,11 +94,14 @@ def test_step_t_samples_what_the_policy_of_t_minus_k_gives_and_trains_as_hold_ah
     assert all(abs(line["rollout/is_weight_mean"] - 1.0) > 1e-6 for line in steps[1:])
 
 
-def test_a_resumed_run_samples_with_the_checkpoint_s_snapshots(compose, tiny_overrides, tmp_path) -> None:
+@pytest.mark.parametrize("updates", ["batch", "in_flight", "partial"])
+def test_a_resumed_run_samples_with_the_checkpoint_s_snapshots(compose, tiny_overrides, tmp_path, updates) -> None:
     """Checkpoint after step 1 under k = 2: it holds the snapshots of 0 and 1 updates (what steps 2 and 3 sample
-    with); resumed elsewhere, steps 2 and 3 log exactly what the uninterrupted run logged."""
+    with); resumed elsewhere, steps 2 and 3 log exactly what the uninterrupted run logged — with weight updates
+    landing mid-generation too (every 3 decode steps: the scripted clock is a function of the step alone)."""
     common = [*tiny_overrides(None), *STEPS, "generation.max_staleness=2", "generation.simulate_staleness=true",
-              "trainer.checkpoint_every=2", "trainer.keep_last_n=2"]
+              "trainer.checkpoint_every=2", "trainer.keep_last_n=2", f"generation.weight_updates={updates}",
+              "generation.update_every_tokens=3"]
     whole = tmp_path / "whole"
     Trainer(compose(common), whole).train()
     checkpoint = whole / "checkpoints" / "step_2"
@@ -110,6 +113,12 @@ def test_a_resumed_run_samples_with_the_checkpoint_s_snapshots(compose, tiny_ove
     expected = [line for line in steady_lines(whole) if line["step"] >= 2]
     assert [line["step"] for line in expected] == [2, 3]
     assert steady_lines(resumed) == expected
+    for line in expected:  # from step 2 on the batch starts 2 updates behind; in flight its later tokens are newer
+        assert line["staleness/sample_max"] == 2.0
+        if updates == "batch":
+            assert line["staleness/token_mean"] == 2.0 and line["staleness/multi_version_frac"] == 0.0
+        else:
+            assert line["staleness/token_mean"] < 2.0 and line["staleness/multi_version_frac"] > 0.0
 
 
 def test_the_exact_task_runs_with_it_as_with_hold_ahead(compose, tmp_path) -> None:
