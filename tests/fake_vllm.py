@@ -93,7 +93,7 @@ class LLM:
         self.model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
         self.eos_token_id = self.model.config.eos_token_id
         self.seed, self.sleep_mode, self.logprobs_mode = seed, enable_sleep_mode, logprobs_mode
-        self.kwargs = {"model": model, "dtype": dtype, "seed": seed, "enable_sleep_mode": enable_sleep_mode,
+        self.kwargs = {"model": model, "tokenizer": tokenizer, "dtype": dtype, "seed": seed, "enable_sleep_mode": enable_sleep_mode,
                        "logprobs_mode": logprobs_mode, "enable_lora": enable_lora, **kwargs}
         faults = dict(LLM.faults)
         self.ignore_loads: set[int] = set(faults.get("ignore_loads", ()))
@@ -108,6 +108,12 @@ class LLM:
         self.calls: list[str] = []
         self.requested: list[int | None] = []  # each generate call's LoRA id (None: the base weights)
         LLM.built.append(self)
+
+    def get_tokenizer(self) -> Any:
+        """vLLM's ``LLM.get_tokenizer``: the model folder's tokenizer."""
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.kwargs["tokenizer"] or self.kwargs["model"])
 
     # ------------------------------------------------------------------ sleep mode
     def sleep(self, level: int = 1) -> None:

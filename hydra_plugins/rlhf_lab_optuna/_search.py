@@ -22,12 +22,11 @@ from optuna.distributions import BaseDistribution, CategoricalDistribution, Floa
 from optuna.trial import TrialState
 
 from rlhf_lab.config.overrides import override_text
-from rlhf_lab.config.validate_sweep import SEARCH_ATTR, search_signature, study_conflict
+from rlhf_lab.config.validate_sweep import DIRECTIONS, SEARCH_ATTR, search_signature, study_conflict
 
 log = logging.getLogger(__name__)
 
 RESULTS_FILE = "optimization_results.yaml"
-DIRECTIONS = ("maximize", "minimize")
 
 
 class SearchSpaceError(ValueError):

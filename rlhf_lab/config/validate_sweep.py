@@ -210,6 +210,7 @@ def check_search_space(hydra_cfg: Any, job_cfg: Any, groups: dict[str, list[str]
     if job_cfg.get("optimized_metric") is None:
         raise ConfigError("hydra/sweeper=optuna needs the objective each trial returns: set optimized_metric to a "
                           "summary.json key, e.g. optimized_metric=eval/reward/mean")
+    check_search_settings(hydra_cfg)
     params = _flatten(OmegaConf.select(hydra_cfg, "hydra.sweeper.params"))
     where = "search space (hydra.sweeper.params)"
     first_values = []
@@ -234,6 +235,21 @@ def check_search_space(hydra_cfg: Any, job_cfg: Any, groups: dict[str, list[str]
             compose_job([*kept, *first_values])
         except ConfigError as error:
             raise ConfigError(f"{where}: {error}") from None
+
+
+DIRECTIONS = ("maximize", "minimize")
+
+
+def check_search_settings(hydra_cfg: Any) -> None:
+    """The search's own settings: ``hydra.sweeper.direction`` one of :data:`DIRECTIONS`, ``n_trials`` and ``n_jobs``
+    whole numbers ≥ 1 (0 trials would run nothing and report no best trial)."""
+    direction = OmegaConf.select(hydra_cfg, "hydra.sweeper.direction")
+    if direction not in DIRECTIONS:
+        raise ConfigError(f"hydra.sweeper.direction={direction!r} is not valid; choose from: {', '.join(DIRECTIONS)}")
+    for key in ("n_trials", "n_jobs"):
+        value = OmegaConf.select(hydra_cfg, f"hydra.sweeper.{key}")
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"hydra.sweeper.{key}={value!r} is out of range; must be an integer ≥ 1")
 
 
 SEARCH_ATTR = "rlhf_lab_search"  # the study's user attribute holding the search that made it

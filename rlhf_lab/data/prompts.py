@@ -9,6 +9,7 @@ same ones.
 from __future__ import annotations
 
 import codecs
+import hashlib
 import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -31,6 +32,12 @@ EVAL_CHUNK = 16  # held-out prompts generated at once (the offline stages: held-
 class PromptSplits:
     train: list[str]
     eval: list[str]
+
+    def digest(self) -> str:
+        """sha256 of both splits' prompts, in order: what a checkpoint records, so a resume on a data file edited
+        since is named (:func:`rlhf_lab.training.resume_contract.check_prompts`)."""
+        text = json.dumps([self.train, self.eval], sort_keys=True, default=str, ensure_ascii=False)
+        return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 def _column(dataset: Any, column: str, where: str) -> list[Prompt]:

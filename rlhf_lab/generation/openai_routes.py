@@ -198,6 +198,38 @@ def _number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def check_generate(request: dict[str, Any], vocabulary: int | None) -> dict[str, Any]:
+    """The internal ``/generate`` route's body (the trainer's :class:`~rlhf_lab.generation.server.VLLMServerGeneration`
+    sends it): every field within the bounds the OpenAI routes keep, else a 400 naming it; ``top_k=-1`` is "off" as
+    in vLLM. ``vocabulary``: the served model's token count (None: unknown). Returns the body to sample."""
+    prompts, seeds, stop = request["prompt_ids"], request.get("seeds"), request.get("stop") or []
+    top_k = request["top_k"]
+    checks = [
+        (isinstance(prompts, list) and prompts and all(isinstance(p, list) and p and all(map(_integer, p))
+                                                       for p in prompts), "prompt_ids must be non-empty token id lists"),
+        (_integer(request["group_size"]) and 0 < request["group_size"] <= MAX_N, f"group_size must be 1-{MAX_N}"),
+        (_integer(request["max_new_tokens"]) and request["max_new_tokens"] > 0, "max_new_tokens must be an integer >= 1"),
+        (_integer(request["max_prompt_tokens"]) and request["max_prompt_tokens"] > 0,
+         "max_prompt_tokens must be an integer >= 1"),
+        (_number(request["temperature"]) and request["temperature"] > 0, "temperature must be a finite number > 0"),
+        (_number(request["top_p"]) and 0 < request["top_p"] <= 1, "top_p must be in (0, 1]"),
+        (_integer(top_k) and top_k >= -1, "top_k must be an integer >= -1 (0 or -1: off)"),
+        (isinstance(request.get("greedy", False), bool), "greedy must be true or false"),
+        (seeds is None or (isinstance(seeds, list) and isinstance(prompts, list) and len(seeds) == len(prompts)
+                           and all(_integer(x) and -(2**63) <= x < 2**63 for x in seeds)),
+         "seeds must be null or one integer in [-2**63, 2**63 - 1] per prompt"),
+        (isinstance(stop, list) and len(stop) <= MAX_STOP
+         and all(isinstance(x, str) and 0 < len(x) <= MAX_STOP_CHARS for x in stop),
+         f"stop must be at most {MAX_STOP} strings of 1-{MAX_STOP_CHARS} characters"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise _error(message)
+    if vocabulary is not None and not all(0 <= t < vocabulary for p in prompts for t in p):
+        raise _error(f"prompt token ids must be in 0-{vocabulary - 1} (the served model's vocabulary)")
+    return {**request, "top_k": max(top_k, 0), "stop": stop}
+
+
 def _usage(prompts: list[list[int]], samples: list[list[Any]]) -> dict[str, int]:
     prompt_tokens = sum(len(p) for p in prompts)
     completion = sum(len(tokens) for tokens, _ in samples)

@@ -5,6 +5,7 @@ shapes)."""
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
@@ -17,6 +18,7 @@ from rlhf_lab.generation.vllm import IN_PROCESS, import_vllm, lora_rank_slot, sa
 
 DEFAULT_MEMORY_SHARE = 0.3  # of an 80 GB GPU: a 7B policy's bf16 weights (~14 GB) and ~10 GB of KV cache
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+REQUEST_SECONDS = 600.0  # ``--engine hf``: the longest one request may sample before it is stopped (408)
 
 
 class RequestError(Exception):
@@ -57,6 +59,7 @@ class VLLMServerEngine:
         if lora_rank:
             kwargs.update(enable_lora=True, max_lora_rank=lora_rank_slot(lora_rank), max_loras=1)
         self.llm, self.adapter = self.vllm.LLM(**kwargs), None
+        self.vocabulary = len(self.llm.get_tokenizer())  # the token ids a request may send (/generate checks them)
 
     def generate(self, request: dict[str, Any]) -> list[list[list[Any]]]:
         settings = SamplingSettings(request["max_new_tokens"], request["temperature"], request["top_p"],
@@ -155,9 +158,26 @@ class HFServerEngine:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.engine = HFGeneration(self.model, self.tokenizer, SamplingSettings(1, 1.0, 1.0, 0, max_model_len),
                                    keep_logits=False)
+        self.vocabulary = len(self.tokenizer)  # the token ids a request may send (the /generate route checks them)
+        self.request_seconds = REQUEST_SECONDS  # ``--request-seconds``: one request's sampling budget
 
     def generate(self, request: dict[str, Any]) -> list[list[list[Any]]]:
-        return sample_request(self.engine, request)
+        """The request's samples; a 408 where its decode runs past ``request_seconds`` (checked between decode steps:
+        the engine is free again at once, nothing returned)."""
+        deadline = time.monotonic() + self.request_seconds
+
+        def within_budget(step: int) -> bool:
+            if time.monotonic() >= deadline:
+                raise RequestError(408, f"the request sampled for longer than the server's --request-seconds="
+                                        f"{self.request_seconds:g} (stopped at token {step}); ask for fewer tokens "
+                                        "or samples per request")
+            return False
+
+        self.engine.between_steps = within_budget
+        try:
+            return sample_request(self.engine, request)
+        finally:
+            self.engine.between_steps = None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         own = dict(self.model.named_parameters(remove_duplicate=False))

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from rlhf_lab.errors import ToolError
-from rlhf_lab.generation.openai_routes import OpenAIRoutes
+from rlhf_lab.generation.openai_routes import OpenAIRoutes, check_generate
 from rlhf_lab.generation.serve_engine import (
     DEFAULT_MEMORY_SHARE,
     RequestError,
@@ -85,6 +85,7 @@ class WeightServer:
     def generate(self, request: dict[str, Any]) -> dict[str, Any]:
         _need(request, "prompt_ids", "group_size", "max_new_tokens", "temperature", "top_p", "top_k",
               "max_prompt_tokens")
+        request = check_generate(request, getattr(self.engine, "vocabulary", None))
         with self.lock:
             return {"samples": self.engine.generate(request)}
 

@@ -4,6 +4,7 @@ as the console), plain ``print`` elsewhere (a notebook, a test, ``rlhf_lab.train
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,7 +20,18 @@ def _in_hydra_job() -> bool:
         return False
 
 
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")  # every control character but the newline and the tab
+
+
+def printable(text: str) -> str:
+    """``text`` with its control characters written out (``ESC`` as ``\\x1b``): a model's or an environment's text
+    cannot move the cursor, clear the screen, retitle the terminal or rewrite an earlier line."""
+    return _CONTROL.sub(lambda match: f"\\x{ord(match.group()):02x}", text)
+
+
 def say(message: str, logger: str = "rlhf_lab", level: int = logging.INFO) -> None:
+    """One message for the user (its control characters written out: :func:`printable`)."""
+    message = printable(message)
     if _in_hydra_job():
         logging.getLogger(logger).log(level, message)
     else:

@@ -20,7 +20,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def main(args: list[str] | None = None) -> None:
-    from rlhf_lab.generation.serve_engine import DEFAULT_MEMORY_SHARE, DTYPES
+    from rlhf_lab.generation.serve_engine import DEFAULT_MEMORY_SHARE, DTYPES, REQUEST_SECONDS
     from rlhf_lab.generation.serving import TOKEN_ENV, TOKEN_FILE
 
     parser = _Parser(prog="rlhf-lab serve", description=plain(__doc__))
@@ -47,6 +47,9 @@ def main(args: list[str] | None = None) -> None:
                           help="vLLM's compiled mode (CUDA graphs) everywhere (default: on a GPU only)")
     compiled.add_argument("--eager", action="store_true",
                           help="vLLM's eager mode everywhere (default: on a CPU only, where compiling takes minutes)")
+    parser.add_argument("--request-seconds", type=float, default=REQUEST_SECONDS,
+                        help="--engine hf: a request still sampling after this many seconds is stopped with a 408, "
+                             "so no request holds the engine past it (vLLM's requests are bounded by their tokens)")
     parser.add_argument("--engine", default="vllm", choices=("vllm", "hf"),
                         help="vllm (the vLLM extra), or hf: transformers' model sampled as generation=hf does (no "
                              "extra needed; full weights only)")
@@ -57,8 +60,13 @@ def main(args: list[str] | None = None) -> None:
 
         kind = HFServerEngine if options.engine == "hf" else VLLMServerEngine
 
+        if not options.request_seconds > 0:
+            raise ToolError(f"--request-seconds {options.request_seconds:g} is out of range; must be > 0")
+
         def engine(model, dtype, eager, length, rank, share):  # noqa: ANN001, ANN202  (serve's factory)
-            return kind(model, dtype, eager, length, rank, share, options.kv_cache_mib)
+            built = kind(model, dtype, eager, length, rank, share, options.kv_cache_mib)
+            built.request_seconds = options.request_seconds
+            return built
 
         serve(options.model, options.host, options.port, options.dtype, eager(options), options.max_model_len,
               options.lora_rank, sync_folder=options.sync_folder, token_file=options.token_file,

@@ -135,6 +135,18 @@ def check_changes(cfg: Any, folder: Path) -> dict[str, tuple[Any, Any]]:
     return changed
 
 
+def check_prompts(cfg: Any, folder: Path, stored: str | None, current: str) -> None:
+    """One line where the prompts this run read are not those the checkpoint's run trained on (its data file edited
+    since: the config is the same, the rows are not); nothing for a checkpoint that recorded none."""
+    if stored is None or stored == current:
+        return
+    data = cfg.data
+    source = f"data.path={data.path}" if data.get("path") else f"data={data.name}"
+    raise ConfigError(f"the prompts of {source} are not those {folder} was trained on (sha256 {stored[:12]} there, "
+                      f"{current[:12]} here): the data was edited since; put it back to resume, or start a fresh run "
+                      "in a new folder")
+
+
 def continued_precision(cfg: Any, folder: Path | None, precision: Precision, announce: bool = True) -> Precision:
     """The precision a run resumed from checkpoint ``folder`` continues in.
 

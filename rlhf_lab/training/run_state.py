@@ -53,6 +53,7 @@ class RunState:
             return
         state = self.restore_checkpoint(distributed.unwrap(self.policy), self.algorithm.modules(),
                                         self.models.uses_adapter, self.kl_controller, sharded=self.strategy == "fsdp")
+        resume_contract.check_prompts(self.cfg, folder, state.get("prompts"), self.prompts.digest())
         rank_rng = state.get("rank_rng")
         if rank_rng and len(rank_rng) == distributed.world_size():  # every rank's own generators
             set_rank_rng_state(rank_rng[distributed.rank()])
@@ -103,7 +104,7 @@ class RunState:
         if distributed.is_main_process():  # one writer: rank 0
             trainer_state = {"kl_controller": self.kl_controller.state_dict(), **updater.state_dict(),
                              "first_eval": self.first_eval, **self.clock.state_dict(),
-                             "precision": self.precision.name, "ahead": ahead}
+                             "precision": self.precision.name, "ahead": ahead, "prompts": self.prompts.digest()}
             if distributed.world_size() > 1:
                 trainer_state["rank_rng"] = rank_rng
             folder = ckpt.save_checkpoint(self.checkpoint_root, updates, policy, self.tokenizer, modules,

@@ -214,6 +214,10 @@ BAD = {
                                          "hydra.sweeper.params.trainer.lr=interval(1e-5,1e-3) is a sweep over Hydra's "
                                          "own config; quote the value for Hydra"),
     "no objective": (["optimized_metric=null"], "hydra/sweeper=optuna needs the objective each trial returns"),
+    "no trials": (["hydra.sweeper.n_trials=0"], "hydra.sweeper.n_trials=0 is out of range; must be an integer ≥ 1"),
+    "no jobs": (["hydra.sweeper.n_jobs=0"], "hydra.sweeper.n_jobs=0 is out of range; must be an integer ≥ 1"),
+    "sideways": (["hydra.sweeper.direction=sideways"],
+                 "hydra.sweeper.direction='sideways' is not valid; choose from: maximize, minimize"),
 }
 
 

@@ -59,3 +59,24 @@ def test_a_run_that_died_before_its_first_checkpoint_is_started_afresh(compose, 
     Trainer(compose([*tiny_overrides(tmp_path), "trainer.steps=1", "trainer.eval_prompts=0", "trainer.save=none"]),
             run).train()
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 1 and (run / "summary.json").is_file()
+
+
+def test_a_resume_on_an_edited_data_file_is_one_line_naming_it(compose, tiny_overrides, tmp_path) -> None:
+    """The checkpoint records the prompts' digest; the same file resumes, an edited one is refused naming it."""
+    from rlhf_lab.errors import ConfigError
+
+    data = tmp_path / "prompts.jsonl"
+    rows = [f'{{"prompt": "review number {i} says"}}' for i in range(12)]
+    data.write_text("\n".join(rows) + "\n")
+    overrides = [*tiny_overrides(tmp_path), "data=local", f"data.path={data}", "trainer.eval_prompts=0",
+                 "trainer.checkpoint_every=1", "trainer.save=all"]
+    Trainer(compose([*overrides, "trainer.steps=1"]), tmp_path / "run").train()
+    data.write_text("\n".join(rows[:5] + ['{"prompt": "an edited row"}'] + rows[6:]) + "\n")
+    with pytest.raises(ConfigError) as refused:
+        Trainer(compose([*overrides, "trainer.steps=2", "trainer.resume=auto"]), tmp_path / "run").train()
+    message = str(refused.value)
+    assert message.startswith(f"the prompts of data.path={data} are not those ") and "\n" not in message
+    assert "the data was edited since; put it back to resume, or start a fresh run in a new folder" in message
+    data.write_text("\n".join(rows) + "\n")  # put back: it resumes
+    Trainer(compose([*overrides, "trainer.steps=2", "trainer.resume=auto"]), tmp_path / "run").train()
+    assert (tmp_path / "run" / "checkpoints" / "step_2").is_dir()

@@ -91,3 +91,53 @@ def test_fuzzed_requests_are_answered_200_or_4xx_in_one_line(server, model_folde
         answered[status] = answered.get(status, 0) + 1
     assert answered.get(200, 0) > 10 and answered.get(400, 0) > 10, answered  # both kinds were drawn
     assert call(url, COMPLETIONS, {"prompt": "Hello", "max_tokens": 1}, token)[0] == 200
+
+
+GENERATE = {"prompt_ids": [[5, 6, 7]], "group_size": 1, "max_new_tokens": 2, "temperature": 1.0, "top_p": 1.0,
+            "top_k": 0, "max_prompt_tokens": 8, "seeds": [1], "greedy": False, "stop": []}
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("top_k", -2, "top_k must be an integer >= -1 (0 or -1: off)"),
+    ("top_k", 1.5, "top_k must be an integer >= -1"),
+    ("temperature", float("inf"), "temperature must be a finite number > 0"),
+    ("temperature", 0, "temperature must be a finite number > 0"),
+    ("top_p", 1.5, "top_p must be in (0, 1]"),
+    ("group_size", 0, "group_size must be 1-64"),
+    ("max_new_tokens", 0, "max_new_tokens must be an integer >= 1"),
+    ("max_prompt_tokens", "8", "max_prompt_tokens must be an integer >= 1"),
+    ("seeds", [2**70], "seeds must be null or one integer in [-2**63, 2**63 - 1] per prompt"),
+    ("seeds", [1, 2], "seeds must be null or one integer"),
+    ("prompt_ids", [[5, 10**9, 7]], "prompt token ids must be in 0-"),
+    ("prompt_ids", [[]], "prompt_ids must be non-empty token id lists"),
+    ("prompt_ids", "hello", "prompt_ids must be non-empty token id lists"),
+    ("stop", ["x"] * 20000, "stop must be at most 4 strings of 1-256 characters"),
+    ("greedy", "yes", "greedy must be true or false"),
+])
+def test_a_bad_field_of_the_internal_route_is_a_400(server, field: str, value: Any, message: str) -> None:  # noqa: F811
+    url, token, _ = server
+    status, reply = call(url, "/generate", {**GENERATE, field: value}, token)
+    assert status == 400, reply
+    assert reply["error"].startswith(message) and "\n" not in reply["error"], reply
+
+
+def test_the_internal_route_reads_top_k_minus_one_as_off(server) -> None:  # noqa: F811
+    url, token, _ = server
+    off = call(url, "/generate", {**GENERATE, "top_k": -1}, token)
+    zero = call(url, "/generate", {**GENERATE, "top_k": 0}, token)
+    assert off[0] == 200 and off == zero
+
+
+def test_a_request_past_the_time_budget_is_a_408_and_the_engine_serves_the_next(server) -> None:  # noqa: F811
+    """A budget of 0 s: the first check, before the second decode step, stops the request (whatever the machine's
+    speed); the engine is free at once and serves the next request within its budget."""
+    url, token, engine = server
+    engine.request_seconds = 0.0
+    status, reply = call(url, "/generate", {**GENERATE, "max_new_tokens": 4}, token)
+    assert status == 408 and reply["error"].startswith("the request sampled for longer than the server's "
+                                                       "--request-seconds=0 (stopped at token 1)"), reply
+    status, reply = call(url, COMPLETIONS, {"prompt": "Hello", "max_tokens": 3}, token)
+    assert status == 408, reply
+    engine.request_seconds = 600.0
+    status, reply = call(url, "/generate", GENERATE, token)
+    assert status == 200 and len(reply["samples"][0][0]) >= 1

@@ -332,6 +332,8 @@ def test_a_server_that_could_not_start_says_so_before_any_model_loads(tmp_path: 
         busy = taken.getsockname()[1]
         cases = [
             ([str(tmp_path), "--port", "99999"], "--port 99999: a TCP port is 0-65535 (0: any free one)"),
+            ([str(tmp_path), "--request-seconds", "0"], "--request-seconds 0 is out of range; must be > 0"),
+            ([str(tmp_path), "--request-seconds", "nan"], "--request-seconds nan is out of range; must be > 0"),
             ([str(tmp_path), "--port", str(busy)], f"--host 127.0.0.1 --port {busy}: cannot listen there (Address "
                                                    "already in use); choose another --port (0: any free one)"),
             ([str(tmp_path / "no_model"), "--port", "0"], f"MODEL {str(tmp_path / 'no_model')!r} does not exist; give "
