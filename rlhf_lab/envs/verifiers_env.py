@@ -84,13 +84,13 @@ def load_environment(env_id: Any, args: dict[str, Any]) -> Any:
             raise EnvError(f"env.id={env_id!r} cannot be imported ({first_line(error)}); give module:attribute of "
                            "a verifiers environment or of a function returning one") from None
         if not isinstance(environment, vf.Environment) and callable(environment):
-            environment = environment(**args)
+            environment = _built(lambda: environment(**args), env_id)
     else:
         logger = logging.getLogger("verifiers.legacy.utils.env_utils")  # it logs the failure too: said once, below
         level = logger.level
         logger.setLevel(logging.CRITICAL)
         try:
-            environment = vf.load_environment(env_id, **args)
+            environment = _built(lambda: vf.load_environment(env_id, **args), env_id, (ImportError, ValueError))
         except (ImportError, ValueError) as error:  # verifiers says "Could not import 'NAME' environment" (ValueError)
             raise EnvError(f"env.id={env_id!r} is not an installed verifiers environment ({first_line(error)}); "
                            f"install it into the verifiers venv (`{INSTALL}`, then `pip install` the environment's "
@@ -101,6 +101,21 @@ def load_environment(env_id: Any, args: dict[str, Any]) -> Any:
         raise EnvError(f"env.id={env_id!r} gave {type(environment).__name__}, not a verifiers Environment "
                        f"(verifiers {VERSION}: SingleTurnEnv, MultiTurnEnv, ToolEnv, ...)")
     return environment
+
+
+def _built(build: Any, env_id: str, passed: tuple[type[BaseException], ...] = ()) -> Any:
+    """The environment a factory (``module:function``, or a verifiers package's ``load_environment``) returns; one line
+    naming ``env.id`` where it raises or exits instead (``passed``: errors the caller words itself)."""
+    try:
+        return build()
+    except passed:
+        raise
+    except SystemExit as exit_:  # an exit inside the factory would end the run with nothing said
+        raise EnvError(f"env.id={env_id!r}: its environment factory exited (sys.exit({exit_.code!r})) instead of "
+                       "returning an environment; nothing was trained") from None
+    except Exception as error:  # the factory's own failure, whatever it is
+        raise EnvError(f"env.id={env_id!r}: its environment factory raised {type(error).__name__}: "
+                       f"{first_line(error)}") from None
 
 
 @register("env", "verifiers")
