@@ -47,6 +47,9 @@ class InflightSchedule:
         if target == self.loaded:
             return False
         self.ring.load(target)
+        # Under autocast the decode's casts of the weights are cached for the whole region, keyed by the tensor, not
+        # its values: without this the steps after the landing would run on the casts of the older weights.
+        torch.clear_autocast_cache()
         self.loaded = target
         return self.partial
 

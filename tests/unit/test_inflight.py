@@ -145,3 +145,22 @@ def test_weight_update_settings_that_cannot_run_are_one_line(compose, tiny_overr
     with pytest.raises(ConfigError) as raised:
         compose([*tiny_overrides(None), *overrides])
     assert expected in str(raised.value) and "\n" not in str(raised.value)
+
+
+def test_a_landing_under_autocast_is_sampled_with_the_new_weights(setup) -> None:
+    """bf16-mixed: autocast caches its casts of the weights for the whole decode, so a landing must clear them; the
+    tokens after it then score as the newest version's (to bf16 rounding), not as the first's."""
+    from rlhf_lab.runtime.precision import Precision
+
+    policy, ring, engine, versions = setup
+    engine.precision = Precision("bf16-mixed", "cpu")
+    try:
+        rollout = sample(setup, (True, 2))
+        newest = (rollout.versions == 2) & (rollout.response_mask > 0)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            own, first = scored(setup, rollout, 2), scored(setup, rollout, 0)
+    finally:
+        engine.precision = Precision("fp32", "cpu")
+    gap_own = (rollout.logprobs - own).abs()[newest].max()
+    gap_first = (rollout.logprobs - first).abs()[newest].max()
+    assert gap_own < 0.05 < gap_first, (gap_own, gap_first)
