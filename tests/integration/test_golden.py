@@ -37,7 +37,10 @@ RENAMED = {"skip_minibatch": "optim/vetoed"}  # PPO's ratio-threshold veto, now 
 # Metrics added since the recording (the algorithm menu's debugging statistics).
 ADDED = {"advantages/min", "advantages/max", "policy/ratio_mean", "policy/ratio_max", "policy/ratio_min",
          "policy/clipped_low_frac", "policy/clipped_high_frac", "response/truncated_frac", "response/length_min",
-         "response/length_max", "response/clipped_frac", "rollout/frac_reward_zero_std", "kl/exact_floor"}
+         "response/length_max", "response/clipped_frac", "rollout/frac_reward_zero_std", "kl/exact_floor",
+         # every token's policy version (rlhf_lab/generation/inflight.py): on-policy, all 0
+         "staleness/token_mean", "staleness/token_max", "staleness/sample_mean", "staleness/sample_max",
+         "staleness/multi_version_frac", "staleness/samples_at_0"}
 
 # Relative: 4 steps of Adam carry a kernel's last-bit difference into the weights; Adam divides each gradient
 # by its own running size, so a relative difference in a gradient stays relative in the update. Largest seen
