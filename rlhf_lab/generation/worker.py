@@ -31,7 +31,9 @@ overlap: the lag is exact and reproducible on one CPU, with no copy of old weigh
 instead). A checkpoint holds the batches in flight (:meth:`state`), so a resumed run trains on the same samples as
 one that was never stopped. ``generation.simulate_staleness`` keeps the last k policies' weights instead
 (:mod:`rlhf_lab.generation.staleness`): each step samples its own prompts, in its own step, with the weights of
-max(t − k, 0) updates (:meth:`RolloutWorker.lagging`).
+max(t − k, 0) updates (:meth:`RolloutWorker.lagging`), and with ``generation.weight_updates`` newer versions land
+while it decodes (:mod:`rlhf_lab.generation.inflight`). Every batch handed out carries each token's version
+(``Samples.versions``: the updates of the weights that sampled it).
 """
 
 from __future__ import annotations
