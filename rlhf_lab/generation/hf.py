@@ -194,7 +194,7 @@ class HFGeneration(SamplesInPlace):
                         keep_logits=self.keep_logits and not greedy, greedy=greedy,
                         keep_hidden=self.keep_hidden and not greedy, logits_float32=self.logits_float32,
                         sample=sample, stop=settings.stop, head_chunk=self.head_chunk,
-                        head_copy=self.head_copy, between_steps=None if greedy else self.between_steps)
+                        head_copy=self.head_copy, between_steps=self.between_steps)
 
     def sync_weights(self, policy: nn.Module) -> None:
         """Nothing to copy: it samples with the policy's own weights."""

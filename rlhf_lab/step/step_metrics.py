@@ -137,7 +137,7 @@ class StepSignals:
 def staleness_metrics(rollout: Rollout, trained_at: int) -> dict[str, float]:
     """How stale a training batch is, over every rank's samples: a token's staleness is the updates between the
     weights that sampled it (``rollout.versions``) and the policy it trains (``trained_at`` updates); a sample's is
-    its oldest token's. Token mean and max, sample mean and max, the share of samples whose tokens span more than one
+    its oldest token's, its stalest (so the sample max is the token max). Token mean, sample mean and max, the share of samples whose tokens span more than one
     version (weights updated while they were sampled), and the samples at each staleness
     (``staleness/samples_at_<k>``). Nothing where the engine recorded no versions."""
     if rollout.versions is None:
@@ -152,7 +152,6 @@ def staleness_metrics(rollout: Rollout, trained_at: int) -> dict[str, float]:
     if not len(sample):
         return {}
     metrics = {"staleness/token_mean": masked_mean(staleness, rollout.response_mask, across_ranks=True).item(),
-               "staleness/token_max": float(sample.max()),  # a sample's oldest token is its stalest
                "staleness/sample_mean": sample.float().mean().item(), "staleness/sample_max": float(sample.max()),
                "staleness/multi_version_frac": spans.float().mean().item()}
     for k, count in enumerate(torch.bincount(sample.clamp(min=0)).tolist()):

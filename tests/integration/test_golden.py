@@ -39,7 +39,7 @@ ADDED = {"advantages/min", "advantages/max", "policy/ratio_mean", "policy/ratio_
          "policy/clipped_low_frac", "policy/clipped_high_frac", "response/truncated_frac", "response/length_min",
          "response/length_max", "response/clipped_frac", "rollout/frac_reward_zero_std", "kl/exact_floor",
          # every token's policy version (rlhf_lab/generation/inflight.py): on-policy, all 0
-         "staleness/token_mean", "staleness/token_max", "staleness/sample_mean", "staleness/sample_max",
+         "staleness/token_mean", "staleness/sample_mean", "staleness/sample_max",
          "staleness/multi_version_frac", "staleness/samples_at_0"}
 
 # Relative: 4 steps of Adam carry a kernel's last-bit difference into the weights; Adam divides each gradient

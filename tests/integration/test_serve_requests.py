@@ -141,3 +141,14 @@ def test_a_request_past_the_time_budget_is_a_408_and_the_engine_serves_the_next(
     engine.request_seconds = 600.0
     status, reply = call(url, "/generate", GENERATE, token)
     assert status == 200 and len(reply["samples"][0][0]) >= 1
+
+
+def test_a_greedy_request_keeps_the_time_budget_too(server) -> None:  # noqa: F811
+    """Greedy decoding (an OpenAI request at temperature 0) runs through the same budget check."""
+    url, token, engine = server
+    engine.request_seconds = 0.0
+    try:
+        status, reply = call(url, COMPLETIONS, {"prompt": "Hello", "max_tokens": 3, "temperature": 0}, token)
+    finally:
+        engine.request_seconds = 600.0
+    assert status == 408, reply
