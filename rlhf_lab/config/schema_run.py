@@ -140,6 +140,10 @@ class GenerationConfig:
     # with their cache recomputed) (rlhf_lab/generation/inflight.py)
     weight_updates: str = "batch"
     update_every_tokens: int = 0  # decode steps between two landing weight updates (in_flight / partial)
+    # null: no cap; c >= 1: a sample whose oldest token is more than c updates behind the policy that trains on it is
+    # dropped or sampled again (over_cap: drop | wait), with its group (rlhf_lab/generation/inflight.py)
+    staleness_cap: int | None = None
+    over_cap: str = "drop"
     # After every weight load the engine and the trainer score a fixed probe (rlhf_lab/generation/sync_check.py);
     # above this max |Δ log-prob| the run stops. null: the precision's default (fp32 0.02; half precision 1.0, 5x its
     # largest measured noise); 0: logged only

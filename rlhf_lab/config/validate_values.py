@@ -31,7 +31,7 @@ from rlhf_lab.config.choices import (
 )
 from rlhf_lab.config.suggest import did_you_mean
 from rlhf_lab.errors import ConfigError
-from rlhf_lab.generation.inflight import WEIGHT_UPDATES
+from rlhf_lab.generation.inflight import OVER_CAP, WEIGHT_UPDATES
 from rlhf_lab.registry import get, names
 from rlhf_lab.rewards.classifier import OUTPUTS
 from rlhf_lab.rewards.sentiment import TARGETS
@@ -289,7 +289,20 @@ def check_weight_updates(cfg: Any, simulate: bool) -> None:
     generation = cfg.generation
     mode, every = generation.get("weight_updates", "batch"), generation.get("update_every_tokens", 0)
     choice("generation.weight_updates", mode, WEIGHT_UPDATES)
+    check_staleness_cap(cfg, simulate)
     if mode == "batch":
+        return
+    if generation.name == "vllm_server":  # for real: the server takes each version between its decode steps
+        if not generation.get("max_staleness", 0):
+            raise ConfigError(f"generation.weight_updates={mode} with generation=vllm_server lands each update in the "
+                              "batches the server samples ahead, and generation.max_staleness=0 samples none ahead: "
+                              f"set generation.max_staleness to 1–{MAX_STALENESS} (the batches in flight)")
+        if every:
+            raise ConfigError(f"generation.update_every_tokens={every!r} scripts the simulator's clock; with "
+                              "generation=vllm_server a version lands when the trainer publishes it: leave it 0")
+        if cfg.model.get("lora", {}).get("enabled", False):
+            raise ConfigError(f"generation.weight_updates={mode} sends full weights between decode steps; a LoRA "
+                              "adapter reaches the server between requests: set generation.weight_updates=batch")
         return
     if not simulate:
         raise ConfigError(f"generation.weight_updates={mode} lands the weights of newer updates mid-generation from the "
@@ -305,3 +318,24 @@ def check_weight_updates(cfg: Any, simulate: bool) -> None:
         raise ConfigError(f"generation.weight_updates={mode} with hardware.generation_weights=true: the decode would "
                           "read its prepared copy of the weights, which a landing update does not change; use "
                           "hardware=default or hardware.generation_weights=false")
+
+
+def check_staleness_cap(cfg: Any, simulate: bool) -> None:
+    """``generation.staleness_cap`` (an integer ≥ 1) and ``generation.over_cap``: the cap reads the oldest token of
+    the batches sampled ahead (generation.max_staleness ≥ 1), whose lag varies only where they are not simulated."""
+    generation = cfg.generation
+    cap = generation.get("staleness_cap")
+    choice("generation.over_cap", generation.get("over_cap", "drop"), OVER_CAP)
+    if cap is None:
+        return
+    if not isinstance(cap, int) or isinstance(cap, bool) or cap < 1:
+        raise ConfigError(f"generation.staleness_cap={cap!r} is out of range; an integer ≥ 1 (updates a sample's "
+                          "oldest token may be behind the policy that trains on it), or null for no cap")
+    if not generation.get("max_staleness", 0):
+        raise ConfigError(f"generation.staleness_cap={cap} with generation.max_staleness=0: every batch is sampled by "
+                          "the weights it trains, nothing is ever stale; set generation.max_staleness ≥ 1, or "
+                          "generation.staleness_cap=null")
+    if simulate:
+        raise ConfigError(f"generation.staleness_cap={cap} with generation.simulate_staleness=true: the simulator's "
+                          "oldest token is always max_staleness updates behind; set the lag with "
+                          "generation.max_staleness, or generation.staleness_cap=null")

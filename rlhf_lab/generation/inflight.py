@@ -18,14 +18,17 @@ each token's own sampler log-prob. ``batch`` (the default) keeps one version per
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from rlhf_lab.generation.rollout import Samples, concat_rollouts
 from rlhf_lab.generation.staleness import SnapshotRing
 
 WEIGHT_UPDATES = ("batch", "in_flight", "partial")
+OVER_CAP = ("drop", "wait")  # generation.over_cap: what becomes of a sample over generation.staleness_cap
 
 
 class InflightSchedule:
@@ -71,3 +74,42 @@ def inflight_settings(cfg: Any) -> tuple[bool, int] | None:
 def batch_versions(response_mask: Tensor, version: int) -> Tensor:
     """[B, T] long: every token of the batch sampled by the weights of ``version`` updates, 0 off the response."""
     return (response_mask > 0).long() * version
+
+
+class StalenessCap:
+    """``generation.staleness_cap=c`` (verl's ``max_off_policy_threshold``, prime-rl's ``max_off_policy_steps``): a
+    batch taken by the trainer after t updates holds a sample over the cap where its oldest token was sampled by
+    weights of fewer than t − c updates. Its whole group (the group's baseline needs every sample) is dropped (out of
+    the loss and its token count, ``drop``) or sampled again with the weights of now while the trainer waits
+    (``wait``)."""
+
+    def __init__(self, cap: int, wait: bool) -> None:
+        self.cap, self.wait = cap, wait
+
+    def over(self, rollout: Samples, policy_version: int) -> Tensor:
+        """[B] bool: the samples of groups with a sample over the cap."""
+        mask = rollout.response_mask > 0
+        versions = rollout.versions if rollout.versions is not None else torch.zeros_like(mask, dtype=torch.long)
+        oldest = torch.where(mask, versions, torch.full_like(versions, policy_version)).amin(-1)
+        over = (policy_version - oldest) > self.cap
+        return over.view(-1, rollout.group_size).any(-1).repeat_interleave(rollout.group_size)
+
+    def resampled(self, rollout: Samples, over: Tensor, prompts: list[Any], seeds: list[int] | None,
+                  sample: Callable[[list[Any], list[int] | None], Samples], pad_token_id: int) -> Samples:
+        """The batch with its groups over the cap sampled again by ``sample(prompts, seeds)``, in their places."""
+        groups = over.view(-1, rollout.group_size)[:, 0].nonzero().flatten().tolist()
+        fresh = sample([prompts[g] for g in groups], None if seeds is None else [seeds[g] for g in groups])
+        kept = (~over).nonzero().flatten()
+        stale = over.nonzero().flatten()
+        parts = [rollout.select(kept), fresh] if kept.numel() else [fresh]
+        joined = concat_rollouts(parts, pad_token_id)
+        return joined.select(torch.argsort(torch.cat([kept, stale])).to(joined.response_mask.device))
+
+
+def staleness_cap(cfg: Any) -> StalenessCap | None:
+    """The cap of ``generation.staleness_cap`` (None: no cap)."""
+    generation = cfg.get("generation") or {}
+    cap = generation.get("staleness_cap")
+    if cap is None:
+        return None
+    return StalenessCap(int(cap), generation.get("over_cap", "drop") == "wait")

@@ -5,6 +5,8 @@ shapes)."""
 from __future__ import annotations
 
 import os
+import socket
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -126,6 +128,24 @@ def check_dtype(dtype: str, cuda: bool) -> str:
     return dtype
 
 
+def check_start(model: str, host: str, port: int) -> None:
+    """One line, before any model loads, where the server could not start: a port outside 0-65535 or one this
+    machine will not let it listen on (in use, privileged), or a model path that does not exist. A name that may be
+    a hub id (``org/name``) is left to the engine."""
+    if not 0 <= port <= 65535:
+        raise ToolError(f"--port {port}: a TCP port is 0-65535 (0: any free one)")
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the HTTP server binds
+            probe.bind((host, port))
+    except OSError as error:
+        raise ToolError(f"--host {host} --port {port}: cannot listen there ({error.strerror or error}); choose "
+                        "another --port (0: any free one)") from None
+    local = model.startswith(("/", ".", "~")) or model.count("/") > 1
+    if local and not Path(model).expanduser().exists():
+        raise ToolError(f"MODEL {model!r} does not exist; give a folder save_pretrained wrote (or a hub id)")
+
+
 def sample_request(engine: Any, request: dict[str, Any]) -> list[list[list[Any]]]:
     """A server's generate request sampled by a generation engine (``generate(prompts, group_size, seeds, greedy,
     settings) -> Rollout``): [sampled ids, their log-probs] per sample, prompt-major."""
@@ -160,24 +180,67 @@ class HFServerEngine:
                                    keep_logits=False)
         self.vocabulary = len(self.tokenizer)  # the token ids a request may send (the /generate route checks them)
         self.request_seconds = REQUEST_SECONDS  # ``--request-seconds``: one request's sampling budget
+        self.version = 0  # the trainer's label of the weights it samples with now (sent with each load)
+        # Loads waiting for the decode's next step, oldest first: (weights, version, set once they are in).
+        self.staged: list[tuple[dict[str, torch.Tensor], int, threading.Event]] = []
+        self.staging = threading.Lock()
+        self.token_versions: list[int] = []  # the last request's version of each decode step's tokens
 
     def generate(self, request: dict[str, Any]) -> list[list[list[Any]]]:
-        """The request's samples; a 408 where its decode runs past ``request_seconds`` (checked between decode steps:
-        the engine is free again at once, nothing returned)."""
+        """The request's samples. Weights staged meanwhile land between two decode steps (in flight: the key/value
+        cache of the older weights kept; ``partial`` in the request: recomputed with the new ones), and
+        :attr:`token_versions` says which version sampled each step's tokens. A 408 where the decode runs past
+        ``request_seconds`` (checked between decode steps: the engine is free again at once, nothing returned)."""
         deadline = time.monotonic() + self.request_seconds
+        partial = bool(request.get("partial", False))
+        self.land()
+        versions = [self.version]
 
-        def within_budget(step: int) -> bool:
+        def between(step: int) -> bool:
             if time.monotonic() >= deadline:
                 raise RequestError(408, f"the request sampled for longer than the server's --request-seconds="
                                         f"{self.request_seconds:g} (stopped at token {step}); ask for fewer tokens "
                                         "or samples per request")
-            return False
+            landed = self.land()
+            versions.append(self.version)
+            return landed and partial
 
-        self.engine.between_steps = within_budget
+        self.engine.between_steps = between
         try:
             return sample_request(self.engine, request)
         finally:
             self.engine.between_steps = None
+            self.token_versions = versions
+
+    def stage(self, weights: dict[str, torch.Tensor], version: int) -> threading.Event:
+        """Full weights (checked against the model's names and shapes here) that land at the next decode step of the
+        request in progress, or at the next :meth:`land` when none is; the event is set once they are in."""
+        own = dict(self.model.named_parameters(remove_duplicate=False))
+        for name, tensor in weights.items():
+            if name not in own:
+                raise KeyError(f"weight {name!r} is not one of the served model's")
+            if tuple(tensor.shape) != tuple(own[name].shape):
+                raise ValueError(f"weight {name!r} has shape {list(tensor.shape)}, the model's is "
+                                 f"{list(own[name].shape)}")
+        landed = threading.Event()
+        with self.staging:
+            self.staged.append((weights, version, landed))
+        return landed
+
+    def land(self) -> bool:
+        """Every staged load copied into the model, oldest first (the caller holds the server's lock, or is the
+        decode between two steps); True where one landed."""
+        with self.staging:
+            staged, self.staged = self.staged, []
+        for weights, version, landed in staged:
+            try:
+                self.load_weights(weights.items())
+                # Under autocast the casts of the weights are cached per tensor, not per value: dropped.
+                torch.clear_autocast_cache()
+                self.version = version
+            finally:
+                landed.set()
+        return bool(staged)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         own = dict(self.model.named_parameters(remove_duplicate=False))

@@ -31,10 +31,12 @@ import shutil
 import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
 from rlhf_lab.config.choices import sync_folder_needed
 from rlhf_lab.errors import ConfigError
@@ -67,15 +69,32 @@ def _post(url: str, body: dict[str, Any], token: str, timeout: float = 600.0) ->
                           "rlhf-lab serve MODEL --port N") from None
 
 
+def step_versions(steps: list[int], response_mask: Tensor) -> Tensor:
+    """[B, T] long: the server's version of each decode step's tokens (``steps``; the last one for the steps past
+    it: a request that no load reached), 0 off the response."""
+    if not steps or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in steps):
+        raise RuntimeError(f"the server's step_versions {steps!r} are not versions (integers >= 0)")
+    known = torch.tensor(steps, dtype=torch.long, device=response_mask.device)
+    width = response_mask.shape[1]
+    at = torch.arange(width, device=response_mask.device).clamp(max=len(steps) - 1)
+    return known[at][None, :].expand_as(response_mask) * (response_mask > 0)
+
+
 MISMATCH = ("do not fit the served model", "is not one of the model's", ", the model's is ")  # the server's words
 
 
-def _served_model(url: str, token: str) -> str:
-    """The model ``rlhf-lab serve`` at ``url`` was started with (its ``GET /health``)."""
+def _health(url: str, token: str) -> dict[str, Any]:
+    """``GET /health`` of the ``rlhf-lab serve`` at ``url``: the model it was started with, whether it takes weights
+    in flight."""
     request = urllib.request.Request(f"{url}/health", headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return json.loads(response.read())
+
+
+def _served_model(url: str, token: str) -> str:
+    """The model ``rlhf-lab serve`` at ``url`` was started with."""
     try:
-        with urllib.request.urlopen(request, timeout=30) as response:
-            return str(json.loads(response.read()).get("model") or "an unnamed model")
+        return str(_health(url, token).get("model") or "an unnamed model")
     except (OSError, ValueError):
         return "a model it did not name"
 
@@ -113,6 +132,26 @@ class VLLMServerGeneration:
         if collective and distributed.is_main_process():
             self._open_group(str(options.get("group_host") or "127.0.0.1"), int(options.get("group_port") or 29650))
         self.collective = collective
+        # generation.weight_updates in_flight / partial: each version the trainer publishes lands between two decode
+        # steps of the request in progress (the server's --engine hf stages it), and each token comes back with its
+        # version; batch: between requests, every token of a request from one version.
+        updates = options.get("weight_updates", "batch")
+        self.in_flight, self.partial = updates != "batch", updates == "partial"
+        self.publish_version: int | None = None  # the trainer's updates behind the next weights sent (the worker's)
+        if self.in_flight:
+            self._check_in_flight(updates)
+
+    def _check_in_flight(self, updates: str) -> None:
+        """The server must take loads between decode steps; vLLM's engine behind it takes them between requests."""
+        try:
+            health = _health(self.url, self.token)
+        except (OSError, ValueError) as error:
+            raise ConfigError(f"generation.url: no rlhf-lab serve answers at {self.url} ({error}); start one with "
+                              "rlhf-lab serve MODEL --engine hf") from None
+        if not health.get("in_flight"):
+            raise ConfigError(f"generation.weight_updates={updates}: rlhf-lab serve at {self.url} takes weights "
+                              "between requests only (its engine is vLLM's); start it with --engine hf, or set "
+                              "generation.weight_updates=batch")
 
     def _open_group(self, host: str, port: int) -> None:
         """Rank 0 and the server form their process group (rank 0 hosts its store; both join at once)."""
@@ -143,11 +182,15 @@ class VLLMServerGeneration:
         return encoded, {
             "prompt_ids": encoded, "group_size": group_size, "seeds": seeds, "greedy": greedy,
             "max_new_tokens": settings.max_new_tokens, "temperature": settings.temperature, "top_p": settings.top_p,
-            "top_k": settings.top_k, "max_prompt_tokens": settings.max_prompt_tokens, "stop": list(settings.stop)}
+            "top_k": settings.top_k, "max_prompt_tokens": settings.max_prompt_tokens, "stop": list(settings.stop),
+            "partial": self.partial}
 
     def _rollout(self, encoded: list[list[int]], reply: dict[str, Any], group_size: int) -> Samples:
         samples = [(encoded[i // group_size], tokens, logprobs) for i, (tokens, logprobs) in enumerate(reply["samples"])]
-        return samples_rollout(samples, group_size, self.tokenizer, self.device)
+        rollout = samples_rollout(samples, group_size, self.tokenizer, self.device)
+        if not self.in_flight:  # every token from the version the worker loaded for the request
+            return rollout
+        return replace(rollout, versions=step_versions(reply["step_versions"], rollout.response_mask))
 
     def sync_weights(self, policy: nn.Module) -> None:
         """Rank 0 broadcasts each weight over the group as it is gathered (``collective``), or writes the weights
@@ -157,7 +200,8 @@ class VLLMServerGeneration:
         folder = self.folder / f"v{self.version}"
         if self.collective:
             group = self.group  # rank 0's; the other ranks only gather
-            loaded = (self.requests.submit(_post, f"{self.url}/receive_weights", {}, self.token) if group is not None
+            loaded = (self.requests.submit(_post, f"{self.url}/receive_weights", self._label(), self.token)
+                      if group is not None
                       else None)
             for name, tensor in streamed_state(policy):
                 if group is not None:
@@ -189,10 +233,15 @@ class VLLMServerGeneration:
                 folder.mkdir(parents=True, exist_ok=True)
                 save_file(state, str(folder / "model.safetensors"))
                 del state
-                self._fitting(lambda: _post(f"{self.url}/load_weights", {"folder": folder.name}, self.token))
+                self._fitting(lambda: _post(f"{self.url}/load_weights", {"folder": folder.name, **self._label()},
+                                            self.token))
         if distributed.is_main_process() and not self.collective:
             shutil.rmtree(self.folder / f"v{self.version - 1}", ignore_errors=True)
         distributed.barrier()
+
+    def _label(self) -> dict[str, Any]:
+        """The version the server knows the weights sent by: the trainer's updates behind them (the worker's)."""
+        return {} if self.publish_version is None else {"version": self.publish_version}
 
     def _fitting(self, load: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         """``load()``; the server's refusal of weights its model cannot take is one line naming both models."""

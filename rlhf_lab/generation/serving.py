@@ -46,6 +46,7 @@ from rlhf_lab.generation.serve_engine import (
     ServerEngine,
     VLLMServerEngine,
     check_dtype,
+    check_start,
     checkpoint_shapes,
     weight_names,
 )
@@ -87,7 +88,11 @@ class WeightServer:
               "max_prompt_tokens")
         request = check_generate(request, getattr(self.engine, "vocabulary", None))
         with self.lock:
-            return {"samples": self.engine.generate(request)}
+            samples = self.engine.generate(request)
+            # Token t of every sample was sampled by the weights of version steps[min(t, len(steps) - 1)]: one per
+            # decode step where loads land in flight, else the version held for the whole request.
+            steps = getattr(self.engine, "token_versions", None) or [self.weights_version]
+        return {"samples": samples, "step_versions": steps}
 
     def inside(self, given: Any, what: str) -> Path:
         """``given`` (relative to the sync folder, or absolute) as a folder inside the sync folder."""
@@ -142,14 +147,52 @@ class WeightServer:
                     for name in weight_names(handle):
                         yield name, handle.get_tensor(name)
 
-        with self.lock:
-            loaded = self._fitted(streamed())
-            self.weights_version += 1
+        loaded = self._take(streamed(), self._label(request))
         return {"loaded": loaded, "version": self.weights_version}
 
-    def _fitted(self, weights: Iterator[tuple[str, torch.Tensor]]) -> int:
-        """The engine takes ``weights``; one its model cannot take (vLLM's bare ``assert`` on a shape, a name it
-        lacks) is a one-line refusal naming the weight, not an empty error."""
+    def _label(self, request: dict[str, Any]) -> int:
+        """The version a load's weights are known by: the trainer's (its updates), else one more than now."""
+        version = request.get("version", self.weights_version + 1)
+        if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+            raise RequestError(400, f"version={version!r} must be an integer >= 0 (the trainer's updates behind the "
+                                    f"weights); nothing loaded, the previous weights (version {self.weights_version}) "
+                                    "still serve")
+        return version
+
+    def _take(self, weights: Iterator[tuple[str, torch.Tensor]], version: int) -> int:
+        """The engine takes ``weights`` as ``version``. One that stages them (``--engine hf``) takes them between
+        two decode steps of the request in progress, which goes on (in flight), or at once where none is; the reply
+        waits until they are in. Any other between two requests."""
+        stage = getattr(self.engine, "stage", None)
+        if stage is None:
+            with self.lock:
+                loaded = self._fitted(weights, self.engine.load_weights)
+                self.weights_version = version if loaded else self.weights_version
+            return loaded
+        landed: list[threading.Event] = []
+
+        def staged(named: Iterator[tuple[str, torch.Tensor]]) -> int:
+            state = dict(named)  # the whole state in host memory until it lands
+            if state:
+                landed.append(stage(state, version))
+            return len(state)
+
+        loaded = self._fitted(weights, staged)
+        if not loaded:
+            return 0
+        while not landed[0].wait(0.05):
+            if self.lock.acquire(blocking=False):  # no request in progress: land them here
+                try:
+                    self.engine.land()
+                finally:
+                    self.lock.release()
+        self.weights_version = version
+        return loaded
+
+    def _fitted(self, weights: Iterator[tuple[str, torch.Tensor]],
+                take: Callable[[Iterator[tuple[str, torch.Tensor]]], int]) -> int:
+        """``take(weights)``; weights the model cannot take (vLLM's bare ``assert`` on a shape, a name it lacks) are a
+        one-line refusal naming the weight, not an empty error."""
         last: list[str] = []
 
         def named() -> Iterator[tuple[str, torch.Tensor]]:
@@ -158,7 +201,7 @@ class WeightServer:
                 yield name, tensor
 
         try:
-            return self.engine.load_weights(named())
+            return take(named())
         except (AssertionError, KeyError, ValueError, RuntimeError) as error:
             at = f" at weight {last[0]!r}" if last else ""
             raise RequestError(400, f"the weights sent do not fit the served model {self.model or '(unnamed)'}{at} "
@@ -231,17 +274,15 @@ class WeightServer:
                                                              "taken); sync again with the server's model")
                 yield name, tensor
 
-        with self.lock:
-            try:
-                loaded = self._fitted(checked())
-            except Exception:
-                for _ in stream:  # read to its end, so the trainer's broadcast finishes
-                    pass
-                raise
-            if loaded == 0:
-                raise RequestError(400, "the trainer sent no weights; the previous weights (version "
-                                        f"{self.weights_version}) still serve")
-            self.weights_version += 1
+        version = self._label(request)
+        try:
+            loaded = self._take(checked(), version)
+        except Exception:
+            for _ in stream:  # read to its end, so the trainer's broadcast finishes
+                pass
+            raise
+        if loaded == 0:
+            raise RequestError(400, "the trainer sent no weights; the previous weights still serve")
         return {"loaded": loaded, "version": self.weights_version}
 
 
@@ -275,7 +316,7 @@ def make_http_server(server: WeightServer, host: str, port: int) -> ThreadingHTT
 
         def do_GET(self) -> None:  # noqa: N802  (http.server's name)
             if self._authorised():
-                self._reply(200, {"ok": True, "model": server.model}) if self.path == "/health" else self._reply(404, {"error": self.path})
+                self._reply(200, {"ok": True, "model": server.model, "in_flight": hasattr(server.engine, "stage")}) if self.path == "/health" else self._reply(404, {"error": self.path})
 
         def do_POST(self) -> None:  # noqa: N802
             if not self._authorised():
@@ -315,24 +356,6 @@ def make_http_server(server: WeightServer, host: str, port: int) -> ThreadingHTT
         request_queue_size = 128  # connections waiting to be accepted: an agent's client opens many at once
 
     return Server((host, port), Handler)
-
-
-def check_start(model: str, host: str, port: int) -> None:
-    """One line, before any model loads, where the server could not start: a port outside 0-65535 or one this
-    machine will not let it listen on (in use, privileged), or a model path that does not exist. A name that may be
-    a hub id (``org/name``) is left to the engine."""
-    if not 0 <= port <= 65535:
-        raise ToolError(f"--port {port}: a TCP port is 0-65535 (0: any free one)")
-    try:
-        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the HTTP server binds
-            probe.bind((host, port))
-    except OSError as error:
-        raise ToolError(f"--host {host} --port {port}: cannot listen there ({error.strerror or error}); choose "
-                        "another --port (0: any free one)") from None
-    local = model.startswith(("/", ".", "~")) or model.count("/") > 1
-    if local and not Path(model).expanduser().exists():
-        raise ToolError(f"MODEL {model!r} does not exist; give a folder save_pretrained wrote (or a hub id)")
 
 
 def serve(model: str, host: str = "127.0.0.1", port: int = 8765, dtype: str = "auto", enforce_eager: bool = True,

@@ -47,7 +47,7 @@ import torch
 from torch import Tensor, nn
 
 from rlhf_lab.generation.backend import GenerationBackend, Prompt, SamplingSettings
-from rlhf_lab.generation.inflight import InflightSchedule, batch_versions
+from rlhf_lab.generation.inflight import InflightSchedule, StalenessCap, batch_versions
 from rlhf_lab.generation.rollout import Samples
 from rlhf_lab.generation.staleness import SnapshotRing
 from rlhf_lab.generation.sync_check import SyncCheck
@@ -65,10 +65,16 @@ class RolloutWorker:
     """
 
     def __init__(self, engine: GenerationBackend, policy: nn.Module, sync_check: SyncCheck | None = None,
-                 ring: SnapshotRing | None = None, inflight: tuple[bool, int] | None = None) -> None:
+                 ring: SnapshotRing | None = None, inflight: tuple[bool, int] | None = None,
+                 cap: StalenessCap | None = None) -> None:
         self.engine, self.policy, self.sync_check, self.ring = engine, policy, sync_check, ring
         # generation.weight_updates in_flight / partial: (partial, decode steps between landings); None: one version
         self.inflight = inflight
+        # A server that takes weights between its decode steps gets each version as soon as the policy has it.
+        self.publishes = bool(getattr(engine, "in_flight", False))
+        self.cap = cap  # generation.staleness_cap: what becomes of samples whose oldest token is older
+        self.dropped: Tensor | None = None  # [B] bool: the last batch's samples over the cap, out of the loss
+        self.cap_metrics: dict[str, float] = {}
         self.sampling_version = 0  # the updates of the weights the engine samples with now (the ring's, lagging)
         self.training_version = 0  # the policy's updates when the last training batch was handed out
         self.lags = False  # inside :meth:`lagging`: sampling with the ring's weights of max(t − k, 0) updates
@@ -84,6 +90,8 @@ class RolloutWorker:
         self.check_due = False  # a load the canary has not checked yet (checked before the engine sleeps again)
         # The batches in flight, oldest first: (key, claim, the updates behind the weights that sampled it).
         self.ahead: list[tuple[AheadKey, Callable[[], Samples], int]] = []
+        # Each batch's request, to sample a group again (generation.staleness_cap=k with wait): prompts, seeds, settings.
+        self.requests: dict[AheadKey, tuple[list[Prompt], list[int] | None, Any]] = {}
         self.batch_version = 0  # the engine's weights that sampled the last batch handed out
         self.last_check: dict[str, float] = {}
         self.timer: Any = None  # the step's timer (``phase(name)`` adds a phase's seconds), set by the trainer
@@ -93,8 +101,14 @@ class RolloutWorker:
 
     # ------------------------------------------------------------------------------------------ what the trainer says
     def weights_updated(self) -> None:
-        """The policy took an optimizer step: the engine gets its weights before it next samples."""
+        """The policy took an optimizer step: the engine gets its weights before it next samples, or at once where
+        it takes them in flight (between two decode steps of the batches it is sampling ahead)."""
         self.policy_version += 1
+        if self.publishes and self.engine_version >= 0:  # (a first load, -1, is the next wake's, with its canary)
+            with self._phase("sync_weights"):
+                self.engine.publish_version = self.policy_version
+                self.engine.sync_weights(self.policy)
+            self.engine_version = self.policy_version
 
     def weights_loaded(self, updates: int) -> None:
         """The policy's weights were replaced by those after ``updates`` updates (a resume): the engine, built
@@ -180,16 +194,39 @@ class RolloutWorker:
             claim = self.engine.submit(prompts, group_size, seeds=seeds, settings=settings)
             version = self.sampling_version
         self.ahead.append((key, claim, version))
+        self.requests[key] = (list(prompts), seeds, settings)
 
     def take(self, key: AheadKey) -> Samples | None:
         """The batch started ahead for ``key``, or None: none in flight for it (an evaluation's prompts, a step the
-        run did not launch); the others stay for their own steps."""
+        run did not launch); the others stay for their own steps. Under ``generation.staleness_cap`` its samples
+        whose oldest token is older are dropped (:attr:`dropped`) or sampled again now (``wait``)."""
+        self.dropped, self.cap_metrics = None, {}
         for index, (held_key, claim, version) in enumerate(self.ahead):
             if held_key == key:
                 del self.ahead[index]
                 self.batch_version = version
-                return stamped(claim(), version)
+                rollout = stamped(claim(), version)
+                request = self.requests.pop(key, None)
+                return rollout if self.cap is None else self._capped(rollout, request)
         return None
+
+    def _capped(self, rollout: Samples, request: tuple[list[Prompt], list[int] | None, Any] | None) -> Samples:
+        """``generation.staleness_cap`` on a batch taken now: a group with a sample whose oldest token is more than
+        the cap behind the policy is dropped (out of the loss) or, under ``wait``, sampled again with the weights
+        of now (the trainer waits for it)."""
+        over = self.cap.over(rollout, self.policy_version)
+        share = float(over.float().mean()) if over.numel() else 0.0
+        if not bool(over.any()):
+            self.cap_metrics = {"rollout/stale_dropped_frac": 0.0, "rollout/stale_waited_frac": 0.0}
+            return rollout
+        if self.cap.wait and request is not None:
+            self.cap_metrics = {"rollout/stale_dropped_frac": 0.0, "rollout/stale_waited_frac": share}
+            prompts, seeds, settings = request
+            return self.cap.resampled(rollout, over, prompts, seeds, lambda p, s: self.generate(
+                p, rollout.group_size, seeds=s, settings=settings), self.engine.tokenizer.pad_token_id)
+        self.cap_metrics = {"rollout/stale_dropped_frac": share, "rollout/stale_waited_frac": 0.0}
+        self.dropped = over
+        return rollout
 
     def settle(self) -> None:
         """The batches in flight are in and kept for their steps (before an evaluation or a checkpoint; an engine
@@ -199,7 +236,8 @@ class RolloutWorker:
     def state(self) -> list[list[dict[str, Any]]]:
         """Every rank's batches in flight (settled), as plain fields and CPU tensors, for rank 0 to write."""
         self.settle()
-        mine = [_rollout_state(key, claim(), version) for key, claim, version in self.ahead]
+        mine = [{**_rollout_state(key, claim(), version), "request": list(self.requests.get(key, (None, None))[:2])}
+                for key, claim, version in self.ahead]
         return distributed.gather_objects([mine])
 
     def load_state(self, states: list[list[dict[str, Any]]] | None, device: torch.device) -> None:
@@ -214,7 +252,11 @@ class RolloutWorker:
                                  if k in names})
             # A checkpoint from before versions were kept: sampled one update behind (max_staleness=1).
             version = int(held.get("version", self.policy_version - 1))
-            self.ahead.append(((tuple(key[0]), int(key[1]), tuple(key[2])), _held(rollout), version))
+            held_key = (tuple(key[0]), int(key[1]), tuple(key[2]))
+            self.ahead.append((held_key, _held(rollout), version))
+            prompts, seeds = held.get("request") or (None, None)
+            if prompts is not None:  # its prompts as the engine got them, should a group be sampled again
+                self.requests[held_key] = (list(prompts), seeds, None)
 
     # ------------------------------------------------------------------------------------------ the lifecycle
     def _wake(self, version: int) -> None:
@@ -225,6 +267,8 @@ class RolloutWorker:
         load = self.holds_weights and (self.weights_lost or self.engine_version != version)
         if load:
             with self._phase("sync_weights"):
+                if self.publishes:
+                    self.engine.publish_version = version
                 self.engine.sync_weights(self.policy)
             self.engine_version, self.weights_lost = version, False
         if self.sleeps:
@@ -264,8 +308,8 @@ class RolloutWorker:
         behind the engine's weights that sampled the last batch handed out), where the engine holds weights of its
         own."""
         if not self.holds_weights:
-            return {}
-        return {"rollout/weight_version": float(self.batch_version), **self.last_check}
+            return dict(self.cap_metrics)
+        return {"rollout/weight_version": float(self.batch_version), **self.last_check, **self.cap_metrics}
 
 
 def _empty_cache() -> None:

@@ -23,8 +23,8 @@ from rlhf_lab.data.prompts import format_prompts
 from rlhf_lab.envs.episodes import EpisodeRunner
 from rlhf_lab.errors import RewardError
 from rlhf_lab.generation.backend import GenerationBackend, SamplingSettings
+from rlhf_lab.generation.inflight import inflight_settings, staleness_cap
 from rlhf_lab.generation.rollout import Rollout, Samples, Scored, concat_rollouts
-from rlhf_lab.generation.inflight import inflight_settings
 from rlhf_lab.generation.staleness import snapshot_ring
 from rlhf_lab.generation.sync_check import SyncCheck, tolerance
 from rlhf_lab.generation.worker import RolloutWorker
@@ -140,7 +140,7 @@ class ExperienceMaker:
                                   options=cfg.generation, keep_logits=False,
                                   keep_hidden=keep_hidden and not self.plan.rescore, logits_float32=self.logits_float32)
             worker = RolloutWorker(engine, policy, self._sync_check(engine, sync_probe), snapshot_ring(cfg, policy),
-                                   inflight_settings(cfg))
+                                   inflight_settings(cfg), staleness_cap(cfg))
         # The one owner of the engine's wake, weights, sampling and sleep (rlhf_lab/generation/worker.py).
         self.worker = worker
         self.engine: GenerationBackend = worker.engine
@@ -231,6 +231,9 @@ class ExperienceMaker:
         rollout, responses, valid = self.sample_and_score(prompts, group_size, timer, names, rng_keys)
         rules, mask = self.rules, rollout.response_mask
         in_loss = valid.to(self.device)
+        dropped = getattr(self.worker, "dropped", None)  # generation.staleness_cap with drop
+        if dropped is not None:
+            in_loss = in_loss & ~dropped.to(self.device)
         cut = rollout.truncated if rollout.truncated is not None else \
             truncated(rollout.response_ids, mask, self.tokenizer.eos_token_id)
         stats = {"truncated": float(cut.sum())}

@@ -7,6 +7,9 @@ engine's own samples for the same seed, and the log-probs against the model's fo
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -55,6 +58,15 @@ def server(model_folder: Path, tmp_path: Path):
         yield f"http://127.0.0.1:{holder['http'].server_address[1]}", (sync / serving.TOKEN_FILE).read_text().strip(), engine
     finally:
         holder["http"].shutdown()
+
+
+def serve_process(model_folder: Path, sync: Path, port: int, max_model_len: int) -> subprocess.Popen:
+    """``rlhf-lab serve MODEL --engine hf`` in a process of its own, as a user starts it (its token in ``sync``)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    env.pop("RLHF_LAB_SERVE_TOKEN", None)
+    return subprocess.Popen([sys.executable, "-m", "rlhf_lab", "serve", str(model_folder), "--engine", "hf",
+                             "--port", str(port), "--sync-folder", str(sync), "--max-model-len", str(max_model_len)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
 
 def chat_body(model_folder: Path, **extra: Any) -> dict[str, Any]:
@@ -137,10 +149,7 @@ def test_the_hf_engine_takes_weights_by_name_and_refuses_unknown_ones(server) ->
 def test_the_serve_command_with_the_hf_engine_answers_an_openai_chat(model_folder: Path, tmp_path: Path) -> None:
     """``rlhf-lab serve MODEL --engine hf`` as a user starts it (no vLLM): it prints where its token is, and a chat
     request with that token gets the sampled ids back."""
-    import os
     import socket
-    import subprocess
-    import sys
     import time
 
     with socket.socket() as probe:
@@ -148,11 +157,7 @@ def test_the_serve_command_with_the_hf_engine_answers_an_openai_chat(model_folde
         port = probe.getsockname()[1]
     sync = tmp_path / "sync"
     sync.mkdir()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    env.pop("RLHF_LAB_SERVE_TOKEN", None)
-    server = subprocess.Popen([sys.executable, "-m", "rlhf_lab", "serve", str(model_folder), "--engine", "hf",
-                               "--port", str(port), "--sync-folder", str(sync), "--max-model-len", "128"],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    server = serve_process(model_folder, sync, port, 128)
     try:
         for _ in range(20):  # (a library's own lines may come first)
             started = server.stdout.readline()

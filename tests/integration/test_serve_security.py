@@ -117,7 +117,7 @@ def test_every_route_needs_the_token_from_the_0600_file(server) -> None:
         for wrong in (None, "", token[:-1], token + "x"):
             status, reply = call(url, path, body, wrong)
             assert status == 401 and "token" in reply["error"], (path, wrong, reply)
-    assert call(url, "/health", token=token) == (200, {"ok": True, "model": str(sync.parent / "model")})
+    assert call(url, "/health", token=token) == (200, {"ok": True, "model": str(sync.parent / "model"), "in_flight": False})
     assert sampled(url, token) == 4
     # The scheme is case-insensitive (RFC 7235); a bare token, or another scheme, is no Bearer token.
     for header, status in ((f"bearer {token}", 200), (f"BEARER  {token}", 200), (token, 401), (f"Basic {token}", 401),

@@ -10,6 +10,7 @@ import torch
 
 from rlhf_lab.generation.backend import SamplingSettings
 from rlhf_lab.generation.hf import HFGeneration
+from rlhf_lab.generation.rollout import Samples
 from rlhf_lab.generation.staleness import SnapshotRing
 from rlhf_lab.generation.worker import RolloutWorker
 from rlhf_lab.scoring.forward import position_ids_from_mask
@@ -138,6 +139,19 @@ def test_staleness_metrics_by_hand() -> None:
       "generation.update_every_tokens=2", "hardware=cpu_tuned"], "with hardware.generation_weights=true"),
     (["generation.weight_updates=sometimes"], "generation.weight_updates='sometimes' is not valid; choose from: "
                                               "batch, in_flight, partial"),
+    (["generation=vllm_server", "generation.sync_folder=/tmp/sync", "generation.weight_updates=in_flight"],
+     "generation.max_staleness=0 samples none ahead: set generation.max_staleness to 1–16"),
+    (["generation=vllm_server", "generation.sync_folder=/tmp/sync", "generation.weight_updates=partial",
+      "generation.max_staleness=1", "generation.update_every_tokens=3"],
+     "generation.update_every_tokens=3 scripts the simulator's clock"),
+    (["generation=vllm_server", "generation.sync_folder=/tmp/sync", "generation.weight_updates=in_flight",
+      "generation.max_staleness=1", "model.lora.enabled=true"], "a LoRA adapter reaches the server between requests"),
+    (["generation.max_staleness=2", "generation.staleness_cap=0"], "generation.staleness_cap=0 is out of range"),
+    (["generation.staleness_cap=1"], "generation.staleness_cap=1 with generation.max_staleness=0"),
+    (["generation.max_staleness=2", "generation.simulate_staleness=true", "generation.staleness_cap=1"],
+     "generation.staleness_cap=1 with generation.simulate_staleness=true"),
+    (["generation.max_staleness=2", "generation.staleness_cap=1", "generation.over_cap=skip"],
+     "generation.over_cap='skip' is not valid; choose from: drop, wait"),
 ])
 def test_weight_update_settings_that_cannot_run_are_one_line(compose, tiny_overrides, overrides, expected) -> None:
     from rlhf_lab.config import ConfigError
@@ -164,3 +178,94 @@ def test_a_landing_under_autocast_is_sampled_with_the_new_weights(setup) -> None
     gap_own = (rollout.logprobs - own).abs()[newest].max()
     gap_first = (rollout.logprobs - first).abs()[newest].max()
     assert gap_own < 0.05 < gap_first, (gap_own, gap_first)
+
+
+def capped_batch(versions: list[list[int]], group_size: int) -> Samples:
+    """A batch of len(versions) samples of 3 tokens (the last row's third token off the response)."""
+    rows = len(versions)
+    mask = torch.ones(rows, 3)
+    mask[-1, 2] = 0
+    return Samples(input_ids=torch.arange(rows * 4).view(rows, 4), attention_mask=torch.ones(rows, 4, dtype=torch.long),
+                   response_mask=mask, prompt_width=1, group_size=group_size, logprobs=-torch.ones(rows, 3),
+                   entropy=torch.zeros(rows, 3), versions=torch.tensor(versions) * mask.long())
+
+
+def test_the_cap_reads_each_sample_s_oldest_token_and_takes_its_whole_group() -> None:
+    """Trained after 5 updates with a cap of 2: a sample whose oldest token is of version 2 (3 behind) is over, and
+    so is the rest of its group; tokens off the response do not count (the last row's 0 there)."""
+    from rlhf_lab.generation.inflight import StalenessCap
+
+    batch = capped_batch([[3, 3, 4], [2, 4, 4], [4, 5, 5], [5, 5, 5], [3, 3, 3], [3, 4, 0]], group_size=2)
+    assert StalenessCap(2, wait=False).over(batch, 5).tolist() == [True, True, False, False, False, False]
+    assert StalenessCap(1, wait=False).over(batch, 5).tolist() == [True, True, False, False, True, True]
+
+
+def test_wait_samples_the_groups_over_the_cap_again_in_their_places() -> None:
+    """``wait``: the groups over the cap are sampled again (here by a stand-in returning rows of version 5) and put
+    back where they were; the other rows are kept as they were, token for token."""
+    from rlhf_lab.generation.inflight import StalenessCap
+
+    batch = capped_batch([[4, 4, 4], [4, 4, 4], [2, 3, 3], [2, 2, 3]], group_size=2)
+    cap = StalenessCap(2, wait=True)
+    over = cap.over(batch, 5)
+    asked = []
+
+    def sample(prompts, seeds):
+        asked.append((prompts, seeds))
+        fresh = capped_batch([[5, 5, 5], [5, 5, 5]], group_size=2)
+        return Samples(**{**{f: getattr(fresh, f) for f in ("attention_mask", "response_mask", "prompt_width",
+                                                            "group_size", "entropy", "versions")},
+                          "input_ids": fresh.input_ids + 100, "logprobs": -2 * torch.ones(2, 3)})
+
+    resampled = cap.resampled(batch, over, ["p0", "p1"], [7, 8], sample, pad_token_id=0)
+    assert asked == [(["p1"], [8])]
+    assert resampled.versions.tolist() == [[4, 4, 4], [4, 4, 4], [5, 5, 5], [5, 5, 0]]
+    assert torch.equal(resampled.input_ids[:2], batch.input_ids[:2])
+    assert resampled.input_ids[2:].min() >= 100 and resampled.logprobs[2, 0] == -2
+
+
+class PublishingEngine:
+    """A server-like engine that takes weights in flight: it records each version published, and answers a batch
+    started ahead with the rows it is given (their versions as a real server would report them)."""
+
+    in_flight, holds_weights, starts_current = True, True, True
+
+    def __init__(self, answers: list[Samples]) -> None:
+        self.answers, self.published, self.asked = list(answers), [], []
+        self.publish_version = None
+        self.tokenizer = type("Tokenizer", (), {"pad_token_id": 0})()
+
+    def sync_weights(self, policy) -> None:
+        self.published.append(self.publish_version)
+
+    def submit(self, prompts, group_size, seeds=None, settings=None):
+        answer = self.answers.pop(0)
+        return lambda: answer
+
+    def generate(self, prompts, group_size, seeds=None, greedy=False, settings=None):
+        self.asked.append((prompts, seeds))
+        return capped_batch([[9, 9, 9]] * (len(prompts) * group_size), group_size)
+
+
+@pytest.mark.parametrize("over_cap", ["drop", "wait"])
+def test_the_worker_publishes_every_update_and_caps_what_it_hands_out(over_cap: str) -> None:
+    """An engine that takes weights in flight gets each version as the policy has it (labelled with its updates);
+    a batch taken 3 updates after its launch with a cap of 2 has its over-cap group dropped (``dropped``, out of the
+    loss) or sampled again now (``wait``), and the share is logged."""
+    from rlhf_lab.generation.inflight import StalenessCap
+
+    engine = PublishingEngine([capped_batch([[0, 1, 1], [0, 1, 2], [2, 2, 3], [2, 3, 3]], group_size=2)])
+    worker = RolloutWorker(engine, torch.nn.Linear(1, 1), cap=StalenessCap(2, wait=over_cap == "wait"))
+    worker.launch(("key",), ["p0", "p1"], 2, [5, 6], None)
+    for _ in range(3):
+        worker.weights_updated()
+    assert engine.published == [1, 2, 3] and worker.engine_version == 3
+    taken = worker.take(("key",))
+    if over_cap == "drop":
+        assert worker.dropped.tolist() == [True, True, False, False] and engine.asked == []
+        assert taken.versions[0].tolist() == [0, 1, 1]
+        assert worker.metrics()["rollout/stale_dropped_frac"] == 0.5
+    else:
+        assert worker.dropped is None and engine.asked == [(["p0"], [5])]
+        assert taken.versions.tolist() == [[9, 9, 9], [9, 9, 0], [2, 2, 3], [2, 3, 0]]  # (the stand-in's rows)
+        assert worker.metrics()["rollout/stale_waited_frac"] == 0.5

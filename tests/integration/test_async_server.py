@@ -1,0 +1,240 @@
+"""The asynchronous mode for real: ``rlhf-lab serve --engine hf`` takes each version of the weights between two decode
+steps of the request in progress (rlhf_lab/generation/serve_engine.py, serving.py), says which version sampled each
+token, and the trainer's client (``generation=vllm_server`` with ``generation.weight_updates``) publishes a version
+after every update and reads the versions back.
+
+Timing is made exact where a test compares numbers: a load is staged first and let land at a chosen decode step, so
+the server's samples can be checked token for token against the simulator (rlhf_lab/generation/inflight.py) landing
+the same version at the same step. The two-process run checks what holds at any timing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlhf_lab.generation import serving
+from rlhf_lab.generation.serve_engine import HFServerEngine
+from tests.integration.test_serve_openai import serve_process, server  # noqa: F401  (server: the fixture)
+from tests.integration.test_serve_security import call
+from tests.limits import HANG_GUARD_S
+
+REQUEST = {"prompt_ids": [[5, 9, 14], [7, 3]], "group_size": 2, "max_new_tokens": 8, "temperature": 1.0,
+           "top_p": 1.0, "top_k": 0, "max_prompt_tokens": 16, "seeds": [11, 12], "greedy": False, "stop": []}
+
+
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from rlhf_lab.config import compose
+    from rlhf_lab.models import loading
+
+    cfg = compose(["model=tiny"])
+    tokenizer = loading.load_tokenizer(cfg.model)
+    folder = tmp_path_factory.mktemp("served") / "model"
+    model = loading.build_tiny_llama(tokenizer, cfg.model.tiny, seed=0)
+    model.generation_config.eos_token_id = None  # every sample decodes all its steps
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def newer(engine: HFServerEngine, seed: int = 1) -> dict[str, torch.Tensor]:
+    """Another version of the served model's weights (each moved by noise)."""
+    generator = torch.Generator().manual_seed(seed)
+    return {name: p.detach() + 0.5 * torch.randn(p.shape, generator=generator)
+            for name, p in engine.model.named_parameters()}
+
+
+def landing_at(engine: HFServerEngine, step: int) -> None:
+    """The engine's staged loads land at decode step ``step`` of its next request, not before."""
+    real, calls = engine.land, [0]
+
+    def land() -> bool:
+        calls[0] += 1  # the first call is before the request's first token, the s-th after step s
+        return real() if calls[0] > step else False
+
+    engine.land = land
+
+
+@pytest.mark.parametrize("partial", [False, True])
+def test_a_load_landing_mid_request_samples_as_the_simulator_scripts_it(model_folder: Path, partial: bool) -> None:
+    """A version staged while a request decodes lands at its step 3: the request goes on (every sample keeps all
+    its tokens), the tokens from step 3 on come from the new weights, and the samples and log-probs equal, bit for
+    bit, the simulator's landing the same version at the same step (the cache of the old weights kept in flight,
+    recomputed under ``partial``); neither equals a request that no load reached."""
+    from rlhf_lab.generation.backend import SamplingSettings
+    from rlhf_lab.generation.hf import HFGeneration
+    from rlhf_lab.generation.inflight import InflightSchedule
+    from rlhf_lab.generation.staleness import SnapshotRing
+
+    untouched = HFServerEngine(str(model_folder), "float32", max_model_len=64)
+    plain = untouched.generate(dict(REQUEST))
+    engine = HFServerEngine(str(model_folder), "float32", max_model_len=64)
+    weights = newer(engine)
+    landed = engine.stage(weights, 5)
+    landing_at(engine, 3)
+    served = engine.generate({**REQUEST, "partial": partial})
+    assert landed.is_set() and engine.version == 5
+    assert engine.token_versions == [0, 0, 0, 5, 5, 5, 5, 5]
+    assert all(len(tokens) == REQUEST["max_new_tokens"] for tokens, _ in served)
+
+    policy = HFServerEngine(str(model_folder), "float32", max_model_len=64).model
+    ring = SnapshotRing(policy, 1)
+    ring.remember(0)
+    with torch.no_grad():
+        for name, parameter in policy.named_parameters():
+            parameter.copy_(weights[name])
+    ring.remember(1)
+    schedule = InflightSchedule(ring, 0, 1, 3, partial)
+    simulated = HFGeneration(policy, engine.tokenizer, SamplingSettings(8, 1.0, 1.0, 0, 16), keep_logits=False)
+    simulated.between_steps = schedule
+    rollout = simulated.generate([[5, 9, 14], [7, 3]], 2, seeds=[11, 12], settings=SamplingSettings(8, 1.0, 1.0, 0, 16))
+    assert rollout.response_ids.tolist() == [tokens for tokens, _ in served]
+    assert torch.equal(rollout.logprobs, torch.tensor([logprobs for _, logprobs in served]))
+    assert schedule.versions == [0, 0, 0, 1, 1, 1, 1, 1]
+    assert [logprobs[:3] for _, logprobs in plain] == [logprobs[:3] for _, logprobs in served]
+    assert [logprobs[3:] for _, logprobs in plain] != [logprobs[3:] for _, logprobs in served]
+
+
+def test_a_load_sent_while_the_server_samples_lands_between_two_steps(server, tmp_path: Path) -> None:  # noqa: F811
+    """Over HTTP: ``/load_weights`` with the trainer's version, sent while ``/generate`` decodes, does not wait for
+    the request to end: it lands at the decode's next step (held here at step 2 until the load is staged), the
+    reply says version 4, and the generate reply's ``step_versions`` say which tokens it sampled."""
+    from safetensors.torch import save_file
+
+    url, token, engine = server  # (test_serve_openai's fixture, over this module's model)
+    sync = tmp_path / "sync"
+    assert call(url, "/health", token=token)[1]["in_flight"] is True
+    (sync / "v4").mkdir()
+    weights = newer(engine)
+    save_file({name: t.contiguous() for name, t in weights.items()}, str(sync / "v4" / "model.safetensors"))
+    real, calls = engine.land, [0]
+
+    def land() -> bool:  # step 2 waits until the load is staged: it lands there, whatever the timing
+        calls[0] += 1
+        if calls[0] == 3:
+            deadline = time.monotonic() + HANG_GUARD_S
+            while not engine.staged and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return real()
+
+    engine.land = land
+    replies = {}
+    thread = threading.Thread(target=lambda: replies.setdefault("generate", call(url, "/generate", REQUEST, token)))
+    thread.start()
+    while calls[0] < 3:  # the request is decoding
+        time.sleep(0.01)
+    assert call(url, "/load_weights", {"folder": "v4", "version": 4}, token) == (200, {"loaded": len(weights),
+                                                                                      "version": 4})
+    thread.join(HANG_GUARD_S)
+    status, reply = replies["generate"]
+    assert status == 200 and reply["step_versions"] == [0, 0, 4, 4, 4, 4, 4, 4]
+    assert all(len(tokens) == 8 for tokens, _ in reply["samples"])
+    status, reply = call(url, "/load_weights", {"folder": "v4", "version": -1}, token)
+    assert status == 400 and reply["error"].startswith("version=-1 must be an integer >= 0")
+    status, reply = call(url, "/generate", REQUEST, token)  # idle: the next request reports the version it holds
+    assert reply["step_versions"][0] == 4
+
+
+def test_the_client_turns_step_versions_into_each_tokens_version() -> None:
+    """The server's versions per decode step become [B, T] per token (the last one past the list's end), 0 off the
+    response; anything but versions is one line."""
+    from rlhf_lab.generation.server import step_versions
+
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
+    assert step_versions([2, 3], mask).tolist() == [[2, 3, 3, 0], [2, 3, 3, 3]]
+    with pytest.raises(RuntimeError, match=r"step_versions \[1, 'x'\] are not versions"):
+        step_versions([1, "x"], mask)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.mark.parametrize(("updates", "over_cap"), [("in_flight", "drop"), ("partial", "wait")])
+def test_a_run_against_a_server_in_its_own_process_takes_weights_in_flight(model_folder: Path, tmp_path: Path,
+                                                                          updates: str, over_cap: str) -> None:
+    """Two processes: ``rlhf-lab serve --engine hf`` and a run with ``generation.weight_updates`` sampling 2 batches
+    ahead, capped at 1 update. Whatever the timing: the staleness is logged every step, no token is newer than the
+    policy that trains on it, none older than the launch of its batch, and what the cap dropped or waited for is a
+    share of the batch; the run ends normally."""
+    port, sync = free_port(), tmp_path / "sync"
+    sync.mkdir()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    env.pop("RLHF_LAB_SERVE_TOKEN", None)
+    process = serve_process(model_folder, sync, port, 64)
+    try:
+        deadline = time.monotonic() + HANG_GUARD_S
+        while not (sync / serving.TOKEN_FILE).exists() or not _answers(port, sync):
+            assert process.poll() is None and time.monotonic() < deadline, process.stdout.read()[-3000:]
+            time.sleep(0.2)
+        run = tmp_path / "run"
+        command = [sys.executable, "-m", "rlhf_lab", "model=tiny", "trainer.precision=fp32", "trainer.steps=4",
+                   "trainer.prompts_per_step=2", "algorithm.group_size=2", "trainer.max_new_tokens=6",
+                   "trainer.eval_prompts=0", "trainer.progress_bar=false", "reward=length", "trainer.lr=1e-2",
+                   "trainer.save=none", "generation=vllm_server", f"generation.url=http://127.0.0.1:{port}",
+                   f"generation.sync_folder={sync}", "generation.max_staleness=2",
+                   f"generation.weight_updates={updates}", "algorithm.tis_cap=2.0", f"trainer.output_dir={run}",
+                   "trainer.num_threads=1", "generation.staleness_cap=1", f"generation.over_cap={over_cap}"]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=HANG_GUARD_S, env=env)
+        assert result.returncode == 0, result.stderr[-3000:]
+        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        rows = [row for row in rows if "time/step_s" in row]
+        assert [row["step"] for row in rows] == [0, 1, 2, 3]
+        share = f"rollout/stale_{'dropped' if over_cap == 'drop' else 'waited'}_frac"
+        for row in rows[1:]:  # the batches sampled ahead: what the cap left in the loss is within it
+            assert 0 <= row[share] <= 1
+            if row.get("rollout/stale_dropped_frac", 0) < 1:
+                assert 0 <= row["staleness/token_mean"] <= row["staleness/sample_max"] <= 1
+                assert 0 <= row["staleness/multi_version_frac"] <= 1
+        assert rows[0]["staleness/sample_max"] == 0  # the first batch is sampled in its own step
+    finally:
+        process.terminate()
+        process.wait(HANG_GUARD_S)
+
+
+def _answers(port: int, sync: Path) -> bool:
+    try:
+        token = (sync / serving.TOKEN_FILE).read_text().strip()
+        return call(f"http://127.0.0.1:{port}", "/health", token=token)[0] == 200
+    except OSError:
+        return False
+
+
+def test_a_server_that_takes_weights_between_requests_only_is_refused_in_one_line(compose, tmp_path: Path) -> None:
+    """``generation.weight_updates=in_flight`` against a server whose engine cannot stage a load (vLLM's, here a
+    stand-in without ``stage``): the client stops at construction, naming the server and the two ways on."""
+    from rlhf_lab.config import ConfigError
+    from rlhf_lab.generation.backend import SamplingSettings
+    from rlhf_lab.generation.server import VLLMServerGeneration
+    from tests.integration.test_serve_security import StandInEngine
+
+    sync = tmp_path / "sync"
+    sync.mkdir()
+    started, holder = threading.Event(), {}
+    thread = threading.Thread(target=serving.serve, args=(str(tmp_path), "127.0.0.1", 0), daemon=True, kwargs=dict(
+        sync_folder=sync, engine_factory=lambda *args: StandInEngine({}),
+        on_ready=lambda http: (holder.setdefault("http", http), started.set())))
+    thread.start()
+    assert started.wait(HANG_GUARD_S)
+    try:
+        url = f"http://127.0.0.1:{holder['http'].server_address[1]}"
+        with pytest.raises(ConfigError) as raised:
+            VLLMServerGeneration(torch.nn.Linear(2, 2), None, SamplingSettings(max_new_tokens=2),
+                                 options={"url": url, "sync_folder": str(sync), "weight_updates": "in_flight"})
+        assert str(raised.value) == (f"generation.weight_updates=in_flight: rlhf-lab serve at {url} takes weights "
+                                     "between requests only (its engine is vLLM's); start it with --engine hf, or set "
+                                     "generation.weight_updates=batch")
+    finally:
+        holder["http"].shutdown()
