@@ -56,6 +56,11 @@ class WeightSyncError(UserError, RuntimeError):
     :mod:`rlhf_lab.generation.sync_check`); one line naming the step, the difference and the tolerance."""
 
 
+class EngineError(UserError, RuntimeError):
+    """The generation engine's process stopped answering mid-run (``rlhf-lab serve`` killed or crashed); one line
+    naming it. What the run wrote before stays as it was."""
+
+
 class TrainingStopped(RuntimeError):
     """The run stopped early on purpose, after writing a checkpoint: a signal, or too many skipped updates.
 

@@ -26,6 +26,7 @@ barrier, so no rank samples with the old weights.
 
 from __future__ import annotations
 
+import http.client
 import json
 import shutil
 import urllib.request
@@ -39,7 +40,7 @@ import torch
 from torch import Tensor, nn
 
 from rlhf_lab.config.choices import sync_folder_needed
-from rlhf_lab.errors import ConfigError
+from rlhf_lab.errors import ConfigError, EngineError
 from rlhf_lab.generation.backend import Prompt, SamplingSettings, encode_prompts
 from rlhf_lab.generation.rollout import Samples
 from rlhf_lab.generation.serve_engine import VLLMServerEngine
@@ -67,6 +68,10 @@ def _post(url: str, body: dict[str, Any], token: str, timeout: float = 600.0) ->
     except urllib.error.URLError as error:
         raise ConfigError(f"generation.url: no rlhf-lab serve answers at {url} ({error.reason}); start one with "
                           "rlhf-lab serve MODEL --port N") from None
+    except (http.client.HTTPException, ConnectionError) as error:  # the server's process went away mid-request
+        raise EngineError(f"generation.url: rlhf-lab serve at {url} stopped answering mid-request "
+                          f"({type(error).__name__}); the run stops here and what it wrote is kept: start the server "
+                          "again and resume with trainer.resume=auto") from None
 
 
 def step_versions(steps: list[int], response_mask: Tensor) -> Tensor:

@@ -238,3 +238,43 @@ def test_a_server_that_takes_weights_between_requests_only_is_refused_in_one_lin
                                      "generation.weight_updates=batch")
     finally:
         holder["http"].shutdown()
+
+
+def test_a_server_killed_mid_run_stops_the_trainer_in_one_line(model_folder: Path, tmp_path: Path) -> None:
+    """SIGKILL to ``rlhf-lab serve`` while the trainer samples from it ahead: the trainer stops with exit status 2
+    and one line naming the server (whether the kill caught a request mid-way or between two), no traceback; every
+    metrics line it wrote before is whole."""
+    import signal
+
+    port, sync = free_port(), tmp_path / "sync"
+    sync.mkdir()
+    process = serve_process(model_folder, sync, port, 64)
+    try:
+        deadline = time.monotonic() + HANG_GUARD_S
+        while not (sync / serving.TOKEN_FILE).exists() or not _answers(port, sync):
+            assert process.poll() is None and time.monotonic() < deadline, process.stdout.read()[-3000:]
+            time.sleep(0.2)
+        run = tmp_path / "run"
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+        trainer = subprocess.Popen(
+            [sys.executable, "-m", "rlhf_lab", "model=tiny", "trainer.precision=fp32", "trainer.steps=500",
+             "trainer.prompts_per_step=2", "algorithm.group_size=2", "trainer.max_new_tokens=6",
+             "trainer.eval_prompts=0", "trainer.progress_bar=false", "reward=length", "trainer.save=none",
+             "generation=vllm_server", f"generation.url=http://127.0.0.1:{port}", f"generation.sync_folder={sync}",
+             "generation.max_staleness=1", "generation.weight_updates=in_flight", f"trainer.output_dir={run}",
+             "trainer.num_threads=1", "logger=none"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        metrics = run / "metrics.jsonl"
+        while not metrics.exists() or len(metrics.read_text().splitlines()) < 2:
+            assert trainer.poll() is None and time.monotonic() < deadline, trainer.communicate()[1][-3000:]
+            time.sleep(0.05)
+        process.send_signal(signal.SIGKILL)
+        _, stderr = trainer.communicate(timeout=HANG_GUARD_S)
+        assert trainer.returncode == 2, stderr[-3000:]
+        assert "Traceback" not in stderr
+        (line,) = [line for line in stderr.splitlines() if line.startswith("error:")]
+        assert line.startswith("error: generation.url: ") and f"http://127.0.0.1:{port}" in line, line
+        assert all(json.loads(row)["step"] >= 0 for row in metrics.read_text().splitlines())
+    finally:
+        process.kill()
+        process.wait(HANG_GUARD_S)

@@ -269,3 +269,24 @@ def test_the_worker_publishes_every_update_and_caps_what_it_hands_out(over_cap: 
         assert worker.dropped is None and engine.asked == [(["p0"], [5])]
         assert taken.versions.tolist() == [[9, 9, 9], [9, 9, 0], [2, 2, 3], [2, 3, 0]]  # (the stand-in's rows)
         assert worker.metrics()["rollout/stale_waited_frac"] == 0.5
+
+
+def test_a_checkpoint_keeps_the_batches_in_flight_with_their_versions_and_requests() -> None:
+    """The worker's state holds each batch in flight with every token's version (as the server reported them) and its
+    request; a worker built again from it hands out the same samples, and under ``wait`` samples an over-cap group
+    again from the request kept (its prompt and seed)."""
+    from rlhf_lab.generation.inflight import StalenessCap
+
+    held = capped_batch([[0, 1, 1], [0, 1, 2], [2, 2, 3], [2, 3, 3]], group_size=2)
+    engine = PublishingEngine([held])
+    worker = RolloutWorker(engine, torch.nn.Linear(1, 1))
+    worker.launch((("a", "b"), 2, (5, 6)), ["p0", "p1"], 2, [5, 6], None)
+    state = worker.state()
+    resumed_engine = PublishingEngine([])
+    resumed = RolloutWorker(resumed_engine, torch.nn.Linear(1, 1), cap=StalenessCap(2, wait=True))
+    resumed.weights_loaded(3)
+    resumed.load_state(state, torch.device("cpu"))
+    taken = resumed.take((("a", "b"), 2, (5, 6)))
+    assert resumed_engine.asked == [(["p0"], [5])]
+    assert taken.versions[2:].tolist() == held.versions[2:].tolist()
+    assert torch.equal(taken.input_ids[2:], held.input_ids[2:])
