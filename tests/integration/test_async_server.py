@@ -169,16 +169,10 @@ def test_a_run_against_a_server_in_its_own_process_takes_weights_in_flight(model
     ahead, capped at 1 update. Whatever the timing: the staleness is logged every step, no token is newer than the
     policy that trains on it, none older than the launch of its batch, and what the cap dropped or waited for is a
     share of the batch; the run ends normally."""
-    port, sync = free_port(), tmp_path / "sync"
-    sync.mkdir()
+    sync = tmp_path / "sync"
+    process, port = answering_server(model_folder, sync)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    env.pop("RLHF_LAB_SERVE_TOKEN", None)
-    process = serve_process(model_folder, sync, port, 64)
     try:
-        deadline = time.monotonic() + HANG_GUARD_S
-        while not (sync / serving.TOKEN_FILE).exists() or not _answers(port, sync):
-            assert process.poll() is None and time.monotonic() < deadline, process.stdout.read()[-3000:]
-            time.sleep(0.2)
         run = tmp_path / "run"
         command = [sys.executable, "-m", "rlhf_lab", "model=tiny", "trainer.precision=fp32", "trainer.steps=4",
                    "trainer.prompts_per_step=2", "algorithm.group_size=2", "trainer.max_new_tokens=6",
@@ -202,6 +196,18 @@ def test_a_run_against_a_server_in_its_own_process_takes_weights_in_flight(model
     finally:
         process.terminate()
         process.wait(HANG_GUARD_S)
+
+
+def answering_server(model_folder: Path, sync: Path) -> tuple[subprocess.Popen, int]:
+    """``rlhf-lab serve --engine hf`` in its own process, once it answers: (the process, its port)."""
+    port = free_port()
+    sync.mkdir()
+    process = serve_process(model_folder, sync, port, 64)
+    deadline = time.monotonic() + HANG_GUARD_S
+    while not (sync / serving.TOKEN_FILE).exists() or not _answers(port, sync):
+        assert process.poll() is None and time.monotonic() < deadline, process.stdout.read()[-3000:]
+        time.sleep(0.2)
+    return process, port
 
 
 def _answers(port: int, sync: Path) -> bool:
@@ -246,14 +252,10 @@ def test_a_server_killed_mid_run_stops_the_trainer_in_one_line(model_folder: Pat
     metrics line it wrote before is whole."""
     import signal
 
-    port, sync = free_port(), tmp_path / "sync"
-    sync.mkdir()
-    process = serve_process(model_folder, sync, port, 64)
+    sync = tmp_path / "sync"
+    process, port = answering_server(model_folder, sync)
+    deadline = time.monotonic() + HANG_GUARD_S
     try:
-        deadline = time.monotonic() + HANG_GUARD_S
-        while not (sync / serving.TOKEN_FILE).exists() or not _answers(port, sync):
-            assert process.poll() is None and time.monotonic() < deadline, process.stdout.read()[-3000:]
-            time.sleep(0.2)
         run = tmp_path / "run"
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
         trainer = subprocess.Popen(
