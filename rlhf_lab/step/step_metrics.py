@@ -157,3 +157,28 @@ def staleness_metrics(rollout: Rollout, trained_at: int) -> dict[str, float]:
     for k, count in enumerate(torch.bincount(sample.clamp(min=0)).tolist()):
         metrics[f"staleness/samples_at_{k}"] = float(count)
     return metrics
+
+
+def staleness_bias(rollout: Rollout, sampled_mask: Tensor, trained_at: int, dropped: Tensor | None) -> dict[str, float]:
+    """Whether staleness follows length or reward, over every sample drawn (dropped ones too; ``sampled_mask``): the
+    correlation of a sample's mean token staleness with its response length (``staleness/length_corr``) and with
+    its score (``staleness/reward_corr``), where both vary; and where a cap dropped samples (``dropped`` [B]), their
+    mean length over the batch's (``rollout/stale_dropped_length_ratio``: above 1, the long responses are the ones
+    starved) and their mean score less the batch's (``rollout/stale_dropped_reward_gap``)."""
+    if rollout.versions is None:
+        return {}
+    mask = sampled_mask > 0
+    lengths = mask.sum(-1).float()
+    staleness = ((trained_at - rollout.versions) * mask).sum(-1) / lengths.clamp(min=1)
+    has = distributed.gather_rows(lengths > 0)
+    lengths, staleness, scores = (distributed.gather_rows(x)[has] for x in (lengths, staleness, rollout.scores.float()))
+    metrics: dict[str, float] = {}
+    for name, other in (("length", lengths), ("reward", scores)):
+        if len(other) > 1 and bool(staleness.std() > 0) and bool(other.std() > 0):
+            metrics[f"staleness/{name}_corr"] = torch.corrcoef(torch.stack([staleness, other]))[0, 1].item()
+    if dropped is not None:
+        out = distributed.gather_rows(dropped.to(has.device))[has]
+        if bool(out.any()):
+            metrics["rollout/stale_dropped_length_ratio"] = (lengths[out].mean() / lengths.mean()).item()
+            metrics["rollout/stale_dropped_reward_gap"] = (scores[out].mean() - scores.mean()).item()
+    return metrics

@@ -12,7 +12,7 @@ from rlhf_lab.runtime import distributed
 from rlhf_lab.runtime.timer import StepTimer
 from rlhf_lab.step.experience import Experience
 from rlhf_lab.step.scoring_pass import sampler_metrics
-from rlhf_lab.step.step_metrics import rollout_metrics, sampling_metrics, staleness_metrics
+from rlhf_lab.step.step_metrics import rollout_metrics, sampling_metrics, staleness_bias, staleness_metrics
 from rlhf_lab.training.records import sample_columns
 
 
@@ -29,6 +29,8 @@ class StepRecord:
         metrics: dict[str, Any] = {"step": step, **rollout_metrics(rollout, valid, coef, kl_per_sequence),
                                    **sampler_metrics(rollout), **self.worker.metrics(),
                                    **staleness_metrics(rollout, self.worker.training_version),
+                                   **staleness_bias(rollout, sampled_mask, self.worker.training_version,
+                                                    getattr(self.worker, "dropped", None)),
                                    "lr": self.updater.scheduler.get_last_lr()[0],
                                    "optim/grad_norm": self.updater.last_grad_norm, "time/step_s": elapsed,
                                    "throughput/tokens_per_s": float(distributed.all_reduce_sum(

@@ -290,3 +290,33 @@ def test_a_checkpoint_keeps_the_batches_in_flight_with_their_versions_and_reques
     assert resumed_engine.asked == [(["p0"], [5])]
     assert taken.versions[2:].tolist() == held.versions[2:].tolist()
     assert torch.equal(taken.input_ids[2:], held.input_ids[2:])
+
+
+def test_staleness_bias_by_hand() -> None:
+    """Three samples trained after 5 updates: mean token staleness 1, 1.5 and 3 for lengths 3, 2 and 1 and scores
+    0, 1, 1: the correlations are numpy's; the dropped third sample is half the mean length and 1/3 above the
+    mean score."""
+    import numpy
+
+    from rlhf_lab.generation.rollout import Rollout
+    from rlhf_lab.step.step_metrics import staleness_bias
+
+    mask = torch.tensor([[1.0, 1, 1], [1, 1, 0], [1, 0, 0]])
+    versions = torch.tensor([[4, 4, 4], [4, 3, 0], [2, 0, 0]])
+    rollout = Rollout(input_ids=torch.zeros(3, 4, dtype=torch.long), attention_mask=torch.ones(3, 4, dtype=torch.long),
+                      response_mask=mask, prompt_width=1, group_size=1, logprobs=torch.zeros(3, 3),
+                      entropy=torch.zeros(3, 3), versions=versions, scores=torch.tensor([0.0, 1.0, 1.0]))
+    metrics = staleness_bias(rollout, mask, 5, torch.tensor([False, False, True]))
+    staleness, lengths, scores = [1.0, 1.5, 3.0], [3.0, 2.0, 1.0], [0.0, 1.0, 1.0]
+    assert metrics["staleness/length_corr"] == pytest.approx(numpy.corrcoef(staleness, lengths)[0, 1], abs=1e-6)
+    assert metrics["staleness/reward_corr"] == pytest.approx(numpy.corrcoef(staleness, scores)[0, 1], abs=1e-6)
+    assert metrics["rollout/stale_dropped_length_ratio"] == pytest.approx(1 / 2)
+    assert metrics["rollout/stale_dropped_reward_gap"] == pytest.approx(1 - 2 / 3)
+    assert staleness_bias(rollout, mask, 5, None).keys() == {"staleness/length_corr", "staleness/reward_corr"}
+    assert staleness_bias(replace_versions(rollout, 5), mask, 5, None) == {}  # nothing stale: nothing to correlate
+
+
+def replace_versions(rollout, version: int):
+    from dataclasses import replace
+
+    return replace(rollout, versions=(rollout.response_mask > 0).long() * version)
