@@ -65,6 +65,23 @@ def landing_at(engine: HFServerEngine, step: int) -> None:
     engine.land = land
 
 
+def held_until_staged(engine: HFServerEngine, step: int) -> list[int]:
+    """The engine's decode waits at step ``step`` until a load is staged, so it lands there whatever the timing;
+    returns the count of landing calls so far (the first is before the request's first token)."""
+    real, calls = engine.land, [0]
+
+    def land() -> bool:
+        calls[0] += 1
+        if calls[0] == step + 1:
+            deadline = time.monotonic() + HANG_GUARD_S
+            while not engine.staged and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return real()
+
+    engine.land = land
+    return calls
+
+
 @pytest.mark.parametrize("partial", [False, True])
 def test_a_load_landing_mid_request_samples_as_the_simulator_scripts_it(model_folder: Path, partial: bool) -> None:
     """A version staged while a request decodes lands at its step 3: the request goes on (every sample keeps all
@@ -117,17 +134,7 @@ def test_a_load_sent_while_the_server_samples_lands_between_two_steps(server, tm
     (sync / "v4").mkdir()
     weights = newer(engine)
     save_file({name: t.contiguous() for name, t in weights.items()}, str(sync / "v4" / "model.safetensors"))
-    real, calls = engine.land, [0]
-
-    def land() -> bool:  # step 2 waits until the load is staged: it lands there, whatever the timing
-        calls[0] += 1
-        if calls[0] == 3:
-            deadline = time.monotonic() + HANG_GUARD_S
-            while not engine.staged and time.monotonic() < deadline:
-                time.sleep(0.01)
-        return real()
-
-    engine.land = land
+    calls = held_until_staged(engine, 2)
     replies = {}
     thread = threading.Thread(target=lambda: replies.setdefault("generate", call(url, "/generate", REQUEST, token)))
     thread.start()
@@ -280,3 +287,37 @@ def test_a_server_killed_mid_run_stops_the_trainer_in_one_line(model_folder: Pat
     finally:
         process.kill()
         process.wait(HANG_GUARD_S)
+
+
+def test_weights_broadcast_over_the_group_land_in_flight_too(model_folder: Path) -> None:
+    """``generation.weight_sync=collective``: the weights the trainer's rank 0 broadcasts while a request decodes are
+    staged as they arrive and land between two decode steps (held at step 2 here until staged), with the trainer's
+    version."""
+    from rlhf_lab.generation.weight_group import WeightGroup
+    from tests.unit.test_weight_group import free_port as group_port
+
+    engine = HFServerEngine(str(model_folder), "float32", max_model_len=64)
+    weight_server = serving.WeightServer(engine, model_folder, "token")
+    port, joined = group_port(), {}
+    thread = threading.Thread(target=lambda: joined.setdefault("group", WeightGroup("127.0.0.1", port, 1, "gloo")))
+    thread.start()
+    sender = WeightGroup("127.0.0.1", port, 0, "gloo")
+    thread.join(HANG_GUARD_S)
+    weight_server.group = joined["group"]
+    calls = held_until_staged(engine, 2)
+    replies: dict[str, dict] = {}
+    generating = threading.Thread(target=lambda: replies.setdefault("generate", weight_server.generate(dict(REQUEST))))
+    generating.start()
+    while calls[0] < 3:
+        time.sleep(0.01)
+    receiving = threading.Thread(target=lambda: replies.setdefault("load", weight_server.receive_weights({"version": 9})))
+    receiving.start()
+    weights = newer(engine)
+    for name, tensor in weights.items():
+        sender.send(name, tensor)
+    sender.end()
+    receiving.join(HANG_GUARD_S)
+    generating.join(HANG_GUARD_S)
+    assert replies["load"] == {"loaded": len(weights), "version": 9}
+    assert replies["generate"]["step_versions"] == [0, 0, 9, 9, 9, 9, 9, 9]
+    assert all(torch.equal(p, weights[name]) for name, p in engine.model.named_parameters())
