@@ -23,6 +23,7 @@ import math
 import time
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from rlhf_lab.generation.serve_engine import RequestError
@@ -47,6 +48,19 @@ class OpenAIRoutes:
         self._tokenizer = tokenizer
         self.routes: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
             "/v1/chat/completions": self.chat, "/v1/completions": self.completions}
+        self.get_routes: dict[str, Callable[[], dict[str, Any]]] = {"/v1/models": self.models}
+        # The names a request's ``model`` may give: the launch path, the folder's name, the path resolved.
+        self.names = [self.served_name]
+        for alias in (Path(model).name, str(Path(model).expanduser().resolve())):
+            if alias and alias not in self.names:
+                self.names.append(alias)
+
+    def models(self) -> dict[str, Any]:
+        """``GET /v1/models`` as OpenAI's and vLLM's servers answer it (clients probe it first): the served model
+        under each name a request may give."""
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "rlhf-lab",
+                                            "root": self.served_name, "max_model_len": self.max_model_len}
+                                           for name in self.names]}
 
     @property
     def tokenizer(self) -> Any:
@@ -139,8 +153,9 @@ class OpenAIRoutes:
 
     def _sample(self, prompts: list[list[int]], request: dict[str, Any]) -> tuple[list[list[Any]], list[str]]:
         model = request.get("model")
-        if model is not None and model != self.served_name:
-            raise _error(f"model {model!r} is not served here; this server serves {self.served_name!r}", 404)
+        if model is not None and model not in self.names:
+            raise _error(f"model {model!r} is not served here; this server serves {self.served_name!r} (also known "
+                         f"as {', '.join(repr(name) for name in self.names[1:]) or 'nothing else'})", 404)
         longest = max(map(len, prompts))
         room = self.max_model_len - longest
         if room <= 0:

@@ -1,6 +1,7 @@
-"""The ``rlhf-lab serve`` shared secret: where the server gets it (``--token-file``, ``RLHF_LAB_SERVE_TOKEN``, or
-one generated at start into the sync folder, mode 0600) and where the trainer reads it; and whether an address is
-loopback (a server bound elsewhere warns: plain HTTP carries the token in clear)."""
+"""The ``rlhf-lab serve`` trust boundaries: the shared secret (where the server gets it: ``--token-file``,
+``RLHF_LAB_SERVE_TOKEN``, or one generated at start into the sync folder, mode 0600; and where the trainer reads it),
+the folders a load may name (inside the sync folder, regular files only), and whether an address is loopback (a
+server bound elsewhere warns: plain HTTP carries the token in clear)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import secrets
 import socket
 import stat
 from pathlib import Path
+from typing import Any
 
 from rlhf_lab.errors import ConfigError, ToolError
 
@@ -37,13 +39,16 @@ def _read_token(path: Path, where: str) -> str:
     return token
 
 
-def server_token(sync_folder: Path, token_file: str | None = None) -> str:
+def server_token(sync_folder: Path | None, token_file: str | None = None) -> str:
     """The server's secret: ``token_file``'s, else the environment's, else a new one written 0600 to the sync
     folder for the trainer to read."""
     if token_file:
         return _read_token(Path(token_file), "--token-file")
     if os.environ.get(TOKEN_ENV, "").strip():  # a blank one is no secret
         return os.environ[TOKEN_ENV].strip()
+    if sync_folder is None:
+        raise ToolError(f"no --sync-folder to write a new token to: give the token with --token-file FILE or "
+                        f"{TOKEN_ENV}, or a --sync-folder")
     token = secrets.token_urlsafe(32)
     path = Path(sync_folder) / TOKEN_FILE
     if path.is_symlink():
@@ -80,3 +85,37 @@ def is_loopback(host: str) -> bool:
 
 
 # ------------------------------------------------------------------------------------------ the routes
+
+
+def folder_inside(sync_folder: Path | None, given: Any, what: str) -> Path:
+    """``given`` (relative to the sync folder, or absolute) as a folder inside the server's sync folder; a 4xx
+    naming it where it is not one (None: the server was started without a sync folder)."""
+    from rlhf_lab.generation.serve_engine import RequestError
+
+    if sync_folder is None:
+        raise RequestError(409, f"this server was started without --sync-folder: it loads no {what} from a folder "
+                                "(start it with --sync-folder, or send weights over the group)")
+    if not isinstance(given, str) or not given:
+        raise RequestError(400, f"{what} must be a folder name in the sync folder")
+    path = (sync_folder / given).resolve()
+    if not path.is_relative_to(sync_folder):
+        raise RequestError(403, f"{what}={given!r} is outside the sync folder {sync_folder}; nothing loaded, the "
+                                "previous weights still serve")
+    if not path.is_dir():
+        raise RequestError(400, f"{what}={given!r} is not a folder in {sync_folder}; nothing loaded, the previous "
+                                "weights still serve")
+    return path
+
+
+def regular_files(folder: Path, pattern: str) -> list[Path]:
+    """The files of ``folder`` matching ``pattern``; a 403 where one is a symbolic link or not a regular file."""
+    from rlhf_lab.generation.serve_engine import RequestError
+
+    found = sorted(folder.glob(pattern))
+    for path in found:
+        mode = path.lstat().st_mode
+        if not stat.S_ISREG(mode):
+            kind = "a symbolic link" if stat.S_ISLNK(mode) else "not a regular file"
+            raise RequestError(403, f"{path.name} in {folder} is {kind}; nothing loaded, the previous weights still "
+                                    "serve")
+    return found

@@ -27,8 +27,8 @@ from __future__ import annotations
 import hmac
 import json
 import os
+import signal
 import socket
-import stat
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -50,7 +50,14 @@ from rlhf_lab.generation.serve_engine import (
     checkpoint_shapes,
     weight_names,
 )
-from rlhf_lab.generation.serve_token import TOKEN_ENV, TOKEN_FILE, is_loopback, server_token
+from rlhf_lab.generation.serve_token import (
+    TOKEN_ENV,
+    TOKEN_FILE,
+    folder_inside,
+    is_loopback,
+    regular_files,
+    server_token,
+)
 from rlhf_lab.generation.vllm import lora_rank_slot
 from rlhf_lab.generation.weight_group import WeightGroup
 
@@ -66,7 +73,7 @@ class WeightServer:
     def __init__(self, engine: ServerEngine, sync_folder: Path, token: str, trainer_host: str = "127.0.0.1",
                  shapes: dict[str, tuple[int, ...]] | None = None, lora_rank: int = 0) -> None:
         self.engine, self.token, self.trainer_host = engine, token, trainer_host
-        self.sync_folder = Path(sync_folder).resolve()
+        self.sync_folder = Path(sync_folder).resolve() if sync_folder is not None else None
         self.shapes, self.lora_rank = shapes or {}, lora_rank
         self.lock = threading.Lock()
         self.weights_version, self.adapter_version, self.adapter_folder = 0, 0, None
@@ -74,6 +81,11 @@ class WeightServer:
         self.routes: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
             "/generate": self.generate, "/load_weights": self.load_weights, "/load_adapter": self.load_adapter,
             "/open_group": self.open_group, "/receive_weights": self.receive_weights}
+        self.get_routes: dict[str, Callable[[], dict[str, Any]]] = {"/health": self.health}
+
+    def health(self) -> dict[str, Any]:
+        """``GET /health``: the model served, and whether a load lands between two decode steps (in flight)."""
+        return {"ok": True, "model": self.model, "in_flight": hasattr(self.engine, "stage")}
 
     def allowed(self, authorization: str | None) -> bool:
         if not self.token:  # never: an empty secret would let in an empty header
@@ -94,34 +106,11 @@ class WeightServer:
             steps = getattr(self.engine, "token_versions", None) or [self.weights_version]
         return {"samples": samples, "step_versions": steps}
 
-    def inside(self, given: Any, what: str) -> Path:
-        """``given`` (relative to the sync folder, or absolute) as a folder inside the sync folder."""
-        if not isinstance(given, str) or not given:
-            raise RequestError(400, f"{what} must be a folder name in the sync folder")
-        path = (self.sync_folder / given).resolve()
-        if not path.is_relative_to(self.sync_folder):
-            raise RequestError(403, f"{what}={given!r} is outside the sync folder {self.sync_folder}; nothing "
-                                    f"loaded, the previous weights still serve")
-        if not path.is_dir():
-            raise RequestError(400, f"{what}={given!r} is not a folder in {self.sync_folder}; nothing loaded, the "
-                                    "previous weights still serve")
-        return path
-
-    def _files(self, folder: Path, pattern: str) -> list[Path]:
-        found = sorted(folder.glob(pattern))
-        for path in found:
-            mode = path.lstat().st_mode
-            if not stat.S_ISREG(mode):
-                kind = "a symbolic link" if stat.S_ISLNK(mode) else "not a regular file"
-                raise RequestError(403, f"{path.name} in {folder} is {kind}; nothing loaded, the previous weights "
-                                        "still serve")
-        return found
-
     def load_weights(self, request: dict[str, Any]) -> dict[str, Any]:
         from safetensors import SafetensorError, safe_open
 
-        folder = self.inside(request.get("folder"), "folder")
-        shards = self._files(folder, "*.safetensors")
+        folder = folder_inside(self.sync_folder, request.get("folder"), "folder")
+        shards = regular_files(folder, "*.safetensors")
         if not shards:
             raise RequestError(400, f"{folder} holds no *.safetensors (pickle files are never loaded); nothing "
                                     f"loaded, the previous weights (version {self.weights_version}) still serve")
@@ -218,9 +207,9 @@ class WeightServer:
             raise RequestError(400, f"weight {name!r} has shape {list(shape)}, the model's is {list(known)}; {after}")
 
     def load_adapter(self, request: dict[str, Any]) -> dict[str, Any]:
-        folder = self.inside(request.get("folder"), "folder")
-        config_files = self._files(folder, "adapter_config.json")
-        weights = self._files(folder, "adapter_model.safetensors")
+        folder = folder_inside(self.sync_folder, request.get("folder"), "folder")
+        config_files = regular_files(folder, "adapter_config.json")
+        weights = regular_files(folder, "adapter_model.safetensors")
         if not config_files or not weights:
             raise RequestError(400, f"{folder} holds no adapter_config.json and adapter_model.safetensors (pickle "
                                     f"files are never loaded); the previous adapter (version "
@@ -316,7 +305,8 @@ def make_http_server(server: WeightServer, host: str, port: int) -> ThreadingHTT
 
         def do_GET(self) -> None:  # noqa: N802  (http.server's name)
             if self._authorised():
-                self._reply(200, {"ok": True, "model": server.model, "in_flight": hasattr(server.engine, "stage")}) if self.path == "/health" else self._reply(404, {"error": self.path})
+                route = server.get_routes.get(self.path)
+                self._reply(200, route()) if route is not None else self._reply(404, {"error": f"no route {self.path}"})
 
         def do_POST(self) -> None:  # noqa: N802
             if not self._authorised():
@@ -360,7 +350,7 @@ def make_http_server(server: WeightServer, host: str, port: int) -> ThreadingHTT
 
 def serve(model: str, host: str = "127.0.0.1", port: int = 8765, dtype: str = "auto", enforce_eager: bool = True,
           max_model_len: int = 2048, lora_rank: int = 0, *,
-          sync_folder: str | Path, token_file: str | None = None, trainer_host: str = "127.0.0.1",
+          sync_folder: str | Path | None, token_file: str | None = None, trainer_host: str = "127.0.0.1",
           memory_share: float = DEFAULT_MEMORY_SHARE,
           engine_factory: Callable[..., ServerEngine] = VLLMServerEngine,
           on_ready: Callable[[ThreadingHTTPServer], None] | None = None) -> None:
@@ -369,8 +359,8 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8765, dtype: str = "a
     if not 0 < memory_share <= 1:
         raise ToolError(f"--gpu-memory-utilization {memory_share}: a share of the GPU in (0, 1]; the default "
                         f"{DEFAULT_MEMORY_SHARE} fits a 7B policy beside its trainer on 80 GB")
-    folder = Path(sync_folder).expanduser()
-    if not folder.is_dir():
+    folder = Path(sync_folder).expanduser() if sync_folder is not None else None
+    if folder is not None and not folder.is_dir():
         raise ToolError(f"--sync-folder {str(folder)!r} is not a folder; create it (the trainer's "
                         "generation.sync_folder)")
     dtype = check_dtype(dtype, torch.cuda.is_available())
@@ -379,7 +369,9 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8765, dtype: str = "a
     engine = engine_factory(model, dtype, enforce_eager, max_model_len, lora_rank, memory_share)
     weights = WeightServer(engine, folder, token, trainer_host, checkpoint_shapes(model), lora_rank)
     weights.model = model
-    weights.routes.update(OpenAIRoutes(weights, model, max_model_len, getattr(engine, "tokenizer", None)).routes)
+    openai = OpenAIRoutes(weights, model, max_model_len, getattr(engine, "tokenizer", None))
+    weights.routes.update(openai.routes)
+    weights.get_routes.update(openai.get_routes)
     http = make_http_server(weights, host, port)
     if not is_loopback(host):
         print(f"warning: rlhf-lab serve is bound to {host}, beyond this machine: whoever reaches it with the token "
@@ -391,6 +383,8 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8765, dtype: str = "a
           flush=True)
     if on_ready is not None:
         on_ready(http)
+    if threading.current_thread() is threading.main_thread():  # Ctrl-C stops it, whatever handler the engine set
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         http.serve_forever()
     finally:

@@ -1,4 +1,4 @@
-"""``rlhf-lab serve MODEL --sync-folder DIR [--host H] [--port N] [--dtype D] [--gpu-memory-utilization F]
+"""``rlhf-lab serve MODEL [--sync-folder DIR] [--host H] [--port N] [--dtype D] [--gpu-memory-utilization F]
 [--trainer-host H] [--token-file F] [--max-model-len L] [--lora-rank R] [--compile] [--engine vllm|hf]``: a
 server the trainer's ranks generate on (``generation=vllm_server generation.url=http://H:N
 generation.sync_folder=DIR``), which also answers OpenAI's ``/v1/chat/completions`` and ``/v1/completions`` with
@@ -25,9 +25,11 @@ def main(args: list[str] | None = None) -> None:
 
     parser = _Parser(prog="rlhf-lab serve", description=plain(__doc__))
     parser.add_argument("model", help="the model folder the engine loads (the policy's initial weights)")
-    parser.add_argument("--sync-folder", required=True,
+    parser.add_argument("--sync-folder", default=None,
                         help=f"the trainer's generation.sync_folder: weights are loaded only from inside it, and the "
-                             f"token is written there ({TOKEN_FILE}, mode 0600)")
+                             f"token is written there ({TOKEN_FILE}, mode 0600); without it the server loads no "
+                             f"weights from folders (to serve only), and the token comes from --token-file or "
+                             f"{TOKEN_ENV}")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (beyond loopback: a warning)")
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument("--dtype", default="auto", choices=DTYPES,
@@ -75,7 +77,8 @@ def main(args: list[str] | None = None) -> None:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
-        pass
+        print("rlhf-lab serve: stopped (Ctrl-C)", file=sys.stderr)
+        sys.exit(130)
 
 
 def eager(options: argparse.Namespace) -> bool:

@@ -85,6 +85,20 @@ def test_the_openai_routes_keep_the_servers_trust_rules(server, model_folder: Pa
         assert status == 415 and "application/json" in reply["error"]
     status, reply = call(url, "/v1/chat/completions", chat_body(model_folder, model="gpt-4o"), token)
     assert status == 404 and "'gpt-4o'" in reply["error"] and str(model_folder) in reply["error"]
+    assert f"also known as '{model_folder.name}'" in reply["error"]
+
+
+def test_v1_models_lists_the_served_model_under_each_name_a_request_may_give(server, model_folder: Path) -> None:
+    """``GET /v1/models`` (clients probe it first) answers as OpenAI's and vLLM's servers do: the launch path and the
+    folder's name, each accepted as a request's ``model``; behind the token like every route."""
+    url, token, _ = server
+    assert call(url, "/v1/models")[0] == 401
+    status, reply = call(url, "/v1/models", token=token)
+    assert status == 200 and reply["object"] == "list"
+    assert [entry["id"] for entry in reply["data"]] == [str(model_folder), model_folder.name]
+    assert all(entry["object"] == "model" and entry["root"] == str(model_folder) for entry in reply["data"])
+    status, reply = call(url, "/v1/chat/completions", chat_body(model_folder, model=model_folder.name, n=1), token)
+    assert status == 200 and reply["model"] == str(model_folder)
     status, reply = call(url, "/v1/chat/completions", chat_body(model_folder, max_tokens=10_000), token)
     assert status == 400 and "max_tokens must be 1-" in reply["error"]
 
@@ -149,6 +163,7 @@ def test_the_hf_engine_takes_weights_by_name_and_refuses_unknown_ones(server) ->
 def test_the_serve_command_with_the_hf_engine_answers_an_openai_chat(model_folder: Path, tmp_path: Path) -> None:
     """``rlhf-lab serve MODEL --engine hf`` as a user starts it (no vLLM): it prints where its token is, and a chat
     request with that token gets the sampled ids back."""
+    import signal
     import socket
     import time
 
@@ -174,8 +189,11 @@ def test_the_serve_command_with_the_hf_engine_answers_an_openai_chat(model_folde
         assert status == 200, reply
         (choice,) = reply["choices"]
         assert choice["token_ids"] and len(choice["logprobs"]["content"]) == len(choice["token_ids"])
+        server.send_signal(signal.SIGINT)  # Ctrl-C stops it, with a line and 130
+        assert server.wait(HANG_GUARD_S) == 130
+        assert server.stdout.read().splitlines()[-1] == "rlhf-lab serve: stopped (Ctrl-C)"
     finally:
-        server.terminate()
+        server.kill()
         server.wait(HANG_GUARD_S)
 
 

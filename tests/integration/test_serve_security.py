@@ -14,6 +14,8 @@ import os
 import stat
 import threading
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +97,21 @@ def call(url: str, path: str, body: Any = None, token: str | None = None,
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as error:
         return error.code, json.loads(error.read())
+
+
+@contextmanager
+def serving_in_a_thread(model: str, engine, sync: Path | None) -> Iterator[str]:
+    """``serving.serve`` over ``engine`` in a thread of this process, for the block: its URL."""
+    started, holder = threading.Event(), {}
+    thread = threading.Thread(target=serving.serve, args=(model, "127.0.0.1", 0), daemon=True, kwargs=dict(
+        sync_folder=sync, engine_factory=lambda *args: engine,
+        on_ready=lambda http: (holder.setdefault("http", http), started.set())))
+    thread.start()
+    assert started.wait(HANG_GUARD_S)
+    try:
+        yield f"http://127.0.0.1:{holder['http'].server_address[1]}"
+    finally:
+        holder["http"].shutdown()
 
 
 GENERATE = {"prompt_ids": [[1, 2]], "group_size": 1, "max_new_tokens": 1, "temperature": 1.0, "top_p": 1.0,
@@ -295,8 +312,9 @@ def test_a_token_given_by_file_or_environment_is_used_and_none_is_one_line(tmp_p
     assert os.stat(tmp_path / serving.TOKEN_FILE).st_mode & 0o077 == 0
 
 
-def test_serve_options_it_cannot_run_are_one_line(tmp_path: Path, run_cli) -> None:
+def test_serve_options_it_cannot_run_are_one_line(tmp_path: Path, run_cli, monkeypatch) -> None:
     """Checked before any engine is built (no vLLM needed to see them)."""
+    monkeypatch.delenv(serving.TOKEN_ENV, raising=False)
     sync = tmp_path / "sync"
     sync.mkdir()
     base = ["serve", str(tmp_path), "--sync-folder", str(sync)]
@@ -312,8 +330,8 @@ def test_serve_options_it_cannot_run_are_one_line(tmp_path: Path, run_cli) -> No
     ]
     for extra, message in cases:
         assert run_cli([*base, *extra]) == (2, "", f"error: {message}\n"), extra
-    code, _, err = run_cli(["serve", str(tmp_path)])
-    assert code == 2 and err == "error: the following arguments are required: --sync-folder\n"
+    code, _, err = run_cli(["serve", str(tmp_path)])  # no folder to write a token to, and none given
+    assert code == 2 and err.startswith("error: no --sync-folder to write a new token to: give the token with")
     code, _, err = run_cli(["serve", str(tmp_path), "--sync-folder", str(tmp_path / "nope")])
     assert code == 2 and err == (f"error: --sync-folder '{tmp_path / 'nope'}' is not a folder; create it (the "
                                  "trainer's generation.sync_folder)\n")
@@ -417,14 +435,7 @@ def test_the_trainer_reads_the_token_and_only_rank_0_writes(compose, tiny_overri
             return [[[7, 8], [-0.5, -0.25]] for _ in request["prompt_ids"] for _ in range(request["group_size"])]
 
     engine = Sampler({})
-    started, holder = threading.Event(), {}
-    thread = threading.Thread(target=serving.serve, args=(str(model), "127.0.0.1", 0), daemon=True, kwargs=dict(
-        sync_folder=sync, engine_factory=lambda *args: engine,
-        on_ready=lambda http: (holder.setdefault("http", http), started.set())))
-    thread.start()
-    assert started.wait(HANG_GUARD_S)
-    try:
-        url = f"http://127.0.0.1:{holder['http'].server_address[1]}"
+    with serving_in_a_thread(str(model), engine, sync) as url:
         client = VLLMServerGeneration(policy, tokenizer, SamplingSettings(max_new_tokens=2),
                                       Precision(precision, "cpu"), options={"url": url, "sync_folder": str(sync)})
         assert engine.fed == []  # the server may hold other weights: the rollout worker loads them first
@@ -438,5 +449,20 @@ def test_the_trainer_reads_the_token_and_only_rank_0_writes(compose, tiny_overri
         before = sorted(path.name for path in sync.iterdir())
         client.sync_weights(policy)
         assert sorted(path.name for path in sync.iterdir()) == before and engine.fed == ["stream"]
-    finally:
-        holder["http"].shutdown()
+
+
+def test_serving_without_a_sync_folder_takes_its_token_from_the_environment_and_loads_no_folder(
+        tmp_path: Path, monkeypatch) -> None:
+    """``rlhf-lab serve`` without ``--sync-folder`` (to serve only): the token must come from ``--token-file`` or the
+    environment (else one line, before the model loads); it samples, and a load from a folder is a 409 naming the
+    flag, the previous weights serving on."""
+    from rlhf_lab.errors import ToolError
+
+    monkeypatch.delenv(serving.TOKEN_ENV, raising=False)
+    with pytest.raises(ToolError, match=r"^no --sync-folder to write a new token to: give the token with --token-file"):
+        serving.serve(str(tmp_path), "127.0.0.1", 0, sync_folder=None, engine_factory=lambda *args: StandInEngine({}))
+    monkeypatch.setenv(serving.TOKEN_ENV, "from-the-environment")
+    with serving_in_a_thread(str(tmp_path), StandInEngine({"w": torch.ones(1)}), None) as url:
+        assert sampled(url, "from-the-environment") == 1
+        status, reply = call(url, "/load_weights", {"folder": "v1"}, "from-the-environment")
+        assert status == 409 and reply["error"].startswith("this server was started without --sync-folder")
