@@ -8,16 +8,15 @@ from __future__ import annotations
 
 from omegaconf import OmegaConf
 
-GROUPS = ("algorithm", "kl", "reward", "model", "data", "logger", "hardware", "generation", "experiment", "hparams_search",
-          "kl_arm")
-
 
 def help_text(what: str) -> str:
-    from rlhf_lab.config.compose import CONF_DIR, group_options
+    from rlhf_lab.config.compose import CONF_DIR, GROUPS, group_options
     from rlhf_lab.config.validate_sweep import plugin_options
 
-    if what == "groups":
-        return "\n".join(f"  {group}: {', '.join(group_options(group))}" for group in GROUPS if group_options(group))
+    if what == "groups":  # the run's groups first, then every other folder of conf/ (the sweeps' arms)
+        others = sorted(path.name for path in CONF_DIR.iterdir() if path.is_dir() and path.name not in (*GROUPS, "hydra"))
+        return "\n".join(f"  {group}: {', '.join(group_options(group))}" for group in (*GROUPS, *others)
+                         if group_options(group))
     if what in ("launchers", "sweepers"):
         return ", ".join(plugin_options(what[:-1], CONF_DIR))
     return ""

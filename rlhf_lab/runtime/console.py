@@ -4,6 +4,7 @@ as the console), plain ``print`` elsewhere (a notebook, a test, ``rlhf_lab.train
 from __future__ import annotations
 
 import logging
+import os
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -91,6 +92,33 @@ FINAL_KEYS = (("reward/first_20pct_mean", "reward, first 20% of steps"), ("rewar
 
 
 def final_lines(summary: dict[str, Any], run_dir: Path) -> str:
-    """What a run says when it ends: where everything is, and the numbers a user looks at first."""
+    """What a run says when it ends: where everything is and what it takes on disk, and the numbers a user looks at
+    first."""
     parts = [f"{label} {summary[key]:.4g}" for key, label in FINAL_KEYS if isinstance(summary.get(key), int | float)]
-    return f"run folder: {run_dir}\n" + (", ".join(parts) if parts else "no step metrics (no step ran)")
+    return (f"run folder: {run_dir} ({on_disk(run_dir)})\n"
+            + (", ".join(parts) if parts else "no step metrics (no step ran)"))
+
+
+def on_disk(run_dir: Path) -> str:
+    """The run folder's size, and its optimizer state's share where it is a tenth or more (what ``trainer.save=model``
+    leaves out)."""
+    total = optimizer = 0
+    for folder, _, files in os.walk(run_dir):  # symbolic links are not followed, nor counted
+        for name in files:
+            path = Path(folder) / name
+            if path.is_symlink() or not path.is_file():
+                continue
+            size = path.stat().st_size
+            total += size
+            optimizer += size if name == "optimizer.safetensors" else 0  # (FSDP's sharded/ holds both together)
+    said = f"{_size(total)} on disk"
+    if optimizer and optimizer >= total // 10:
+        said += f", {_size(optimizer)} of it optimizer state: trainer.save=model keeps the model only"
+    return said
+
+
+def _size(count: int) -> str:
+    for unit, scale in (("GB", 1 << 30), ("MB", 1 << 20), ("kB", 1 << 10)):
+        if count >= scale:
+            return f"{count / scale:.3g} {unit}"
+    return f"{count} B"

@@ -77,3 +77,16 @@ def test_the_workspace_spec_needs_no_entity(tmp_path: Path, run_cli, monkeypatch
     code, _, err = run_cli(["wandb", "workspace", "--save"])
     assert code == 2 and err == ("error: --save needs --entity (the W&B user or team the view is saved under); --out "
                                  "writes the spec without one\n")
+
+
+def test_help_lists_every_config_group_with_its_options() -> None:
+    """``rlhf-lab --help``'s group list covers every folder of conf/ but Hydra's own (the environments and the sweeps'
+    arm groups included), each with the options a user can select."""
+    from rlhf_lab.app.cli_help import help_text
+    from rlhf_lab.config.compose import CONF_DIR, group_options
+
+    listed = {line.split(":")[0].strip(): line.split(": ", 1)[1] for line in help_text("groups").splitlines()}
+    folders = {path.name for path in CONF_DIR.iterdir() if path.is_dir() and path.name != "hydra"}
+    assert set(listed) == folders
+    assert listed["env"] == ", ".join(group_options("env")) and "verifiers" in listed["env"]
+    assert "f6_decoupled" in listed["async_arm"] and "s8_sequence" in listed["off_policy_arm"]

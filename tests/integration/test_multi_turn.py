@@ -116,6 +116,10 @@ def test_an_environment_failing_mid_run_is_one_line_and_keeps_what_was_written(t
     assert [line["step"] for line in lines] == [0] and lines[0]["reward/mean"] == 1.0
 
 
+def _size(count: int) -> str:
+    return f"{count / (1 << 20):.3g} MB" if count >= 1 << 20 else f"{count / 1024:.3g} kB"
+
+
 def test_a_run_ends_by_naming_its_folder_and_numbers_and_draws_no_library_bars(tiny_overrides, run_cli,
                                                                                tmp_path: Path) -> None:
     """``trainer.progress_bar=false`` quiets transformers' weight-shard bars too; the last lines say where the run
@@ -125,7 +129,12 @@ def test_a_run_ends_by_naming_its_folder_and_numbers_and_draws_no_library_bars(t
     assert "Writing model shards" not in out + err and "Loading weights" not in out + err
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     lines = (out + err).strip().splitlines()
-    assert lines[-2].endswith(f"run folder: {(tmp_path / 'run').resolve()}")
+    run = tmp_path / "run"
+    size = sum(path.stat().st_size for path in run.rglob("*") if path.is_file() and not path.is_symlink())
+    optimizer = sum(path.stat().st_size for path in run.rglob("optimizer.safetensors"))
+    assert optimizer > size // 10  # the tiny model's AdamW state: twice its weights
+    assert lines[-2].endswith(f"run folder: {run.resolve()} ({_size(size)} on disk, {_size(optimizer)} of it "
+                              "optimizer state: trainer.save=model keeps the model only)")
     assert f"reward, first 20% of steps {summary['reward/first_20pct_mean']:.4g}" in lines[-1]
     assert f"eval reward {summary['eval/reward/mean']:.4g}" in lines[-1]
 
