@@ -34,6 +34,12 @@ one that was never stopped. ``generation.simulate_staleness`` keeps the last k p
 max(t − k, 0) updates (:meth:`RolloutWorker.lagging`), and with ``generation.weight_updates`` newer versions land
 while it decodes (:mod:`rlhf_lab.generation.inflight`). Every batch handed out carries each token's version
 (``Samples.versions``: the updates of the weights that sampled it).
+
+For real, a server that takes weights between its decode steps (``rlhf-lab serve --engine hf`` under
+``generation.weight_updates=in_flight`` or ``partial``) gets each version at once, labelled with the policy's updates
+(:meth:`RolloutWorker.weights_updated`): it lands in the batches the server is sampling ahead, and the server reports
+each token's version. ``generation.staleness_cap`` then drops, or samples again, the groups of a batch taken whose
+oldest token is too old (:meth:`RolloutWorker.take`).
 """
 
 from __future__ import annotations
@@ -306,7 +312,8 @@ class RolloutWorker:
     def metrics(self) -> dict[str, float]:
         """``rollout/weight_sync_diff`` (the last canary's max |Δ log-prob|) and ``rollout/weight_version`` (the updates
         behind the engine's weights that sampled the last batch handed out), where the engine holds weights of its
-        own."""
+        own; under ``generation.staleness_cap``, the share of the last batch taken that was over it
+        (``rollout/stale_dropped_frac``, ``rollout/stale_waited_frac``)."""
         if not self.holds_weights:
             return dict(self.cap_metrics)
         return {"rollout/weight_version": float(self.batch_version), **self.last_check, **self.cap_metrics}
