@@ -70,7 +70,8 @@ def _arm_values(spec: str, arms: list[Any], per_job: dict[int, dict[str, float]]
     found = [arm for arm in arms if matches(arm)]
     if len(found) != 1:
         return f"{spec} matches {len(found)} arms of the report"
-    values = {job.config.get("seed"): per_job[id(job)].get(metric, math.nan) for job in found[0].jobs}
+    values = {job.config.get("seed"): per_job[id(job)].get(metric, math.nan) for job in found[0].jobs
+              if id(job) in per_job}  # (an unfinished job has no final value)
     return {seed: value for seed, value in values.items() if not math.isnan(value)}
 
 

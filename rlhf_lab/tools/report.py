@@ -27,7 +27,9 @@ left out of them. Written into the folder (or ``--out``): ``report.csv``, ``repo
 evaluation reward against step, the KL estimate against the exact KL per arm, and the reward-vs-KL frontier with
 its Pareto front. A plot with no data (no job logged its keys) is left out, and report.md and the console say
 which and why. The markdown table is printed, then every file written. A job whose run did not finish (no
-``summary.json`` and fewer training steps than its ``trainer.steps``) is named as failed in both.
+``summary.json`` and fewer training steps than its ``trainer.steps``: killed, failed or still running) is left out of
+the table's values and the claims (the seeds column says how many of an arm's jobs finished) and named, with the
+command that finishes it, in both.
 
 An experiment's claims (``claims:`` in its YAML, or ``--claims EXPERIMENT`` for the ones it lists now) are checked
 on the arms (:mod:`rlhf_lab.tools.claims`): PASS / FAIL, seeds, effect and a 95% bootstrap interval, printed, in
@@ -49,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import yaml
 
 from rlhf_lab.app.help_text import plain
 from rlhf_lab.errors import ToolError
@@ -188,21 +191,45 @@ def mean_std(values: list[float]) -> tuple[float, float]:
 
 
 def summarize(arms: list[Arm]) -> tuple[list[dict[str, Any]], list[str]]:
-    """One row per arm (label columns, seeds, ``<metric>_mean``/``_std``) and the metric columns present."""
-    per_job = {id(job): job_metrics(job) for arm in arms for job in arm.jobs}
-    present = [name for name, _ in METRICS if any(name in m for m in per_job.values())]
+    """One row per arm (label columns, its finished jobs' seeds and count, every job's count, and
+    ``<metric>_mean``/``_std`` over the finished jobs only: an unfinished job's last step is no final value) and the
+    metric columns present."""
+    jobs = [job for arm in arms for job in arm.jobs]
+    per_job = finished_metrics(jobs)
+    logged = [per_job.get(id(job)) or job_metrics(job) for job in jobs]  # the columns: every job's, finished or not
+    present = [name for name, _ in METRICS if any(name in m for m in logged)]
     rows = []
     for arm in arms:
+        finished = [job for job in arm.jobs if id(job) in per_job]
         row: dict[str, Any] = {key: _format_value(value) for key, value in arm.label.items()}
         row["arm"] = arm.name
-        row["n_seeds"] = len(arm.jobs)
-        row["seeds"] = ",".join(str(job.config.get("seed")) for job in arm.jobs)
+        row["n_seeds"], row["n_jobs"] = len(finished), len(arm.jobs)
+        row["seeds"] = ",".join(str(job.config.get("seed")) for job in finished)
         for name in present:
-            row[f"{name}_mean"], row[f"{name}_std"] = mean_std(
-                [per_job[id(job)].get(name, math.nan) for job in arm.jobs]
-            )
+            row[f"{name}_mean"], row[f"{name}_std"] = (
+                mean_std([per_job[id(job)].get(name, math.nan) for job in finished]) if finished else (math.nan,) * 2)
         rows.append(row)
     return rows, present
+
+
+def finished_metrics(jobs: list[Job]) -> dict[int, dict[str, float]]:
+    """The table's numbers of each finished job, by ``id(job)`` (the unfinished ones are not there)."""
+    return {id(job): job_metrics(job) for job in jobs if not job.failed}
+
+
+def finish_command(job: Job) -> str:
+    """The command that finishes an unfinished job in its own folder: its overrides, resumed from its checkpoint
+    (started afresh where it wrote none)."""
+    import shlex
+
+    try:
+        overrides = yaml.safe_load((job.folder / ".hydra" / "overrides.yaml").read_text(encoding="utf-8")) or []
+    except (OSError, yaml.YAMLError):
+        overrides = []
+    replaced = ("trainer.resume=", "trainer.output_dir=", "hydra.", "+hydra.")
+    kept = [str(o) for o in overrides if not str(o).startswith(replaced)]
+    return " ".join(["rlhf-lab", *map(shlex.quote, [*kept, "trainer.resume=auto",
+                                                     f"trainer.output_dir={job.folder.resolve()}"])])
 
 
 def _cell(mean: float, std: float) -> str:
@@ -217,7 +244,8 @@ def markdown_table(rows: list[dict[str, Any]], metrics: list[str]) -> str:
     ]
     for row in rows:
         cells = [_cell(row[f"{m}_mean"], row[f"{m}_std"]) for m in metrics]
-        lines.append(f"| {row['arm']} | {row['n_seeds']} | " + " | ".join(cells) + " |")
+        seeds = row["n_seeds"] if row["n_seeds"] == row["n_jobs"] else f"{row['n_seeds']} of {row['n_jobs']} finished"
+        lines.append(f"| {row['arm']} | {seeds} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -284,8 +312,8 @@ def write_report(folder: Path, out: Path | None = None, options: PlotOptions | N
     table = markdown_table(rows, metrics)
     write_csv(rows, out / "report.csv")
     plots, skipped = write_plots(arms, rows, out, options)
-    failed = [f"{job.folder}: {job.failed}" for job in jobs if job.failed]
-    per_job = {id(job): job_metrics(job) for job in jobs}
+    failed = [f"{job.folder}: {job.failed}; to finish it: {finish_command(job)}" for job in jobs if job.failed]
+    per_job = finished_metrics(jobs)
     listed = claims_of(jobs) if claims_from is None else experiment_claims(claims_from)
     claims = [evaluate_claim(claim, arms, per_job) for claim in listed]
     if claims:  # tools/claims.py: each claim's verdict, for machines (the W&B summary's keys)
@@ -306,8 +334,8 @@ def write_report(folder: Path, out: Path | None = None, options: PlotOptions | N
             *(["## Claims", "", "Each claim's effect is the mean over seeds of a − b (or a − the bound), its interval "
                "the 95% bootstrap over seeds (rlhf_lab/tools/claims.py).", "", claims_table(claims), ""]
               if claims else []),
-            *([f"Failed jobs ({len(failed)}; their steps so far are in the table):", "",
-               *(f"- {line}" for line in failed), ""] if failed else []),
+            *([f"Unfinished jobs ({len(failed)}; left out of the table's values and the claims, their curves "
+               "drawn as far as they got):", "", *(f"- {line}" for line in failed), ""] if failed else []),
             *(f"![{path.stem}]({path.name})" for path in plots),
             "",
             *([f"Plots left out (no data): {'; '.join(skipped)}.", ""] if skipped else []),
@@ -352,7 +380,7 @@ def main(args: list[str] | None = None) -> None:
         if report.wandb:
             print(f"  {report.wandb}")
     for line in report.failed:
-        print(f"failed job {line}")
+        print(f"unfinished job {line}")
     for line in report.skipped:
         print(f"no plot {line}")
     print("\nwrote:")

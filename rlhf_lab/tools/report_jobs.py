@@ -95,12 +95,14 @@ def load_job(folder: Path) -> Job:
     ]
     train = sorted((line for line in lines if "reward/mean" in line), key=lambda line: line.get("step", 0))
     evals = sorted((line for line in lines if "eval/reward/mean" in line), key=lambda line: line.get("step", 0))
-    return Job(folder, config, train, evals, failure(folder, config, train))
+    steps = [line for line in lines if "time/step_s" in line]  # every training step's line (an offline stage's too)
+    return Job(folder, config, train, evals, failure(folder, config, steps))
 
 
 def failure(folder: Path, config: dict[str, Any], train: list[dict[str, Any]]) -> str | None:
-    """Why a job folder holds a failed run: no ``summary.json`` (written last) and fewer training steps than its
-    ``trainer.steps``, so it ended in an error or was killed (or is still running). None for a finished job."""
+    """Why a job folder holds a failed run: no ``summary.json`` (written last) and fewer training steps' lines
+    (``train``) than its ``trainer.steps``, so it ended in an error or was killed (or is still running). None for a
+    finished job."""
     steps = config.get("trainer.steps")
     if (folder / SUMMARY_FILE).is_file() or not isinstance(steps, int) or len(train) >= steps:
         return None

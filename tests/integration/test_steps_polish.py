@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -58,6 +60,7 @@ def write_job(folder: Path, seed: int, steps_done: int, finished: bool) -> None:
     (folder / ".hydra").mkdir(parents=True)
     config = {"algorithm": {"name": "grpo"}, "seed": seed, "trainer": {"steps": 2}}
     (folder / ".hydra" / "config.yaml").write_text(yaml.safe_dump(config))
+    (folder / ".hydra" / "overrides.yaml").write_text(f"- seed={seed}\n")
     lines = [{"step": step, "reward/mean": 0.1 * (step + seed), "kl/estimate": 0.01, "kl/exact": 0.02,
               "time/step_s": 1.0} for step in range(steps_done)]
     (folder / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
@@ -81,7 +84,22 @@ def test_report_lists_its_files_skips_empty_plots_and_names_failed_jobs(tmp_path
     markdown = (out / "report.md").read_text()
     assert "eval_reward_vs_step" not in markdown.split("Plots left out")[0]
     assert "Plots left out (no data): eval_reward_vs_step.png: no job has eval/reward/mean" in markdown
-    failed = (f"{tmp_path / '1_seed=1'}: failed: 1 of trainer.steps=2 steps in metrics.jsonl and no summary.json "
-              "(the run ended in an error or was killed, or is still running)")
-    assert f"failed job {failed}" in printed and f"- {failed}" in markdown
-    assert str(tmp_path / "0_seed=0") not in markdown.split("Failed jobs")[1]
+    folder = tmp_path / "1_seed=1"
+    failed = (f"{folder}: failed: 1 of trainer.steps=2 steps in metrics.jsonl and no summary.json (the run ended in "
+              f"an error or was killed, or is still running); to finish it: rlhf-lab seed=1 trainer.resume=auto "
+              f"{shlex.quote(f'trainer.output_dir={folder.resolve()}')}")
+    assert f"unfinished job {failed}" in printed and f"- {failed}" in markdown
+    assert str(tmp_path / "0_seed=0") not in markdown.split("Unfinished jobs")[1]
+    # The unfinished job is left out of the final values: the arm's numbers are the finished seed's alone.
+    row = next(csv.DictReader((out / "report.csv").open()))
+    assert (row["n_seeds"], row["n_jobs"], row["seeds"]) == ("1", "2", "0")
+    assert float(row["final_reward_mean"]) == pytest.approx(0.1)  # seed 0's last step (1): 0.1 * (1 + 0)
+    assert "| 1 of 2 finished |" in markdown
+
+
+def test_an_arm_whose_jobs_all_died_has_no_final_values(tmp_path: Path, capsys) -> None:
+    write_job(tmp_path / "0_seed=0", 0, 1, finished=False)
+    report.main([str(tmp_path), "--out", str(tmp_path / "out")])
+    row = next(csv.DictReader((tmp_path / "out" / "report.csv").open()))
+    assert (row["n_seeds"], row["n_jobs"], row["final_reward_mean"]) == ("0", "1", "nan")
+    assert "| 0 of 1 finished |" in (tmp_path / "out" / "report.md").read_text()
