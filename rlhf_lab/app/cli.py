@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import rlhf_lab.app.job_folders  # noqa: F401  (the job-folder label resolver, needed in every job process too)
+from rlhf_lab.app.help_text import program_in_shell, resume_command  # noqa: F401  (the CLI's names)
 from rlhf_lab.errors import UserError
 
 SUBCOMMANDS = ("report", "bench", "export", "eval", "pipeline", "serve", "wandb", "plan")
@@ -212,34 +213,6 @@ def _run_dir_override(cfg: Any, argv: list[str], overrides: list[str]) -> list[s
     if "'" in path or "\\" in path:
         return []  # not expressible as a quoted Hydra value; Hydra keeps its own folder for its files
     return [f"hydra.run.dir='{path}'"]
-
-
-def resume_command(task_overrides: list[str], resume_overrides: tuple[str, ...]) -> str:
-    """The command line that continues a stopped run: its overrides, with resume and folder replaced."""
-    import shlex
-
-    replaced = ("trainer.resume=", "trainer.output_dir=", "+trainer.resume=", "+trainer.output_dir=")
-    kept = [o for o in task_overrides if not o.startswith(replaced)]
-    return " ".join([program_in_shell(), *map(shlex.quote, [*kept, *resume_overrides])])
-
-
-def program_in_shell() -> str:
-    """How the user's shell starts this program again: ``rlhf-lab`` when that name on PATH is this program, else the
-    path it was started by (``make train`` runs ``.venv/bin/rlhf-lab``, whose folder is not on PATH); ``python -m
-    rlhf_lab`` when that ``python`` is this interpreter, else this interpreter's path."""
-    import shlex
-    import shutil
-
-    invoked = sys.argv[0]
-    if Path(invoked).name == "rlhf-lab":
-        found = shutil.which("rlhf-lab")
-        if found and os.path.abspath(found) == os.path.abspath(invoked):
-            return "rlhf-lab"
-        return shlex.quote(invoked if os.sep in invoked else os.path.abspath(invoked))
-    python = shutil.which("python")
-    if python and os.path.abspath(python) == os.path.abspath(sys.executable):
-        return "python -m rlhf_lab"
-    return f"{shlex.quote(sys.executable)} -m rlhf_lab"
 
 
 def _hydra_entry() -> None:

@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_lab.generation.openai_routes import OpenAIRoutes
-from rlhf_lab.generation.serve_engine import RequestError, sample_request
+from rlhf_lab.generation.serve_engine import sample_request
+from rlhf_lab.generation.serve_token import RequestError
 from rlhf_lab.generation.serving import WeightServer, make_http_server
 
 SERVED_NAME = "policy"  # the model name the environment's client asks for

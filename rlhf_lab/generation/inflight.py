@@ -90,8 +90,7 @@ class StalenessCap:
         """[B] bool: the samples of groups with a sample over the cap."""
         mask = rollout.response_mask > 0
         versions = rollout.versions if rollout.versions is not None else torch.zeros_like(mask, dtype=torch.long)
-        oldest = torch.where(mask, versions, torch.full_like(versions, policy_version)).amin(-1)
-        over = (policy_version - oldest) > self.cap
+        over = (policy_version - oldest_versions(versions, mask, policy_version)) > self.cap
         return over.view(-1, rollout.group_size).any(-1).repeat_interleave(rollout.group_size)
 
     def resampled(self, rollout: Samples, over: Tensor, prompts: list[Any], seeds: list[int] | None,
@@ -113,3 +112,9 @@ def staleness_cap(cfg: Any) -> StalenessCap | None:
     if cap is None:
         return None
     return StalenessCap(int(cap), generation.get("over_cap", "drop") == "wait")
+
+
+def oldest_versions(versions: Tensor, mask: Tensor, empty: int) -> Tensor:
+    """[B]: each sample's oldest token's version (its stalest), over the tokens of ``mask``; ``empty`` for a sample
+    with none."""
+    return torch.where(mask, versions, torch.full_like(versions, empty)).amin(-1)

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rlhf_lab.generation.serve_engine import RequestError
+from rlhf_lab.generation.serve_token import RequestError
 
 MAX_N = 64  # samples per prompt of one request
 MAX_STOP, MAX_STOP_CHARS = 4, 256  # OpenAI's limit on stop sequences; each one's length (its setup grows with both)

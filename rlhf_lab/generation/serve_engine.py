@@ -16,19 +16,12 @@ import torch
 
 from rlhf_lab.errors import ToolError
 from rlhf_lab.generation.backend import SamplingSettings
+from rlhf_lab.generation.serve_token import RequestError
 from rlhf_lab.generation.vllm import IN_PROCESS, import_vllm, lora_rank_slot, sampled_logprob, sampling_params
 
 DEFAULT_MEMORY_SHARE = 0.3  # of an 80 GB GPU: a 7B policy's bf16 weights (~14 GB) and ~10 GB of KV cache
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 REQUEST_SECONDS = 600.0  # ``--engine hf``: the longest one request may sample before it is stopped (408)
-
-
-class RequestError(Exception):
-    """A request the server refuses: its HTTP status and one line."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 class ServerEngine(Protocol):

@@ -15,6 +15,15 @@ from typing import Any
 
 from rlhf_lab.errors import ConfigError, ToolError
 
+
+class RequestError(Exception):
+    """A request the server refuses: its HTTP status and one line."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 TOKEN_ENV = "RLHF_LAB_SERVE_TOKEN"
 TOKEN_FILE = ".serve_token"  # in the sync folder, mode 0600
 
@@ -90,8 +99,6 @@ def is_loopback(host: str) -> bool:
 def folder_inside(sync_folder: Path | None, given: Any, what: str) -> Path:
     """``given`` (relative to the sync folder, or absolute) as a folder inside the server's sync folder; a 4xx
     naming it where it is not one (None: the server was started without a sync folder)."""
-    from rlhf_lab.generation.serve_engine import RequestError
-
     if sync_folder is None:
         raise RequestError(409, f"this server was started without --sync-folder: it loads no {what} from a folder "
                                 "(start it with --sync-folder, or send weights over the group)")
@@ -109,8 +116,6 @@ def folder_inside(sync_folder: Path | None, given: Any, what: str) -> Path:
 
 def regular_files(folder: Path, pattern: str) -> list[Path]:
     """The files of ``folder`` matching ``pattern``; a 403 where one is a symbolic link or not a regular file."""
-    from rlhf_lab.generation.serve_engine import RequestError
-
     found = sorted(folder.glob(pattern))
     for path in found:
         mode = path.lstat().st_mode

@@ -42,7 +42,6 @@ from rlhf_lab.errors import ToolError
 from rlhf_lab.generation.openai_routes import OpenAIRoutes, check_generate
 from rlhf_lab.generation.serve_engine import (
     DEFAULT_MEMORY_SHARE,
-    RequestError,
     ServerEngine,
     VLLMServerEngine,
     check_dtype,
@@ -53,6 +52,7 @@ from rlhf_lab.generation.serve_engine import (
 from rlhf_lab.generation.serve_token import (
     TOKEN_ENV,
     TOKEN_FILE,
+    RequestError,
     folder_inside,
     is_loopback,
     regular_files,

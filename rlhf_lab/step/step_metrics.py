@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from rlhf_lab.generation.inflight import oldest_versions
 from rlhf_lab.generation.rollout import Rollout
 from rlhf_lab.masked import masked_mean
 from rlhf_lab.runtime import distributed
@@ -144,7 +145,7 @@ def staleness_metrics(rollout: Rollout, trained_at: int) -> dict[str, float]:
         return {}
     mask = rollout.response_mask > 0
     staleness = (trained_at - rollout.versions).to(rollout.response_mask.dtype)
-    oldest = torch.where(mask, rollout.versions, torch.iinfo(torch.long).max).min(-1).values
+    oldest = oldest_versions(rollout.versions, mask, trained_at)  # (a sample with no token is left out below)
     newest = torch.where(mask, rollout.versions, -1).max(-1).values
     has_tokens = distributed.gather_rows(mask.any(-1))
     sample = distributed.gather_rows(trained_at - oldest)[has_tokens]

@@ -53,7 +53,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from rlhf_lab.app.help_text import plain
+from rlhf_lab.app.help_text import plain, resume_command
 from rlhf_lab.errors import ToolError
 from rlhf_lab.tools.claims import ClaimResult, claim_lines, claims_of, claims_table, evaluate_claim, experiment_claims
 from rlhf_lab.tools.report_columns import METRICS
@@ -219,17 +219,13 @@ def finished_metrics(jobs: list[Job]) -> dict[int, dict[str, float]]:
 
 def finish_command(job: Job) -> str:
     """The command that finishes an unfinished job in its own folder: its overrides, resumed from its checkpoint
-    (started afresh where it wrote none)."""
-    import shlex
-
+    (started afresh where it wrote none), as a stopped run's own resume line is made."""
     try:
         overrides = yaml.safe_load((job.folder / ".hydra" / "overrides.yaml").read_text(encoding="utf-8")) or []
     except (OSError, yaml.YAMLError):
         overrides = []
-    replaced = ("trainer.resume=", "trainer.output_dir=", "hydra.", "+hydra.")
-    kept = [str(o) for o in overrides if not str(o).startswith(replaced)]
-    return " ".join(["rlhf-lab", *map(shlex.quote, [*kept, "trainer.resume=auto",
-                                                     f"trainer.output_dir={job.folder.resolve()}"])])
+    return resume_command([str(o) for o in overrides],
+                          ("trainer.resume=auto", f"trainer.output_dir={job.folder.resolve()}"))
 
 
 def _cell(mean: float, std: float) -> str:

@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from rlhf_lab.app.completion import offered
+from rlhf_lab.app.help_text import program_in_shell
 from rlhf_lab.tools import report
 from tests.limits import HANG_GUARD_S
 
@@ -86,8 +87,8 @@ def test_report_lists_its_files_skips_empty_plots_and_names_failed_jobs(tmp_path
     assert "Plots left out (no data): eval_reward_vs_step.png: no job has eval/reward/mean" in markdown
     folder = tmp_path / "1_seed=1"
     failed = (f"{folder}: failed: 1 of trainer.steps=2 steps in metrics.jsonl and no summary.json (the run ended in "
-              f"an error or was killed, or is still running); to finish it: rlhf-lab seed=1 trainer.resume=auto "
-              f"{shlex.quote(f'trainer.output_dir={folder.resolve()}')}")
+              f"an error or was killed, or is still running); to finish it: {program_in_shell()} seed=1 "
+              f"trainer.resume=auto {shlex.quote(f'trainer.output_dir={folder.resolve()}')}")
     assert f"unfinished job {failed}" in printed and f"- {failed}" in markdown
     assert str(tmp_path / "0_seed=0") not in markdown.split("Unfinished jobs")[1]
     # The unfinished job is left out of the final values: the arm's numbers are the finished seed's alone.
