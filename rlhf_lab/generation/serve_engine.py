@@ -4,11 +4,12 @@ shapes)."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -37,12 +38,55 @@ class ServerEngine(Protocol):
         """Sample with the LoRA adapter in ``folder`` from now on (None: the base weights)."""
 
 
-class VLLMServerEngine:
-    """vLLM's engine for the server: in process, its dtype and memory share as given."""
+class StagedLoads:
+    """Weights that land between two decode steps (in flight): a load is staged from the server's thread and the
+    decode lets it land at its next step, or the server at once where no request is in progress. An engine says
+    how it takes one (:meth:`take`); :attr:`sample_versions` says which version sampled each token of its last
+    request."""
+
+    def _start_staging(self) -> None:
+        self.version = 0  # the trainer's label of the weights it samples with now (sent with each load)
+        # Loads waiting for the decode's next step, oldest first: (weights, version, set once they are in).
+        self.staged: list[tuple[dict[str, torch.Tensor], int, threading.Event]] = []
+        self.staging = threading.Lock()
+        self.sample_versions: list[list[int]] = []  # per sample of the last request: each token's version
+
+    def take(self, weights: dict[str, torch.Tensor], version: int) -> None:
+        """Copy ``weights`` into the engine's model (the engine's own)."""
+        raise NotImplementedError
+
+    def stage(self, weights: dict[str, torch.Tensor], version: int) -> threading.Event:
+        """Full weights that land at the next decode step of the request in progress, or at the next :meth:`land`
+        when none is; the event is set once they are in."""
+        landed = threading.Event()
+        with self.staging:
+            self.staged.append((weights, version, landed))
+        return landed
+
+    def land(self) -> bool:
+        """Every staged load taken into the model, oldest first (the caller holds the server's lock, or is the
+        decode between two steps); True where one landed."""
+        with self.staging:
+            staged, self.staged = self.staged, []
+        for weights, version, landed in staged:
+            try:
+                self.take(weights, version)
+                self.version = version
+            finally:
+                landed.set()
+        return bool(staged)
+
+
+class VLLMServerEngine(StagedLoads):
+    """vLLM's engine for the server: in process, its dtype and memory share as given. Its requests are stepped here,
+    one engine step at a time, so a staged load can land between two decode steps: in flight, the requests go on with
+    the key/value cache of the older weights; under ``partial`` (a field of the request) each unfinished request is
+    stopped and sent again with its tokens so far as prompt, prefilled by the new weights, and goes on from there
+    (its seed moved on by its length; a stop string that would straddle the two parts is not seen)."""
 
     def __init__(self, model: str, dtype: str, enforce_eager: bool, max_model_len: int, lora_rank: int,
                  memory_share: float = DEFAULT_MEMORY_SHARE, kv_cache_mib: int = 512) -> None:
-        os.environ.setdefault(IN_PROCESS, "0")  # weights reach the engine by reference, in this process
+        os.environ.setdefault(IN_PROCESS, "0")  # weights reach the engine by reference; one step per step() call
         self.vllm = import_vllm()
         memory = ({"gpu_memory_utilization": memory_share} if torch.cuda.is_available()
                   else {"kv_cache_memory_bytes": kv_cache_mib << 20})
@@ -55,20 +99,110 @@ class VLLMServerEngine:
             kwargs.update(enable_lora=True, max_lora_rank=lora_rank_slot(lora_rank), max_loras=1)
         self.llm, self.adapter = self.vllm.LLM(**kwargs), None
         self.vocabulary = len(self.llm.get_tokenizer())  # the token ids a request may send (/generate checks them)
+        self.tied = bool(getattr(self.llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False))
+        self._start_staging()
+        self.requests = itertools.count()  # request ids, unique over the engine's life
+        self.decoding = False  # a request is in progress (its blocks are in use: the prefix cache is reset after it)
+        self.between_steps: Callable[[int], None] | None = None  # called after each engine step (tests script it)
 
     def generate(self, request: dict[str, Any]) -> list[list[list[Any]]]:
+        """The request's samples, each a request of its own (the n samples of a prompt with seeds seed, seed + 1,
+        ... as vLLM's own fan-out gives them), stepped until all are done. Where the request says ``in_flight``,
+        loads staged meanwhile land between two steps, else after it; the tokens of each step carry the version
+        that sampled them."""
         settings = SamplingSettings(request["max_new_tokens"], request["temperature"], request["top_p"],
                                     request["top_k"], request["max_prompt_tokens"], tuple(request.get("stop", ())))
-        params = sampling_params(self.vllm, settings, request["group_size"], request.get("seeds"),
-                                 request.get("greedy", False), len(request["prompt_ids"]))
-        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in request["prompt_ids"]], params,
-                                    use_tqdm=False, lora_request=self.adapter)
-        return [[list(c.token_ids), [sampled_logprob(step, token) for step, token in zip(c.logprobs or [], c.token_ids)]]
-                for output in outputs for c in output.outputs]
+        group = request["group_size"]
+        params = sampling_params(self.vllm, settings, group, request.get("seeds"), request.get("greedy", False),
+                                 len(request["prompt_ids"]))
+        self.land()
+        engine, in_flight, partial = (self.llm.llm_engine, bool(request.get("in_flight", False)),
+                                      bool(request.get("partial", False)))
+        samples: list[list[list[Any]]] = [[[], [], []] for _ in range(len(params) * group)]  # ids, log-probs, versions
+        live: dict[str, tuple[int, list[int], Any]] = {}  # request id -> (sample, prompt ids, its sampling params)
+
+        def send(index: int, prompt: list[int], child: Any) -> None:
+            child.output_kind = self.vllm.sampling_params.RequestOutputKind.DELTA  # each step's new tokens
+            rid = f"{next(self.requests)}"
+            live[rid] = (index, prompt, child)
+            engine.add_request(rid, {"prompt_token_ids": prompt}, child, lora_request=self.adapter)
+
+        for i, (prompt, prompt_params) in enumerate(zip(request["prompt_ids"], params)):
+            for j in range(group):
+                child = prompt_params.clone()
+                child.n, child.seed = 1, None if prompt_params.seed is None else prompt_params.seed + j
+                send(i * group + j, list(prompt), child)
+        self.decoding, landed, step = True, False, 0
+        try:
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    index = live[output.request_id][0]
+                    for completion in output.outputs:
+                        ids, logprobs, versions = samples[index]
+                        ids += completion.token_ids
+                        logprobs += [sampled_logprob(at, token) for at, token in
+                                     zip(completion.logprobs or [], completion.token_ids)]
+                        versions += [self.version] * len(completion.token_ids)
+                    if output.finished:
+                        del live[output.request_id]
+                step += 1
+                if self.between_steps is not None:
+                    self.between_steps(step)
+                if in_flight and self.land():
+                    landed = True
+                    if partial and live:
+                        self._resume(live, samples, settings.max_new_tokens, send)
+        finally:
+            self.decoding = False
+            if landed:  # blocks prefilled by older weights are no prompt's prefix now
+                self.llm.reset_prefix_cache()
+        self.sample_versions = [versions for _, _, versions in samples]
+        return [[ids, logprobs] for ids, logprobs, _ in samples]
+
+    def _resume(self, live: dict[str, tuple[int, list[int], Any]], samples: list[list[list[Any]]], most: int,
+                send: Callable[[int, list[int], Any], None]) -> None:
+        """A partial rollout: every unfinished request stopped and sent again with its tokens so far as prompt, with
+        the new weights' cache (the prefix cache emptied first: the prompts' blocks are the old weights')."""
+        stopped = dict(live)
+        self.llm.llm_engine.abort_request(list(stopped))
+        live.clear()
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM kept its prefix cache after every request stopped; a partial rollout would "
+                               "reuse the older weights' keys and values")
+        for index, prompt, child in stopped.values():
+            done = samples[index][0]
+            resumed = child.clone()
+            resumed.max_tokens, resumed.min_tokens = most - len(done), 0 if done else 1
+            resumed.seed = None if child.seed is None else (child.seed + 7919 * len(done)) % 2**31
+            send(index, prompt + done, resumed)
+
+    def take(self, weights: dict[str, torch.Tensor], version: int) -> None:
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": self._with_head(weights.items()),
+                                                          "is_checkpoint_format": True})
+        self.llm.llm_engine.set_weight_version(str(version))  # vLLM's own spans (CompletionOutput.weight_versions)
+
+    def _with_head(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The weights, and where the model ties its LM head to the embedding and they hold the embedding only (a
+        folder ``save_pretrained`` wrote), the embedding again as the head: vLLM's in-place reload goes layer by
+        layer and leaves a head it is not sent as it was."""
+        head, embedding = False, None
+        for name, tensor in weights:
+            head = head or name.endswith("lm_head.weight")
+            embedding = tensor if name.endswith("embed_tokens.weight") else embedding
+            yield name, tensor
+        if self.tied and embedding is not None and not head:
+            yield "lm_head.weight", embedding
+
+    def land(self) -> bool:
+        landed = super().land()
+        if landed and not self.decoding:
+            self.llm.reset_prefix_cache()
+        return landed
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         counted = _Counted(weights)
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": counted, "is_checkpoint_format": True})
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": self._with_head(counted),
+                                                          "is_checkpoint_format": True})
         self.llm.reset_prefix_cache()
         return counted.count
 
@@ -151,7 +285,7 @@ def sample_request(engine: Any, request: dict[str, Any]) -> list[list[list[Any]]
     return [[tokens[:n], logprobs[:n]] for tokens, logprobs, n in zip(responses, rollout.logprobs.tolist(), lengths)]
 
 
-class HFServerEngine:
+class HFServerEngine(StagedLoads):
     """The server's engine without vLLM (``rlhf-lab serve --engine hf``): the model folder's transformers model,
     sampled by the ``hf`` generation engine (:class:`~rlhf_lab.generation.hf.HFGeneration`); weights load by name
     into its parameters. Slower than vLLM, but it needs no extra and samples exactly as ``generation=hf`` does."""
@@ -173,19 +307,17 @@ class HFServerEngine:
                                    keep_logits=False)
         self.vocabulary = len(self.tokenizer)  # the token ids a request may send (the /generate route checks them)
         self.request_seconds = REQUEST_SECONDS  # ``--request-seconds``: one request's sampling budget
-        self.version = 0  # the trainer's label of the weights it samples with now (sent with each load)
-        # Loads waiting for the decode's next step, oldest first: (weights, version, set once they are in).
-        self.staged: list[tuple[dict[str, torch.Tensor], int, threading.Event]] = []
-        self.staging = threading.Lock()
-        self.token_versions: list[int] = []  # the last request's version of each decode step's tokens
+        self._start_staging()
 
     def generate(self, request: dict[str, Any]) -> list[list[list[Any]]]:
-        """The request's samples. Weights staged meanwhile land between two decode steps (in flight: the key/value
-        cache of the older weights kept; ``partial`` in the request: recomputed with the new ones), and
-        :attr:`token_versions` says which version sampled each step's tokens. A 408 where the decode runs past
-        ``request_seconds`` (checked between decode steps: the engine is free again at once, nothing returned)."""
+        """The request's samples. Where the request says ``in_flight``, weights staged meanwhile land between two
+        decode steps (the key/value cache of the older weights kept; ``partial`` too: recomputed with the new ones),
+        else after it; and
+        :attr:`sample_versions` says which version sampled each token (the samples decode in step). A 408 where the
+        decode runs past ``request_seconds`` (checked between decode steps: the engine is free again at once,
+        nothing returned)."""
         deadline = time.monotonic() + self.request_seconds
-        partial = bool(request.get("partial", False))
+        in_flight, partial = bool(request.get("in_flight", False)), bool(request.get("partial", False))
         self.land()
         versions = [self.version]
 
@@ -194,20 +326,20 @@ class HFServerEngine:
                 raise RequestError(408, f"the request sampled for longer than the server's --request-seconds="
                                         f"{self.request_seconds:g} (stopped at token {step}); ask for fewer tokens "
                                         "or samples per request")
-            landed = self.land()
+            landed = in_flight and self.land()
             versions.append(self.version)
             return landed and partial
 
         self.engine.between_steps = between
         try:
-            return sample_request(self.engine, request)
+            samples = sample_request(self.engine, request)
         finally:
             self.engine.between_steps = None
-            self.token_versions = versions
+        self.sample_versions = [[versions[min(t, len(versions) - 1)] for t in range(len(ids))] for ids, _ in samples]
+        return samples
 
     def stage(self, weights: dict[str, torch.Tensor], version: int) -> threading.Event:
-        """Full weights (checked against the model's names and shapes here) that land at the next decode step of the
-        request in progress, or at the next :meth:`land` when none is; the event is set once they are in."""
+        """As :meth:`StagedLoads.stage`, the weights checked against the model's names and shapes first."""
         own = dict(self.model.named_parameters(remove_duplicate=False))
         for name, tensor in weights.items():
             if name not in own:
@@ -215,25 +347,11 @@ class HFServerEngine:
             if tuple(tensor.shape) != tuple(own[name].shape):
                 raise ValueError(f"weight {name!r} has shape {list(tensor.shape)}, the model's is "
                                  f"{list(own[name].shape)}")
-        landed = threading.Event()
-        with self.staging:
-            self.staged.append((weights, version, landed))
-        return landed
+        return super().stage(weights, version)
 
-    def land(self) -> bool:
-        """Every staged load copied into the model, oldest first (the caller holds the server's lock, or is the
-        decode between two steps); True where one landed."""
-        with self.staging:
-            staged, self.staged = self.staged, []
-        for weights, version, landed in staged:
-            try:
-                self.load_weights(weights.items())
-                # Under autocast the casts of the weights are cached per tensor, not per value: dropped.
-                torch.clear_autocast_cache()
-                self.version = version
-            finally:
-                landed.set()
-        return bool(staged)
+    def take(self, weights: dict[str, torch.Tensor], version: int) -> None:
+        self.load_weights(weights.items())
+        torch.clear_autocast_cache()  # under autocast the casts of the weights are cached per tensor, not per value
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         own = dict(self.model.named_parameters(remove_duplicate=False))

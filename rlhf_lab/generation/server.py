@@ -74,15 +74,19 @@ def _post(url: str, body: dict[str, Any], token: str, timeout: float = 600.0) ->
                           "again and resume with trainer.resume=auto") from None
 
 
-def step_versions(steps: list[int], response_mask: Tensor) -> Tensor:
-    """[B, T] long: the server's version of each decode step's tokens (``steps``; the last one for the steps past
-    it: a request that no load reached), 0 off the response."""
-    if not steps or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in steps):
-        raise RuntimeError(f"the server's step_versions {steps!r} are not versions (integers >= 0)")
-    known = torch.tensor(steps, dtype=torch.long, device=response_mask.device)
+def token_versions(versions: list[list[int]], response_mask: Tensor) -> Tensor:
+    """[B, T] long: the server's version of each sampled token (``versions``, one list per sample), 0 off the
+    response."""
+    rows = response_mask.shape[0]
+    valid = len(versions) == rows and all(
+        isinstance(row, list) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in row)
+        for row in versions)
+    if not valid:
+        raise RuntimeError(f"the server's versions {versions!r} are not {rows} lists of versions (integers >= 0)")
     width = response_mask.shape[1]
-    at = torch.arange(width, device=response_mask.device).clamp(max=len(steps) - 1)
-    return known[at][None, :].expand_as(response_mask) * (response_mask > 0)
+    known = torch.tensor([row[:width] + [0] * (width - len(row[:width])) for row in versions], dtype=torch.long,
+                         device=response_mask.device)
+    return known * (response_mask > 0)
 
 
 MISMATCH = ("do not fit the served model", "is not one of the model's", ", the model's is ")  # the server's words
@@ -147,7 +151,7 @@ class VLLMServerGeneration:
             self._check_in_flight(updates)
 
     def _check_in_flight(self, updates: str) -> None:
-        """The server must take loads between decode steps; vLLM's engine behind it takes them between requests."""
+        """The server must take loads between decode steps (both of ``rlhf-lab serve``'s engines stage them)."""
         try:
             health = _health(self.url, self.token)
         except (OSError, ValueError) as error:
@@ -155,7 +159,8 @@ class VLLMServerGeneration:
                               "rlhf-lab serve MODEL --engine hf") from None
         if not health.get("in_flight"):
             raise ConfigError(f"generation.weight_updates={updates}: rlhf-lab serve at {self.url} takes weights "
-                              "between requests only (its engine is vLLM's); start it with --engine hf, or set "
+                              "between requests only (its engine stages no load); start this rlhf-lab's serve (--engine hf or "
+                              "vllm), or set "
                               "generation.weight_updates=batch")
 
     def _open_group(self, host: str, port: int) -> None:
@@ -188,14 +193,14 @@ class VLLMServerGeneration:
             "prompt_ids": encoded, "group_size": group_size, "seeds": seeds, "greedy": greedy,
             "max_new_tokens": settings.max_new_tokens, "temperature": settings.temperature, "top_p": settings.top_p,
             "top_k": settings.top_k, "max_prompt_tokens": settings.max_prompt_tokens, "stop": list(settings.stop),
-            "partial": self.partial}
+            "in_flight": self.in_flight, "partial": self.partial}
 
     def _rollout(self, encoded: list[list[int]], reply: dict[str, Any], group_size: int) -> Samples:
         samples = [(encoded[i // group_size], tokens, logprobs) for i, (tokens, logprobs) in enumerate(reply["samples"])]
         rollout = samples_rollout(samples, group_size, self.tokenizer, self.device)
         if not self.in_flight:  # every token from the version the worker loaded for the request
             return rollout
-        return replace(rollout, versions=step_versions(reply["step_versions"], rollout.response_mask))
+        return replace(rollout, versions=token_versions(reply["versions"], rollout.response_mask))
 
     def sync_weights(self, policy: nn.Module) -> None:
         """Rank 0 broadcasts each weight over the group as it is gathered (``collective``), or writes the weights

@@ -101,10 +101,11 @@ class WeightServer:
         request = check_generate(request, getattr(self.engine, "vocabulary", None))
         with self.lock:
             samples = self.engine.generate(request)
-            # Token t of every sample was sampled by the weights of version steps[min(t, len(steps) - 1)]: one per
-            # decode step where loads land in flight, else the version held for the whole request.
-            steps = getattr(self.engine, "token_versions", None) or [self.weights_version]
-        return {"samples": samples, "step_versions": steps}
+            # Per sample, the version of the weights that sampled each token: the engine's where loads land in
+            # flight, else the version held for the whole request.
+            versions = (getattr(self.engine, "sample_versions", None)
+                        or [[self.weights_version] * len(ids) for ids, _ in samples])
+        return {"samples": samples, "versions": versions}
 
     def load_weights(self, request: dict[str, Any]) -> dict[str, Any]:
         from safetensors import SafetensorError, safe_open
@@ -149,9 +150,9 @@ class WeightServer:
         return version
 
     def _take(self, weights: Iterator[tuple[str, torch.Tensor]], version: int) -> int:
-        """The engine takes ``weights`` as ``version``. One that stages them (``--engine hf``) takes them between
-        two decode steps of the request in progress, which goes on (in flight), or at once where none is; the reply
-        waits until they are in. Any other between two requests."""
+        """The engine takes ``weights`` as ``version``. One that stages them (``rlhf-lab serve``'s hf and vLLM
+        engines) takes them between two decode steps of a request in progress that asked for it (``in_flight``), which
+        goes on, else once no request is; the reply waits until they are in. Any other between two requests."""
         stage = getattr(self.engine, "stage", None)
         if stage is None:
             with self.lock:

@@ -35,7 +35,7 @@ max(t − k, 0) updates (:meth:`RolloutWorker.lagging`), and with ``generation.w
 while it decodes (:mod:`rlhf_lab.generation.inflight`). Every batch handed out carries each token's version
 (``Samples.versions``: the updates of the weights that sampled it).
 
-For real, a server that takes weights between its decode steps (``rlhf-lab serve --engine hf`` under
+For real, a server that takes weights between its decode steps (``rlhf-lab serve``, either engine, under
 ``generation.weight_updates=in_flight`` or ``partial``) gets each version at once, labelled with the policy's updates
 (:meth:`RolloutWorker.weights_updated`): it lands in the batches the server is sampling ahead, and the server reports
 each token's version. ``generation.staleness_cap`` then drops, or samples again, the groups of a batch taken whose

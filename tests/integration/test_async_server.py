@@ -29,7 +29,8 @@ from tests.integration.test_serve_security import call
 from tests.limits import HANG_GUARD_S
 
 REQUEST = {"prompt_ids": [[5, 9, 14], [7, 3]], "group_size": 2, "max_new_tokens": 8, "temperature": 1.0,
-           "top_p": 1.0, "top_k": 0, "max_prompt_tokens": 16, "seeds": [11, 12], "greedy": False, "stop": []}
+           "top_p": 1.0, "top_k": 0, "max_prompt_tokens": 16, "seeds": [11, 12], "greedy": False, "stop": [],
+           "in_flight": True}
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +102,7 @@ def test_a_load_landing_mid_request_samples_as_the_simulator_scripts_it(model_fo
     landing_at(engine, 3)
     served = engine.generate({**REQUEST, "partial": partial})
     assert landed.is_set() and engine.version == 5
-    assert engine.token_versions == [0, 0, 0, 5, 5, 5, 5, 5]
+    assert engine.sample_versions == [[0, 0, 0, 5, 5, 5, 5, 5]] * 4
     assert all(len(tokens) == REQUEST["max_new_tokens"] for tokens, _ in served)
 
     policy = HFServerEngine(str(model_folder), "float32", max_model_len=64).model
@@ -125,7 +126,7 @@ def test_a_load_landing_mid_request_samples_as_the_simulator_scripts_it(model_fo
 def test_a_load_sent_while_the_server_samples_lands_between_two_steps(server, tmp_path: Path) -> None:  # noqa: F811
     """Over HTTP: ``/load_weights`` with the trainer's version, sent while ``/generate`` decodes, does not wait for
     the request to end: it lands at the decode's next step (held here at step 2 until the load is staged), the
-    reply says version 4, and the generate reply's ``step_versions`` say which tokens it sampled."""
+    reply says version 4, and the generate reply's ``versions`` say which version sampled each token."""
     from safetensors.torch import save_file
 
     url, token, engine = server  # (test_serve_openai's fixture, over this module's model)
@@ -144,23 +145,40 @@ def test_a_load_sent_while_the_server_samples_lands_between_two_steps(server, tm
                                                                                       "version": 4})
     thread.join(HANG_GUARD_S)
     status, reply = replies["generate"]
-    assert status == 200 and reply["step_versions"] == [0, 0, 4, 4, 4, 4, 4, 4]
+    assert status == 200 and reply["versions"] == [[0, 0, 4, 4, 4, 4, 4, 4]] * 4
     assert all(len(tokens) == 8 for tokens, _ in reply["samples"])
     status, reply = call(url, "/load_weights", {"folder": "v4", "version": -1}, token)
     assert status == 400 and reply["error"].startswith("version=-1 must be an integer >= 0")
     status, reply = call(url, "/generate", REQUEST, token)  # idle: the next request reports the version it holds
-    assert reply["step_versions"][0] == 4
+    assert reply["versions"][0][0] == 4
 
 
-def test_the_client_turns_step_versions_into_each_tokens_version() -> None:
-    """The server's versions per decode step become [B, T] per token (the last one past the list's end), 0 off the
-    response; anything but versions is one line."""
-    from rlhf_lab.generation.server import step_versions
+def test_the_client_turns_the_servers_versions_into_each_tokens_version() -> None:
+    """The server's versions per sample become [B, T] per token, 0 off the response; anything but one list of
+    versions per sample is one line."""
+    from rlhf_lab.generation.server import token_versions
 
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
-    assert step_versions([2, 3], mask).tolist() == [[2, 3, 3, 0], [2, 3, 3, 3]]
-    with pytest.raises(RuntimeError, match=r"step_versions \[1, 'x'\] are not versions"):
-        step_versions([1, "x"], mask)
+    assert token_versions([[2, 3, 3], [2, 2, 3, 3]], mask).tolist() == [[2, 3, 3, 0], [2, 2, 3, 3]]
+    with pytest.raises(RuntimeError, match=r"versions \[\[1, 'x'\], \[1\]\] are not 2 lists of versions"):
+        token_versions([[1, "x"], [1]], mask)
+    with pytest.raises(RuntimeError, match=r"versions \[\[1\]\] are not 2 lists"):
+        token_versions([[1]], mask)
+
+
+def test_a_load_waits_for_a_request_that_did_not_ask_for_weights_in_flight(model_folder: Path) -> None:
+    """A request without ``in_flight`` (a batch-mode sampler's, an OpenAI route's) is sampled by one version from
+    start to end: a load staged while it decodes lands after it, at the next request."""
+    engine = HFServerEngine(str(model_folder), "float32", max_model_len=64)
+    plain = engine.generate({**REQUEST, "in_flight": False})
+    landed = engine.stage(newer(engine), 5)
+    landing_at(engine, 3)
+    served = engine.generate({**REQUEST, "in_flight": False})
+    assert not landed.is_set() and engine.version == 0 and served == plain
+    assert engine.sample_versions == [[0] * 8] * 4
+    del engine.land  # the engine's own again: a request's start lands what is staged
+    engine.generate({**REQUEST, "in_flight": False})
+    assert landed.is_set() and engine.sample_versions == [[5] * 8] * 4
 
 
 def free_port() -> int:
@@ -178,38 +196,44 @@ def test_a_run_against_a_server_in_its_own_process_takes_weights_in_flight(model
     share of the batch; the run ends normally."""
     sync = tmp_path / "sync"
     process, port = answering_server(model_folder, sync)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     try:
-        run = tmp_path / "run"
-        command = [sys.executable, "-m", "rlhf_lab", "model=tiny", "trainer.precision=fp32", "trainer.steps=4",
-                   "trainer.prompts_per_step=2", "algorithm.group_size=2", "trainer.max_new_tokens=6",
-                   "trainer.eval_prompts=0", "trainer.progress_bar=false", "reward=length", "trainer.lr=1e-2",
-                   "trainer.save=none", "generation=vllm_server", f"generation.url=http://127.0.0.1:{port}",
-                   f"generation.sync_folder={sync}", "generation.max_staleness=2",
-                   f"generation.weight_updates={updates}", "algorithm.tis_cap=2.0", f"trainer.output_dir={run}",
-                   "trainer.num_threads=1", "generation.staleness_cap=1", f"generation.over_cap={over_cap}"]
-        result = subprocess.run(command, capture_output=True, text=True, timeout=HANG_GUARD_S, env=env)
-        assert result.returncode == 0, result.stderr[-3000:]
-        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-        rows = [row for row in rows if "time/step_s" in row]
-        assert [row["step"] for row in rows] == [0, 1, 2, 3]
-        share = f"rollout/stale_{'dropped' if over_cap == 'drop' else 'waited'}_frac"
-        for row in rows[1:]:  # the batches sampled ahead: what the cap left in the loss is within it
-            assert 0 <= row[share] <= 1
-            if row.get("rollout/stale_dropped_frac", 0) < 1:
-                assert 0 <= row["staleness/token_mean"] <= row["staleness/sample_max"] <= 1
-                assert 0 <= row["staleness/multi_version_frac"] <= 1
-        assert rows[0]["staleness/sample_max"] == 0  # the first batch is sampled in its own step
+        check_an_async_run(port, sync, tmp_path / "run", updates, over_cap)
     finally:
         process.terminate()
         process.wait(HANG_GUARD_S)
 
 
-def answering_server(model_folder: Path, sync: Path) -> tuple[subprocess.Popen, int]:
-    """``rlhf-lab serve --engine hf`` in its own process, once it answers: (the process, its port)."""
+def check_an_async_run(port: int, sync: Path, run: Path, updates: str, over_cap: str, *overrides: str) -> None:
+    """A 4-step run of the tiny model (``overrides`` after) against the server at ``port``, sampling 2 batches ahead
+    and capped at 1 update: it ends normally, logs the staleness every step, and what the cap left is within it."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "rlhf_lab", "model=tiny", "trainer.precision=fp32", "trainer.steps=4",
+               "trainer.prompts_per_step=2", "algorithm.group_size=2", "trainer.max_new_tokens=6",
+               "trainer.eval_prompts=0", "trainer.progress_bar=false", "reward=length", "trainer.lr=1e-2",
+               "trainer.save=none", "generation=vllm_server", f"generation.url=http://127.0.0.1:{port}",
+               f"generation.sync_folder={sync}", "generation.max_staleness=2",
+               f"generation.weight_updates={updates}", "algorithm.tis_cap=2.0", f"trainer.output_dir={run}",
+               "trainer.num_threads=1", "generation.staleness_cap=1", f"generation.over_cap={over_cap}", *overrides]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=HANG_GUARD_S, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = [row for row in rows if "time/step_s" in row]
+    assert [row["step"] for row in rows] == [0, 1, 2, 3]
+    share = f"rollout/stale_{'dropped' if over_cap == 'drop' else 'waited'}_frac"
+    for row in rows[1:]:  # the batches sampled ahead: what the cap left in the loss is within it
+        assert 0 <= row[share] <= 1
+        if row.get("rollout/stale_dropped_frac", 0) < 1:
+            assert 0 <= row["staleness/token_mean"] <= row["staleness/sample_max"] <= 1
+            assert 0 <= row["staleness/multi_version_frac"] <= 1
+    assert rows[0]["staleness/sample_max"] == 0  # the first batch is sampled in its own step
+
+
+def answering_server(model_folder: Path, sync: Path, *extra: str) -> tuple[subprocess.Popen, int]:
+    """``rlhf-lab serve --engine hf`` (``extra``: other arguments) in its own process, once it answers: (the process,
+    its port)."""
     port = free_port()
     sync.mkdir()
-    process = serve_process(model_folder, sync, port, 64)
+    process = serve_process(model_folder, sync, port, 64, *extra)
     deadline = time.monotonic() + HANG_GUARD_S
     while not (sync / serving.TOKEN_FILE).exists() or not _answers(port, sync):
         assert process.poll() is None and time.monotonic() < deadline, process.stdout.read()[-3000:]
@@ -226,8 +250,8 @@ def _answers(port: int, sync: Path) -> bool:
 
 
 def test_a_server_that_takes_weights_between_requests_only_is_refused_in_one_line(compose, tmp_path: Path) -> None:
-    """``generation.weight_updates=in_flight`` against a server whose engine cannot stage a load (vLLM's, here a
-    stand-in without ``stage``): the client stops at construction, naming the server and the two ways on."""
+    """``generation.weight_updates=in_flight`` against a server whose engine cannot stage a load (a stand-in
+    without ``stage``): the client stops at construction, naming the server and the two ways on."""
     from rlhf_lab.config import ConfigError
     from rlhf_lab.generation.backend import SamplingSettings
     from rlhf_lab.generation.server import VLLMServerGeneration
@@ -247,8 +271,8 @@ def test_a_server_that_takes_weights_between_requests_only_is_refused_in_one_lin
             VLLMServerGeneration(torch.nn.Linear(2, 2), None, SamplingSettings(max_new_tokens=2),
                                  options={"url": url, "sync_folder": str(sync), "weight_updates": "in_flight"})
         assert str(raised.value) == (f"generation.weight_updates=in_flight: rlhf-lab serve at {url} takes weights "
-                                     "between requests only (its engine is vLLM's); start it with --engine hf, or set "
-                                     "generation.weight_updates=batch")
+                                     "between requests only (its engine stages no load); start this rlhf-lab's serve "
+                                     "(--engine hf or vllm), or set generation.weight_updates=batch")
     finally:
         holder["http"].shutdown()
 
@@ -319,5 +343,5 @@ def test_weights_broadcast_over_the_group_land_in_flight_too(model_folder: Path)
     receiving.join(HANG_GUARD_S)
     generating.join(HANG_GUARD_S)
     assert replies["load"] == {"loaded": len(weights), "version": 9}
-    assert replies["generate"]["step_versions"] == [0, 0, 9, 9, 9, 9, 9, 9]
+    assert replies["generate"]["versions"] == [[0, 0, 9, 9, 9, 9, 9, 9]] * 4
     assert all(torch.equal(p, weights[name]) for name, p in engine.model.named_parameters())

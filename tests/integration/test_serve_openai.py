@@ -60,13 +60,14 @@ def server(model_folder: Path, tmp_path: Path):
         holder["http"].shutdown()
 
 
-def serve_process(model_folder: Path, sync: Path, port: int, max_model_len: int) -> subprocess.Popen:
-    """``rlhf-lab serve MODEL --engine hf`` in a process of its own, as a user starts it (its token in ``sync``)."""
+def serve_process(model_folder: Path, sync: Path, port: int, max_model_len: int, *extra: str) -> subprocess.Popen:
+    """``rlhf-lab serve MODEL --engine hf`` in a process of its own, as a user starts it (its token in ``sync``);
+    ``extra`` arguments after (a later ``--engine`` wins)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     env.pop("RLHF_LAB_SERVE_TOKEN", None)
     return subprocess.Popen([sys.executable, "-m", "rlhf_lab", "serve", str(model_folder), "--engine", "hf",
-                             "--port", str(port), "--sync-folder", str(sync), "--max-model-len", str(max_model_len)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+                             "--port", str(port), "--sync-folder", str(sync), "--max-model-len", str(max_model_len),
+                             *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
 
 def chat_body(model_folder: Path, **extra: Any) -> dict[str, Any]:
