@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: install install-ray install-mlflow install-vllm install-reasoning install-verifiers install-trl install-extras train test test-extras test-unit test-gpu gpu-bundle lint docs clean bench
+.PHONY: install install-ray install-mlflow install-openai install-vllm install-reasoning install-verifiers install-trl install-extras train test test-extras test-unit test-gpu gpu-bundle lint docs clean bench
 
 $(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -144,8 +144,17 @@ $(MLFLOW_STAMP): $(STAMP) requirements-mlflow.txt
 
 install-mlflow: $(MLFLOW_STAMP)
 
+# `make install-openai`: the optional openai client (requirements-openai.txt) for `rlhf-lab serve`'s OpenAI routes.
+OPENAI_STAMP := $(VENV)/.installed-openai
+
+$(OPENAI_STAMP): $(STAMP) requirements-openai.txt
+	$(PY) -m pip install --quiet -r requirements-openai.txt
+	touch $(OPENAI_STAMP)
+
+install-openai: $(OPENAI_STAMP)
+
 # `make install-extras`: every optional extra (what `make test-extras` tests).
-install-extras: install-vllm install-reasoning install-mlflow install-ray install-trl install-verifiers
+install-extras: install-vllm install-reasoning install-mlflow install-openai install-ray install-trl install-verifiers
 
 docs: install
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet

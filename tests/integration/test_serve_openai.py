@@ -104,6 +104,34 @@ def test_v1_models_lists_the_served_model_under_each_name_a_request_may_give(ser
     assert status == 400 and "max_tokens must be 1-" in reply["error"]
 
 
+@pytest.mark.extra("openai")
+def test_the_openai_client_drives_the_server_as_the_docs_show(server, model_folder: Path) -> None:
+    """The ``openai`` client (the optional extra), as docs/guides/generation.md calls it: it lists the model, and a
+    chat and a completion come back with the engine's own token ids and log-probs for the same seed; a wrong token is
+    the client's ``AuthenticationError``."""
+    import openai
+
+    url, token, engine = server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=token, max_retries=0)
+    assert [entry.id for entry in client.models.list().data] == [str(model_folder), model_folder.name]
+    reply = client.chat.completions.create(model=model_folder.name, messages=MESSAGES, max_tokens=6, seed=7, n=2,
+                                           temperature=1.0, logprobs=True, extra_body={"return_token_ids": True})
+    prompt = engine.tokenizer.apply_chat_template(MESSAGES, tokenize=True, add_generation_prompt=True,
+                                                  return_dict=True)["input_ids"]
+    direct = engine.generate({"prompt_ids": [list(prompt)], "group_size": 2, "max_new_tokens": 6, "temperature": 1.0,
+                              "top_p": 1.0, "top_k": 0, "max_prompt_tokens": len(prompt), "seeds": [7]})
+    assert [choice.token_ids for choice in reply.choices] == [tokens for tokens, _ in direct]
+    for choice, (_, logprobs) in zip(reply.choices, direct):
+        assert [entry.logprob for entry in choice.logprobs.content] == pytest.approx(logprobs)
+    completion = client.completions.create(model=str(model_folder), prompt=[5, 9, 14], max_tokens=4, seed=3,
+                                           temperature=1.0, logprobs=0, extra_body={"return_token_ids": True})
+    direct = engine.generate({"prompt_ids": [[5, 9, 14]], "group_size": 1, "max_new_tokens": 4, "temperature": 1.0,
+                              "top_p": 1.0, "top_k": 0, "max_prompt_tokens": 3, "seeds": [3]})
+    assert completion.choices[0].token_ids == direct[0][0]
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
+
+
 def test_chat_returns_the_engines_own_samples_with_their_logprobs(server, model_folder: Path) -> None:
     url, token, engine = server
     status, reply = call(url, "/v1/chat/completions", chat_body(model_folder), token)
