@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import errno
 import json
-import math
 import os
 import stat
 from pathlib import Path
@@ -17,11 +16,10 @@ from rlhf_lab.errors import RunFolderError
 
 
 def jsonable(value: Any) -> Any:
-    if hasattr(value, "item"):
-        value = value.item()
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)  # JSON has no NaN/inf; keep them visible as strings
-    return value
+    """A value ``json`` writes: a tensor's or array's scalar as a Python number. Non-finite floats stay floats and
+    are written as the ``NaN`` / ``Infinity`` tokens, which Python's ``json``, pandas and ``datasets`` read back as
+    floats (a string "nan" would make a numeric column text)."""
+    return value.item() if hasattr(value, "item") else value
 
 
 def open_in_folder(path: Path, mode: str, newline: str | None = None) -> Any:

@@ -120,8 +120,10 @@ def _ignored(key: str) -> bool:
 def arm_keys(jobs: list[Job]) -> list[str]:
     """Every key that varies across the jobs labels the arms, less the keys a chosen config option sets: a key
     of group ``g`` (``kl.coef``, ``algorithm.baseline``) that takes one value for each choice of ``g`` (``kl=none``
-    sets ``kl.coef=0``; ``algorithm=rloo`` sets its baseline) follows from that choice. Keys that vary together
-    (``kl.coef`` and ``trainer.lr`` of a search) are all shown: neither follows from the other's option.
+    sets ``kl.coef=0``; ``algorithm=rloo`` sets its baseline) follows from that choice, and any key that takes one
+    value for each choice of an arm group (``*_arm``: ``kl_arm=kl_reward`` sets ``kl``) follows from that. Keys that
+    vary together (``kl.coef`` and ``trainer.lr`` of a search) are all shown: neither follows from the other's
+    option.
     """
     keys = list(dict.fromkeys(key for job in jobs for key in job.config))
     varying = [k for k in keys if not _ignored(k) and len({_hashable(job.config.get(k)) for job in jobs}) > 1]
@@ -132,7 +134,13 @@ def arm_keys(jobs: list[Job]) -> list[str]:
         return all(seen.setdefault(_hashable(job.config.get(chooser)), _hashable(job.config.get(key)))
                    == _hashable(job.config.get(key)) for job in jobs)
 
+    # An arm group's choice (``kl_arm=kl_reward``, ``async_arm=inflight_k6_icepop``: conf groups that set other
+    # groups and keys) labels its arms alone: what it sets (``kl=k1``, ``kl.placement``) follows from it.
+    arm_groups = [key for key in varying if "." not in key and key.endswith("_arm")]
+
     def follows(key: str) -> bool:
+        if key not in arm_groups and any(set_by(key, arm) for arm in arm_groups if arm != key):
+            return True
         if "." not in key:  # a chosen option (``algorithm=rloo``) is what the others follow from
             return False
         group = key.split(".")[0]

@@ -30,7 +30,7 @@ class Job:
 
 def _to_float(value: Any) -> float:
     try:
-        return float(value)  # also "nan" / "inf", which metrics.jsonl stores as strings
+        return float(value)  # also "nan" / "inf", as older run folders stored them
     except (TypeError, ValueError):
         return math.nan
 

@@ -19,7 +19,7 @@ from rlhf_lab.runtime.timer import synchronize as synchronize
 from rlhf_lab.trackers.base import Tracker
 from rlhf_lab.trackers.jsonl import JsonlTracker, read_jsonl
 
-NONFINITE_STRINGS = {"nan", "inf", "-inf"}  # how JSONL stores non-finite floats (JSON has none)
+NONFINITE_STRINGS = {"nan", "inf", "-inf"}  # how run folders written before NaN tokens stored non-finite floats
 
 
 def distinct_n(texts: list[str], n: int = 2) -> float:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 import math
 from pathlib import Path
@@ -262,3 +263,17 @@ def test_arms_are_labelled_by_every_varying_key_with_short_floats(tmp_path: Path
         write_job(options / str(number), job_config(kl, coef, 1e-5), [train_line(0, 0.1, 0.02, 0.01, 1.0)],
                   choices={"kl": kl})
     assert [arm.name for arm in report.group_arms(report.find_jobs(options))] == ["kl=k3", "kl=none"]
+
+
+def test_what_an_arm_group_sets_does_not_repeat_in_the_label(tmp_path: Path) -> None:
+    """A grid over ``kl_arm`` (which sets the kl group and its placement) and ``trainer.lr``: the arms read
+    ``kl_arm=...`` and the learning rate, not ``kl=k1,kl.placement=reward,kl_arm=kl_reward``; two arms that share a
+    kl group still differ by their arm."""
+    arms = {"kl_reward": ("k1", "reward"), "k3_loss": ("k3", "loss"), "k3_loss_v32": ("k3", "loss")}
+    for number, ((arm, (kl, placement)), lr) in enumerate(itertools.product(arms.items(), (1e-3, 1e-2))):
+        job = {"algorithm": {"name": "grpo"}, "kl": {"name": kl, "coef": 0.1, "placement": placement},
+               "kl_arm": arm, "trainer": {"lr": lr, "steps": 1}, "seed": 0, "experiment_name": "grid"}
+        write_job(tmp_path / str(number), job, [train_line(0, 0.1, 0.02, 0.01, 1.0)],
+                  choices={"kl": kl, "kl_arm": arm})
+    names = [arm.name for arm in report.group_arms(report.find_jobs(tmp_path))]
+    assert names == [f"kl_arm={arm},trainer.lr={lr:g}" for arm in arms for lr in (1e-3, 1e-2)]

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from rlhf_lab.trackers.base import Tracker
 from rlhf_lab.training.records import Records, StepTimer, distinct_n, run_summary
@@ -67,18 +69,24 @@ def test_records_write_files_and_tracker_and_read_history_back(tmp_path: Path) -
     records.log({"step": 0, "eval/reward/mean": 0.1}, 0)
     records.log({"step": 0, "reward/mean": float("nan"), "kl/exact": 0.0}, 0)
     records.log({"step": 1, "reward/mean": 0.5, "kl/exact": 0.2}, 1)
-    rows = [{"step": 1, "prompt": "p", "response": "r", "reward": 0.5}]
+    rows = [{"step": 1, "prompt": "p", "response": "r", "reward": float("nan"), "length": torch.tensor(3)}]
     records.log_samples(rows, 1)  # step 1: samples.jsonl only (tracker every 2 steps)
     records.log_samples(rows, 2)
     records.finish({"steps": 2})
     records.close()
 
-    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert lines[1]["reward/mean"] == "nan"  # JSON has no NaN: stored as a string ...
-    history = records.history()  # ... and restored as a float; the eval-only line is not a training step
+    text = (tmp_path / "metrics.jsonl").read_text()
+    assert '"reward/mean": NaN' in text  # the NaN token (a float to json, pandas and datasets), not a string ...
+    lines = [json.loads(line) for line in text.splitlines()]
+    assert math.isnan(lines[1]["reward/mean"])
+    history = records.history()  # ... a float in the history; the eval-only line is not a training step
     assert [h["step"] for h in history] == [0, 1]
     assert history[0]["reward/mean"] != history[0]["reward/mean"]
-    assert len((tmp_path / "samples.jsonl").read_text().splitlines()) == 2
+    samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 2 and math.isnan(samples[0]["reward"]) and samples[0]["length"] == 3
+    history_before = (tmp_path / "metrics.jsonl").read_text().replace("NaN", '"nan"')  # a folder written before
+    (tmp_path / "metrics.jsonl").write_text(history_before)
+    assert math.isnan(records.history()[0]["reward/mean"])
     assert [step for step, _ in tracker.samples] == [2]
     assert [step for step, _ in tracker.logged] == [0, 0, 1]
     assert json.loads((tmp_path / "summary.json").read_text()) == {"steps": 2}
