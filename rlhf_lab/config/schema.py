@@ -194,6 +194,7 @@ class ExactTaskDims:
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
     intermediate_size: int = 64
+    stop: bool = False  # the last symbol ends a response (its EOS): responses of 1 to T symbols, not exactly T
 
 
 @dataclass

@@ -86,6 +86,7 @@ class ExactTableRewardConfig(RewardConfig):
     peak_reward: float = 1.0
     noise: float = 0.3  # every sequence also scores noise·u, u ~ U[0, 1)
     modes: int = 0  # M >= 2: the first M peaks score exactly peak_reward, equally rewarded optimal modes (0: off)
+    stop: bool = False  # responses end at the last symbol (1 to T symbols); conf/reward/exact_table.yaml follows model
 
 
 @dataclass

@@ -103,6 +103,14 @@ def check_exact_task(cfg: Any) -> None:
     if cfg.reward.name == "exact_table" and (cfg.reward.symbols, cfg.reward.length) != (symbols, length):
         raise ConfigError(f"reward.symbols={cfg.reward.symbols} / reward.length={cfg.reward.length} must equal "
                           f"model.exact.symbols={symbols} / trainer.max_new_tokens={length}")
+    stop = bool(cfg.model.exact.get("stop", False))
+    if cfg.reward.name == "exact_table" and bool(cfg.reward.get("stop", False)) != stop:
+        raise ConfigError(f"reward.stop={cfg.reward.get('stop', False)} must equal model.exact.stop={stop} (whether a "
+                          "response ends at the last symbol)")
+    env = (cfg.get("env") or {}).get("name", "single_turn")
+    if stop and env != "single_turn":
+        raise ConfigError(f"model.exact.stop=true with env={env}: the environment enumerates turns of exactly "
+                          "trainer.max_new_tokens symbols; use model.exact.stop=false")
 
 
 def check_kl(cfg: Any) -> None:

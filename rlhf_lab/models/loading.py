@@ -100,7 +100,7 @@ def load_tokenizer(model_cfg: Any) -> PreTrainedTokenizerBase:
     if model_cfg.name == "exact":  # the exact task's V symbols (rlhf_lab/testbed/)
         from rlhf_lab.testbed.task import build_tokenizer
 
-        return build_tokenizer(model_cfg.exact.symbols)
+        return build_tokenizer(model_cfg.exact.symbols, bool(model_cfg.exact.get("stop", False)))
     if model_cfg.name in ("smollm2_135m", "tiny") and not model_cfg.name_or_path:
         tokenizer = AutoTokenizer.from_pretrained(smollm2_tokenizer_path())
     else:

@@ -31,7 +31,7 @@ from rlhf_lab.runtime import distributed
 from rlhf_lab.scoring.forward import response_logits
 from rlhf_lab.scoring.logprobs import gather_logprobs
 from rlhf_lab.testbed.modes import mode_metrics
-from rlhf_lab.testbed.task import PROMPT, all_responses, symbols, token_ids
+from rlhf_lab.testbed.task import PROMPT, all_responses, response_mask, symbols, token_ids
 
 ENUMERATION_CHUNK = 4096  # responses per forward pass
 
@@ -120,11 +120,15 @@ class ExactEvaluator:
         self.temperature = float(cfg.trainer.temperature)
         env_cfg = cfg.get("env") or {"name": "single_turn"}
         env = get("env", env_cfg["name"])(env_cfg)
+        stop = bool(cfg.model.exact.get("stop", False))
         if hasattr(env, "enumerate"):
             self.sequences, self.positions, rewards = env.enumerate()
+            self.mask = torch.ones(self.sequences[:, self.positions].shape)
         else:
             symbol_count = cfg.model.exact.symbols
-            self.sequences = all_responses(symbol_count, cfg.trainer.max_new_tokens)  # [N, T]
+            # [N, T]; with model.exact.stop the canonical rows, each response's tokens up to its first stop symbol
+            self.sequences = all_responses(symbol_count, cfg.trainer.max_new_tokens, stop)
+            self.mask = response_mask(self.sequences, symbol_count, stop)
             self.positions = torch.arange(self.sequences.shape[1])
             # R(y) from the run's own reward on every decoded response (any deterministic reward works).
             names = symbols(symbol_count)
@@ -132,11 +136,12 @@ class ExactEvaluator:
             rewards = trainer.reward([PROMPT] * len(texts), texts).scores
         self.rewards = rewards.double()
         self.response_ids = token_ids(self.sequences[:, self.positions]).to(trainer.device)
+        self.mask = self.mask.to(trainer.device)
         self.estimator = get("kl", cfg.kl.name)
         models = trainer.models
         with torch.no_grad(), models.reference_context(), trainer.precision.autocast():
             self.ref_logits = self._model_logits(models.reference_model())
-        self.ref_logprobs = gather_logprobs(self.ref_logits, self.response_ids)
+        self.ref_logprobs = gather_logprobs(self.ref_logits, self.response_ids) * self.mask
 
     def _model_logits(self, model: nn.Module) -> Tensor:
         """Logits predicting each model token of every trajectory: [N, model tokens, vocabulary]."""
@@ -146,17 +151,18 @@ class ExactEvaluator:
     @torch.no_grad()
     def policy(self) -> tuple[Tensor, Tensor]:
         """The policy's logits [N, T, vocabulary] and per-token log-probs [N, T] on every trajectory's model
-        tokens, now."""
+        tokens, now (0 past a response's end)."""
         trainer = self.trainer
         with trainer.precision.autocast():
             logits = self._model_logits(distributed.unwrap(trainer.policy))
-        return logits, gather_logprobs(logits, self.response_ids)
+        return logits, gather_logprobs(logits, self.response_ids) * self.mask
 
     @torch.no_grad()
     def __call__(self) -> dict[str, float]:
         start = time.perf_counter()
         logits, logprobs = self.policy()
-        estimates = estimate(self.estimator, logprobs, self.ref_logprobs, logits=logits, ref_logits=self.ref_logits)
+        estimates = estimate(self.estimator, logprobs, self.ref_logprobs, logits=logits,
+                             ref_logits=self.ref_logits) * self.mask
         metrics = exact_metrics(logprobs, self.ref_logprobs, self.rewards, self.beta, estimates)
         metrics["time/exact_s"] = time.perf_counter() - start
         return metrics

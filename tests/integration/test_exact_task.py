@@ -171,3 +171,17 @@ def test_every_literature_job_composes_on_the_exact_task(compose, experiment: st
     for values in itertools.product(*options.values()):
         cfg = compose([f"experiment={experiment}", *(f"{key}={value}" for key, value in zip(options, values))])
         assert cfg.model.name == "exact" and cfg.kl.coef == 0.2 and cfg.trainer.steps == 400
+
+
+def test_with_a_stop_symbol_an_unbiased_run_still_reaches_the_optimum(compose, tmp_path: Path) -> None:
+    """``model.exact.stop``: responses of 2 or 3 tokens (the third symbol ends one) over the same task. k1 in the
+    reward still ends at π* (what the enumeration of variable-length responses computes is what the engine samples
+    and the reward scores), the enumeration's mass is whole, and the sampled lengths vary."""
+    train(compose, [*TINY_TASK, "trainer.max_new_tokens=3", "model.exact.stop=true", "kl=kl", "kl.placement=reward"],
+          tmp_path / "stop")
+    lines = [json.loads(line) for line in (tmp_path / "stop" / "metrics.jsonl").read_text().splitlines()]
+    last = lines[-1]
+    assert last["step"] == 149 and last["exact/gap"] < UNBIASED_GAP and last["exact/tv_to_optimal"] < 0.03
+    assert last["exact/total_probability"] == pytest.approx(1.0, abs=1e-6)
+    assert all(2 <= line["response/length_mean"] <= 3 for line in lines)
+    assert len({line["response/length_mean"] for line in lines}) > 1
