@@ -62,7 +62,8 @@ def _column(dataset: Any, column: str, where: str) -> list[Prompt]:
                             "messages")
     others = [name for name in dataset.column_names if name != column]
     rows = dataset.select_columns(others).to_list() if others else [{} for _ in values]
-    return [make_prompt(value, row) for value, row in zip(values, rows, strict=True)]
+    return [make_prompt(value, row, f"row {index} of {where}")
+            for index, (value, row) in enumerate(zip(values, rows, strict=True))]
 
 
 def _split_off_eval(prompts: list[str], fraction: float, seed: int) -> PromptSplits:

@@ -21,16 +21,18 @@ class Prompt(str):
 
     messages: tuple[dict[str, str], ...] | None
     columns: dict[str, Any]
+    origin: str | None  # where its row is ("row 3 of data/train.jsonl"), for errors that name it
 
     def __new__(cls, text: str, messages: Sequence[dict[str, str]] | None = None,
-                columns: dict[str, Any] | None = None) -> Prompt:
+                columns: dict[str, Any] | None = None, origin: str | None = None) -> Prompt:
         prompt = super().__new__(cls, text)
         prompt.messages = tuple(dict(m) for m in messages) if messages is not None else None
         prompt.columns = dict(columns or {})
+        prompt.origin = origin
         return prompt
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return Prompt, (str(self), self.messages, self.columns)
+        return Prompt, (str(self), self.messages, self.columns, self.origin)
 
 
 def conversation_text(messages: Sequence[dict[str, str]]) -> str:
@@ -49,12 +51,18 @@ def messages_problem(value: Any) -> str | None:
     return None
 
 
-def make_prompt(value: str | list[dict[str, str]], columns: dict[str, Any]) -> Prompt:
+def make_prompt(value: str | list[dict[str, str]], columns: dict[str, Any], origin: str | None = None) -> Prompt:
     """A row's prompt: text as it is, or a conversation (checked with :func:`messages_problem` first)."""
     if isinstance(value, str):
-        return Prompt(value, columns=columns)
+        return Prompt(value, columns=columns, origin=origin)
     messages = [{"role": m["role"], "content": m["content"]} for m in value]
-    return Prompt(conversation_text(messages), messages, columns)
+    return Prompt(conversation_text(messages), messages, columns, origin)
+
+
+def origin_of(prompt: str) -> str:
+    """How an error names a prompt: its row and file where known, and its opening words."""
+    where = getattr(prompt, "origin", None)
+    return (f"{where}, " if where else "") + f"prompt {str(prompt)[:40]!r}"
 
 
 def columns_of(prompts: Sequence[str]) -> dict[str, list[Any]]:

@@ -80,6 +80,7 @@ class OfflineTrainer(Trainer):
 
     updater_class = OfflineUpdater  # takes packed rows (algorithm=sft algorithm.packing=true) too
     plans_steps = False  # the planner plans on-policy steps; an offline stage is checked by its estimate
+    scores_prompts = False  # its prompts come with their examples; the reward scores only what it evaluates
 
     def __init__(self, cfg: Any, run_dir: Path) -> None:
         super().__init__(cfg, run_dir)

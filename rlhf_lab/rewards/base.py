@@ -106,6 +106,11 @@ class Reward:
                 return index
         return None
 
+    def check_prompts(self, prompts: Sequence[str]) -> None:
+        """Before the model loads: every prompt's row is one this reward can score (the columns it reads there and
+        readable), else a one-line :class:`RewardError` naming the row (:func:`~rlhf_lab.data.rows.origin_of`).
+        Nothing to check by default."""
+
     def columns(self, prompts: list[str]) -> dict[str, list[Any]]:
         """The data's columns this reward's ``score`` takes (all of them where ``reads_columns``, else none)."""
         return columns_of(prompts) if self.reads_columns else {}

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -69,6 +69,10 @@ class CompositeReward(Reward):
                 f"composite component {key!r} (reward {reward_cfg['name']!r})",
             )
             self.parts.append((key, weight, build_reward(reward_cfg, device=self.device)))
+
+    def check_prompts(self, prompts: Sequence[str]) -> None:
+        for _, _, reward in self.parts:
+            reward.check_prompts(prompts)
 
     def score(self, prompts: list[str], responses: list[str]) -> RewardOutput:
         total = torch.zeros(len(responses), dtype=torch.float32)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -49,7 +49,28 @@ class RouteReward(Reward):
                                                                                  f"{config['name']!r})")
         return build_reward(dict(config), device=self.device)
 
+    def check_prompts(self, prompts: Sequence[str]) -> None:
+        """Every row routed (a value with no reward and no default is one line now), each checked by its reward."""
+        values = self._routed(list(prompts))
+        for key, reward in [*self.routes.items(), *([("default", self.default)] if self.default else [])]:
+            reward.check_prompts([prompt for prompt, value in zip(prompts, values) if value == key])
+
     def score(self, prompts: list[str], responses: list[str]) -> RewardOutput:
+        values = self._routed(prompts)
+        scores = torch.zeros(len(responses), dtype=torch.float32)
+        components = {}
+        for key, reward in [*self.routes.items(), *([("default", self.default)] if self.default else [])]:
+            rows = [i for i, value in enumerate(values) if value == key]
+            part = torch.full((len(responses),), float("nan"))
+            if rows:
+                routed = reward([prompts[i] for i in rows], [responses[i] for i in rows]).scores.to("cpu", torch.float32)
+                scores[rows] = routed
+                part[rows] = routed
+            components[key] = part
+        return RewardOutput(scores=scores, components=components)
+
+    def _routed(self, prompts: list[str]) -> list[str]:
+        """Each prompt's route: its ``by`` column's value, or ``default``; a row with neither is one line."""
         values = []
         for index, prompt in enumerate(prompts):
             columns = getattr(prompt, "columns", {})
@@ -62,14 +83,4 @@ class RouteReward(Reward):
                                   f"{', '.join(self.routes)} (add it to reward.rewards or set reward.default)",
                                   sample=index)
             values.append(value if value in self.routes else "default")
-        scores = torch.zeros(len(responses), dtype=torch.float32)
-        components = {}
-        for key, reward in [*self.routes.items(), *([("default", self.default)] if self.default else [])]:
-            rows = [i for i, value in enumerate(values) if value == key]
-            part = torch.full((len(responses),), float("nan"))
-            if rows:
-                routed = reward([prompts[i] for i in rows], [responses[i] for i in rows]).scores.to("cpu", torch.float32)
-                scores[rows] = routed
-                part[rows] = routed
-            components[key] = part
-        return RewardOutput(scores=scores, components=components)
+        return values

@@ -11,10 +11,12 @@ Both read the data's columns (:mod:`rlhf_lab.data.rows`); a prompt set without t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from rlhf_lab.data.rows import columns_of, origin_of
 from rlhf_lab.errors import RewardError
 from rlhf_lab.registry import register
 from rlhf_lab.rewards.base import Reward, RewardOutput
@@ -41,22 +43,30 @@ class MathVerifyReward(Reward):
 
         self.math_verify = math_verify
 
-    def _gold(self, answer: Any) -> list[Any]:
+    def _gold(self, prompt: str, answer: Any) -> list[Any]:
+        """The data's answer parsed; a row without one, or with one math-verify cannot read, is one line naming it."""
+        name = self.option("answer_column", "answer")
+        if answer is None or (isinstance(answer, float) and answer != answer):  # null / NaN, never the text "None"
+            raise RewardError(f"reward=math_verify: the data's {name!r} is empty (null) at {origin_of(prompt)}; "
+                              "give every row an answer")
         text = str(answer)
         parsed = self.math_verify.parse(text)
-        return parsed or self.math_verify.parse(f"${text}$")  # bare LaTeX ("\\frac12") is read inside math mode
+        parsed = parsed or self.math_verify.parse(f"${text}$")  # bare LaTeX ("\\frac12") is read inside math mode
+        if not parsed:
+            raise RewardError(f"reward=math_verify cannot read the data's {name!r} {text[:40]!r} at "
+                              f"{origin_of(prompt)}; give it an answer math-verify parses (a number, an expression, "
+                              "LaTeX)")
+        return parsed
+
+    def check_prompts(self, prompts: Sequence[str]) -> None:
+        answers = column(columns_of(list(prompts)), self.option("answer_column", "answer"), self.name) if prompts else []
+        for prompt, answer in zip(prompts, answers, strict=True):
+            self._gold(prompt, answer)
 
     def score(self, prompts: list[str], responses: list[str], **columns: Any) -> RewardOutput:
         answers = column(columns, self.option("answer_column", "answer"), self.name)
-        scores = []
-        for prompt, answer, response in zip(prompts, answers, responses, strict=True):
-            if answer is None or (isinstance(answer, float) and answer != answer):  # null / NaN, never the text "None"
-                raise RewardError(f"reward=math_verify: the data's {self.option('answer_column', 'answer')!r} is "
-                                  f"empty (null) for the prompt {prompt[:40]!r}; give every row an answer")
-            gold = self._gold(answer)
-            if not gold:
-                raise RewardError(f"reward=math_verify cannot read the data's answer {str(answer)[:40]!r}")
-            scores.append(float(self.math_verify.verify(gold, self.math_verify.parse(response))))
+        scores = [float(self.math_verify.verify(self._gold(prompt, answer), self.math_verify.parse(response)))
+                  for prompt, answer, response in zip(prompts, answers, responses, strict=True)]
         return RewardOutput(scores=torch.tensor(scores, dtype=torch.float32))
 
 

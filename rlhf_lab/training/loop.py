@@ -54,6 +54,7 @@ class Trainer(RunState, StopSignals, Evaluates, StepRecord):
 
     updater_class: type[Updater] = Updater  # the offline stages' own takes packed rows too
     plans_steps = True  # the memory check plans this trainer's step (rlhf_lab/planner/) where memory is close
+    scores_prompts = True  # the reward scores the data's prompts: their rows are checked before the model loads
 
     def __init__(self, cfg: Any, run_dir: Path) -> None:
         self.cfg = cfg
@@ -73,6 +74,11 @@ class Trainer(RunState, StopSignals, Evaluates, StepRecord):
         self.prepare_resume()
 
         self.prompts = self.load_prompts()
+        # The reward reads the data's rows before any model loads: a row it cannot score is one line now, not after
+        # minutes of loading (a math answer math-verify cannot parse, a route with no reward).
+        self.reward = build_reward(cfg.reward, device=str(self.device))
+        if self.scores_prompts:
+            self.reward.check_prompts([*self.prompts.train, *self.prompts.eval])
         self.tokenizer = load_tokenizer(cfg.model)
         check_memory(cfg, self.tokenizer, DTYPES[self.precision.weights_dtype], self.precision.compute_dtype,
                      self.device, shards=distributed.world_size() if self.strategy == "fsdp" else 1,
@@ -131,7 +137,6 @@ class Trainer(RunState, StopSignals, Evaluates, StepRecord):
         self.kl_controller = get("kl_controller", cfg.kl.controller)(
             coef=cfg.kl.coef, target=cfg.kl.target, horizon=cfg.kl.horizon
         )
-        self.reward = build_reward(cfg.reward, device=str(self.device))
         self.experience = ExperienceMaker(cfg, self.tokenizer, self.models, distributed.unwrap(self.policy),
                                           self.reward, self.kl, self.device, self.precision,
                                           keep_hidden=self.algorithm.reads_sampling_hidden, hardware=self.hardware,

@@ -155,8 +155,25 @@ def test_a_null_answer_under_math_verify_is_one_line(tmp_path, monkeypatch, run_
     monkeypatch.chdir(tmp_path)
     line = one_line(run_cli, [*without(TINY, ["trainer.eval_prompts=0", "trainer.prompts_per_step=4"]), "data=jsonl", f"data.path={data}", "reward=math_verify", "trainer.eval_prompts=0",
                               f"trainer.output_dir={tmp_path / 'run'}", "trainer.prompts_per_step=4"])
-    assert line == ("reward=math_verify: the data's 'answer' is empty (null) for the prompt 'What is 2 + 1?'; give "
-                    "every row an answer"), line
+    assert line == (f"reward=math_verify: the data's 'answer' is empty (null) at row 2 of {data}, prompt "
+                    "'What is 2 + 1?'; give every row an answer"), line
+
+
+def test_an_answer_the_reward_cannot_read_is_named_before_any_model_loads(tmp_path, monkeypatch, run_cli) -> None:
+    """``"answer": ""`` in row 3 of a JSONL under reward=math_verify: one line naming the file, the row and the
+    prompt, said before the tokenizer or the model loads (here, loading them would fail the test)."""
+    import rlhf_lab.training.loop as loop
+
+    data = tmp_path / "math.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"What is {a} + 1?", "answer": "" if a == 3 else str(a + 1)})
+                            + "\n" for a in range(4)))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(loop, "load_tokenizer", lambda *args: pytest.fail("the tokenizer loaded before the check"))
+    line = one_line(run_cli, [*without(TINY, ["trainer.eval_prompts=0", "trainer.prompts_per_step=4"]), "data=jsonl",
+                              f"data.path={data}", "reward=math_verify", "trainer.eval_prompts=0",
+                              f"trainer.output_dir={tmp_path / 'run'}", "trainer.prompts_per_step=4"])
+    assert line == (f"reward=math_verify cannot read the data's 'answer' '' at row 3 of {data}, prompt 'What is 3 + "
+                    "1?'; give it an answer math-verify parses (a number, an expression, LaTeX)"), line
 
 
 # ------------------------------------------------------------------------------------------ W&B commands, Optuna

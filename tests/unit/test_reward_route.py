@@ -65,3 +65,23 @@ def test_a_run_logs_each_routed_rewards_mean(compose, tiny_overrides, tmp_path: 
     lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [line for line in lines if "reward/mean" in line]
     assert steps and all(line["reward/math"] == 3.0 and line["reward/code"] >= 0.0 for line in steps)
+
+
+def test_the_check_before_the_model_asks_each_route_s_reward_about_its_own_rows() -> None:
+    """``check_prompts`` (run before any model loads): a math row whose answer math-verify cannot read is named by
+    its row and prompt; a code row with no answer is no concern of the math reward; an unrouted value is one line;
+    a composite reward asks each of its parts."""
+    routes = {"math": {"name": "math_verify"}, "code": {"name": "python", "function": "test_reward_route:length"}}
+    reward = build_reward({"name": "route", "rewards": routes})
+    good = [Prompt("1 + 1?", columns={"data_source": "math", "answer": "2"}, origin="row 0 of m.jsonl"),
+            Prompt("print 1", columns={"data_source": "code"}, origin="row 1 of m.jsonl")]
+    reward.check_prompts(good)
+    bad = [*good, Prompt("2 + 2?", columns={"data_source": "math", "answer": ""}, origin="row 2 of m.jsonl")]
+    with pytest.raises(RewardError, match=r"^reward=math_verify cannot read the data's 'answer' '' at row 2 "
+                                          r"of m.jsonl, prompt '2 \+ 2\?'; give it an answer"):
+        reward.check_prompts(bad)
+    with pytest.raises(RewardError, match=r"data_source='chat' of prompt 2 has no reward"):
+        reward.check_prompts([*good, Prompt("hi", columns={"data_source": "chat"})])
+    composite = build_reward({"name": "composite", "components": [{"name": "math_verify"}, {"name": "length"}]})
+    with pytest.raises(RewardError, match=r"the data's 'answer' is empty \(null\) at prompt 'x'"):
+        composite.check_prompts([Prompt("x", columns={"answer": None})])
