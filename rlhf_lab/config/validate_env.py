@@ -22,6 +22,9 @@ def check_env(cfg: Any) -> None:
     at_least("env.step_timeout", env.step_timeout, 0, strict=True)
     at_least("env.workers", env.workers, 1)
     check_builtin_options(env)
+    check_config = getattr(get("env", env.name), "check_config", None)  # an environment's own compose-time checks
+    if check_config is not None:
+        check_config(env)
     if get("env", env.name).single_turn:
         return
     algorithm, where = cfg.algorithm, f"env={env.name} plays multi-turn episodes"

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import importlib
+import importlib.util
 import logging
 from typing import Any
 
@@ -55,23 +56,61 @@ def provide(name: str, environment: Any) -> str:
     return name
 
 
+def not_installed(reason: str) -> EnvError:
+    return EnvError(f"env=verifiers needs the verifiers package ({VERSION}), which cannot be imported here "
+                    f"({reason}); install it with `{INSTALL}` (a venv of its own, see docs/guides/environments.md)")
+
+
+def no_id() -> EnvError:
+    return EnvError("env=verifiers needs env.id=NAME: an installed verifiers environment, module:attribute, or a "
+                    "name given to rlhf_lab.envs.verifiers_env.provide")
+
+
 def import_verifiers() -> Any:
     """``verifiers.legacy`` (the in-process API), or one line saying how to install it."""
     try:
         import verifiers.legacy as vf
     except ImportError as error:
-        raise EnvError(f"env=verifiers needs the verifiers package ({VERSION}), which cannot be imported here "
-                       f"({first_line(error)}); install it with `{INSTALL}` (a venv of its own, see "
-                       "docs/guides/environments.md)") from None
+        raise not_installed(first_line(error)) from None
     return vf
+
+
+def check_findable(env_id: Any) -> None:
+    """At compose time, before any model loads and without importing the environment: the verifiers package is
+    installed and ``env.id`` names a module there is (a provided name, ``module:attribute``'s module, or an
+    environment's package); one line where not, as :func:`load_environment` would say minutes later."""
+    if not _findable("verifiers.legacy"):  # the in-process API (its package is imported to look)
+        raise not_installed("No module named 'verifiers.legacy'")
+    if not isinstance(env_id, str) or not env_id:
+        raise no_id()
+    if env_id in environments:
+        return
+    if ":" in env_id:
+        module = env_id.partition(":")[0]
+        if not _findable(module):
+            raise EnvError(f"env.id={env_id!r} cannot be imported (No module named {module!r}); give module:attribute "
+                           "of a verifiers environment or of a function returning one")
+        return
+    module = env_id.replace("-", "_").split("/")[-1]  # the module verifiers' load_environment imports
+    if not _findable(module):
+        raise EnvError(f"env.id={env_id!r} is not an installed verifiers environment (No module named {module!r}); "
+                       f"install it into the verifiers venv (`{INSTALL}`, then `pip install` the environment's "
+                       "package), or give module:attribute")
+
+
+def _findable(module: str) -> bool:
+    """Whether ``module`` can be imported here (its parent packages are imported to look; nothing else runs)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError, AttributeError):
+        return False
 
 
 def load_environment(env_id: Any, args: dict[str, Any]) -> Any:
     """The ``verifiers`` environment ``env.id`` names (see the module's text); one line where none is found."""
     vf = import_verifiers()
     if not isinstance(env_id, str) or not env_id:
-        raise EnvError("env=verifiers needs env.id=NAME: an installed verifiers environment, module:attribute, or a "
-                       "name given to rlhf_lab.envs.verifiers_env.provide")
+        raise no_id()
     if env_id in environments:
         environment = environments[env_id]
     elif ":" in env_id:
@@ -123,6 +162,11 @@ class VerifiersEnvironment(Environment):
     """A ``verifiers`` environment (``env.id``), played by :class:`VerifiersRunner` instead of reset/step."""
 
     name = "verifiers"
+
+    @staticmethod
+    def check_config(cfg: Any) -> None:
+        """Compose time (rlhf_lab/config/validate_env.py): :func:`check_findable`."""
+        check_findable(cfg.get("id"))
 
     def __init__(self, cfg: Any) -> None:
         super().__init__(cfg)

@@ -63,3 +63,27 @@ def test_a_factory_that_raises_or_exits_is_one_line(env_id: str, message: str) -
 
 def test_a_good_factory_gives_its_environment() -> None:
     assert isinstance(verifiers_env.load_environment("factories:good", {}), Environment)
+
+
+@pytest.mark.parametrize(("findable", "env_id", "message"), [
+    (set(), "math-env", "env=verifiers needs the verifiers package (0.3.1), which cannot be imported here (No module "
+                        "named 'verifiers.legacy'); install it with `make install-verifiers`"),
+    ({"verifiers.legacy"}, None, "env=verifiers needs env.id=NAME"),
+    ({"verifiers.legacy"}, "org/math-env", "env.id='org/math-env' is not an installed verifiers environment (No "
+                                           "module named 'math_env'); install it into the verifiers venv"),
+    ({"verifiers.legacy"}, "nowhere:make_env", "env.id='nowhere:make_env' cannot be imported (No module named "
+                                               "'nowhere')"),
+])
+def test_an_environment_that_cannot_be_found_is_refused_at_compose_time(compose, monkeypatch, findable: set,
+                                                                        env_id: str | None, message: str) -> None:
+    """Composing ``env=verifiers`` looks for the package and env.id's module (imports neither): what is missing is
+    one line there, before any model loads; what is there composes."""
+    monkeypatch.setattr(verifiers_env, "_findable", lambda module: module in findable)
+    overrides = ["model=tiny", "env=verifiers", *([f"env.id={env_id}"] if env_id else [])]
+    with pytest.raises(EnvError) as raised:
+        compose(overrides)
+    assert str(raised.value).startswith(message) and "\n" not in str(raised.value)
+    monkeypatch.setattr(verifiers_env, "_findable", lambda module: module in {"verifiers.legacy", "math_env"})
+    assert compose(["model=tiny", "env=verifiers", "env.id=org/math-env"]).env.id == "org/math-env"
+    monkeypatch.setitem(verifiers_env.environments, "in_process", Environment())  # as provide() leaves it
+    assert compose(["model=tiny", "env=verifiers", "env.id=in_process"]).env.id == "in_process"
