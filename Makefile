@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: install install-ray install-mlflow install-openai install-vllm install-reasoning install-verifiers install-trl install-extras train test test-extras test-unit test-gpu gpu-bundle lint docs clean bench
+.PHONY: install install-ray install-mlflow install-openai install-trackio install-vllm install-reasoning install-verifiers install-trl install-extras train test test-extras test-unit test-gpu gpu-bundle lint docs clean bench
 
 $(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -153,8 +153,17 @@ $(OPENAI_STAMP): $(STAMP) requirements-openai.txt
 
 install-openai: $(OPENAI_STAMP)
 
+# `make install-trackio`: the optional Trackio extra (requirements-trackio.txt) for `logger=trackio`.
+TRACKIO_STAMP := $(VENV)/.installed-trackio
+
+$(TRACKIO_STAMP): $(STAMP) requirements-trackio.txt
+	$(PY) -m pip install --quiet -r requirements-trackio.txt
+	touch $(TRACKIO_STAMP)
+
+install-trackio: $(TRACKIO_STAMP)
+
 # `make install-extras`: every optional extra (what `make test-extras` tests).
-install-extras: install-vllm install-reasoning install-mlflow install-openai install-ray install-trl install-verifiers
+install-extras: install-vllm install-reasoning install-mlflow install-openai install-trackio install-ray install-trl install-verifiers
 
 docs: install
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet

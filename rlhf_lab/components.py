@@ -34,4 +34,5 @@ import rlhf_lab.trackers.base  # noqa: F401
 import rlhf_lab.trackers.csv  # noqa: F401
 import rlhf_lab.trackers.mlflow  # noqa: F401  (imports mlflow only when a run uses it)
 import rlhf_lab.trackers.tensorboard  # noqa: F401
+import rlhf_lab.trackers.trackio  # noqa: F401  (imports trackio only when a run uses it)
 import rlhf_lab.trackers.wandb  # noqa: F401

@@ -89,6 +89,7 @@ EXTRAS = {
     "reasoning": ("reasoning_gym", "make install-reasoning"),
     "mlflow": ("mlflow", "make install-mlflow"),
     "openai": ("openai", "make install-openai"),
+    "trackio": ("trackio", "make install-trackio"),
     "ray": ("hydra_plugins.hydra_ray_launcher", "make install-ray"),
     "trl": ("trl", "make install-trl"),
     "verifiers": ("verifiers", "make install-verifiers, then .venv-verifiers/bin/python -m pytest"),

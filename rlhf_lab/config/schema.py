@@ -249,6 +249,7 @@ class LoggerConfig:
     trackers: dict[str, bool] = field(default_factory=dict)
     mlflow_tracking_uri: str | None = None  # logger=mlflow: null = $MLFLOW_TRACKING_URI, else <run folder>/mlruns
     mlflow_experiment: str | None = None  # logger=mlflow: null = experiment_name
+    trackio_project: str | None = None  # logger=trackio: null = experiment_name
 
 
 @dataclass

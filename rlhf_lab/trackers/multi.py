@@ -20,6 +20,7 @@ from rlhf_lab.trackers.base import Tracker
 NEEDS = {
     "tensorboard": ("tensorboard", "install it: pip install -r requirements.txt"),
     "mlflow": ("mlflow", "install the optional `mlflow` extra: pip install -r requirements-mlflow.txt"),
+    "trackio": ("trackio", "install the optional `trackio` extra: pip install -r requirements-trackio.txt"),
 }  # wandb is not here: a W&B that is missing or fails warns once and the run goes on (rlhf_lab/trackers/wandb.py)
 
 

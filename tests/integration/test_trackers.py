@@ -69,6 +69,53 @@ def test_mlflow_without_its_extra_names_what_to_install() -> None:
         rlhf_lab.compose(["model=tiny", "logger=mlflow"])
 
 
+def test_trackio_without_its_extra_names_what_to_install(monkeypatch) -> None:
+    from rlhf_lab.trackers import multi
+
+    monkeypatch.setattr(multi, "_installed", lambda module: module != "trackio")  # as where it is not installed
+    with pytest.raises(ConfigError, match=r"^logger=trackio needs trackio, which is not installed; install the "
+                                          r"optional `trackio` extra: pip install -r requirements-trackio.txt$"):
+        rlhf_lab.compose(["model=tiny", "logger=[csv,trackio]"])
+
+
+READ_TRACKIO = """
+import json, sys
+from trackio.sqlite_storage import SQLiteStorage
+project = sys.argv[1]
+runs = SQLiteStorage.get_runs(project)
+print(json.dumps({"runs": runs, "logs": {run: SQLiteStorage.get_logs(project, run) for run in runs}}))
+"""
+
+
+@pytest.mark.extra("trackio")
+def test_trackio_logs_one_run_across_a_resume_in_its_own_store(tmp_path: Path) -> None:
+    """``logger=trackio`` in a process whose ``$TRACKIO_DIR`` is a temporary folder (trackio reads it on import): a
+    run of 1 step and its resume to 2 write one trackio run, named after the run folder, with each step's metrics
+    once and the sample tables; the store is that folder's (nothing uploaded)."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "TRACKIO_DIR": str(tmp_path / "store"), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    run_dir = tmp_path / "runs" / "run"
+    common = [sys.executable, "-m", "rlhf_lab", *TINY, "logger=trackio", "logger.trackio_project=tests",
+              "logger.samples_every=1", f"trainer.output_dir={run_dir}"]
+    for more in (["trainer.steps=1"], ["trainer.steps=2", "trainer.resume=auto"]):
+        result = subprocess.run([*common, *more], capture_output=True, text=True, env=env, timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "store" / "tests.db").is_file()
+    assert json.loads((run_dir / "trackio_run.json").read_text()) == {"project": "tests", "name": "runs/run"}
+    read = subprocess.run([sys.executable, "-c", READ_TRACKIO, "tests"], capture_output=True, text=True, env=env,
+                          timeout=120)
+    stored = json.loads(read.stdout.splitlines()[-1])
+    assert stored["runs"] == ["runs/run"]
+    logs = stored["logs"]["runs/run"]
+    steps = [line["step"] for line in logs if "reward/mean" in line]
+    assert steps == [0, 1]  # the resume continued the run, no step twice
+    assert any("eval/reward/mean" in line for line in logs)
+    tables = [line["samples"] for line in logs if "samples" in line]
+    assert tables and tables[0]["_type"] == "trackio.table" and "response" in tables[0]["_value"][0]
+
+
 # ------------------------------------------------------------------------------------------ W&B
 
 

@@ -86,7 +86,7 @@ SCHEMAS = {
             "exact_two_turn": ExactTwoTurnEnvConfig, "verifiers": VerifiersEnvConfig},
     # tensorboard, mlflow and csv share wandb's schema type, so logger=[wandb,csv] merges in any order
     "logger": {"none": LoggerConfig, "wandb": WandbLoggerConfig, "tensorboard": WandbLoggerConfig,
-               "mlflow": WandbLoggerConfig, "csv": WandbLoggerConfig},
+               "mlflow": WandbLoggerConfig, "trackio": WandbLoggerConfig, "csv": WandbLoggerConfig},
 }
 # Overrides that let an option compose and validate offline (its required fields filled in).
 NEEDS = {
@@ -123,7 +123,7 @@ def compose_error(overrides: list[str]) -> str:
     return message
 
 
-OPTIONAL = {("logger", "mlflow"): "mlflow"}  # options that need an optional extra
+OPTIONAL = {("logger", "mlflow"): "mlflow", ("logger", "trackio"): "trackio"}  # options that need an optional extra
 
 
 @pytest.mark.parametrize(("group", "option"), [
@@ -137,6 +137,11 @@ def test_each_option_composes_with_its_own_schema(group: str, option: str, tmp_p
     (tmp_path / "prompts.jsonl").write_text('{"prompt": "hi"}\n')
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2]))  # so "tests.reward_fns:..." imports
     extra = [o.format(folder=folder, file=tmp_path / "prompts.jsonl") for o in NEEDS.get((group, option), [])]
+    if (group, option) == ("env", "verifiers"):  # its package and env.id are looked for at compose time: given
+        from rlhf_lab.envs import verifiers_env
+
+        monkeypatch.setattr(verifiers_env, "_findable", lambda module: True)
+        extra = ["env.id=some-env"]
     cfg = compose([f"{group}={option}", *extra])
     assert OmegaConf.get_type(cfg[group]) is SCHEMAS[group][option]
     assert cfg[group].name == option
@@ -175,8 +180,8 @@ def test_group_options_are_yaml_files_not_stored_schemas() -> None:
         (["model=smollm2_135m", "model.tiny.hidden_size=8"],
          f"unknown key 'model.tiny' for model=smollm2_135m; valid keys: {keys(ModelConfig)}"),
         (["logger=none", "logger.project=x"],
-         "unknown key 'logger.project' for logger=none; valid keys: name, mode, samples_every, trackers, "
-         "mlflow_tracking_uri, mlflow_experiment"),
+         "unknown key 'logger.project' for logger=none; did you mean 'logger.trackio_project'? valid keys: name, "
+         "mode, samples_every, trackers, mlflow_tracking_uri, mlflow_experiment, trackio_project"),
         (["data=movie_prompts", "data.path=x"],
          f"unknown key 'data.path' for data=movie_prompts; valid keys: {keys(DataConfig)}"),
         (["experiment=smoke", "model.tiny.depth=3"],

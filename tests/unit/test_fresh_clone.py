@@ -17,7 +17,7 @@ from tests.limits import HANG_GUARD_S
 
 ROOT = Path(__file__).resolve().parents[2]
 # The optional packages' top-level modules (the extras' own and what they alone bring).
-OPTIONAL_MODULES = ["vllm", "reasoning_gym", "mlflow", "ray", "trl", "verifiers", "openai"]
+OPTIONAL_MODULES = ["vllm", "reasoning_gym", "mlflow", "ray", "trl", "verifiers", "openai", "trackio"]
 
 
 def make_target(name: str) -> tuple[list[str], list[str]]:
@@ -85,6 +85,6 @@ def test_the_readme_counts_the_tests_each_extra_skips(collection) -> None:
     assert set(counts) == set(EXTRAS)
     assert f"the {sum(counts.values())} tests that do are skipped" in readme
     named = {"vllm": "vLLM", "verifiers": "verifiers", "reasoning": "reasoning-gym", "ray": "Ray", "trl": "TRL",
-             "mlflow": "MLflow", "openai": "openai"}
-    listed = dict(re.findall(r"(vLLM|verifiers|reasoning-gym|Ray|TRL|MLflow|openai) (\d+)", readme))
+             "mlflow": "MLflow", "openai": "openai", "trackio": "trackio"}
+    listed = dict(re.findall(r"(vLLM|verifiers|reasoning-gym|Ray|TRL|MLflow|openai|trackio) (\d+)", readme))
     assert {name: int(listed[named[name]]) for name in counts} == counts
