@@ -54,6 +54,28 @@ SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"
          "intermediate_size", "head_dim")
 
 
+class ShapesTokenizer:
+    """What the planned step reads of a tokenizer, from ``config.json`` alone: a folder with no tokenizer is planned
+    from its shapes (the vocabulary's size; the special ids the config names, the pad id its EOS where it names
+    none). The prompts are synthetic token ids, so no text is ever encoded."""
+
+    padding_side = "left"
+
+    def __init__(self, config: Any) -> None:
+        def first(value: Any) -> int | None:
+            return value[0] if isinstance(value, list | tuple) and value else value if isinstance(value, int) else None
+
+        self.vocab_size = int(config.vocab_size)
+        self.bos_token_id, self.eos_token_id = first(config.bos_token_id), first(config.eos_token_id)
+        pad = first(getattr(config, "pad_token_id", None))
+        self.pad_token_id = pad if pad is not None else self.eos_token_id if self.eos_token_id is not None else 0
+        self.all_special_ids = sorted({i for i in (self.bos_token_id, self.eos_token_id, self.pad_token_id)
+                                       if i is not None})
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+
 def check_config_file(folder: Any) -> None:
     """:func:`check_shapes` of ``folder/config.json`` as written, before transformers reads it (a Llama config with 0
     heads divides by zero as it is built); a file that cannot be read is left to the loaders' own lines."""

@@ -3,7 +3,8 @@
 
 The memory and FLOPs of one training step of the composed config, predicted without a GPU: the step's own code
 run on fake tensors (:mod:`rlhf_lab.planner`), phase by phase. A model may be given by its ``config.json`` alone
-(``model=path model.name_or_path=DIR``, a folder with ``config.json`` and a tokenizer, no weights). Prints a table,
+(``model=path model.name_or_path=DIR``, a folder with ``config.json``, no weights; without a tokenizer its shapes
+stand in for one: :class:`~rlhf_lab.planner.models.ShapesTokenizer`). Prints a table,
 then one line of JSON: ``{"peak_gib": ..., "fits": ..., "phases": {...}, "flops_per_step": ..., "versions": {...}}``
 (``versions``: torch, transformers, peft, the attention code and the device the plan was made with).
 """
@@ -12,11 +13,15 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
 
 from rlhf_lab.errors import ToolError, UserError
 
 GIB = 1 << 30
+# What a folder holds where it has a tokenizer (transformers builds an empty one from a folder with none of them).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model", "spiece.model",
+                   "vocab.txt")
 DEFAULT_GPU_GIB = 80.0  # an 80 GB GPU where none is visible to ask
 
 
@@ -31,7 +36,8 @@ def parser() -> argparse.ArgumentParser:
                    help="peak TFLOP/s per device, for MFU (default: trainer.peak_tflops, or the GPU's by name)")
     p.add_argument("--step-seconds", type=float, default=None, help="a step's measured time: the MFU it implies")
     p.add_argument("--prompt-tokens", type=int, default=None,
-                   help="prompt tokens per row (default: data.max_prompt_tokens, the longest a run admits)")
+                   help="prompt tokens per row (default: the data's longest prompt where it can be read here, else "
+                        "data.max_prompt_tokens, the longest a run admits)")
     p.add_argument("--versions", default=None, metavar="FILE",
                    help="the versions.json of the run the plan stands for (benchmarks/gpu_check.sh writes one): "
                         "refused in one line where this environment's torch, transformers or attention code differ")
@@ -107,12 +113,37 @@ def run_precision(cfg: Any, device: str) -> Any:
     return Precision(name, device)
 
 
+def data_prompt_tokens(cfg: Any, tokenizer: Any) -> tuple[int, int] | None:
+    """(the longest of the run's prompts in tokens, formatted as the run formats them and within
+    ``data.max_prompt_tokens``; how many prompts), or None where the data cannot be read here (a hub set offline, a
+    missing file) or there is no tokenizer to count with."""
+    from rlhf_lab.data.prompts import format_prompts, load_prompts
+    from rlhf_lab.generation.backend import encode_prompts
+    from rlhf_lab.planner.models import ShapesTokenizer
+
+    if isinstance(tokenizer, ShapesTokenizer):
+        return None
+    try:
+        splits = load_prompts(cfg.data, seed=cfg.seed)
+    except (UserError, OSError, ValueError):
+        return None
+    prompts = [*splits.train, *splits.eval]
+    if not prompts:
+        return None
+    formatted = format_prompts(prompts, tokenizer, cfg.model.chat_template, cfg.model.system_prompt)
+    longest = max(len(ids) for ids in encode_prompts(tokenizer, formatted))
+    return min(longest, int(cfg.data.max_prompt_tokens)), len(prompts)
+
+
 def make_plan(overrides: list[str], device: str | None = None, world_size: int = 1,
-              memory_gib: float | None = None, prompt_tokens: int | None = None) -> Any:
-    """The :class:`~rlhf_lab.planner.report.DevicePlan` of the config ``overrides`` compose to."""
+              memory_gib: float | None = None, prompt_tokens: int | None = None,
+              notes: list[str] | None = None) -> Any:
+    """The :class:`~rlhf_lab.planner.report.DevicePlan` of the config ``overrides`` compose to; ``notes`` gets a line
+    for each assumption the plan made that the config did not state (said once the plan is made)."""
+    notes = [] if notes is None else notes
     from rlhf_lab.config.compose import compose
     from rlhf_lab.models.loading import load_tokenizer
-    from rlhf_lab.planner.models import check_config_file
+    from rlhf_lab.planner.models import ShapesTokenizer, check_config_file
     from rlhf_lab.planner.report import DevicePlan, engine_reservation
     from rlhf_lab.planner.step import plan_step
     from rlhf_lab.runtime import distributed
@@ -127,15 +158,32 @@ def make_plan(overrides: list[str], device: str | None = None, world_size: int =
     memory = device_memory(device, memory_gib)
     if cfg.model.get("name_or_path"):
         check_config_file(cfg.model.name_or_path)  # impossible shapes: one line before transformers divides by them
+    folder = Path(str(cfg.model.name_or_path)) if cfg.model.get("name_or_path") else None
+    missing = "it holds no tokenizer file" if folder is not None and folder.is_dir() and not any(
+        (folder / name).is_file() for name in TOKENIZER_FILES) else None
     try:
-        tokenizer = load_tokenizer(cfg.model)
+        tokenizer = None if missing else load_tokenizer(cfg.model)
     except (OSError, ValueError) as error:
-        raise ToolError(f"model.name_or_path={cfg.model.name_or_path!r}: no tokenizer to read "
-                        f"({str(error).splitlines()[0]})") from None
+        if not cfg.model.get("name_or_path"):
+            raise
+        missing = str(error).splitlines()[0][:80]
+    if tokenizer is None:  # a plan needs shapes, not text: the config's vocabulary and special ids stand in
+        from transformers import AutoConfig
+
+        tokenizer = ShapesTokenizer(AutoConfig.from_pretrained(cfg.model.name_or_path))
+        notes.append(f"plan: no tokenizer in {cfg.model.name_or_path} ({missing}); planned from config.json's "
+                     f"shapes: a vocabulary of {len(tokenizer)}, pad id {tokenizer.pad_token_id}")
     strategy = cfg.trainer.strategy if world_size == 1 else resolve_strategy(cfg.trainer.strategy, world_size)
     if strategy == "fsdp" and distributed.is_distributed():  # the plan runs over a fake process group of its own
         raise ToolError(f"an FSDP plan (--world-size {world_size}) needs a process without a process group; this one "
                         f"has one ({distributed.world_size()} ranks): run `rlhf-lab plan` in a process of its own")
+    if prompt_tokens is None:  # the data's own longest prompt where it can be read, else the longest admitted
+        measured = data_prompt_tokens(cfg, tokenizer)
+        if measured is not None:
+            prompt_tokens = measured[0]
+            notes.append(f"plan: prompts of {prompt_tokens} tokens, the longest of the data's {measured[1]} (data."
+                         f"max_prompt_tokens={cfg.data.max_prompt_tokens} admits up to it; --prompt-tokens plans "
+                         "another)")
     step = plan_step(cfg, tokenizer, run_precision(cfg, device), prompt_tokens=prompt_tokens, world_size=world_size,
                      fsdp=strategy == "fsdp")
     reservation, sleeps = engine_reservation(cfg, device, memory)
@@ -152,12 +200,16 @@ def main(argv: list[str]) -> None:
         wanted = None if args.versions is None else read_versions(args.versions)
         if wanted is not None:  # torch and transformers before the plan's seconds, its attention code after
             check_reproducible(environment("cpu", None), wanted, args.versions)
-        plan, cfg = make_plan(args.overrides, args.device, args.world_size, args.device_memory, args.prompt_tokens)
+        notes: list[str] = []
+        plan, cfg = make_plan(args.overrides, args.device, args.world_size, args.device_memory, args.prompt_tokens,
+                              notes)
         if wanted is not None:
             check_reproducible(environment(plan.device, plan.step.attention), wanted, args.versions)
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
     tflops = peak_tflops(cfg, plan.device, args.peak_tflops)
+    for note in notes:
+        print(note, file=sys.stderr)
     print(table(plan, tflops, args.step_seconds))
     print(json_line(plan, tflops, args.step_seconds))

@@ -5,8 +5,8 @@ Store: trackio's own, ``$TRACKIO_DIR`` (else ``$HF_HOME/trackio``), one SQLite d
 package is imported (view with ``trackio show``). Project: ``logger.trackio_project`` or ``experiment_name``. Run:
 the run folder's parent and name (``multirun_2026-11-29_14-37-42/12``), kept in ``<run folder>/trackio_run.json``, so
 a resumed run (``trainer.resume``) continues the same trackio run. Logged: the resolved config, every finite
-numeric metric per step, sample tables as ``trackio.Table`` (``samples``, ``eval/samples``). Nothing leaves the
-machine: no Space or dataset is named.
+numeric metric per step, sample tables as ``trackio.Table`` (``samples``, ``eval_samples``, as W&B's). Nothing
+leaves the machine: no Space or dataset is named.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ class TrackioTracker(Tracker):
 
     def log_eval_samples(self, rows: list[dict[str, Any]], step: int) -> None:
         if rows:
-            self.run.log({"eval/samples": self._table(rows)}, step=step)
+            self.run.log({"eval_samples": self._table(rows)}, step=step)
 
     def finish(self, summary: dict[str, Any]) -> None:
         self.run.finish()

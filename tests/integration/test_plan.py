@@ -347,3 +347,43 @@ def test_the_synthetic_prompts_are_left_padded_as_a_real_batch_is() -> None:
     assert [len(p) for p in prompts] == [16, 14, 11, 8]  # 16 − ⌊8·i/3⌋
     assert len({tuple(p) for p in prompts}) == 4 and all(0 <= t < 100 for p in prompts for t in p)
     assert [len(p) for p in synthetic_prompts(1, 16, 100)] == [16]
+
+
+def test_a_config_json_alone_is_planned_from_its_shapes(run_cli, tmp_path, tiny_tokenizer) -> None:
+    """No tokenizer beside config.json: the shapes stand in for it (one note line says so) and the plan is the one
+    the same folder gets with a tokenizer."""
+    from transformers import Qwen2Config
+
+    config = Qwen2Config(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, eos_token_id=7)
+    shapes, full = tmp_path / "shapes", tmp_path / "full"
+    config.save_pretrained(shapes)
+    config.save_pretrained(full)
+    tiny_tokenizer.save_pretrained(full)
+    flags = [*SHORT[:3], "data.max_prompt_tokens=8", "--prompt-tokens", "8", "--device", "cpu", "trainer.precision=fp32"]
+    code, out, err = run_cli(["plan", "model=path", f"model.name_or_path={shapes}", *flags])
+    assert code == 0, err
+    assert err == (f"plan: no tokenizer in {shapes} (it holds no tokenizer file); planned from config.json's shapes: "
+                   "a vocabulary of 1000, pad id 7\n")
+    code, with_tokenizer, err = run_cli(["plan", "model=path", f"model.name_or_path={full}", *flags])
+    assert code == 0 and err == "", err
+    planned = [json.loads(text.strip().splitlines()[-1]) for text in (out, with_tokenizer)]
+    assert planned[0]["phases"] == planned[1]["phases"] and planned[0]["peak_gib"] == planned[1]["peak_gib"]
+
+
+def test_the_plan_takes_the_prompt_length_from_the_data(run_cli, tmp_path, tiny_tokenizer) -> None:
+    """Without --prompt-tokens the plan reads the run's prompts and plans its longest (counted here with the
+    tokenizer, no chat template), within data.max_prompt_tokens; a note line says which."""
+    prompts = ["hello", "the sea is wide and the sky is grey above the long quiet shore"]
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    longest = max(len(tiny_tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts)
+    common = ["plan", "model=tiny", "model.chat_template=false", "data=jsonl", f"data.path={data}", *SHORT[:3],
+              "--device", "cpu"]
+    for limit, expected in ((64, longest), (5, 5)):
+        code, out, err = run_cli([*common, f"data.max_prompt_tokens={limit}"])
+        assert code == 0, err
+        assert err.splitlines()[-1] == (f"plan: prompts of {expected} tokens, the longest of the data's 2 (data."
+                                        f"max_prompt_tokens={limit} admits up to it; --prompt-tokens plans another)")
+        line = json.loads(out.strip().splitlines()[-1])
+        assert line["sequence_tokens"] == expected + 4

@@ -32,7 +32,7 @@ def test_builtins_are_registered_once_components_is_imported() -> None:
     assert registry.names("kl_placement") == ["loss", "reward"]
     assert registry.names("loss_aggregation") == ["sequence_mean", "sequence_sum_constant", "token_mean"]
     assert registry.names("baseline") == ["batch_mean", "loo", "none"]
-    assert registry.names("logger") == ["csv", "mlflow", "none", "tensorboard", "wandb"]
+    assert registry.names("logger") == ["csv", "mlflow", "none", "tensorboard", "trackio", "wandb"]
 
 
 def test_unknown_name_and_kind_are_one_line_user_errors() -> None:
