@@ -12,6 +12,7 @@ then one line of JSON: ``{"peak_gib": ..., "fits": ..., "phases": {...}, "flops_
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-tokens", type=int, default=None,
                    help="prompt tokens per row (default: the data's longest prompt where it can be read here, else "
                         "data.max_prompt_tokens, the longest a run admits)")
+    p.add_argument("--no-advice", dest="advice", action="store_false",
+                   help="where the run does not fit, skip planning the changes that would make it fit")
     p.add_argument("--versions", default=None, metavar="FILE",
                    help="the versions.json of the run the plan stands for (benchmarks/gpu_check.sh writes one): "
                         "refused in one line where this environment's torch, transformers or attention code differ")
@@ -190,8 +193,49 @@ def make_plan(overrides: list[str], device: str | None = None, world_size: int =
     return DevicePlan(step, device, world_size, memory, strategy == "fsdp", reservation, sleeps), cfg
 
 
+def candidates(cfg: Any, world_size: int) -> list[list[str]]:
+    """What docs/guides/plan.md lists to make a run fit, as overrides this config does not already have: LoRA, the
+    reference offloaded, activation checkpointing, one row per micro-batch, half the response length, FSDP over 8."""
+    trainer, lora = cfg.trainer, cfg.model.get("lora") or {}
+    found: list[list[str]] = []
+    if not lora.get("enabled", False):
+        found.append(["model.lora.enabled=true"])
+        if not trainer.offload_reference:
+            found.append(["trainer.offload_reference=true"])
+    if trainer.gradient_checkpointing is not True:
+        found.append(["trainer.gradient_checkpointing=true"])
+    if trainer.micro_batch_size != 1 and trainer.get("max_tokens_per_micro_batch") is None:
+        found.append(["trainer.micro_batch_size=1"])
+    if trainer.max_new_tokens > 1:
+        found.append([f"trainer.max_new_tokens={trainer.max_new_tokens // 2}"])
+    if world_size == 1:
+        found.append(["trainer.strategy=fsdp", "--world-size", "8"])
+    return found
+
+
+def advice(args: argparse.Namespace, cfg: Any) -> list[tuple[list[str], Any]]:
+    """Each candidate change (:func:`candidates`) to the run ``args`` plan, planned on its own: (its overrides and
+    flags, its plan)."""
+    planned = []
+    for change in candidates(cfg, args.world_size):
+        world = int(change[-1]) if "--world-size" in change else args.world_size
+        overrides = [item for item in change if not item.startswith("--") and not item.isdigit()]
+        plan, _ = make_plan([*args.overrides, *overrides], args.device, world, args.device_memory, args.prompt_tokens)
+        planned.append((change, plan))
+    return planned
+
+
+def advice_lines(planned: list[tuple[list[str], Any]]) -> list[str]:
+    lines = ["what would make it fit, each change planned on its own:"]
+    for change, plan in planned:
+        phase = max(("generation", "scoring", "training"), key=plan.phases().__getitem__)
+        lines.append(f"  {' '.join(change):<44}{plan.peak / GIB:>10.3f} GiB ({phase}): "
+                     f"{'fits' if plan.fits else 'does NOT fit'}")
+    return lines
+
+
 def main(argv: list[str]) -> None:
-    from rlhf_lab.planner.report import json_line, table
+    from rlhf_lab.planner.report import table
     from rlhf_lab.runtime.versions import check_reproducible, environment, read_versions
 
     args = parser().parse_intermixed_args(argv)
@@ -212,4 +256,14 @@ def main(argv: list[str]) -> None:
     for note in notes:
         print(note, file=sys.stderr)
     print(table(plan, tflops, args.step_seconds))
-    print(json_line(plan, tflops, args.step_seconds))
+    try:
+        planned = advice(args, cfg) if plan.fits is False and args.advice else []
+    except UserError as error:  # a change this config cannot take (an option it refuses): no advice, one line
+        print(f"plan: no advice ({error})", file=sys.stderr)
+        planned = []
+    summary = plan.summary(tflops, args.step_seconds)
+    if planned:
+        print("\n".join(advice_lines(planned)))
+        summary["advice"] = [{"change": " ".join(change), "peak_gib": round(p.peak / GIB, 3), "fits": bool(p.fits)}
+                             for change, p in planned]
+    print(json.dumps(summary))

@@ -387,3 +387,28 @@ def test_the_plan_takes_the_prompt_length_from_the_data(run_cli, tmp_path, tiny_
                                         f"max_prompt_tokens={limit} admits up to it; --prompt-tokens plans another)")
         line = json.loads(out.strip().splitlines()[-1])
         assert line["sequence_tokens"] == expected + 4
+
+
+def test_a_plan_that_does_not_fit_plans_each_change_that_would_make_it(run_cli) -> None:
+    """The tiny run in 0.08 GiB does not fit: each change the plan page lists is planned on its own and printed with
+    its peak (LoRA and FSDP over 8 ranks fit here); each equals the plan of the run with that change; --no-advice
+    prints none."""
+    run = ["plan", "model=tiny", *SHORT[:3], "data.max_prompt_tokens=16", "--prompt-tokens", "16", "--device", "cpu",
+           "--device-memory", "0.08"]
+    code, out, err = run_cli(run)
+    assert code == 0, err
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["fits"] is False
+    advice = {entry["change"]: entry for entry in summary["advice"]}
+    assert list(advice) == ["model.lora.enabled=true", "trainer.offload_reference=true",
+                            "trainer.gradient_checkpointing=true", "trainer.micro_batch_size=1",
+                            "trainer.max_new_tokens=2", "trainer.strategy=fsdp --world-size 8"]
+    assert advice["model.lora.enabled=true"]["fits"] and advice["trainer.strategy=fsdp --world-size 8"]["fits"]
+    lines = out.splitlines()
+    start = lines.index("what would make it fit, each change planned on its own:")
+    assert [line.split()[0] for line in lines[start + 1:start + 7]] == [change.split()[0] for change in advice]
+    for change in ("model.lora.enabled=true", "trainer.max_new_tokens=2"):
+        code, alone, err = run_cli([*run, change, "--no-advice"])
+        assert code == 0, err
+        alone_summary = json.loads(alone.strip().splitlines()[-1])
+        assert alone_summary["peak_gib"] == advice[change]["peak_gib"] and "advice" not in alone_summary
