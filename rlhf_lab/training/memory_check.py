@@ -245,8 +245,9 @@ def check_plan(cfg: Any, tokenizer: Any, precision: Any, device: torch.device, a
     parts = ", ".join(f"{name} {phases[name] / GIB:.3g}" for name in ("weights", "reference", "optimizer")
                       if phases[name])
     raise ConfigError(f"this run needs about {plan.peak / GIB:.3g} GiB at its {peak_phase} peak (planned: {parts}, "
-                      f"{peak_phase} {phases[peak_phase] / GIB:.3g}; rlhf-lab plan shows every phase and plans what would fit), this machine has "
-                      f"{available / GIB:.3g} GiB available on {device.type}; lower {PHASE_REMEDIES[peak_phase]}, or "
+                      f"{peak_phase} {phases[peak_phase] / GIB:.3g}; rlhf-lab plan shows every phase and plans what "
+                      f"would fit), this machine has {available / GIB:.3g} GiB available on {device.type}; lower "
+                      f"{PHASE_REMEDIES[peak_phase]}, or "
                       "set trainer.skip_memory_check=true to start anyway")
 
 
