@@ -22,7 +22,8 @@ An on-policy training run in one process (the trainer passes its ``precision``) 
 ``PLAN_WITHIN`` of the memory available is planned instead (:mod:`rlhf_lab.planner`: the step's own code on fake
 tensors, every phase's peak, the engine's reservation included; the estimate above counts logits at every token and
 no generation), and stops in one line where the planned peak does not fit. Runs far below the memory available
-start without the plan's few seconds.
+start without the plan's few seconds; runs whose weights, gradients, optimizer state and reference alone are over it
+stop at once, without the plan's seconds to minutes (a large model's plan is slow, and no batch makes those fit).
 """
 
 from __future__ import annotations
@@ -185,7 +186,11 @@ def check_memory(cfg: Any, tokenizer: Any, weight_dtype: torch.dtype, compute_dt
     if device.type == "cuda" and (cfg.get("generation") or {}).get("name") == "vllm":
         check_engine_share(cfg, estimate.weights + estimate.reference, available,
                            torch.cuda.get_device_properties(device).total_memory)
-    if precision is not None and not multi_process() and estimate.total * PLAN_WITHIN > available:
+    # Close to the memory available the planned step decides; but where the weights, gradients, optimizer state and
+    # reference alone (held at the training peak whatever the batch) are over it, no plan can fit: refused at once,
+    # without the plan's seconds to minutes.
+    held = estimate.total - estimate.activations
+    if precision is not None and not multi_process() and estimate.total * PLAN_WITHIN > available and held <= available:
         check_plan(cfg, tokenizer, precision, device, available)  # close: the planned step decides
         return estimate
     if estimate.total > available:

@@ -412,3 +412,28 @@ def test_a_plan_that_does_not_fit_plans_each_change_that_would_make_it(run_cli) 
         assert code == 0, err
         alone_summary = json.loads(alone.strip().splitlines()[-1])
         assert alone_summary["peak_gib"] == advice[change]["peak_gib"] and "advice" not in alone_summary
+
+
+def test_a_run_whose_held_state_alone_is_over_the_memory_is_refused_without_a_plan(compose, tmp_path, monkeypatch,
+                                                                                  tiny_tokenizer) -> None:
+    """Weights, gradients, AdamW's moments and the reference are held at the training peak whatever the batch: where
+    they alone are over the memory available, the check refuses at once (the plan, which can take minutes for a large
+    model, never runs); the same run with the memory just over them is planned."""
+    from rlhf_lab.runtime.precision import Precision
+    from rlhf_lab.training import memory_check
+
+    cfg = compose(["model=tiny", "trainer.precision=fp32", *SHORT, f"trainer.output_dir={tmp_path / 'run'}"])
+    estimate = memory_check.check_memory(cfg, tiny_tokenizer, torch.float32, None, torch.device("cpu"))
+    held = estimate.total - estimate.activations
+    assert held == estimate.weights + estimate.gradients + estimate.optimizer + estimate.reference > 0
+    plans: list[int] = []
+    monkeypatch.setattr(memory_check, "check_plan", lambda *args: plans.append(args[-1]))
+    monkeypatch.setattr(memory_check, "available_memory", lambda device: held - 1)
+    with pytest.raises(memory_check.ConfigError, match=r"^this run needs about .* GiB \(weights .*\), this machine has"):
+        memory_check.check_memory(cfg, tiny_tokenizer, torch.float32, None, torch.device("cpu"),
+                                  precision=Precision("fp32", "cpu"))
+    assert plans == []
+    monkeypatch.setattr(memory_check, "available_memory", lambda device: held + 1)
+    memory_check.check_memory(cfg, tiny_tokenizer, torch.float32, None, torch.device("cpu"),
+                              precision=Precision("fp32", "cpu"))
+    assert plans == [held + 1]
