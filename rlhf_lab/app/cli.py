@@ -39,9 +39,7 @@ def main(argv: list[str] | None = None) -> None:
         _run_subcommand(argv[0], argv[1:])
         return
     _refuse_rerun(argv)
-    # loads every part: not for sub-commands
-    from rlhf_lab.config.compose import CONF_DIR, compose, normalize_overrides
-    from rlhf_lab.config.sweep_jobs import expand_globs, search_paths, with_config_dirs
+    from rlhf_lab.config.overrides import normalize_overrides
 
     flags_with_values = {"--config-name", "-cn", "--config-path", "-cp", "--config-dir", "-cd", "--experimental-rerun",
                          "--shell-completion", "-sc", "--cfg", "-c", "--package", "-p"}
@@ -67,6 +65,10 @@ def main(argv: list[str] | None = None) -> None:
     informational = {"--help", "-h", "--hydra-help", "--info", "-i", "--version", "--shell-completion", "-sc"}
     printing = {"--cfg", "-c", "--resolve"}  # print the config: checked first, as a run's is, but no run folder
     if not informational.intersection(argv):
+        # loads every part: not for sub-commands nor --help
+        from rlhf_lab.config.compose import CONF_DIR, compose
+        from rlhf_lab.config.sweep_jobs import expand_globs, search_paths, with_config_dirs
+
         try:
             check_command_line(overrides)  # `=5`, a key given twice
             overrides = with_config_dirs(overrides, config_dirs)  # --config-dir DIR: on the search path, as Hydra does

@@ -10,7 +10,8 @@ from omegaconf import OmegaConf
 
 
 def help_text(what: str) -> str:
-    from rlhf_lab.config.compose import CONF_DIR, GROUPS, group_options
+    from rlhf_lab.config.conf_dir import CONF_DIR
+    from rlhf_lab.config.sweep_jobs import GROUPS, group_options
     from rlhf_lab.config.validate_sweep import plugin_options
 
     if what == "groups":  # the run's groups first, then every other folder of conf/ (the sweeps' arms)

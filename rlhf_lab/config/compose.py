@@ -21,14 +21,16 @@ from rlhf_lab.app.plugins import load_plugins, plugins_in_overrides
 from rlhf_lab.config.claims import check_claims
 from rlhf_lab.config.conf_dir import CONF_DIR
 from rlhf_lab.config.objective import check_objective
+from rlhf_lab.config.overrides import normalize_overrides
 from rlhf_lab.config.schema import register_configs
 from rlhf_lab.config.suggest import did_you_mean
 from rlhf_lab.config.sweep_arms import identical_arms
-from rlhf_lab.config.sweep_jobs import (
+from rlhf_lab.config.sweep_jobs import (  # noqa: F401  (GROUPS, group_options: compose's names too)
+    GROUPS,
     check_jobs,
     check_search_paths,
     expand_jobs,
-    options,
+    group_options,
     search_paths,
     searchpath_override,
     sweeper_params,
@@ -45,23 +47,9 @@ from rlhf_lab.config.validate_sweep import (
 )
 from rlhf_lab.errors import ConfigError
 
-GROUPS = ("algorithm", "kl", "reward", "model", "data", "logger", "hardware", "generation", "env", "experiment",
-          "hparams_search")
 HYDRA_PREFIXES = ("hydra.", "hydra/", "+hydra", "++hydra")
 # Overrides that can change the launcher or the sweeper: composing Hydra's own config checks them.
 SWEEP_SETTINGS = (*HYDRA_PREFIXES, "experiment=", "+experiment=", "hparams_search=", "+hparams_search=")
-
-
-def group_options(group: str, paths: tuple[str, ...] = ()) -> list[str]:
-    """The YAML options of a config group (its schemas, ``*_schema`` in the ConfigStore, are not options), with
-    those of the user's search path (``hydra.searchpath=[pkg://my_pkg.conf]``, ``--config-dir``)."""
-    return options(CONF_DIR, group, paths)
-
-
-def normalize_overrides(overrides: list[str]) -> list[str]:
-    """``+experiment=NAME`` -> ``experiment=NAME``: the root defaults list has ``experiment: null``, which
-    Hydra overrides without ``+`` and refuses to append to; both spellings select the experiment."""
-    return [o[1:] if o.startswith("+experiment=") else o for o in overrides]
 
 
 def _split_sweep(override: str, value: str) -> list[str]:

@@ -34,3 +34,9 @@ def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
     for key, value in node.items():
         flat.update(flatten(value, f"{prefix}{key}." if isinstance(value, dict) else f"{prefix}{key}"))
     return flat
+
+
+def normalize_overrides(overrides: list[str]) -> list[str]:
+    """``+experiment=NAME`` -> ``experiment=NAME``: the root defaults list has ``experiment: null``, which
+    Hydra overrides without ``+`` and refuses to append to; both spellings select the experiment."""
+    return [o[1:] if o.startswith("+experiment=") else o for o in overrides]

@@ -22,11 +22,16 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from rlhf_lab.step.scoring_pass import single_update
-
 RUN_KEYS = ("seed", "experiment_name")  # what an arm's jobs differ in without being another computation
 ONLY_FOR = {"baseline": ("reinforce",), "scale_by_std": ("grpo",), "std_eps": ("grpo",), "remax_return": ("remax",)}
 CLIP_KEYS = ("clip_eps", "clip_eps_low", "clip_eps_high", "clip_ratio_c")
+
+
+def single_update(cfg: Any) -> bool:
+    """Whether each rollout gets exactly one optimizer step (one epoch, one mini-batch): π_old is then π_θ itself
+    at the training pass, and that pass's own log-probs (detached) are π_old, with no pass of their own."""
+    algorithm, samples = cfg.algorithm, cfg.trainer.prompts_per_step * cfg.algorithm.group_size
+    return algorithm.epochs == 1 and (algorithm.mini_batch_size == 0 or algorithm.mini_batch_size >= samples)
 
 
 def computation(cfg: Any) -> tuple[dict[str, Any], list[str]]:

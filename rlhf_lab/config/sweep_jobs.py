@@ -22,6 +22,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from rlhf_lab.config.conf_dir import CONF_DIR
 from rlhf_lab.errors import ConfigError
 
 LABEL_CHARS = 40  # job folder = "<num>_<label>": at most ~50 characters whatever the sweep
@@ -204,3 +205,13 @@ def check_jobs(jobs: list[list[str]], compose_job: Callable[[list[str]], Any],
                 raise
             raise ConfigError(f"{describe_job(number, len(jobs), job)}: {error}") from None
     return composed
+
+
+GROUPS = ("algorithm", "kl", "reward", "model", "data", "logger", "hardware", "generation", "env", "experiment",
+          "hparams_search")
+
+
+def group_options(group: str, paths: tuple[str, ...] = ()) -> list[str]:
+    """The YAML options of a config group (its schemas, ``*_schema`` in the ConfigStore, are not options), with
+    those of the user's search path (``hydra.searchpath=[pkg://my_pkg.conf]``, ``--config-dir``)."""
+    return options(CONF_DIR, group, paths)

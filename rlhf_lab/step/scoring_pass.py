@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from rlhf_lab.config.sweep_arms import single_update
 from rlhf_lab.generation.decode import truncates
 from rlhf_lab.generation.rollout import Rollout, Scored
 from rlhf_lab.kl.placements import KLPenalty
@@ -46,13 +47,6 @@ def sampler_differs(engine_class: Any, precision: Precision) -> bool:
     own forward pass (its ``trainer_logprobs`` attribute: the ``hf`` engine's are), or a precision other than
     ``fp32`` (the decode and the training pass round otherwise)."""
     return not getattr(engine_class, "trainer_logprobs", False) or precision.name != "fp32"
-
-
-def single_update(cfg: Any) -> bool:
-    """Whether each rollout gets exactly one optimizer step (one epoch, one mini-batch): π_old is then π_θ itself
-    at the training pass, and that pass's own log-probs (detached) are π_old, with no pass of their own."""
-    algorithm, samples = cfg.algorithm, cfg.trainer.prompts_per_step * cfg.algorithm.group_size
-    return algorithm.epochs == 1 and (algorithm.mini_batch_size == 0 or algorithm.mini_batch_size >= samples)
 
 
 def rescores(cfg: Any, differs: bool) -> bool:

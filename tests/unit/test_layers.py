@@ -20,7 +20,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     #    exact task's definition, the job folders' naming
     ("rlhf_lab.config.schema", "rlhf_lab.config.schema_env", "rlhf_lab.config.schema_run", "rlhf_lab.config.schema_reward",
      "rlhf_lab.config.schema_offline", "rlhf_lab.config.choices", "rlhf_lab.config.overrides",
-     "rlhf_lab.config.sweep_jobs", "rlhf_lab.config.objective", "rlhf_lab.config.suggest",
+     "rlhf_lab.config.sweep_jobs", "rlhf_lab.config.sweep_arms", "rlhf_lab.config.conf_dir",
+     "rlhf_lab.config.objective", "rlhf_lab.config.suggest",
      "rlhf_lab.testbed.task", "rlhf_lab.app.job_folders", "rlhf_lab.app.plugins", "rlhf_lab.app.help_text"),
     # 2: processes, precision, timing, the console
     ("rlhf_lab.runtime",),
