@@ -109,6 +109,13 @@ class LLM:
         self.requested: list[int | None] = []  # each generate call's LoRA id (None: the base weights)
         LLM.built.append(self)
 
+    @property
+    def llm_engine(self) -> Any:
+        """vLLM's ``LLM.llm_engine``, as far as the server reads it: its model's config (``model_config.hf_config``)
+        and the weights' version label (``set_weight_version``)."""
+        return types.SimpleNamespace(model_config=types.SimpleNamespace(hf_config=self.model.config),
+                                     set_weight_version=lambda version: self.calls.append("set_weight_version"))
+
     def get_tokenizer(self) -> Any:
         """vLLM's ``LLM.get_tokenizer``: the model folder's tokenizer."""
         from transformers import AutoTokenizer
