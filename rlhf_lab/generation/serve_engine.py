@@ -177,9 +177,13 @@ class VLLMServerEngine(StagedLoads):
             send(index, prompt + done, resumed)
 
     def take(self, weights: dict[str, torch.Tensor], version: int) -> None:
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": self._with_head(weights.items()),
-                                                          "is_checkpoint_format": True})
+        self._reload(weights.items())
         self.llm.llm_engine.set_weight_version(str(version))  # vLLM's own spans (CompletionOutput.weight_versions)
+
+    def _reload(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """vLLM's in-place reload, one weight at a time as they come (a tied head given where it is missing)."""
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": self._with_head(weights),
+                                                          "is_checkpoint_format": True})
 
     def _with_head(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """The weights, and where the model ties its LM head to the embedding and they hold the embedding only (a
@@ -201,8 +205,7 @@ class VLLMServerEngine(StagedLoads):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         counted = _Counted(weights)
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": self._with_head(counted),
-                                                          "is_checkpoint_format": True})
+        self._reload(counted)
         self.llm.reset_prefix_cache()
         return counted.count
 
@@ -359,7 +362,7 @@ class HFServerEngine(StagedLoads):
         with torch.no_grad():
             for name, tensor in weights:
                 if name not in own:
-                    raise ToolError(f"weight {name!r} is not one of the served model's")
+                    raise KeyError(f"weight {name!r} is not one of the served model's")
                 own[name].copy_(tensor)
                 count += 1
         return count

@@ -18,8 +18,7 @@ Trust rules (the serve guide explains them for users):
 - **Loopback by default.** Bound to any other address, the server prints a warning line: plain HTTP carries the
   token in clear.
 
-The engine is any object with :class:`ServerEngine`'s methods; :class:`VLLMServerEngine` is vLLM's, and tests use
-a stand-in (no vLLM needed).
+The engine is any object with :class:`ServerEngine`'s methods (vLLM's, the hf one, or a test's stand-in).
 """
 
 from __future__ import annotations
@@ -150,33 +149,41 @@ class WeightServer:
         return version
 
     def _take(self, weights: Iterator[tuple[str, torch.Tensor]], version: int) -> int:
-        """The engine takes ``weights`` as ``version``. One that stages them (``rlhf-lab serve``'s hf and vLLM
-        engines) takes them between two decode steps of a request in progress that asked for it (``in_flight``), which
-        goes on, else once no request is; the reply waits until they are in. Any other between two requests."""
+        """``weights`` in as ``version``: streamed once no request is in progress, or :meth:`_staged` mid-request."""
         stage = getattr(self.engine, "stage", None)
         if stage is None:
-            with self.lock:
-                loaded = self._fitted(weights, self.engine.load_weights)
-                self.weights_version = version if loaded else self.weights_version
-            return loaded
+            self.lock.acquire()  # between two requests
+        elif not self.lock.acquire(blocking=False):  # a request in progress
+            return self._staged(weights, version, stage)
+        try:
+            if stage is not None:
+                self.engine.land()  # the loads staged before this one go first
+            loaded = self._fitted(weights, self.engine.load_weights)
+            self.weights_version = version if loaded else self.weights_version
+            if loaded and stage is not None:
+                self.engine.version = version
+        finally:
+            self.lock.release()
+        return loaded
+
+    def _staged(self, weights: Iterator[tuple[str, torch.Tensor]], version: int, stage: Callable[..., Any]) -> int:
+        """The whole state in host memory, landed mid-request where it asked (``in_flight``), else here after it."""
         landed: list[threading.Event] = []
 
         def staged(named: Iterator[tuple[str, torch.Tensor]]) -> int:
-            state = dict(named)  # the whole state in host memory until it lands
+            state = dict(named)
             if state:
                 landed.append(stage(state, version))
             return len(state)
 
         loaded = self._fitted(weights, staged)
-        if not loaded:
-            return 0
-        while not landed[0].wait(0.05):
+        while loaded and not landed[0].wait(0.05):
             if self.lock.acquire(blocking=False):  # no request in progress: land them here
                 try:
                     self.engine.land()
                 finally:
                     self.lock.release()
-        self.weights_version = version
+        self.weights_version = version if loaded else self.weights_version
         return loaded
 
     def _fitted(self, weights: Iterator[tuple[str, torch.Tensor]],

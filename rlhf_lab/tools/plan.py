@@ -213,14 +213,14 @@ def candidates(cfg: Any, world_size: int) -> list[list[str]]:
     return found
 
 
-def advice(args: argparse.Namespace, cfg: Any) -> list[tuple[list[str], Any]]:
-    """Each candidate change (:func:`candidates`) to the run ``args`` plan, planned on its own: (its overrides and
-    flags, its plan)."""
+def advice(args: argparse.Namespace, cfg: Any, prompt_tokens: int) -> list[tuple[list[str], Any]]:
+    """Each candidate change (:func:`candidates`) to the run ``args`` plan, planned on its own with the prompt length
+    the run's plan took (the data read once): (its overrides and flags, its plan)."""
     planned = []
     for change in candidates(cfg, args.world_size):
         world = int(change[-1]) if "--world-size" in change else args.world_size
         overrides = [item for item in change if not item.startswith("--") and not item.isdigit()]
-        plan, _ = make_plan([*args.overrides, *overrides], args.device, world, args.device_memory, args.prompt_tokens)
+        plan, _ = make_plan([*args.overrides, *overrides], args.device, world, args.device_memory, prompt_tokens)
         planned.append((change, plan))
     return planned
 
@@ -257,7 +257,8 @@ def main(argv: list[str]) -> None:
         print(note, file=sys.stderr)
     print(table(plan, tflops, args.step_seconds))
     try:
-        planned = advice(args, cfg) if plan.fits is False and args.advice else []
+        prompt_tokens = plan.step.sequence_tokens - cfg.trainer.max_new_tokens
+        planned = advice(args, cfg, prompt_tokens) if plan.fits is False and args.advice else []
     except UserError as error:  # a change this config cannot take (an option it refuses): no advice, one line
         print(f"plan: no advice ({error})", file=sys.stderr)
         planned = []

@@ -153,6 +153,27 @@ def test_a_load_sent_while_the_server_samples_lands_between_two_steps(server, tm
     assert reply["versions"][0][0] == 4
 
 
+def test_a_load_with_no_request_in_progress_streams_in_at_once(model_folder: Path, tmp_path: Path) -> None:
+    """With no request in progress the server streams a load in, one weight at a time (nothing staged, so no whole
+    copy in host memory), after any load staged before it, and labels it with the trainer's version."""
+    engine = HFServerEngine(str(model_folder), "float32", max_model_len=64)
+    weight_server = serving.WeightServer(engine, tmp_path, "token")
+    first, second = newer(engine, 1), newer(engine, 2)
+    earlier = engine.stage(first, 3)  # staged while a request ran, not landed yet
+    engine.stage = lambda *args: pytest.fail("an idle load was staged")
+    streamed: list[str] = []
+
+    def named():
+        for name, tensor in second.items():
+            streamed.append(name)
+            yield name, tensor
+
+    assert weight_server._take(named(), 4) == len(second)
+    assert earlier.is_set() and streamed == list(second)
+    assert engine.version == weight_server.weights_version == 4
+    assert all(torch.equal(p, second[name]) for name, p in engine.model.named_parameters())
+
+
 def test_the_client_turns_the_servers_versions_into_each_tokens_version() -> None:
     """The server's versions per sample become [B, T] per token, 0 off the response; anything but one list of
     versions per sample is one line."""
