@@ -144,6 +144,11 @@ class GenerationConfig:
     # dropped or sampled again (over_cap: drop | wait), with its group (rlhf_lab/generation/inflight.py)
     staleness_cap: int | None = None
     over_cap: str = "drop"
+    # true: the continuous asynchronous simulator (rlhf_lab/generation/continuous.py): the engine keeps engine_groups
+    # prompt groups launched (null: twice trainer.prompts_per_step), each step takes the groups that completed first,
+    # an update takes update_every_tokens decode ticks, and each lands in flight or partial (weight_updates)
+    continuous: bool = False
+    engine_groups: int | None = None
     # After every weight load the engine and the trainer score a fixed probe (rlhf_lab/generation/sync_check.py);
     # above this max |Δ log-prob| the run stops. null: the precision's default (fp32 0.02; half precision 1.0, 5x its
     # largest measured noise); 0: logged only

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_lab.app.plugins import load_plugins
+from rlhf_lab.config.validate_async import check_continuous
 from rlhf_lab.config.validate_code import check_code
 from rlhf_lab.config.validate_env import check_env
 from rlhf_lab.config.validate_eval import check_eval
@@ -53,6 +54,7 @@ def validate(cfg: Any, pending_paths: Collection[str] = ()) -> None:
     load_plugins(cfg.get("plugins") or [])  # a plug-in's parts are registered before names are checked
     check_known_keys(cfg)
     check_values(cfg)
+    check_continuous(cfg)
     check_trackers(cfg)  # logger=[wandb,tensorboard]: each registered and installed
     check_eval(cfg)  # eval.*: sampling settings and the eval-only rewards
     check_numbers(cfg)

@@ -304,6 +304,8 @@ def check_weight_updates(cfg: Any, simulate: bool) -> None:
             raise ConfigError(f"generation.weight_updates={mode} sends full weights between decode steps; a LoRA "
                               "adapter reaches the server between requests: set generation.weight_updates=batch")
         return
+    if generation.get("continuous", False):  # rlhf_lab/config/validate_async.py checks the rest
+        return
     if not simulate:
         raise ConfigError(f"generation.weight_updates={mode} lands the weights of newer updates mid-generation from the "
                           "snapshots generation.simulate_staleness=true keeps: set it (with generation.max_staleness "
@@ -331,7 +333,7 @@ def check_staleness_cap(cfg: Any, simulate: bool) -> None:
     if not isinstance(cap, int) or isinstance(cap, bool) or cap < 1:
         raise ConfigError(f"generation.staleness_cap={cap!r} is out of range; an integer ≥ 1 (updates a sample's "
                           "oldest token may be behind the policy that trains on it), or null for no cap")
-    if not generation.get("max_staleness", 0):
+    if not generation.get("max_staleness", 0) and not generation.get("continuous", False):
         raise ConfigError(f"generation.staleness_cap={cap} with generation.max_staleness=0: every batch is sampled by "
                           "the weights it trains, nothing is ever stale; set generation.max_staleness ≥ 1, or "
                           "generation.staleness_cap=null")

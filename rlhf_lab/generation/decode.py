@@ -132,89 +132,138 @@ def decode(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, past_key_v
     weights of now from every token so far (a partial rollout resumed), else the cache of the earlier weights is kept
     (an in-flight update).
     """
-    batch, prompt_width = prompt_ids.shape
-    device = prompt_ids.device
-    # generate's minimum length of 1 sets the EOS scores to −inf at the first step; later it returns a copy of the
-    # scores it is given (the same numbers), so the later steps run without it, and without any processor copy.
-    eos_ids = torch.as_tensor([] if eos_token_id is None else eos_token_id, device=device).reshape(-1)
-    # The processors get the EOS ids on the scores' device: given ints, transformers keeps them on the CPU, and a
-    # GPU's first step then fails (``torch.isin`` across devices).
-    eos = None if eos_token_id is None else eos_ids
-    first_processors = logits_processors(prompt_width, eos, greedy, temperature, top_k, top_p)
-    truncated = not greedy and truncates(top_k, top_p)
-    later_processors = logits_processors(prompt_width, eos, greedy, temperature, top_k, top_p, 0)
-    attention_mask = torch.cat([prompt_mask, prompt_mask.new_ones(batch, max_new_tokens)], dim=1)
-    # Positions skip left padding: the next position of each row is its count of real tokens so far.
-    positions = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)
-    next_position = prompt_mask.long().sum(-1, keepdim=True)
-    sequences = prompt_ids
-    unfinished = torch.ones(batch, dtype=torch.bool, device=device)
-    lengths = torch.zeros(batch, dtype=torch.long, device=device)
-    tokens, logprobs, entropies, hidden_states = [], [], [], []
-    kept_logits = None  # [B, max_new_tokens, V], written step by step (see below)
-    head = plain_head(model) if keep_logits and head_chunk > 0 else None
-    head_inputs: list[Tensor] = []  # [B, H] per step: what the LM head read, in place of its [B, V] output
-    hook = None if head is None else head.register_forward_pre_hook(
-        lambda _module, args: head_inputs.append(args[0][:, -1]))
-    step_ids, step_positions = prompt_ids[:, cached:], positions[:, cached:]
-    # Without autocast the model call runs in inference mode (no view or version bookkeeping, the same
-    # numbers); under autocast inference mode would bypass autocast's cache of weight casts, and with sharded
-    # parameters (FSDP's DTensors) the call gathers weights that later passes train through: those run under
-    # no_grad. (Never ``inference_mode(False)``: it turns gradients back on, and every decode step's activations
-    # would stay alive in an autograd graph, 4.7 GiB for a 1B Llama's 16 × 64 tokens.)
-    sharded_weights = any(map(sharded, model.parameters()))
-    inference = not torch.is_autocast_enabled(device.type) and not sharded_weights
-    for step in range(max_new_tokens):
-        width = prompt_width + step
-        if step and between_steps is not None and between_steps(step):  # the cache recomputed: every token so far
-            past_key_values = decode_cache(max_new_tokens - step)
-            step_ids = sequences
-            step_positions = torch.cat([positions, next_position + torch.arange(step, device=device)], dim=1)
+    decoding = Decoding(model, prompt_ids, prompt_mask, past_key_values, cached, max_new_tokens, temperature, top_p,
+                        top_k, eos_token_id, pad_token_id, greedy=greedy, keep_logits=keep_logits,
+                        keep_hidden=keep_hidden, logits_float32=logits_float32, head_chunk=head_chunk,
+                        head_copy=head_copy, sample=sample, stopped=stopped)
+    while not decoding.done and decoding.advance(
+            bool(decoding.step and between_steps is not None and between_steps(decoding.step))):
+        pass
+    return decoding.result()
+
+
+class Decoding:
+    """One decode of a batch, a step at a time (:func:`decode`'s loop; see it for the arguments): :meth:`advance`
+    samples one token for every row, :meth:`result` gives the :class:`Sampled`. An engine that decodes several
+    batches at once, each from its own start (:mod:`rlhf_lab.generation.continuous`), advances each in turn, and
+    weights that change between two of its steps land in it as they would in :func:`decode`'s ``between_steps``."""
+
+    def __init__(self, model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, past_key_values: Any, cached: int,
+                 max_new_tokens: int, temperature: float, top_p: float, top_k: int,
+                 eos_token_id: int | list[int] | Tensor | None, pad_token_id: int, greedy: bool = False,
+                 keep_logits: bool = False, keep_hidden: bool = False, logits_float32: bool = True,
+                 head_chunk: int = 0, head_copy: bool = False, sample: Callable[[Tensor], Tensor] = multinomial,
+                 stopped: Callable[[Tensor], Tensor] | None = None) -> None:
+        batch, prompt_width = prompt_ids.shape
+        device = prompt_ids.device
+        self.model, self.max_new_tokens, self.temperature = model, max_new_tokens, temperature
+        self.greedy, self.keep_logits, self.keep_hidden = greedy, keep_logits, keep_hidden
+        self.logits_float32, self.head_chunk, self.head_copy = logits_float32, head_chunk, head_copy
+        self.sample, self.stopped, self.pad_token_id = sample, stopped, pad_token_id
+        self.batch, self.prompt_width, self.device = batch, prompt_width, device
+        # generate's minimum length of 1 sets the EOS scores to −inf at the first step; later it returns a copy of the
+        # scores it is given (the same numbers), so the later steps run without it, and without any processor copy.
+        self.eos_ids = torch.as_tensor([] if eos_token_id is None else eos_token_id, device=device).reshape(-1)
+        # The processors get the EOS ids on the scores' device: given ints, transformers keeps them on the CPU, and a
+        # GPU's first step then fails (``torch.isin`` across devices).
+        eos = None if eos_token_id is None else self.eos_ids
+        self.first_processors = logits_processors(prompt_width, eos, greedy, temperature, top_k, top_p)
+        self.truncated = not greedy and truncates(top_k, top_p)
+        self.later_processors = logits_processors(prompt_width, eos, greedy, temperature, top_k, top_p, 0)
+        self.attention_mask = torch.cat([prompt_mask, prompt_mask.new_ones(batch, max_new_tokens)], dim=1)
+        # Positions skip left padding: the next position of each row is its count of real tokens so far.
+        self.positions = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)
+        self.next_position = prompt_mask.long().sum(-1, keepdim=True)
+        self.sequences = prompt_ids
+        self.unfinished = torch.ones(batch, dtype=torch.bool, device=device)
+        self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
+        self.tokens: list[Tensor] = []
+        self.logprobs: list[Tensor] = []
+        self.entropies: list[Tensor] = []
+        self.hidden_states: list[Tensor] = []
+        self.kept_logits: Tensor | None = None  # [B, max_new_tokens, V], written step by step (see below)
+        self.head = plain_head(model) if keep_logits and head_chunk > 0 else None
+        self.head_inputs: list[Tensor] = []  # [B, H] per step: what the LM head read, in place of its [B, V] output
+        self.hook = None if self.head is None else self.head.register_forward_pre_hook(
+            lambda _module, args: self.head_inputs.append(args[0][:, -1]))
+        self.past_key_values = past_key_values
+        self.step_ids, self.step_positions = prompt_ids[:, cached:], self.positions[:, cached:]
+        # Without autocast the model call runs in inference mode (no view or version bookkeeping, the same
+        # numbers); under autocast inference mode would bypass autocast's cache of weight casts, and with sharded
+        # parameters (FSDP's DTensors) the call gathers weights that later passes train through: those run under
+        # no_grad. (Never ``inference_mode(False)``: it turns gradients back on, and every decode step's activations
+        # would stay alive in an autograd graph, 4.7 GiB for a 1B Llama's 16 × 64 tokens.)
+        self.sharded_weights = any(map(sharded, model.parameters()))
+        self.step = 0  # the steps taken
+        self.done = max_new_tokens <= 0
+
+    @torch.no_grad()
+    def advance(self, recompute: bool = False) -> bool:
+        """Sample the next token of every row (pad after a row's end); ``recompute``: first compute the key/value
+        cache again from every token so far with the weights of now (a partial rollout resumed after a weight
+        update). Returns whether the decode goes on (a row unfinished and steps left)."""
+        step, model, device = self.step, self.model, self.device
+        width = self.prompt_width + step
+        if step and recompute:  # the cache recomputed: every token so far
+            self.past_key_values = decode_cache(self.max_new_tokens - step)
+            self.step_ids = self.sequences
+            self.step_positions = torch.cat([self.positions, self.next_position + torch.arange(step, device=device)],
+                                            dim=1)
+        inference = not torch.is_autocast_enabled(device.type) and not self.sharded_weights
         with torch.inference_mode() if inference else torch.no_grad():
-            output = model(input_ids=step_ids, attention_mask=attention_mask[:, :width], position_ids=step_positions,
-                           past_key_values=past_key_values, use_cache=True, logits_to_keep=1,
-                           output_hidden_states=keep_hidden)
-        past_key_values = output.past_key_values
+            output = model(input_ids=self.step_ids, attention_mask=self.attention_mask[:, :width],
+                           position_ids=self.step_positions, past_key_values=self.past_key_values, use_cache=True,
+                           logits_to_keep=1, output_hidden_states=self.keep_hidden)
+        self.past_key_values = output.past_key_values
         raw = output.logits[:, -1].float()  # [B, V]
-        scaled = scale_logits(raw, temperature)
-        processors = later_processors if step else first_processors
-        scores = processors(sequences, raw.clone()) if processors else raw
-        next_tokens = scores.max(-1).indices if greedy else sample(torch.softmax(scores, dim=-1))
-        next_tokens = torch.where(unfinished, next_tokens, pad_token_id)
+        scaled = scale_logits(raw, self.temperature)
+        processors = self.later_processors if step else self.first_processors
+        scores = processors(self.sequences, raw.clone()) if processors else raw
+        next_tokens = scores.max(-1).indices if self.greedy else self.sample(torch.softmax(scores, dim=-1))
+        next_tokens = torch.where(self.unfinished, next_tokens, self.pad_token_id)
         # The sampled tokens' log-probs: of the distribution they were drawn from (the processed scores, as vLLM's
         # processed log-probs) where top-k/top-p truncate it; else softmax(logits / T), the trainer's own numbers.
-        logprobs.append(gather_logprobs(scores if truncated else scaled, next_tokens))
-        entropies.append(entropy_from_logits(scaled))
-        if keep_logits and head is None:  # into one buffer: a list of [B, V] tensors stacked at the end is a second full copy
-            kept = scaled if logits_float32 or temperature != 1.0 else output.logits[:, -1]
-            if kept_logits is None:
-                kept_logits = kept.new_empty(batch, max_new_tokens, kept.shape[-1])
-            kept_logits[:, step] = kept
-        if keep_hidden:
-            hidden_states.append(output.hidden_states[-1][:, -1])
-        tokens.append(next_tokens)
-        lengths += unfinished
-        sequences = torch.cat([sequences, next_tokens[:, None]], dim=1)
-        unfinished = unfinished & ~torch.isin(next_tokens, eos_ids)
-        if stopped is not None:
-            unfinished = unfinished & ~stopped(sequences)
+        self.logprobs.append(gather_logprobs(scores if self.truncated else scaled, next_tokens))
+        self.entropies.append(entropy_from_logits(scaled))
+        if self.keep_logits and self.head is None:  # into one buffer: a list of [B, V] tensors stacked at the end
+            # is a second full copy
+            kept = scaled if self.logits_float32 or self.temperature != 1.0 else output.logits[:, -1]
+            if self.kept_logits is None:
+                self.kept_logits = kept.new_empty(self.batch, self.max_new_tokens, kept.shape[-1])
+            self.kept_logits[:, step] = kept
+        if self.keep_hidden:
+            self.hidden_states.append(output.hidden_states[-1][:, -1])
+        self.tokens.append(next_tokens)
+        self.lengths += self.unfinished
+        self.sequences = torch.cat([self.sequences, next_tokens[:, None]], dim=1)
+        self.unfinished = self.unfinished & ~torch.isin(next_tokens, self.eos_ids)
+        if self.stopped is not None:
+            self.unfinished = self.unfinished & ~self.stopped(self.sequences)
+        self.step = step + 1
+        self.step_ids = next_tokens[:, None]
+        self.step_positions = self.next_position + step
         # With sharded weights (FSDP) every forward pass gathers them from every rank: a rank whose rows have all
         # ended goes on (with pad tokens) until every rank's have.
-        if not (distributed.any_rank(bool(unfinished.any())) if sharded_weights else bool(unfinished.any())):
-            break
-        step_ids = next_tokens[:, None]
-        step_positions = next_position + step
-    kept = kept_logits[:, : len(tokens)] if kept_logits is not None else None
-    if hook is not None:
-        hook.remove()
-        kept = head_logits(head, torch.stack(head_inputs, dim=1), temperature, head_chunk, detach=True,
-                           copy=head_copy or gathered_by_fsdp(model))  # (not sharded_weights: False
-        # where an earlier pass of the generation gathered them, as the shared prompts' prefill does)
-    return Sampled(
-        response_ids=torch.stack(tokens, dim=1),
-        logprobs=torch.stack(logprobs, dim=1),
-        entropy=torch.stack(entropies, dim=1),
-        logits=kept,
-        hidden=torch.stack(hidden_states, dim=1) if keep_hidden else None,
-        lengths=lengths,
-    )
+        going = distributed.any_rank(bool(self.unfinished.any())) if self.sharded_weights else \
+            bool(self.unfinished.any())
+        self.done = not going or self.step >= self.max_new_tokens
+        return not self.done
+
+    def result(self) -> Sampled:
+        """What the steps so far sampled (the decode's :class:`Sampled`)."""
+        kept = self.kept_logits[:, : len(self.tokens)] if self.kept_logits is not None else None
+        if self.hook is not None:
+            self.hook.remove()
+            self.hook = None
+            kept = head_logits(self.head, torch.stack(self.head_inputs, dim=1), self.temperature, self.head_chunk,
+                               detach=True, copy=self.head_copy or gathered_by_fsdp(self.model))  # (not
+            # sharded_weights: False where an earlier pass of the generation gathered them, as the shared prompts'
+            # prefill does)
+        return Sampled(
+            response_ids=torch.stack(self.tokens, dim=1),
+            logprobs=torch.stack(self.logprobs, dim=1),
+            entropy=torch.stack(self.entropies, dim=1),
+            logits=kept,
+            hidden=torch.stack(self.hidden_states, dim=1) if self.keep_hidden else None,
+            lengths=self.lengths,
+        )

@@ -26,7 +26,7 @@ from rlhf_lab.generation.backend import (
     encode_prompts,
     left_padded,
 )
-from rlhf_lab.generation.decode import decode, gathered_once, multinomial
+from rlhf_lab.generation.decode import Sampled, decode, gathered_once, multinomial
 from rlhf_lab.generation.kv_cache import decode_cache
 from rlhf_lab.generation.rollout import Samples
 from rlhf_lab.generation.seeded import SeededDraws
@@ -98,18 +98,22 @@ def generate(
                          head_copy=head_copy, between_steps=between_steps,
                          stopped=stop_strings(tokenizer, stop, prompt_width=prompt_ids.shape[1]) if stop else None)
     model.train(was_training)
-    prompt_width = prompt_ids.shape[1]
+    return decoded_samples(sampled, prompt_ids, prompt_mask, tokenizer.pad_token_id, group_size)
+
+
+def decoded_samples(sampled: Sampled, prompt_ids: Tensor, prompt_mask: Tensor, pad_token_id: int,
+                    group_size: int) -> Samples:
+    """The engine's :class:`Samples` of a decode's ``sampled`` after ``prompt_ids`` [B, P]: the tokens after a row's
+    end made the pad token and masked out of attention, the log-probs and entropies zero there."""
     response_ids = sampled.response_ids
-    response_mask = (torch.arange(response_ids.shape[1], device=device)[None, :] < sampled.lengths[:, None]).float()
-    # Tokens after the first EOS are padding: make them the pad token and mask them out of attention.
-    response_ids = torch.where(response_mask.bool(), response_ids, tokenizer.pad_token_id)
-    input_ids = torch.cat([prompt_ids, response_ids], dim=1)
-    attention_mask = torch.cat([prompt_mask, response_mask.long()], dim=1)
+    positions = torch.arange(response_ids.shape[1], device=response_ids.device)
+    response_mask = (positions[None, :] < sampled.lengths[:, None]).float()
+    response_ids = torch.where(response_mask.bool(), response_ids, pad_token_id)
     return Samples(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
+        input_ids=torch.cat([prompt_ids, response_ids], dim=1),
+        attention_mask=torch.cat([prompt_mask, response_mask.long()], dim=1),
         response_mask=response_mask,
-        prompt_width=prompt_width,
+        prompt_width=prompt_ids.shape[1],
         group_size=group_size,
         logprobs=sampled.logprobs * response_mask,
         entropy=sampled.entropy * response_mask,

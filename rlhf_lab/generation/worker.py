@@ -53,6 +53,7 @@ import torch
 from torch import Tensor, nn
 
 from rlhf_lab.generation.backend import GenerationBackend, Prompt, SamplingSettings
+from rlhf_lab.generation.continuous import ContinuousEngine, Group
 from rlhf_lab.generation.inflight import InflightSchedule, StalenessCap, batch_versions
 from rlhf_lab.generation.rollout import Samples
 from rlhf_lab.generation.staleness import SnapshotRing
@@ -81,6 +82,7 @@ class RolloutWorker:
         self.cap = cap  # generation.staleness_cap: what becomes of samples whose oldest token is older
         self.dropped: Tensor | None = None  # [B] bool: the last batch's samples over the cap, out of the loss
         self.cap_metrics: dict[str, float] = {}
+        self.continuous: ContinuousEngine | None = None  # generation.continuous: the simulator's engine, set by its maker
         self.sampling_version = 0  # the updates of the weights the engine samples with now (the ring's, lagging)
         self.training_version = 0  # the policy's updates when the last training batch was handed out
         self.lags = False  # inside :meth:`lagging`: sampling with the ring's weights of max(t − k, 0) updates
@@ -234,6 +236,31 @@ class RolloutWorker:
         self.dropped = over
         return rollout
 
+    def take_groups(self, count: int) -> tuple[list[Group], Samples]:
+        """``generation.continuous``: the ``count`` groups that completed first and their samples, for the policy of
+        now, then the engine's ticks while the trainer updates. Under ``generation.staleness_cap`` a group with a
+        sample whose oldest token is older is dropped (out of the loss, :attr:`dropped`) or, under ``wait``, sampled
+        again from now while the trainer waits."""
+        engine = self.continuous
+        self.training_version, self.dropped, self.cap_metrics = self.policy_version, None, {}
+        groups = engine.take(count)
+        rollout = engine.samples(groups)
+        if self.cap is not None:
+            over = self.cap.over(rollout, self.policy_version)
+            share = float(over.float().mean())
+            waits = self.cap.wait and share > 0
+            self.cap_metrics = {"rollout/stale_dropped_frac": 0.0 if waits else share,
+                                "rollout/stale_waited_frac": share if waits else 0.0}
+            if waits:
+                stale = over.view(-1, rollout.group_size)[:, 0].nonzero().flatten().tolist()
+                for place, fresh in zip(stale, engine.again([groups[g] for g in stale]), strict=True):
+                    groups[place] = fresh
+                rollout = engine.samples(groups)
+            elif share > 0:
+                self.dropped = over
+        engine.run(engine.every)
+        return groups, rollout
+
     def settle(self) -> None:
         """The batches in flight are in and kept for their steps (before an evaluation or a checkpoint; an engine
         answers its requests in order)."""
@@ -314,6 +341,8 @@ class RolloutWorker:
         behind the engine's weights that sampled the last batch handed out), where the engine holds weights of its
         own; under ``generation.staleness_cap``, the share of the last batch taken that was over it
         (``rollout/stale_dropped_frac``, ``rollout/stale_waited_frac``)."""
+        if self.continuous is not None:
+            return {**self.continuous.metrics(), **self.cap_metrics}
         if not self.holds_weights:
             return dict(self.cap_metrics)
         return {"rollout/weight_version": float(self.batch_version), **self.last_check, **self.cap_metrics}

@@ -46,6 +46,18 @@ def step_batch(cfg: Any, train: list[str], step: int) -> StepBatch:
                      [rng_key(cfg.seed, 0, step, first + j) for j in range(len(indices))])
 
 
+def continuous_source(cfg: Any, train: list[str]) -> Callable[[int], tuple[str, str, int]]:
+    """The continuous simulator's prompt stream (``generation.continuous``): the n-th group launched is the prompt
+    step n // B of a synchronous run takes at place n % B, with its seed (B = ``trainer.prompts_per_step``)."""
+    per_step = int(cfg.trainer.prompts_per_step)
+
+    def source(n: int) -> tuple[str, str, int]:
+        batch = step_batch(cfg, train, n // per_step)
+        return batch.prompts[n % per_step], batch.names[n % per_step], batch.keys[n % per_step]
+
+    return source
+
+
 def refill_source(cfg: Any, train: list[str], step: int) -> Callable[[int, int], tuple[list[str], list[str], list[int]]]:
     """Further prompts for dynamic sampling's refill rounds of ``step`` (this rank's own stream)."""
 
@@ -68,8 +80,10 @@ def staleness(cfg: Any) -> int:
 
 def sampled_behind(cfg: Any) -> bool:
     """Whether a training batch is sampled by weights older than those of its scoring pass: sampled ahead
-    (``generation.max_staleness``) or with past weights (``generation.simulate_staleness``)."""
-    return int((cfg.get("generation") or {}).get("max_staleness", 0)) > 0
+    (``generation.max_staleness``), with past weights (``generation.simulate_staleness``) or by the continuous
+    simulator's engine (``generation.continuous``)."""
+    generation = cfg.get("generation") or {}
+    return int(generation.get("max_staleness", 0)) > 0 or bool(generation.get("continuous", False))
 
 
 def encode_ahead(states: list[list[dict[str, Any]]]) -> tuple[dict[str, Tensor], list[Any]]:

@@ -21,8 +21,9 @@ from torch import Tensor, nn
 
 from rlhf_lab.data.prompts import format_prompts
 from rlhf_lab.envs.episodes import EpisodeRunner
-from rlhf_lab.errors import RewardError
+from rlhf_lab.errors import ConfigError, RewardError
 from rlhf_lab.generation.backend import GenerationBackend, SamplingSettings
+from rlhf_lab.generation.continuous import ContinuousEngine, continuous_settings
 from rlhf_lab.generation.inflight import inflight_settings, staleness_cap
 from rlhf_lab.generation.rollout import Rollout, Samples, Scored, concat_rollouts
 from rlhf_lab.generation.staleness import snapshot_ring
@@ -141,6 +142,14 @@ class ExperienceMaker:
                                   keep_hidden=keep_hidden and not self.plan.rescore, logits_float32=self.logits_float32)
             worker = RolloutWorker(engine, policy, self._sync_check(engine, sync_probe), snapshot_ring(cfg, policy),
                                    inflight_settings(cfg), staleness_cap(cfg))
+            continuous = continuous_settings(cfg)
+            if continuous is not None:  # generation.continuous: the simulator's engine over the hf engine's decode
+                if distributed.world_size() > 1:
+                    raise ConfigError(f"generation.continuous=true with {distributed.world_size()} ranks: the "
+                                      "simulator's engine runs on one process; run it on one rank")
+                worker.continuous = ContinuousEngine(engine, cfg.algorithm.group_size, *continuous,
+                                                     version=lambda: worker.policy_version)
+                worker.continuous.formatted = lambda prompt: self._request([prompt], None)[0][0]
         # The one owner of the engine's wake, weights, sampling and sleep (rlhf_lab/generation/worker.py).
         self.worker = worker
         self.engine: GenerationBackend = worker.engine
@@ -226,9 +235,9 @@ class ExperienceMaker:
         return replace(rollout, scores=rescaled, extras={**rollout.extras, "reward/task": rollout.scores})
 
     def _shaped(self, prompts: list[str], group_size: int, timer: StepTimer, names: list[str],
-                rng_keys: list[int] | None) -> Experience:
-        """Sample and score, then the overlong penalty on the scores and the truncation mask."""
-        rollout, responses, valid = self.sample_and_score(prompts, group_size, timer, names, rng_keys)
+                rng_keys: list[int] | None, samples: Samples | None = None) -> Experience:
+        """Sample (or take ``samples``) and score, then the overlong penalty on the scores and the truncation mask."""
+        rollout, responses, valid = self.sample_and_score(prompts, group_size, timer, names, rng_keys, samples)
         rules, mask = self.rules, rollout.response_mask
         in_loss = valid.to(self.device)
         dropped = getattr(self.worker, "dropped", None)  # generation.staleness_cap with drop
@@ -252,6 +261,11 @@ class ExperienceMaker:
                         rng_keys: list[int] | None, refill: Refill | None) -> Experience:
         """The step's batch under the sampling rules; with dynamic sampling only informative groups, refilled
         round by round, and at the round limit tied groups kept out of the loss in the missing places."""
+        if self.worker.continuous is not None:  # generation.continuous: the groups that completed first
+            with timer.phase("generate"):
+                groups, samples = self.worker.take_groups(len(prompts))
+            return self._shaped([g.prompt for g in groups], group_size, timer, [g.name for g in groups], None,
+                                samples)
         first = self._shaped(prompts, group_size, timer, names, rng_keys)
         if not (self.rules.dynamic_sampling and refill is not None):
             return first
@@ -337,14 +351,17 @@ class ExperienceMaker:
         return formatted, rng_keys if cfg.trainer.seed_per_prompt else None
 
     def sample_and_score(self, prompts: list[str], group_size: int, timer: StepTimer, names: list[str],
-                         rng_keys: list[int] | None = None) -> tuple[Scored, list[str], Tensor]:
-        """Generate and score: (rollout with ``scores`` and reward components, decoded responses, valid [B])."""
+                         rng_keys: list[int] | None = None,
+                         samples: Samples | None = None) -> tuple[Scored, list[str], Tensor]:
+        """Generate (or take ``samples``, the engine's for ``prompts``) and score: (rollout with ``scores`` and
+        reward components, decoded responses, valid [B])."""
         cfg = self.cfg
         if self.episodes is not None:  # the environment scores its own episodes
             with timer.phase("generate"), self.worker.awake():  # one wake for every turn of the batch
                 return self.episodes.run(self.worker, self.settings, prompts, group_size, rng_keys, names, self.device)
-        with timer.phase("generate"):
-            samples = self.generate(prompts, group_size, rng_keys)
+        if samples is None:
+            with timer.phase("generate"):
+                samples = self.generate(prompts, group_size, rng_keys)
         responses = self._decode(samples)
         repeated_prompts = [p for p in prompts for _ in range(group_size)]
         with timer.phase("reward"):

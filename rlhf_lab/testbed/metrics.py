@@ -53,10 +53,11 @@ def regularised_optimum(ref_sequence_logprobs: Tensor, rewards: Tensor, beta: fl
 
 
 def exact_metrics(logprobs: Tensor, ref_logprobs: Tensor, rewards: Tensor, beta: float,
-                  estimates: Tensor | None = None) -> dict[str, float]:
+                  estimates: Tensor | None = None, lengths: Tensor | None = None) -> dict[str, float]:
     """The ``exact/*`` metrics from every response's per-token log-probs under the policy and the reference
     ([N, T] each, all N = V^T responses), their rewards [N] and β; ``estimates`` [N, T]: the run's estimator's
-    per-token values on every response, for its expected bias. Computed in float64."""
+    per-token values on every response, for its expected bias; ``lengths`` [N]: each response's tokens, where they
+    differ (``model.exact.stop``), for the policy's mean length against the optimum's. Computed in float64."""
     log_policy = logprobs.double().sum(-1)
     log_ref = ref_logprobs.double().sum(-1)
     rewards = rewards.double()
@@ -84,6 +85,9 @@ def exact_metrics(logprobs: Tensor, ref_logprobs: Tensor, rewards: Tensor, beta:
         "exact/total_probability": float(policy.sum()),  # 1 up to rounding: the enumeration is complete
     }
     metrics.update(mode_metrics(log_policy, log_optimal, log_ref, rewards))  # entropy; the optimal modes' split
+    if lengths is not None:  # whether the run learned a length π* does not have (a drop policy's bias)
+        metrics["exact/length"] = float((policy * lengths.double()).sum())
+        metrics["exact/length_bias"] = metrics["exact/length"] - float((optimal * lengths.double()).sum())
     if estimates is not None:
         expected = float((policy * estimates.double().sum(-1)).sum())
         metrics["exact/kl_estimate_expected"] = expected
@@ -121,6 +125,7 @@ class ExactEvaluator:
         env_cfg = cfg.get("env") or {"name": "single_turn"}
         env = get("env", env_cfg["name"])(env_cfg)
         stop = bool(cfg.model.exact.get("stop", False))
+        self.stop = stop and not hasattr(env, "enumerate")  # responses of several lengths
         if hasattr(env, "enumerate"):
             self.sequences, self.positions, rewards = env.enumerate()
             self.mask = torch.ones(self.sequences[:, self.positions].shape)
@@ -163,7 +168,8 @@ class ExactEvaluator:
         logits, logprobs = self.policy()
         estimates = estimate(self.estimator, logprobs, self.ref_logprobs, logits=logits,
                              ref_logits=self.ref_logits) * self.mask
-        metrics = exact_metrics(logprobs, self.ref_logprobs, self.rewards, self.beta, estimates)
+        lengths = self.mask.sum(-1).cpu() if self.stop else None
+        metrics = exact_metrics(logprobs, self.ref_logprobs, self.rewards, self.beta, estimates, lengths)
         metrics["time/exact_s"] = time.perf_counter() - start
         return metrics
 

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from rlhf_lab.tools.report_exact import EXACT_METRICS, MODE_METRICS
+from rlhf_lab.tools.report_exact import EXACT_METRICS, LENGTH_METRICS, MODE_METRICS
 
 # (column, markdown header); eval_reward is added only when some job has eval lines.
 METRICS = (
@@ -17,5 +17,6 @@ METRICS = (
     *((column, header) for column, header, _ in EXACT_METRICS),
     ("diverged", "diverged"),  # share of seeds that ended further from π* than they started
     *((column, header) for column, header, _ in MODE_METRICS),
+    *((column, header) for column, header, _ in LENGTH_METRICS),
 )
 COLUMNS = tuple(column for column, _ in METRICS)

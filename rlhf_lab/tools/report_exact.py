@@ -7,7 +7,8 @@ Per job, from its last training line that has ``exact/gap`` (the final policy):
 - TV to π*: ``exact/tv_to_optimal``;
 - estimate bias: ``exact/kl_estimate_bias``, E_π[Σ_t estimate_t] − KL(π‖π_ref) under the final policy;
 - with several equally rewarded optimal responses (``exact/mode_coverage`` logged): the entropies H(π), H(π*), the
-  mass on the modes, the mode coverage and the effective number of modes of π and of π*.
+  mass on the modes, the mode coverage and the effective number of modes of π and of π*;
+- with responses of several lengths (``exact/length`` logged, ``model.exact.stop``): the mean length, and less π*'s.
 
 Arms are ranked by final gap (mean over seeds), and ``gap_vs_step.png`` / ``kl_sequence_vs_step.png`` plot
 gap and true KL against steps with a band over seeds.
@@ -39,6 +40,11 @@ MODE_METRICS = (
     ("modes_effective", "effective modes", "exact/modes_effective"),
     ("modes_effective_optimal", "effective modes of π*", "exact/modes_effective_optimal"),
 )
+# With responses of several lengths (model.exact.stop): the policy's mean length, and less π*'s.
+LENGTH_METRICS = (
+    ("final_length", "mean length", "exact/length"),
+    ("length_bias", "length − π*'s", "exact/length_bias"),
+)
 EXACT_PLOTS = (("exact/gap", "gap J* − J(π) (exact)", "gap_vs_step.png"),
                ("exact/kl_sequence", "KL(π‖π_ref) per sequence (exact)", "kl_sequence_vs_step.png"))
 
@@ -55,6 +61,8 @@ def exact_job_metrics(train_lines: list[dict[str, Any]]) -> dict[str, float]:
     metrics["diverged"] = float(not math.isfinite(last_gap) or last_gap > first_gap)
     if "exact/mode_coverage" in last:
         metrics.update({column: last.get(key, math.nan) for column, _, key in MODE_METRICS})
+    if "exact/length" in last:
+        metrics.update({column: last.get(key, math.nan) for column, _, key in LENGTH_METRICS})
     return metrics
 
 

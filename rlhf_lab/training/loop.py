@@ -29,7 +29,7 @@ from rlhf_lab.rewards.base import build_reward
 from rlhf_lab.runtime import distributed
 from rlhf_lab.runtime.console import progress_bar, say
 from rlhf_lab.runtime.precision import Precision
-from rlhf_lab.step.ahead import refill_source, staleness, step_batch
+from rlhf_lab.step.ahead import continuous_source, refill_source, staleness, step_batch
 from rlhf_lab.step.compute import gradient_checkpointing
 from rlhf_lab.step.experience import Experience, ExperienceMaker
 from rlhf_lab.step.step_metrics import StepSignals
@@ -143,6 +143,8 @@ class Trainer(RunState, StopSignals, Evaluates, StepRecord):
                                           sync_probe=self.prompts.train[0] if self.prompts.train else None)
         # The engine's lifecycle and the batches sampled ahead (generation.max_staleness=k): generation/worker.py
         self.worker, self.staleness = self.experience.worker, staleness(cfg)
+        if self.worker.continuous is not None:  # generation.continuous: its engine launches the data's prompts in order
+            self.worker.continuous.source = continuous_source(cfg, self.prompts.train)
         self.next_launch = 1  # the first step whose batch is not yet launched (step 0 samples when it comes)
         self.updater = self.updater_class(cfg, self.policy, self.algorithm, self.loss_kl(), self.device,
                                           self.precision, self.strategy, sync_modules, self.hardware)

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
+from rlhf_lab.generation.continuous import CONTINUOUS_FILE, continuous_files
 from rlhf_lab.generation.staleness import RING_FILE, ring_files
 from rlhf_lab.runtime import distributed
 from rlhf_lab.runtime.console import say
@@ -62,6 +63,8 @@ class RunState:
             self.worker.load_state(decode_ahead(ckpt.read_tensors(folder / AHEAD_FILE), state.get("ahead")),
                                    self.device)
             self.next_launch = state["step"] + 1 + self.staleness
+        if self.worker.continuous is not None and state.get("continuous"):  # its groups launched, not yet taken
+            self.worker.continuous.load_state(ckpt.read_tensors(folder / CONTINUOUS_FILE), state["continuous"])
         if self.worker.ring is not None:  # generation.simulate_staleness: the last k policies' weights
             self.worker.ring.load_state(ckpt.read_tensors(folder / RING_FILE), state["step"] + 1, str(folder))
         self.continue_from(state)
@@ -99,12 +102,14 @@ class RunState:
             digests = distributed.gather_objects([ckpt.own_shard_digests(staged, distributed.rank())])
             whole.update(staged=staged, shard_digests={k: v for own in digests for k, v in own.items()})
         ahead_tensors, ahead = encode_ahead(self.worker.state()) if self.staleness else ({}, None)  # batches in flight
+        engine_files, engine_state = continuous_files(self.worker.continuous)  # generation.continuous's groups
         rank_rng = distributed.gather_objects([rank_rng_state()])
         folder = None
         if distributed.is_main_process():  # one writer: rank 0
             trainer_state = {"kl_controller": self.kl_controller.state_dict(), **updater.state_dict(),
                              "first_eval": self.first_eval, **self.clock.state_dict(),
-                             "precision": self.precision.name, "ahead": ahead, "prompts": self.prompts.digest()}
+                             "precision": self.precision.name, "ahead": ahead, "prompts": self.prompts.digest(),
+                             **({"continuous": engine_state} if engine_state is not None else {})}
             if distributed.world_size() > 1:
                 trainer_state["rank_rng"] = rank_rng
             folder = ckpt.save_checkpoint(self.checkpoint_root, updates, policy, self.tokenizer, modules,
@@ -112,7 +117,7 @@ class RunState:
                                           keep_last_n=self.cfg.trainer.keep_last_n,
                                           config=OmegaConf.to_container(self.cfg, resolve=True),
                                           tensor_files={**({AHEAD_FILE: ahead_tensors} if ahead else {}),
-                                                        **ring_files(self.worker.ring)},
+                                                        **ring_files(self.worker.ring), **engine_files},
                                           with_optimizer=with_optimizer, **whole)
         distributed.barrier()
         return folder

@@ -39,3 +39,27 @@ def test_an_in_flight_job_trains_on_tokens_of_three_versions(compose, tmp_path) 
     assert all(line["staleness/multi_version_frac"] == 1.0 for line in steps[2:])
     assert all(line["exact/kl_to_optimal"] == pytest.approx(line["exact/gap"] / 0.2, rel=1e-6)
                for line in lines if "exact/gap" in line)
+
+
+def test_the_drop_bias_grid_and_a_short_job_of_its_drop_arm(compose, tmp_path) -> None:
+    """``experiment=async_drop_bias``: 6 drop arms x 5 seeds on the exact task with a stop symbol; a short job of the
+    drop arm logs the policy's mean length against π*'s, and its cap's drops."""
+    from rlhf_lab.config.compose import _hydra_compose
+
+    sweep = _hydra_compose(["experiment=async_drop_bias"], return_hydra_config=True).hydra.sweeper.params
+    assert {key: str(value) for key, value in sweep.items()} == {"+drop_arm": "sync,continuous,drop6,wait6,drop5,wait5",
+                                                                 "seed": "0,1,2,3,4"}
+    for arm in ("sync", "continuous", "drop6", "wait6", "drop5", "wait5"):
+        cfg = compose(["experiment=async_drop_bias", f"+drop_arm={arm}"])
+        generation = cfg.generation
+        assert cfg.model.exact.stop and cfg.trainer.max_new_tokens == 5
+        assert generation.continuous == (arm != "sync")
+        assert generation.staleness_cap == (int(arm[-1]) if arm[-1].isdigit() else None)
+        if arm[-1].isdigit():
+            assert generation.over_cap == arm[:-1]
+    lines = exact_job(compose, tmp_path, ["experiment=async_drop_bias", "+drop_arm=drop5", "trainer.steps=12",
+                                          "generation.staleness_cap=1"])
+    exact = [line for line in lines if "exact/length" in line]
+    assert len(exact) == 12
+    assert all(2.0 < line["exact/length"] < 5.0 for line in exact)
+    assert any(line["rollout/stale_dropped_frac"] > 0 for line in lines if "reward/mean" in line)

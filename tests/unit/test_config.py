@@ -159,7 +159,7 @@ def test_group_options_are_yaml_files_not_stored_schemas() -> None:
     assert "grpo_schema.yaml" in stored and "ppo_schema.yaml" in stored
     assert group_options("algorithm") == sorted(SCHEMAS["algorithm"])
     assert {"dapo", "grpo", "ppo", "remax"} <= set(group_options("algorithm"))
-    assert group_options("experiment") == ["algo_comparison", "algo_comparison_exact", "async_kl", "exact",
+    assert group_options("experiment") == ["algo_comparison", "algo_comparison_exact", "async_drop_bias", "async_kl", "exact",
                                            "exact_two_turn", "grpo_kl_scale", "kl_ablation", "kl_ablation_exact",
                                            "kl_placement_bias", "kl_to_go", "mode_collapse", "multi_turn_mask",
                                            "off_policy_kl", "smoke"]
@@ -334,7 +334,8 @@ def test_unknown_option_lists_the_yaml_options() -> None:
         f"algorithm='grpo_schema' is not an option; choose from: {', '.join(sorted(SCHEMAS['algorithm']))}"
     )
     assert compose_error(["+experiment=nope"]) == (
-        "experiment='nope' is not an option; choose from: algo_comparison, algo_comparison_exact, async_kl, exact, "
+        "experiment='nope' is not an option; choose from: algo_comparison, algo_comparison_exact, async_drop_bias, "
+        "async_kl, exact, "
         "exact_two_turn, grpo_kl_scale, kl_ablation, kl_ablation_exact, kl_placement_bias, kl_to_go, mode_collapse, "
         "multi_turn_mask, off_policy_kl, smoke"
     )

@@ -113,3 +113,19 @@ def test_the_reward_reads_a_decoded_response_as_its_canonical_row() -> None:
 def test_a_stop_the_parts_disagree_on_is_one_line(compose, overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         compose(["experiment=exact", "model.exact.stop=true", *overrides])
+
+
+def test_the_mean_length_and_its_bias_against_the_optimum_by_hand() -> None:
+    """Three responses of 2, 3 and 3 tokens, π = (0.5, 0.3, 0.2), the reference uniform, rewards (1, 0, 0), β = 1:
+    π* ∝ (e, 1, 1), so E_π[len] = 2.5 and E_π*[len] = (2e + 6) / (e + 2)."""
+    import math
+
+    from rlhf_lab.testbed.metrics import exact_metrics
+
+    logprobs = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64).log()[:, None]
+    ref = torch.full((3, 1), 1 / 3, dtype=torch.float64).log()
+    metrics = exact_metrics(logprobs, ref, torch.tensor([1.0, 0.0, 0.0]), 1.0, lengths=torch.tensor([2.0, 3.0, 3.0]))
+    optimal_length = (2 * math.e + 6) / (math.e + 2)
+    assert metrics["exact/length"] == pytest.approx(2.5, rel=1e-12)
+    assert metrics["exact/length_bias"] == pytest.approx(2.5 - optimal_length, rel=1e-12)
+    assert "exact/length" not in exact_metrics(logprobs, ref, torch.tensor([1.0, 0.0, 0.0]), 1.0)
