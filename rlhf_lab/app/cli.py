@@ -15,6 +15,7 @@ checkpoints again.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
             overrides = with_config_dirs(overrides, config_dirs)  # --config-dir DIR: on the search path, as Hydra does
             argv = expand_globs(argv, CONF_DIR, search_paths(overrides))  # kl=glob(*): the options, no schemas
             overrides = expand_globs(overrides, CONF_DIR, search_paths(overrides))
-            cfg = compose(overrides)
+            cfg = compose(overrides, announce=None if printing.intersection(argv) else announce_checks)
             new_folder = None if printing.intersection(argv) else _claim_run_folder(cfg, argv, overrides)
         except UserError as error:
             from rlhf_lab.runtime.rank_output import report_error
@@ -151,8 +152,7 @@ def _claim_run_folder(cfg: Any, argv: list[str], overrides: list[str]) -> list[s
     from rlhf_lab.training.resume_contract import claim_run_folder
     from rlhf_lab.training.run_lock import is_rank_zero, new_run_folder
 
-    sweep = {"-m", "--multirun"}.intersection(argv) or any(
-        o.lstrip("+").startswith(("experiment=", "hparams_search=", "hydra.mode=", "hydra/sweeper=")) for o in overrides)
+    sweep = is_sweep(argv, overrides)
     hydra_settings = any(o.lstrip("+~").startswith("hydra") for o in overrides) or any(
         a.startswith(("-cn", "-cp", "-cd", "--config")) for a in argv)  # they may place the run elsewhere
     folder, extra = run_folder(cfg), []
@@ -163,6 +163,18 @@ def _claim_run_folder(cfg: Any, argv: list[str], overrides: list[str]) -> list[s
             return []
     claim_run_folder(cfg, folder, single_run=not sweep)
     return extra
+
+
+def is_sweep(argv: list[str], overrides: list[str]) -> bool:
+    """Whether the command line may launch a sweep (``-m``, an experiment or search, Hydra's mode or sweeper)."""
+    return bool({"-m", "--multirun"}.intersection(argv)) or any(
+        o.lstrip("+").startswith(("experiment=", "hparams_search=", "hydra.mode=", "hydra/sweeper=")) for o in overrides)
+
+
+def announce_checks(jobs: int) -> None:
+    """Before a sweep's jobs are checked (minutes for a large grid): what the wait is."""
+    print(f"checking the sweep's {jobs} jobs before the first starts (each composed and validated)", file=sys.stderr,
+          flush=True)
 
 
 def _rank_zero_writes_hydra_files(overrides: list[str]) -> list[str]:
@@ -240,9 +252,18 @@ def _hydra_entry() -> None:
         # traceback, exit status 2 (as for config errors); RLHF_LAB_TRACEBACK=1 shows the traceback (e.g. to
         # debug a reward function). Anything else is a bug and keeps its traceback.
         run_dir = run_folder(cfg) or Path(HydraConfig.get().runtime.output_dir)
+        sweep = sweep_job(cfg, run_dir)  # a job of a sweep: its folder, or why it does not run (sweep_watch.py)
+        if isinstance(sweep, tuple):
+            return sweep[0]
         try:
             validate(cfg)  # every job of a sweep; only the first was checked before Hydra started
             summary = train(cfg, run_dir)
+            if sweep is not None:
+                from rlhf_lab.app.sweep_watch import progress_line
+
+                line = progress_line(HydraConfig.get(), sweep)
+                if line:
+                    print(line, file=sys.stderr, flush=True)
             # A hyperparameter search (hydra/sweeper=optuna) gets one number: the summary's optimized_metric.
             return objective(summary, cfg) if cfg.get("optimized_metric") else summary
         except UserError as error:
@@ -253,13 +274,58 @@ def _hydra_entry() -> None:
         except TrainingStopped as stop:
             task = list(HydraConfig.get().overrides.task)  # every rank stopped after the same step: rank 0 says so
             report_stop(f"{stop}\nto resume, run: {resume_command(task, stop.resume_overrides)}")
-            sys.exit(stop.exit_code)
+            if sweep is None:
+                sys.exit(stop.exit_code)
+            if stop.exit_code > 128:  # a signal: no further job of the sweep starts (its process says how to resume)
+                from rlhf_lab.app.sweep_watch import write_stop_mark
+
+                write_stop_mark(sweep, signal_name(stop.exit_code - 128))
+            return None
         except KeyboardInterrupt:
             print("interrupted without writing a checkpoint; resume from the last one with "
                   f"trainer.resume=auto trainer.output_dir={run_dir.resolve()}", file=sys.stderr, flush=True)
-            sys.exit(130)
+            if sweep is None:
+                sys.exit(130)
+            return None
 
     run()
+
+
+def sweep_job(cfg: Any, run_dir: Path) -> Path | tuple[Any] | None:
+    """In a sweep (Hydra's multirun): the sweep's folder, or ``(result,)`` for a job that does not run — the sweep
+    was stopped before it started, or (``trainer.resume=auto``) it finished before (``rlhf_lab/app/sweep_watch.py``).
+    None for a single run."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    hydra = HydraConfig.get()
+    if hydra.mode != RunMode.MULTIRUN:
+        return None
+    from rlhf_lab.app.sweep_watch import finished_summary, leave_terminal_group, stopped_before_start
+
+    leave_terminal_group()  # a worker process: a terminal's Ctrl-C reaches this job through the sweep, once
+    folder = Path(str(hydra.sweep.dir)).expanduser().resolve()
+    reason = stopped_before_start(folder)
+    if reason is not None:
+        print(f"not started: the sweep was stopped by {reason} ({run_dir})", file=sys.stderr, flush=True)
+        return (None,)
+    done = finished_summary(run_dir, int(cfg.trainer.steps)) if cfg.trainer.resume == "auto" else None
+    if done is not None:
+        print(f"already finished: {run_dir} (its summary.json has all {cfg.trainer.steps} steps)", file=sys.stderr,
+              flush=True)
+        if cfg.get("optimized_metric"):
+            from rlhf_lab.config.objective import objective
+
+            return (objective(done, cfg),)
+        return (done,)
+    return folder
+
+
+def signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def _run_subcommand(name: str, args: list[str]) -> None:

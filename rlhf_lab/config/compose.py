@@ -11,7 +11,7 @@ A command line that picks a launcher, a sweeper or a search (``hydra/launcher=ra
 from __future__ import annotations
 
 import warnings
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any
 
 from omegaconf import DictConfig
@@ -129,13 +129,15 @@ def _hydra_compose(overrides: list[str], return_hydra_config: bool = False) -> D
         GlobalHydra.instance().clear()
 
 
-def compose(overrides: list[str], pending_paths: Collection[str] = (), study: bool = True) -> DictConfig:
+def compose(overrides: list[str], pending_paths: Collection[str] = (), study: bool = True,
+            announce: Callable[[int], None] | None = None) -> DictConfig:
     """Compose the config a job would get (a sweep's first values) and validate it.
 
     ``pending_paths``: folders the config names that an earlier stage writes (``rlhf-lab pipeline`` checks every
     stage before the first runs); they are not checked for existence. ``study=False``: an Optuna search's stored
-    study is not opened (a command that only reads the search space: ``rlhf-lab wandb sweep``). Raises :class:`ConfigError` (a
-    ``UserError``), one line, on any mistake.
+    study is not opened (a command that only reads the search space: ``rlhf-lab wandb sweep``). ``announce(jobs)``:
+    called once the first job checked out, before the sweep's other jobs are (they can take minutes). Raises
+    :class:`ConfigError` (a ``UserError``), one line, on any mistake.
     """
     overrides = normalize_overrides(list(overrides))
     paths = search_paths(overrides)
@@ -157,6 +159,8 @@ def compose(overrides: list[str], pending_paths: Collection[str] = (), study: bo
         task = [o for o in overrides if "=" in o and not o.startswith(HYDRA_PREFIXES)]
         jobs = expand_jobs(params, task, CONF_DIR, paths)
         if len(jobs) > 1:
+            if announce is not None:
+                announce(len(jobs))
             composed = check_jobs(jobs, lambda job: _compose_job(check_overrides(job)), searchpath_override(paths))
             for line in identical_arms(composed):  # arms the comparison cannot tell apart (config/sweep_arms.py)
                 warnings.warn(line, stacklevel=2)

@@ -57,12 +57,42 @@ def progress_label() -> str:
 
 
 def progress_bar(steps: range, enabled: bool, initial: int, total: int) -> Any:
-    """``steps`` with a tqdm bar labelled by :func:`progress_label` (``trainer.progress_bar``), or as they are."""
+    """``steps`` with a tqdm bar labelled by :func:`progress_label` (``trainer.progress_bar``), or without one a line
+    at each tenth of the run's steps (:func:`progress_lines`: a sweep's job logs how far it is)."""
     if not enabled:
-        return steps
+        return progress_lines(steps, initial, total)
     from tqdm.auto import tqdm
 
     return tqdm(steps, initial=initial, total=total, desc=progress_label(), dynamic_ncols=True)
+
+
+PROGRESS_MIN_STEPS = 20
+
+
+def progress_lines(steps: range, initial: int, total: int) -> Iterator[int]:
+    """``steps``, and once each tenth of the ``total`` steps is done (from ``initial``, a resume's first step) a
+    line: ``train job 3 seed=1: step 40/400 (10%), about 2 min 15 s left`` (this segment's pace so far). A run of
+    fewer than ``PROGRESS_MIN_STEPS`` steps says nothing: it ends before a line would help."""
+    import time
+
+    if total < PROGRESS_MIN_STEPS:
+        yield from steps
+        return
+    start, shown = time.perf_counter(), initial * 10 // max(total, 1)
+    for step in steps:
+        yield step
+        done = step + 1
+        tenth = done * 10 // max(total, 1)
+        if tenth > shown and done < total and os.environ.get("RANK", "0") == "0":  # rank 0 speaks for the run
+            shown = tenth
+            left = (time.perf_counter() - start) / (done - initial) * (total - done)
+            say(f"{progress_label()}: step {done}/{total} ({100 * done // total}%), about {format_duration(left)} left")
+
+
+def format_duration(seconds: float) -> str:
+    """``4 min 10 s`` or ``12 s``."""
+    minutes, seconds = divmod(round(seconds), 60)
+    return f"{minutes} min {seconds} s" if minutes else f"{seconds} s"
 
 
 @contextmanager
