@@ -274,12 +274,11 @@ def _hydra_entry() -> None:
         except TrainingStopped as stop:
             task = list(HydraConfig.get().overrides.task)  # every rank stopped after the same step: rank 0 says so
             report_stop(f"{stop}\nto resume, run: {resume_command(task, stop.resume_overrides)}")
-            if sweep is None:
+            if sweep is None or stop.exit_code <= 128:  # a single run, or a job that stopped for its own reasons
                 sys.exit(stop.exit_code)
-            if stop.exit_code > 128:  # a signal: no further job of the sweep starts (its process says how to resume)
-                from rlhf_lab.app.sweep_watch import write_stop_mark
+            from rlhf_lab.app.sweep_watch import write_stop_mark
 
-                write_stop_mark(sweep, signal_name(stop.exit_code - 128))
+            write_stop_mark(sweep, signal_name(stop.exit_code - 128))  # no further job starts; the sweep says the rest
             return None
         except KeyboardInterrupt:
             print("interrupted without writing a checkpoint; resume from the last one with "

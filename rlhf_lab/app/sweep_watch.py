@@ -128,10 +128,14 @@ def _signal_workers(number: int) -> None:
 
 
 def leave_terminal_group() -> None:
-    """In a joblib worker process (not the sweep's own): a process group of its own, so that a terminal's Ctrl-C
-    reaches its job once, through the sweep (:class:`SweepWatch`)."""
+    """In a joblib worker process of this machine's sweep (loky's; not a SLURM, submitit or Ray worker, whose
+    signals their own managers deliver): a process group of its own, so that a terminal's Ctrl-C reaches its job
+    once, through the sweep (:class:`SweepWatch`)."""
+    import multiprocessing
+
     sweep = os.environ.get(SWEEP_PID)
-    if sweep and sweep != str(os.getpid()) and os.getpgrp() != os.getpid():
+    loky = type(multiprocessing.current_process()).__name__ == "LokyProcess"
+    if loky and sweep and sweep != str(os.getpid()) and os.getpgrp() != os.getpid():
         # Not allowed where it is a session leader: there the terminal's signal reaches the job directly.
         with contextlib.suppress(OSError):
             os.setpgid(0, 0)
