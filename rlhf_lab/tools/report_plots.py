@@ -7,7 +7,9 @@
   confidence interval of the mean (``--band ci95``, Student's t);
 - ``eval_reward_vs_step.png``: the evaluation reward against step;
 - ``kl_estimate_vs_exact.png``: one panel per arm, the KL estimate the run penalised and the exact KL;
-- ``reward_vs_kl.png``: each arm's reward against exact KL, each a mean over the last ``k`` training steps
+- ``reward_vs_kl.png``: on the exact task, each arm's final policy (exact per-sequence KL and expected reward)
+  against the optimum π* at each β (with one β, the line J = J*); elsewhere each arm's reward against exact KL,
+  each a mean over the last ``k`` training steps
   (``--last-k``, default 20% of the steps) then over seeds, with the Pareto front (no other arm has more reward
   at less KL) drawn through the arms on it.
 
@@ -218,10 +220,75 @@ def frontier_split(arms: list[Any]) -> str:
     return "train" if all(_logged([arm], "train", "reward/mean") for arm in arms) else "eval"
 
 
-def plot_frontier(arms: list[Any], path: Path, options: PlotOptions) -> list[int]:
-    """Reward vs exact KL per arm (last-k means, ± sd over seeds), the Pareto front drawn; returns the front."""
+EXACT_FRONTIER = ("exact/kl_sequence", "exact/reward", "exact/kl_optimal", "exact/reward_optimal")
+
+
+def exact_final(arm: Any) -> tuple[float, float, float, float, tuple[float, float, float] | None]:
+    """An exact-task arm's final policy: KL(π‖π_ref) and E_π[R] per sequence, mean and sd over seeds, and its optimum
+    (β, KL(π*‖π_ref), E_π*[R]) from its jobs' last exact line."""
+    kls, rewards, optimum = [], [], None
+    for job in arm.jobs:
+        lines = [line for line in job.train if all(key in line for key in EXACT_FRONTIER)]
+        if lines:
+            kls.append(float(lines[-1]["exact/kl_sequence"]))
+            rewards.append(float(lines[-1]["exact/reward"]))
+            beta = float(job.config.get("kl.coef", math.nan))  # (the job's flattened config)
+            optimum = (beta, float(lines[-1]["exact/kl_optimal"]), float(lines[-1]["exact/reward_optimal"]))
+    if not kls:
+        return math.nan, math.nan, math.nan, math.nan, None
+    return float(np.mean(kls)), float(np.mean(rewards)), _sd(kls), _sd(rewards), optimum
+
+
+def plot_exact_frontier(arms: list[Any], path: Path) -> list[int]:
+    """On the exact task every arm sits on some trade-off, so a Pareto front among arms says little: each arm's final
+    policy (per-sequence KL and expected reward, exact) against the optimum's own front, π* at each β the arms ran
+    (joined where there are several), or with one β the line J = J*: R − β·KL = J* (no policy lies above it)."""
     import matplotlib.pyplot as plt
 
+    figure, axes = _figure(arms)
+    optima = {}
+    for index, arm in enumerate(arms):
+        kl, reward, kl_sd, reward_sd, optimum = exact_final(arm)
+        if math.isnan(kl):
+            continue
+        style = arm_style(index)
+        axes.errorbar(kl, reward, xerr=kl_sd, yerr=reward_sd, fmt=style["marker"], color=style["color"],
+                      capsize=3, markersize=6, label=arm.name)
+        if optimum is not None:
+            optima[optimum[0]] = optimum
+    points = sorted(optima.values(), key=lambda point: point[1])
+    if len(points) > 1:
+        axes.plot([p[1] for p in points], [p[2] for p in points], color="black", marker="*", markersize=10,
+                  linewidth=1.0, alpha=0.7, zorder=0, label="π* at each β (the optimum's front)")
+    elif points:
+        beta, kl_star, reward_star = points[0]
+        axes.plot([kl_star], [reward_star], color="black", marker="*", markersize=12, linestyle="none",
+                  label=f"π* (β = {beta:g})")
+        if not math.isnan(beta):
+            (low, high), (bottom, top) = axes.get_xlim(), axes.get_ylim()
+            xs = np.linspace(max(low, 0.0), high, 50)
+            axes.plot(xs, reward_star + beta * (xs - kl_star), color="black", linewidth=1.0, linestyle="--",
+                      alpha=0.6, zorder=0, label="J = J*: R − β·KL at the optimum")
+            axes.set_xlim(low, high)  # the arms' and the optimum's range, not the line's
+            axes.set_ylim(bottom, top)
+    axes.set_xlabel("exact KL per sequence, KL(π‖π_ref)")
+    axes.set_ylabel("expected reward E_π[R] (exact)")
+    axes.set_title("reward vs KL of the final policy, exact (bars: ± 1 sd over seeds), against the optimum",
+                   fontsize="medium")
+    axes.grid(alpha=0.3)
+    _legend_outside(figure, axes, len(arms) + 2)
+    figure.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(figure)
+    return []
+
+
+def plot_frontier(arms: list[Any], path: Path, options: PlotOptions) -> list[int]:
+    """Reward vs exact KL per arm (last-k means, ± sd over seeds), the Pareto front drawn; returns the front. On the
+    exact task (every arm logs its exact metrics): :func:`plot_exact_frontier` instead."""
+    import matplotlib.pyplot as plt
+
+    if all(_logged([arm], "train", *EXACT_FRONTIER) for arm in arms):
+        return plot_exact_frontier(arms, path)
     figure, axes = _figure(arms)
     points, k_used = [], 0
     split = frontier_split(arms)

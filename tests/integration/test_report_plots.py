@@ -128,3 +128,44 @@ def test_the_legend_clears_the_title_and_steps_are_whole_numbers(tmp_path: Path,
         for axes in (a for a in figures[name].axes if a.get_lines()):
             ticks = [t for t in axes.get_xticks() if axes.get_xlim()[0] <= t <= axes.get_xlim()[1]]
             assert ticks and all(float(t).is_integer() for t in ticks), (name, ticks)
+
+
+def write_exact_sweep(root: Path, betas: tuple[float, ...]) -> Path:
+    """Two arms × 2 seeds per β on the exact task: the exact metrics every step, π*'s per β."""
+    job = 0
+    for beta in betas:
+        for arm in ("k1", "k3"):
+            for seed in range(2):
+                folder = root / f"{job}_kl={arm},coef={beta},seed={seed}"
+                (folder / ".hydra").mkdir(parents=True)
+                config = {"model": {"name": "exact"}, "kl": {"name": arm, "coef": beta}, "trainer": {"steps": 4},
+                          "seed": seed}
+                (folder / ".hydra" / "config.yaml").write_text(yaml.safe_dump(config))
+                lines = [{"step": step, "reward/mean": 0.1 * step, "kl/exact": 0.01 * step,
+                          "exact/kl_sequence": 0.05 * step + 0.01 * seed, "exact/reward": 0.1 * step + 0.02 * seed,
+                          "exact/kl_optimal": 0.3 / beta, "exact/reward_optimal": 0.5 - 0.1 * beta}
+                         for step in range(4)]
+                (folder / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+                job += 1
+    return root
+
+
+@pytest.mark.parametrize("betas", [(0.2,), (0.1, 0.2, 0.4)])
+def test_the_exact_frontier_draws_the_optimum_not_a_pareto_front(tmp_path: Path, figures, betas) -> None:
+    """On the exact task every arm is on some trade-off: the plot puts each arm's final exact point against π* (one
+    β: its point and the line J = J*; several: π* at each β, joined), and draws no Pareto front among arms."""
+    report.main([str(write_exact_sweep(tmp_path / "sweep", betas)), "--out", str(tmp_path / "out"), "--wandb", "off"])
+    axes = figures["reward_vs_kl.png"].axes[0]
+    labels = [line.get_label() for line in axes.get_lines()]
+    assert not any("Pareto" in label for label in labels)
+    assert axes.get_xlabel() == "exact KL per sequence, KL(π‖π_ref)"
+    if len(betas) == 1:
+        assert "π* (β = 0.2)" in labels and "J = J*: R − β·KL at the optimum" in labels
+        line = next(line for line in axes.get_lines() if line.get_label().startswith("J = J*"))
+        xs, ys = line.get_data()
+        np.testing.assert_allclose(ys, (0.5 - 0.02) + 0.2 * (xs - 0.3 / 0.2))  # slope β through π*
+    else:
+        star = next(line for line in axes.get_lines() if line.get_label().startswith("π* at each β"))
+        xs, ys = star.get_data()
+        np.testing.assert_allclose(xs, sorted(0.3 / b for b in betas))  # π* per β, in order of KL
+        np.testing.assert_allclose(ys, [0.5 - 0.1 * b for b in sorted(betas, reverse=True)])
