@@ -211,3 +211,30 @@ def test_the_in_process_server_keeps_the_trust_rules_and_serves_only_in_a_batch(
         assert [t["logprob"] for t in reply["choices"][0]["logprobs"]["content"]] == [-0.5, -0.25]
     finally:
         server.close()
+
+
+def test_the_shipped_example_s_rubric_by_hand() -> None:
+    """``examples/verifiers_env.py``'s reward functions, on chat completions (no verifiers needed)."""
+    from examples.verifiers_env import correct_sum, short_answer
+
+    def said(text: str) -> list[dict]:
+        return [{"role": "assistant", "content": text}]
+
+    assert correct_sum(said("7"), answer="7") == 1.0 and correct_sum(said("3 + 4 = 7"), answer="7") == 1.0
+    assert correct_sum(said("7, no 8"), answer="7") == 0.0 and correct_sum(said("seven"), answer="7") == 0.0
+    assert short_answer(said(" 12 ")) == 1.0 and short_answer(said("the answer is 12")) == 0.0
+
+
+@pytest.mark.extra("verifiers")
+def test_the_shipped_example_environment_trains(compose, tiny_overrides, tmp_path: Path) -> None:
+    """``env.id=examples.verifiers_env:load_environment`` with its arguments: two steps, each rubric function logged,
+    the sample's reward their weighted sum (each function is 0 or 1)."""
+    cfg = compose([*overrides(tiny_overrides, tmp_path, "examples.verifiers_env:load_environment"),
+                   "+env.args.count=8", "+env.args.seed=3"])
+    Trainer(cfg, tmp_path / "run").train()
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [line for line in lines if "reward/mean" in line]
+    assert len(steps) == 2
+    for line in steps:
+        assert 0.0 <= line["env/correct_sum"] <= 1.0 and 0.0 <= line["env/short_answer"] <= 1.0
+        assert line["reward/mean"] == pytest.approx(line["env/correct_sum"] + 0.2 * line["env/short_answer"])
