@@ -18,9 +18,14 @@ def plain(text: str) -> str:
     return ROLE.sub(r"\1", text).replace("``", "")
 
 
-def resume_command(task_overrides: list[str], resume_overrides: tuple[str, ...]) -> str:
-    """The command line that continues a stopped run: its overrides, with resume and folder replaced."""
-    replaced = ("trainer.resume=", "trainer.output_dir=", "+trainer.resume=", "+trainer.output_dir=")
+RUN_FOLDER_KEYS = ("trainer.resume", "trainer.output_dir")  # what a run's resume line sets again
+
+
+def resume_command(task_overrides: list[str], resume_overrides: tuple[str, ...],
+                   replaced_keys: tuple[str, ...] = RUN_FOLDER_KEYS) -> str:
+    """The command line that continues a stopped run (or sweep): its overrides, with ``replaced_keys`` (resume and
+    folder) left out and ``resume_overrides`` added."""
+    replaced = tuple(f"{prefix}{key}=" for key in replaced_keys for prefix in ("", "+"))
     kept = [o for o in task_overrides if not o.startswith(replaced)]
     return " ".join([program_in_shell(), *map(shlex.quote, [*kept, *resume_overrides])])
 

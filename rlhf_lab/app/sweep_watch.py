@@ -52,12 +52,13 @@ class SweepWatch(Callback):
         self.folder: Path | None = None
         self.signal: int | None = None
         self.previous: dict[int, Any] = {}
+        self.total: int | None = None  # the sweep's jobs, where the basic sweeper's grid counts them
 
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
         self.folder = Path(str(config.hydra.sweep.dir)).expanduser().resolve()
         (self.folder / STOP_MARK).unlink(missing_ok=True)  # a resumed sweep runs again
         os.environ[SWEEP_PID] = str(os.getpid())
-        total = count_jobs(config.hydra)
+        self.total = total = count_jobs(config.hydra)
         if total is not None:
             os.environ[SWEEP_JOBS] = str(total)
         _say(f"sweep: {total if total is not None else 'its'} jobs into {self.folder}")
@@ -86,7 +87,7 @@ class SweepWatch(Callback):
         name = mark.read_text(encoding="utf-8").strip() or "a signal"
         mark.unlink()
         finished, stopped = job_states(self.folder)
-        total = count_jobs(config.hydra)
+        total = self.total
         never = f", {total - finished - stopped} never started" if total is not None else ""
         _say(f"sweep stopped by {name}: {finished} jobs finished, {stopped} stopped with a checkpoint{never}\n"
              f"to resume the sweep, run: {sweep_resume_command(sys.argv[1:], self.folder)}")
@@ -220,12 +221,8 @@ def job_seconds(job: Path) -> float | None:
 
 def sweep_resume_command(argv: list[str], folder: Path) -> str:
     """The sweep's command line again, with ``trainer.resume=auto`` and its folder (``hydra.sweep.dir``)."""
-    import shlex
+    from rlhf_lab.app.help_text import resume_command
 
-    from rlhf_lab.app.help_text import program_in_shell
-
-    replaced = ("trainer.resume=", "+trainer.resume=", "hydra.sweep.dir=", "+hydra.sweep.dir=")
-    kept = [arg for arg in argv if not arg.startswith(replaced)]
     where = f"hydra.sweep.dir='{folder}'" if "'" not in str(folder) and "\\" not in str(folder) else \
         f"hydra.sweep.dir={folder}"  # quoted for Hydra (a comma or an equals sign in the path)
-    return " ".join([program_in_shell(), *map(shlex.quote, [*kept, "trainer.resume=auto", where])])
+    return resume_command(argv, ("trainer.resume=auto", where), ("trainer.resume", "hydra.sweep.dir"))
