@@ -15,6 +15,7 @@ class RewardConfig:
     on_nonfinite: str = "error"  # error | drop: a NaN/inf score stops the run or drops that sample
     rescale: str = "none"  # registered kind `reward_rescale`: none | mode_anchor (arXiv 2510.20817), training only
     rescale_threshold: float | None = None  # mode_anchor: scores >= this count as high-reward modes
+    rescale_anchor: str = "batch"  # mode_anchor: batch (one anchor over the batch, the paper's) | group (one per prompt)
 
 
 @dataclass

@@ -34,6 +34,7 @@ from rlhf_lab.errors import ConfigError
 from rlhf_lab.generation.inflight import OVER_CAP, WEIGHT_UPDATES
 from rlhf_lab.registry import get, names
 from rlhf_lab.rewards.classifier import OUTPUTS
+from rlhf_lab.rewards.rescale import ANCHORS as RESCALE_ANCHORS
 from rlhf_lab.rewards.sentiment import TARGETS
 from rlhf_lab.trackers.wandb_run import MODES
 from rlhf_lab.training.save_policy import SAVE_POLICIES
@@ -71,10 +72,12 @@ def check_choices(cfg: Any) -> None:
         if getattr(get("algorithm", algorithm.name), "offline", False):
             raise ConfigError(f"reward.rescale={reward.rescale} rescores sampled responses, which "
                               f"algorithm={algorithm.name} does not draw (it learns from data): use reward.rescale=none")
-        if algorithm.get("group_size", 1) < 2:
-            raise ConfigError(f"reward.rescale={reward.rescale} rescores within a prompt's group of samples, and "
-                              f"algorithm.group_size={algorithm.get('group_size', 1)} gives it one: use "
-                              "algorithm.group_size of 2 or more, or reward.rescale=none")
+        choice("reward.rescale_anchor", reward.get("rescale_anchor", "batch"), RESCALE_ANCHORS)
+        if reward.get("rescale_anchor", "batch") == "group" and algorithm.get("group_size", 1) < 2:
+            raise ConfigError(f"reward.rescale={reward.rescale} with reward.rescale_anchor=group rescores within a "
+                              f"prompt's group of samples, and algorithm.group_size={algorithm.get('group_size', 1)} "
+                              "gives it one: use algorithm.group_size of 2 or more, reward.rescale_anchor=batch, or "
+                              "reward.rescale=none")
     choice("logger", cfg.logger.name, names("logger"))
     choice("logger.mode", cfg.logger.mode, MODES)
     choice("algorithm.loss_aggregation", algorithm.loss_aggregation, names("loss_aggregation"))

@@ -10,6 +10,13 @@ kind ``reward_rescale``): ``fn(scores [B], ref_sequence_logprobs [B], group_size
   likely: R̄(y) = R(z) + β·(log π_ref(z) − log π_ref(y)). Then π_ref(y)·exp(R̄(y)/β) = π_ref(z)·exp(R(z)/β)
   for every such y: the regularised optimum puts equal mass on every high-reward response in the group. The
   others keep their score.
+
+Where the anchor is taken (``reward.rescale_anchor``, :data:`ANCHORS`): ``batch``, one z over the whole training
+batch, as the paper's algorithm takes it (every high-reward sample of the step shares one target weight); ``group``,
+one z per prompt's group of samples. ``group`` deviates from the paper: on a task whose prompts share their modes
+(the exact task has one prompt) it draws B anchors a step instead of one, and each group's anchor is the most likely
+mode that group happened to sample, so the targets differ from group to group and the split over the modes falls
+short of uniform (docs/literature/mode-collapse.md measures both).
 """
 
 from __future__ import annotations
@@ -18,6 +25,8 @@ import torch
 from torch import Tensor
 
 from rlhf_lab.registry import register
+
+ANCHORS = ("batch", "group")  # reward.rescale_anchor: one anchor over the batch (the paper's) or one per group
 
 
 @register("reward_rescale", "none")
@@ -31,7 +40,8 @@ def no_rescale(scores: Tensor, ref_sequence_logprobs: Tensor, group_size: int, b
 def mode_anchor(scores: Tensor, ref_sequence_logprobs: Tensor, group_size: int, beta: float,
                 threshold: float | None) -> Tensor:
     """R̄(y) = R(z) + β·(log π_ref(z) − log π_ref(y)) for the samples of a group with R(y) ≥ τ, z the most likely
-    of them under the reference; [B] in, [B] out, groups of ``group_size`` consecutive samples."""
+    of them under the reference; [B] in, [B] out, anchored over blocks of ``group_size`` consecutive samples (a
+    prompt's group, or the whole batch: ``reward.rescale_anchor``)."""
     grouped = scores.view(-1, group_size)
     ref = ref_sequence_logprobs.to(scores.dtype).view(-1, group_size)
     good = grouped >= threshold

@@ -226,10 +226,11 @@ class ExperienceMaker:
                        entropy_from_update=sources.entropy_from_update)
 
     def _rescale(self, rollout: Scored, group_size: int, kl_coef: float) -> Scored:
-        """``reward.rescale`` on a training batch, with the reference's sequence log-probs: the scores the algorithm
-        optimises; the task's own are logged beside them (``reward/task``)."""
+        """``reward.rescale`` on a training batch, with the reference's sequence log-probs, anchored per group or over
+        the batch (``reward.rescale_anchor``): the scores trained on; the task's are logged too (``reward/task``)."""
+        span = group_size if self.cfg.reward.get("rescale_anchor", "batch") == "group" else len(rollout.scores)
         rescaled = self.rescale(rollout.scores, masked_sum(rollout.ref_logprobs, rollout.response_mask, dim=-1),
-                                group_size, kl_coef, self.cfg.reward.get("rescale_threshold"))
+                                span, kl_coef, self.cfg.reward.get("rescale_threshold"))
         if rescaled is rollout.scores:
             return rollout
         return replace(rollout, scores=rescaled, extras={**rollout.extras, "reward/task": rollout.scores})

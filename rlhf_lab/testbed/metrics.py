@@ -5,6 +5,8 @@ With π(y) the policy's sequence probability, π_ref the reference's, R the rewa
     J(π) = E_π[R] − β·KL(π‖π_ref)                      exact/objective
     π*(y) = π_ref(y)·exp(R(y)/β) / Z,  J* = β·log Z    the regularised optimum (exact/optimal_objective)
     J* − J(π) = β·KL(π‖π*) ≥ 0                         exact/gap, and KL(π‖π*) itself: exact/kl_to_optimal
+    J* − J(π_ref) = J* − E_π_ref[R]                    exact/gap_initial: the gap the run starts from (the policy
+                                                       starts as π_ref), against which a run has diverged
     KL(π‖π_ref), KL(π*‖π_ref)                           exact/kl_sequence, exact/kl_optimal
     E_π[R], ½ Σ_y |π(y) − π*(y)|                        exact/reward, exact/tv_to_optimal
     E_π[Σ_t estimate_t] − KL(π‖π_ref)                  exact/kl_estimate_bias (the run's estimator's value,
@@ -73,6 +75,7 @@ def exact_metrics(logprobs: Tensor, ref_logprobs: Tensor, rewards: Tensor, beta:
         "exact/objective": objective,
         "exact/optimal_objective": optimal_objective,
         "exact/gap": optimal_objective - objective,
+        "exact/gap_initial": optimal_objective - float((log_ref.exp() * rewards).sum()),
         "exact/kl_sequence": kl,
         "exact/kl_optimal": kl_optimal,
         "exact/reward": reward,

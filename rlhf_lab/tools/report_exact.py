@@ -56,9 +56,12 @@ def exact_job_metrics(train_lines: list[dict[str, Any]]) -> dict[str, float]:
         return {}
     last = exact_lines[-1]
     metrics = {column: last.get(key, math.nan) for column, _, key in EXACT_METRICS}
-    # Diverged: the run ended further from π* than it started (or at a non-finite objective).
-    first_gap, last_gap = exact_lines[0]["exact/gap"], last["exact/gap"]
-    metrics["diverged"] = float(not math.isfinite(last_gap) or last_gap > first_gap)
+    # Diverged: the run ended further from π* than the initial policy (π_ref) was, or at a non-finite objective.
+    # Runs logged before exact/gap_initial existed have no start to compare with: NaN, not the first logged gap
+    # (that one is already `exact_every` updates in).
+    start, last_gap = last.get("exact/gap_initial", math.nan), last["exact/gap"]
+    metrics["diverged"] = (1.0 if not math.isfinite(last_gap) else math.nan if math.isnan(start)
+                           else float(last_gap > start))
     if "exact/mode_coverage" in last:
         metrics.update({column: last.get(key, math.nan) for column, _, key in MODE_METRICS})
     if "exact/length" in last:

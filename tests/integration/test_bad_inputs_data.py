@@ -88,7 +88,7 @@ PIPELINE = [
          f"--gold '[sentiment]' is not a reward config; give a mapping with a reward's name, {GOLD_EXAMPLE}"),
     Case("gold_key_typo", ["--gold", "{name: length, min_wrds: 3}"],
          "pipeline stage dpo: unknown key 'reward.min_wrds' for reward=length; did you mean 'reward.min_words'? valid "
-         "keys: name, on_nonfinite, rescale, rescale_threshold, min_words, max_words, slope_words, "
+         "keys: name, on_nonfinite, rescale, rescale_threshold, rescale_anchor, min_words, max_words, slope_words, "
          "require_terminal_punctuation, format_weight"),
     Case("arms_unknown", ["--arms", "grpo,nosuch"],
          f"--arms grpo,nosuch: 'nosuch' is not an RL algorithm; choose from: {ARMS}"),

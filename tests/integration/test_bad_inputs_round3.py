@@ -229,9 +229,10 @@ def test_printing_the_config_checks_it_first(tmp_path: Path, monkeypatch, capsys
                         "learns from data): use reward.rescale=none"),
     (["algorithm=dpo"], "reward.rescale=mode_anchor rescores sampled responses, which algorithm=dpo does not draw (it "
                         "learns from data): use reward.rescale=none"),
-    (["algorithm.group_size=1"], "reward.rescale=mode_anchor rescores within a prompt's group of samples, and "
-                                 "algorithm.group_size=1 gives it one: use algorithm.group_size of 2 or more, or "
-                                 "reward.rescale=none"),
+    (["algorithm.group_size=1", "reward.rescale_anchor=group"],
+     "reward.rescale=mode_anchor with reward.rescale_anchor=group rescores within a prompt's group of samples, and "
+     "algorithm.group_size=1 gives it one: use algorithm.group_size of 2 or more, reward.rescale_anchor=batch, or "
+     "reward.rescale=none"),
 ])
 def test_a_rescale_the_run_would_ignore_is_refused(overrides: list[str], message: str) -> None:
     from rlhf_lab.errors import ConfigError

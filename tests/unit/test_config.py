@@ -170,7 +170,7 @@ def test_group_options_are_yaml_files_not_stored_schemas() -> None:
     [
         (["reward=sentiment", "reward.min_words=3"],
          "unknown key 'reward.min_words' for reward=sentiment; valid keys: name, on_nonfinite, rescale, "
-         "rescale_threshold, target"),
+         "rescale_threshold, rescale_anchor, target"),
         (["algorithm=ppo", "algorithm.weight_by=reward"],
          f"unknown key 'algorithm.weight_by' for algorithm=ppo; valid keys: {keys(PPOConfig)}"),
         (["algorithm=grpo", "algorithm.critic=separate"],
@@ -198,7 +198,7 @@ def test_a_key_of_another_option_is_an_error_naming_the_option(overrides: list[s
     [
         (["reward=sentiment", "+reward.min_words=3"],
          "unknown key 'reward.min_words' for reward=sentiment; valid keys: name, on_nonfinite, rescale, "
-         "rescale_threshold, target"),
+         "rescale_threshold, rescale_anchor, target"),
         (["algorithm=ppo", "+algorithm.scale_by_std=false"],
          f"unknown key 'algorithm.scale_by_std' for algorithm=ppo; valid keys: {keys(PPOConfig)}"),
         (["model=tiny", "+model.tiny.depth=3"],

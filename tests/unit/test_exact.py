@@ -51,6 +51,7 @@ def test_metrics_match_a_two_symbol_two_token_case_by_hand() -> None:
         "exact/objective": reward - beta * kl,
         "exact/optimal_objective": beta * math.log(partition),
         "exact/gap": beta * math.log(partition) - (reward - beta * kl),
+        "exact/gap_initial": beta * math.log(partition) - 0.25 * (1.0 + 0.5),  # π_ref's: E_ref[R], no KL
         "exact/kl_optimal": sum(q * math.log(q / 0.25) for q in optimal),
         "exact/reward_optimal": sum(q * r for q, r in zip(optimal, (1.0, 0.0, 0.0, 0.5))),
         "exact/tv_to_optimal": 0.5 * sum(abs(p - q) for p, q in zip(policy, optimal)),

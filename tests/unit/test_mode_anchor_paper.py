@@ -56,3 +56,34 @@ def test_the_training_batch_passes_sequence_log_probs_over_the_response_and_the_
     # log π_ref = (−3, −1): the anchor is sample 1; R̄0 = 1 + 0.25·(−1 + 3) = 1.5
     torch.testing.assert_close(rollout.scores, torch.tensor([1.5, 1.0]))
     torch.testing.assert_close(rollout.extras["reward/task"], torch.tensor([1.0, 1.0]))
+
+
+def _batch_of_two_groups(anchor: str | None) -> Scored:
+    """Two prompts' groups of 2, every sample at the threshold: log π_ref = (−3, −2 | −1, −4)."""
+    ref_tokens = torch.tensor([[-3.0], [-2.0], [-1.0], [-4.0]])
+    rollout = Scored(input_ids=torch.zeros(4, 3, dtype=torch.long), attention_mask=torch.ones(4, 3),
+                     response_mask=torch.ones(4, 1), prompt_width=2, group_size=2, logprobs=torch.zeros(4, 1),
+                     entropy=torch.zeros(4, 1), scores=torch.tensor([1.0, 1.0, 1.0, 1.0]), ref_logprobs=ref_tokens,
+                     extras={})
+    reward = {"rescale_threshold": 0.9, **({"rescale_anchor": anchor} if anchor else {})}
+    maker = SimpleNamespace(rescale=mode_anchor, cfg=OmegaConf.create({"reward": reward}))
+    return ExperienceMaker._rescale(maker, rollout, 2, 0.5)
+
+
+def test_the_batch_anchor_is_one_z_over_the_batch_as_the_paper_takes_it() -> None:
+    """reward.rescale_anchor=batch (the default): one anchor over all four samples, z = sample 2 (log π_ref −1), so
+    R̄(y) = 1 + 0.5·(−1 − log π_ref(y)) and π_ref·exp(R̄/β) is the same for all four (e^1 · e^2 = e^1 after −1)."""
+    for anchor in (None, "batch"):
+        scores = _batch_of_two_groups(anchor).scores
+        torch.testing.assert_close(scores, torch.tensor([2.0, 1.5, 1.0, 2.5]))
+        target = torch.tensor([-3.0, -2.0, -1.0, -4.0]) + scores / 0.5
+        torch.testing.assert_close(target, torch.full((4,), 1.0))
+
+
+def test_the_group_anchor_is_one_z_per_prompt_a_deviation() -> None:
+    """reward.rescale_anchor=group: z = sample 1 in the first group (−2), sample 2 in the second (−1); the two
+    groups' targets differ (e^0 against e^1), which the batch anchor does not allow."""
+    scores = _batch_of_two_groups("group").scores
+    torch.testing.assert_close(scores, torch.tensor([1.5, 1.0, 1.0, 2.5]))
+    target = torch.tensor([-3.0, -2.0, -1.0, -4.0]) + scores / 0.5
+    torch.testing.assert_close(target, torch.tensor([0.0, 0.0, 1.0, 1.0]))
