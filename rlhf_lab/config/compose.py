@@ -153,11 +153,11 @@ def compose(overrides: list[str], pending_paths: Collection[str] = (), study: bo
         if study:
             check_study(hydra_cfg, [o for o in overrides if not o.startswith(HYDRA_PREFIXES)])
     params = sweeper_params(hydra_cfg)
-    if params and cfg.get("claims"):  # a claim's arms against the experiment's own grid, before any job starts
-        check_claims(cfg.claims, expand_jobs(params, [], CONF_DIR, paths))
     if params is not None:  # the basic sweeper: every job it would launch, composed and validated now
         task = [o for o in overrides if "=" in o and not o.startswith(HYDRA_PREFIXES)]
         jobs = expand_jobs(params, task, CONF_DIR, paths)
+        if params and cfg.get("claims"):  # the claims' arms (the experiment's grid) and seeds (these jobs)
+            check_claims(cfg.claims, expand_jobs(params, [], CONF_DIR, paths), cfg, jobs)
         if len(jobs) > 1:
             if announce is not None:
                 announce(len(jobs))

@@ -269,16 +269,16 @@ class WandbLoggerConfig(LoggerConfig):
 @dataclass
 class ClaimConfig:
     """A literature claim an experiment checks (``rlhf-lab report``; rlhf_lab/config/claims.py): arm ``a``'s
-    ``metric`` (a report column) against arm ``b``'s, or against ``value``."""
+    ``metric`` (a report column) against arm ``b``'s, or against ``value``, by at least ``min_effect``."""
 
     name: str = MISSING  # a short identifier (W&B summary key claims/<name>/...)
     metric: str = MISSING  # a report column, e.g. final_gap (rlhf_lab/tools/report_columns.py)
     a: str = MISSING  # an arm of the sweep: its swept overrides, e.g. "kl_arm=kl_reward" or "algorithm=grpo,kl_arm=mse_loss"
-    kind: str = "less"  # less (a < b) | equal (|a - b| <= tolerance) | at_most (a <= value) | at_least (a >= value)
+    kind: str = "less"  # less (a < b) | equal (|a - b| <= min_effect) | at_most (a <= value) | at_least (a >= value)
     b: str | None = None  # the other arm (less, equal)
-    value: float | None = None  # the bound (at_most, at_least)
-    tolerance: float = 0.0  # equal: the largest |a - b| of any seed
-    every_seed: bool = False  # less: also a < b in every seed, not only beyond the interval
+    value: float | None = None  # the bound (at_most, at_least); for a rate (diverged) the rate's bound in (0, 1)
+    min_effect: float | None = None  # required: the smallest effect that matters, in the metric's units (equal: the margin)
+    noise: float | None = None  # the sd of the per-seed numbers a pilot showed: the seeds are checked against power at launch
     text: str = ""  # the claim as its source states it
 
 

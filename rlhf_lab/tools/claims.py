@@ -1,29 +1,33 @@
-"""An experiment's claims evaluated on its jobs (``rlhf-lab report``): PASS / FAIL, seeds, effect, 95% interval.
+"""An experiment's claims evaluated on its jobs (``rlhf-lab report``): PASS / FAIL / INCONCLUSIVE with stated error
+rates (:mod:`rlhf_lab.tools.claim_rule` derives them).
 
 The claims are the ``claims:`` of the jobs' resolved config (:mod:`rlhf_lab.config.claims`). Per claim, each
 seed gives one number: ``a − b`` for ``less`` and ``equal`` (seeds paired, those both arms ran), ``a − value`` for
-``at_most`` / ``at_least``. The effect is their mean; the 95% interval is the percentile bootstrap of that mean
-over seeds (10,000 resamples, a fixed generator, so a report is reproducible). Verdicts:
-
-- ``less``: PASS when the whole interval is below 0 (the ordering is beyond the seeds' noise), and with
-  ``every_seed`` also a < b in every seed;
-- ``equal``: PASS when |a − b| ≤ ``tolerance`` in every seed;
-- ``at_most`` / ``at_least``: PASS when the interval's upper end is ≤ 0 / its lower end is ≥ 0;
-- NO DATA: an arm the report does not have (a partial sweep), or too few seeds (a bootstrap needs 2).
+``at_most`` / ``at_least``; for a 0/1 metric (``diverged``) the number of seeds where it is 1. The effect is their
+mean (or the rate). Each claim's two one-sided tests (its effect beyond 0 in the claimed direction: PASS; short of
+its ``min_effect``: FAIL) are Holm-corrected over the experiment's claims at α = 0.05 each way, so the chance that
+any claim of an experiment PASSes wrongly is at most 5%, whatever the number of claims. A claim below the seeds its
+power needs is INCONCLUSIVE, with the seeds it needs. NO DATA: an arm the report does not have (a partial sweep),
+or fewer than 2 seeds.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from rlhf_lab.config.claims import parse_arm
+from rlhf_lab.config.claims import RATE_METRICS, parse_arm
+from rlhf_lab.tools import claim_rule
+from rlhf_lab.tools.claim_rule import ALPHA, POWER
 
-RESAMPLES = 10_000
+CLAIMS_NOTE = ("Each claim's effect is the mean over seeds of a − b (or a − the bound; for `diverged` the rate), its "
+               "interval the t interval (Clopper–Pearson for a rate) at 1 − 2·0.05/m over the m claims. PASS and FAIL "
+               "are one-sided tests Holm-corrected over the claims at 0.05 each way; below the seeds its power needs "
+               "(0.8 at the claim's minimum effect) a claim is INCONCLUSIVE (rlhf_lab/tools/claim_rule.py).")
 
 
 @dataclass
@@ -32,26 +36,29 @@ class ClaimResult:
     text: str
     metric: str
     comparison: str  # "a < b" written with the arms
-    verdict: str  # PASS | FAIL | NO DATA
+    verdict: str  # PASS | FAIL | INCONCLUSIVE | NO DATA
     seeds: list[Any]
-    effect: float  # mean over seeds of a − b (or a − value)
-    low: float  # 95% bootstrap interval of the effect
+    effect: float  # mean over seeds of a − b (or a − value); the rate for a 0/1 metric
+    low: float  # the interval of the effect at 1 − 2α/m (m claims): each end at Bonferroni's level
     high: float
-    why: str = ""  # what NO DATA lacks
+    min_effect: float = math.nan  # the claim's: the smallest effect that matters (equal: the margin)
+    seeds_needed: int | None = None  # for power POWER at min_effect, the noise these seeds show
+    false_pass: float = math.nan  # the chance a claim with no effect PASSes at these seeds and this level
+    p_pass: float = math.nan  # Holm-adjusted p of the PASS test
+    p_fail: float = math.nan  # Holm-adjusted p of the FAIL test
+    sd: float = math.nan  # the seeds' standard deviation (of a − b)
+    why: str = ""  # what NO DATA lacks; why INCONCLUSIVE; why FAIL
+    replicated: dict[str, Any] = field(default_factory=dict)  # the same claim at fresh seeds (--replicate)
 
     def summary(self) -> dict[str, Any]:
         """The W&B summary / claims.json entry: ``claims/<name>/<field>``."""
-        return {f"claims/{self.name}/{key}": value for key, value in (
-            ("verdict", self.verdict), ("pass", self.verdict == "PASS"), ("effect", self.effect),
-            ("ci_low", self.low), ("ci_high", self.high), ("seeds", len(self.seeds)), ("metric", self.metric))}
-
-
-def bootstrap_interval(values: np.ndarray, resamples: int = RESAMPLES, seed: int = 0) -> tuple[float, float]:
-    """The 95% percentile-bootstrap interval of the mean of ``values`` (over seeds)."""
-    generator = np.random.default_rng(seed)
-    means = values[generator.integers(0, len(values), size=(resamples, len(values)))].mean(axis=1)
-    low, high = np.percentile(means, [2.5, 97.5])
-    return float(low), float(high)
+        fields = [("verdict", self.verdict), ("pass", self.verdict == "PASS"), ("effect", self.effect),
+                  ("ci_low", self.low), ("ci_high", self.high), ("min_effect", self.min_effect),
+                  ("seeds", len(self.seeds)), ("seeds_needed", self.seeds_needed), ("false_pass_rate", self.false_pass),
+                  ("p_pass", self.p_pass), ("p_fail", self.p_fail), ("metric", self.metric)]
+        if self.replicated:
+            fields += [(f"replicate_{key}", value) for key, value in self.replicated.items()]
+        return {f"claims/{self.name}/{key}": value for key, value in fields}
 
 
 def _text(value: Any) -> str:
@@ -75,40 +82,81 @@ def _arm_values(spec: str, arms: list[Any], per_job: dict[int, dict[str, float]]
     return {seed: value for seed, value in values.items() if not math.isnan(value)}
 
 
-def evaluate_claim(claim: Any, arms: list[Any], per_job: dict[int, dict[str, float]]) -> ClaimResult:
-    """One claim on the report's arms (``per_job``: each job's columns, by ``id(job)``)."""
+def _numbers(claim: Any, arms: list[Any], per_job: dict[int, dict[str, float]],
+             result: ClaimResult) -> np.ndarray | None:
+    """The claim's number per seed (``a − b`` paired, ``a − value``, or the 0/1 metric itself); None, with
+    ``result.why`` set, when an arm is missing or fewer than 2 seeds have it."""
     kind, metric = claim["kind"], claim["metric"]
     a = _arm_values(claim["a"], arms, per_job, metric)
-    against = claim.get("b") if kind in ("less", "equal") else claim.get("value")
-    symbol = {"less": "<", "equal": "=", "at_most": "≤", "at_least": "≥"}[kind]
-    comparison = f"{claim['a']} {symbol} {against}"
-    b = _arm_values(against, arms, per_job, metric) if kind in ("less", "equal") else None
-    result = ClaimResult(claim["name"], claim.get("text", ""), metric, comparison, "NO DATA", [], math.nan, math.nan,
-                         math.nan)
+    b = _arm_values(claim["b"], arms, per_job, metric) if kind in ("less", "equal") else None
     for side in (a, b):
         if isinstance(side, str):
             result.why = side
-            return result
-    if b is None:
-        seeds = sorted(a, key=str)
-        differences = np.array([a[seed] - float(against) for seed in seeds])
-    else:
-        seeds = sorted(set(a) & set(b), key=str)
-        differences = np.array([a[seed] - b[seed] for seed in seeds])
+            return None
+    seeds = sorted(a if b is None else set(a) & set(b), key=str)
     result.seeds = seeds
     if len(seeds) < 2:
-        result.why = f"{len(seeds)} seed(s) with {metric} in both arms; a bootstrap needs 2"
-        return result
-    result.effect = float(differences.mean())
-    result.low, result.high = bootstrap_interval(differences)
-    passed = {
-        "less": result.high < 0 and (not claim.get("every_seed") or bool((differences < 0).all())),
-        "equal": bool((np.abs(differences) <= float(claim.get("tolerance") or 0.0)).all()),
-        "at_most": result.high <= 0,
-        "at_least": result.low >= 0,
-    }[kind]
-    result.verdict = "PASS" if passed else "FAIL"
-    return result
+        result.why = f"{len(seeds)} seed(s) with {metric} in {'both arms' if b is not None else 'the arm'}; a test needs 2"
+        return None
+    if metric in RATE_METRICS:
+        return np.array([a[seed] for seed in seeds])
+    return np.array([a[seed] - (b[seed] if b is not None else float(claim["value"])) for seed in seeds])
+
+
+def _test(claim: Any, numbers: np.ndarray, level: float) -> tuple[claim_rule.Test, int | None, float]:
+    """The claim's tests at one-sided ``level``, the seeds its power needs and its false-PASS rate."""
+    kind, delta = claim["kind"], float(claim["min_effect"])
+    n = len(numbers)
+    if claim["metric"] in RATE_METRICS:
+        at_most, bound = kind == "at_most", float(claim["value"])
+        test = claim_rule.rate_test(int(round(numbers.sum())), n, bound, level, at_most)
+        true = bound - delta if at_most else bound + delta
+        needed = claim_rule.seeds_needed(lambda k: claim_rule.rate_pass_probability(k, bound, level, at_most, true))
+        return test, needed, claim_rule.rate_pass_probability(n, bound, level, at_most, bound)
+    if kind == "equal":
+        test = claim_rule.equivalence_test(numbers, delta, level)
+    else:
+        test = claim_rule.mean_test(numbers, delta, level, sign=1 if kind == "at_least" else -1)
+    needed = claim_rule.seeds_needed(lambda k: claim_rule.mean_power(k, test.sd, delta, level, kind == "equal"))
+    return test, needed, level
+
+
+def evaluate_claims(claims: list[Any], arms: list[Any], per_job: dict[int, dict[str, float]]) -> list[ClaimResult]:
+    """The claims on the report's arms (``per_job``: each job's columns, by ``id(job)``), Holm-corrected together."""
+    results, tests = [], {}
+    for claim in claims:
+        symbol = {"less": "<", "equal": "=", "at_most": "≤", "at_least": "≥"}[claim["kind"]]
+        against = claim.get("b") if claim["kind"] in ("less", "equal") else claim.get("value")
+        result = ClaimResult(claim["name"], claim.get("text", ""), claim["metric"], f"{claim['a']} {symbol} {against}",
+                             "NO DATA", [], math.nan, math.nan, math.nan, float(claim.get("min_effect") or math.nan))
+        numbers = _numbers(claim, arms, per_job, result)
+        if numbers is not None:
+            tests[len(results)] = (claim, numbers)
+        results.append(result)
+    level = ALPHA / max(1, len(tests))  # Bonferroni's per-claim level: Holm's strictest, the power's and intervals'
+    computed = {index: _test(claim, numbers, level) for index, (claim, numbers) in tests.items()}
+    adjusted_pass = claim_rule.holm([test.p_pass for test, _, _ in computed.values()])
+    adjusted_fail = claim_rule.holm([test.p_fail for test, _, _ in computed.values()])
+    for (index, (test, needed, false_pass)), p_pass, p_fail in zip(computed.items(), adjusted_pass, adjusted_fail):
+        result = results[index]
+        result.effect, result.low, result.high, result.sd = test.effect, test.low, test.high, test.sd
+        result.seeds_needed, result.false_pass, result.p_pass, result.p_fail = needed, false_pass, p_pass, p_fail
+        n = len(result.seeds)
+        if needed is None or n < needed:
+            result.verdict = "INCONCLUSIVE"
+            result.why = (f"needs {needed} seeds, has {n}" if needed else "no seed count up to "
+                          f"{claim_rule.MAX_SEEDS} reaches power {POWER}") + f" (min_effect {result.min_effect:.3g}"
+            result.why += f", sd {test.sd:.3g})" if result.metric not in RATE_METRICS else ")"
+        elif p_fail <= ALPHA:
+            result.verdict = "FAIL"
+            result.why = ("beyond the margin" if tests[index][0]["kind"] == "equal" else
+                          "against the bound" if result.metric in RATE_METRICS else "short of min_effect")
+        elif p_pass <= ALPHA:
+            result.verdict = "PASS"
+        else:
+            result.verdict = "INCONCLUSIVE"
+            result.why = "the interval holds both outcomes"
+    return results
 
 
 def claims_of(jobs: list[Any]) -> list[dict[str, Any]]:
@@ -132,17 +180,39 @@ def experiment_claims(name: str) -> list[dict[str, Any]]:
     return list(OmegaConf.to_container(_hydra_compose([f"experiment={name}"]).claims, resolve=True))
 
 
+def _interval(result: ClaimResult) -> str:
+    return "—" if math.isnan(result.low) else f"[{result.low:.3g}, {result.high:.3g}]"
+
+
+def _number(value: float | None) -> str:
+    return "—" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.3g}"
+
+
 def claims_table(results: list[ClaimResult]) -> str:
-    """The markdown table of verdicts."""
-    lines = ["| claim | verdict | metric | comparison | seeds | effect (a − b) | 95% interval |",
-             "| --- | --- | --- | --- | ---: | ---: | --- |"]
+    """How the claims were judged, then the markdown table of verdicts (with a replication's verdict beside each,
+    when there is one)."""
+    replicated = any(result.replicated for result in results)
+    lines = [CLAIMS_NOTE, "","| claim | verdict | metric | comparison | effect | interval | min effect | seeds (needed) | "
+             "false PASS | p (Holm) |" + (" at fresh seeds |" if replicated else ""),
+             "| --- | --- | --- | --- | ---: | --- | ---: | ---: | ---: | ---: |" + (" --- |" if replicated else "")]
     for result in results:
-        interval = "—" if math.isnan(result.low) else f"[{result.low:.3g}, {result.high:.3g}]"
-        effect = "—" if math.isnan(result.effect) else f"{result.effect:.3g}"
         verdict = result.verdict if not result.why else f"{result.verdict} ({result.why})"
-        lines.append(f"| {result.name} | {verdict} | {result.metric} | {result.comparison} | {len(result.seeds)} | "
-                     f"{effect} | {interval} |")
+        needed = "—" if result.seeds_needed is None else result.seeds_needed
+        line = (f"| {result.name} | {verdict} | {result.metric} | {result.comparison} | {_number(result.effect)} | "
+                f"{_interval(result)} | {_number(result.min_effect)} | {len(result.seeds)} ({needed}) | "
+                f"{_number(result.false_pass)} | {_number(result.p_pass)} |")
+        if replicated:
+            line += f" {_replication(result)} |"
+        lines.append(line)
     return "\n".join(lines)
+
+
+def _replication(result: ClaimResult) -> str:
+    again = result.replicated
+    if not again:
+        return "—"
+    flag = " **FLIPPED**" if again.get("flipped") else ""
+    return f"{again['verdict']}{flag}: {_number(again['effect'])} {again['interval']} at {again['seeds']} seeds"
 
 
 def claim_lines(results: list[ClaimResult]) -> list[str]:
@@ -153,6 +223,10 @@ def claim_lines(results: list[ClaimResult]) -> list[str]:
             lines.append(f"NO DATA {r.name}: {r.comparison} on {r.metric} ({r.why})")
             continue
         seeds = ",".join(str(seed) for seed in r.seeds)
-        lines.append(f"{r.verdict} {r.name}: {r.comparison} on {r.metric}; seeds {seeds}; effect {r.effect:.3g} "
-                     f"[95% CI {r.low:.3g}, {r.high:.3g}]")
+        why = f" ({r.why})" if r.why else ""
+        line = (f"{r.verdict}{why} {r.name}: {r.comparison} on {r.metric}; seeds {seeds}; effect {r.effect:.3g} "
+                f"{_interval(r)}, min effect {r.min_effect:.3g}, false PASS {r.false_pass:.3g}")
+        if r.replicated:
+            line += f"; at fresh seeds {_replication(r)}"
+        lines.append(line)
     return lines

@@ -32,8 +32,9 @@ the table's values and the claims (the seeds column says how many of an arm's jo
 command that finishes it, in both.
 
 An experiment's claims (``claims:`` in its YAML, or ``--claims EXPERIMENT`` for the ones it lists now) are checked
-on the arms (:mod:`rlhf_lab.tools.claims`): PASS / FAIL, seeds, effect and a 95% bootstrap interval, printed, in
-report.md and ``claims.json``, and (``--wandb auto|on``) in a W&B run's summary (:mod:`rlhf_lab.tools.report_wandb`).
+on the arms (:mod:`rlhf_lab.tools.claims`): PASS / FAIL / INCONCLUSIVE, effect, interval, minimum effect, seeds (and
+those its power needs), false-PASS rate, printed, in report.md and ``claims.json``, and (``--wandb auto|on``) in a
+W&B run's summary (:mod:`rlhf_lab.tools.report_wandb`); ``--replicate`` runs them again at fresh seeds.
 
 An Optuna search's folder (``hydra/sweeper=optuna``) also holds ``optimization_results.yaml``: the report then
 starts with the best trial (value, parameters, folder) and a table of every trial by objective value.
@@ -55,11 +56,12 @@ import yaml
 
 from rlhf_lab.app.help_text import plain, resume_command
 from rlhf_lab.errors import ToolError
-from rlhf_lab.tools.claims import ClaimResult, claim_lines, claims_of, claims_table, evaluate_claim, experiment_claims
+from rlhf_lab.tools.claims import ClaimResult, claim_lines, claims_of, claims_table, evaluate_claims, experiment_claims
 from rlhf_lab.tools.report_columns import METRICS
 from rlhf_lab.tools.report_exact import exact_job_metrics, exact_plots, rank_by_gap
 from rlhf_lab.tools.report_jobs import SUMMARY_FILE, Job, JobProblem, failure, find_jobs, load_job  # noqa: F401
 from rlhf_lab.tools.report_plots import BANDS, PLOT_FILES, PlotOptions, write_all
+from rlhf_lab.tools.report_replicate import parse_seeds, replicate_claims
 from rlhf_lab.tools.report_search import optuna_section
 from rlhf_lab.tools.report_wandb import CHOICES as WANDB_CHOICES
 from rlhf_lab.tools.report_wandb import log_claims
@@ -295,8 +297,9 @@ def build_report(folder: Path, out: Path | None = None,
 
 
 def write_report(folder: Path, out: Path | None = None, options: PlotOptions | None = None,
-                 wandb: str = "auto", claims_from: str | None = None) -> Report:
-    """Write report.csv, report.md and the plots that have data; return what was written and left out."""
+                 wandb: str = "auto", claims_from: str | None = None, replicate: list[int] | None = None) -> Report:
+    """Write report.csv, report.md and the plots that have data; return what was written and left out.
+    ``replicate``: the claims again at those fresh seeds (``[]``: the default ones), beside the verdicts."""
     folder = Path(folder)
     if not folder.is_dir():
         raise ReportError(f"{folder} is not a folder")
@@ -319,7 +322,10 @@ def write_report(folder: Path, out: Path | None = None, options: PlotOptions | N
     failed = [f"{job.folder}: {job.failed}; to finish it: {finish_command(job)}" for job in jobs if job.failed]
     per_job = finished_metrics(jobs)
     listed = claims_of(jobs) if claims_from is None else experiment_claims(claims_from)
-    claims = [evaluate_claim(claim, arms, per_job) for claim in listed]
+    claims = evaluate_claims(listed, arms, per_job)
+    if replicate is not None:  # tools/report_replicate.py: the same jobs at fresh seeds, the same rule
+        replicate_claims(claims, jobs, listed, folder, replicate,
+                         lambda again: evaluate_claims(listed, group_arms(again), finished_metrics(again)))
     if claims:  # tools/claims.py: each claim's verdict, for machines (the W&B summary's keys)
         summary = {key: value for result in claims for key, value in result.summary().items()}
         (out / "claims.json").write_text(json.dumps(summary, indent=1, default=str), encoding="utf-8")
@@ -335,9 +341,7 @@ def write_report(folder: Path, out: Path | None = None, options: PlotOptions | N
             "",
             table,
             "",
-            *(["## Claims", "", "Each claim's effect is the mean over seeds of a − b (or a − the bound), its interval "
-               "the 95% bootstrap over seeds (rlhf_lab/tools/claims.py).", "", claims_table(claims), ""]
-              if claims else []),
+            *(["## Claims", "", claims_table(claims), ""] if claims else []),
             *([f"Unfinished jobs ({len(failed)}; left out of the table's values and the claims, their curves "
                "drawn as far as they got):", "", *(f"- {line}" for line in failed), ""] if failed else []),
             *(f"![{path.stem}]({path.name})" for path in plots),
@@ -362,6 +366,9 @@ def main(args: list[str] | None = None) -> None:
                         "lists now (default: those the jobs ran with)")
     parser.add_argument("--last-k", type=int, default=None, help="frontier: mean of the last K training steps "
                         "(default: 20%% of the steps)")
+    parser.add_argument("--replicate", nargs="?", const="", default=None, metavar="SEEDS", help="run the claims "
+                        "again at fresh seeds (SEEDS: e.g. 100,101,102; default: as many as the folder's, from 100) "
+                        "into FOLDER_replicate and print both verdicts side by side")
     options = parser.parse_args(args)
     try:
         if not 0 <= options.ema < 1:
@@ -369,7 +376,8 @@ def main(args: list[str] | None = None) -> None:
         if options.last_k is not None and options.last_k < 1:
             raise ReportError(f"--last-k {options.last_k} is out of range; must be >= 1")
         plot_options = PlotOptions(ema=options.ema, band=options.band, last_k=options.last_k)
-        report = write_report(options.folder, options.out, plot_options, options.wandb, options.claims)
+        report = write_report(options.folder, options.out, plot_options, options.wandb, options.claims,
+                              parse_seeds(options.replicate))
     except ToolError as error:  # ReportError, and an unknown --claims experiment
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)

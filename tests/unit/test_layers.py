@@ -62,6 +62,10 @@ CROSSINGS: dict[tuple[str, str], str] = {
         "the same command checks the sweep's search space as `rlhf-lab sweep` does",
     ("rlhf_lab.config.claims", "rlhf_lab.tools.report_columns"):
         "a claim names a report column; the columns are the report's, read when a claim is checked",
+    ("rlhf_lab.config.claims", "rlhf_lab.tools.report_exact"):
+        "a claim's metric must be one its experiment logs: the exact task's columns are the report's",
+    ("rlhf_lab.config.claims", "rlhf_lab.tools.claim_rule"):
+        "the seeds a claim needs are the report's power calculation, checked before any job starts",
 }
 
 
