@@ -42,13 +42,13 @@ def test_an_in_flight_job_trains_on_tokens_of_three_versions(compose, tmp_path) 
 
 
 def test_the_drop_bias_grid_and_a_short_job_of_its_drop_arm(compose, tmp_path) -> None:
-    """``experiment=async_drop_bias``: 6 drop arms x 5 seeds on the exact task with a stop symbol; a short job of the
+    """``experiment=async_drop_bias``: 6 drop arms x 10 seeds on the exact task with a stop symbol; a short job of the
     drop arm logs the policy's mean length against π*'s, and its cap's drops."""
     from rlhf_lab.config.compose import _hydra_compose
 
     sweep = _hydra_compose(["experiment=async_drop_bias"], return_hydra_config=True).hydra.sweeper.params
     assert {key: str(value) for key, value in sweep.items()} == {"+drop_arm": "sync,continuous,drop6,wait6,drop5,wait5",
-                                                                 "seed": "0,1,2,3,4"}
+                                                                 "seed": "0,1,2,3,4,5,6,7,8,9"}
     for arm in ("sync", "continuous", "drop6", "wait6", "drop5", "wait5"):
         cfg = compose(["experiment=async_drop_bias", f"+drop_arm={arm}"])
         generation = cfg.generation
