@@ -75,7 +75,11 @@ def main(argv: list[str] | None = None) -> None:
             overrides = with_config_dirs(overrides, config_dirs)  # --config-dir DIR: on the search path, as Hydra does
             argv = expand_globs(argv, CONF_DIR, search_paths(overrides))  # kl=glob(*): the options, no schemas
             overrides = expand_globs(overrides, CONF_DIR, search_paths(overrides))
-            cfg = compose(overrides, announce=None if printing.intersection(argv) else announce_checks)
+            from rlhf_lab.training.sweep_memory import held_state_check
+
+            # A sweep's jobs are each composed and validated, and refused where their held memory cannot fit.
+            checks = {} if printing.intersection(argv) else {"announce": announce_checks, "check_job": held_state_check()}
+            cfg = compose(overrides, **checks)
             new_folder = None if printing.intersection(argv) else _claim_run_folder(cfg, argv, overrides)
         except UserError as error:
             from rlhf_lab.runtime.rank_output import report_error

@@ -31,6 +31,7 @@ from rlhf_lab.config.sweep_jobs import (  # noqa: F401  (GROUPS, group_options: 
     check_search_paths,
     expand_jobs,
     group_options,
+    jobs_run_here,
     search_paths,
     searchpath_override,
     sweeper_params,
@@ -130,13 +131,16 @@ def _hydra_compose(overrides: list[str], return_hydra_config: bool = False) -> D
 
 
 def compose(overrides: list[str], pending_paths: Collection[str] = (), study: bool = True,
-            announce: Callable[[int], None] | None = None) -> DictConfig:
+            announce: Callable[[int], None] | None = None,
+            check_job: Callable[[DictConfig], None] | None = None) -> DictConfig:
     """Compose the config a job would get (a sweep's first values) and validate it.
 
     ``pending_paths``: folders the config names that an earlier stage writes (``rlhf-lab pipeline`` checks every
     stage before the first runs); they are not checked for existence. ``study=False``: an Optuna search's stored
     study is not opened (a command that only reads the search space: ``rlhf-lab wandb sweep``). ``announce(jobs)``:
-    called once the first job checked out, before the sweep's other jobs are (they can take minutes). Raises
+    called once the first job checked out, before the sweep's other jobs are (they can take minutes).
+    ``check_job(cfg)``: called on each job's config of a sweep whose jobs run in this process (``rlhf-lab`` passes
+    :func:`rlhf_lab.training.sweep_memory.held_state_check`), its ``ConfigError`` naming the job. Raises
     :class:`ConfigError` (a ``UserError``), one line, on any mistake.
     """
     overrides = normalize_overrides(list(overrides))
@@ -161,13 +165,16 @@ def compose(overrides: list[str], pending_paths: Collection[str] = (), study: bo
         if len(jobs) > 1:
             if announce is not None:
                 announce(len(jobs))
-            composed = check_jobs(jobs, lambda job: _compose_job(check_overrides(job)), searchpath_override(paths))
+            check = check_job if check_job is not None and jobs_run_here(hydra_cfg) else None
+            composed = check_jobs(jobs, lambda job: _compose_job(check_overrides(job), check=check),
+                                  searchpath_override(paths))
             for line in identical_arms(composed):  # arms the comparison cannot tell apart (config/sweep_arms.py)
                 warnings.warn(line, stacklevel=2)
     return cfg
 
 
-def _compose_job(job_overrides: list[str], pending_paths: Collection[str] = ()) -> DictConfig:
+def _compose_job(job_overrides: list[str], pending_paths: Collection[str] = (),
+                 check: Callable[[DictConfig], None] | None = None) -> DictConfig:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
@@ -177,6 +184,8 @@ def _compose_job(job_overrides: list[str], pending_paths: Collection[str] = ()) 
         check_objective(cfg)
     except (HydraException, OmegaConfBaseException) as error:
         raise ConfigError(one_line(error, job_overrides)) from None
+    if check is not None:
+        check(cfg)
     return cfg
 
 

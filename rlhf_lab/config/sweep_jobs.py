@@ -4,7 +4,7 @@
   and the command line, expanded with Hydra's own override parser (``a,b``, ``range``, ``choice``, ``glob``),
   in the sweeper's order. ``interval`` needs a sweeper that samples (``hydra/sweeper=optuna``): one line.
 - :func:`check_jobs`: compose and validate each job; the first bad one fails with one line naming the job
-  (number and overrides) and the bad value.
+  (number and overrides) and the bad value. :func:`jobs_run_here`: whether they run on this machine.
 - :func:`search_paths` / :func:`config_loader` / :func:`options`: config groups as Hydra sees them with the
   user's ``hydra.searchpath=[...]`` (or ``--config-dir``), so a plug-in's options are listed in errors.
 - :func:`expand_globs`: ``kl=glob(*)`` on the command line becomes the list of the group's options (schemas,
@@ -28,6 +28,9 @@ from rlhf_lab.errors import ConfigError
 LABEL_CHARS = 40  # job folder = "<num>_<label>": at most ~50 characters whatever the sweep
 HYDRA_KEYS = ("hydra.", "hydra/", "+hydra", "++hydra", "~hydra")
 BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
+# Launchers whose jobs run on this machine (in this process, or in its local worker processes): its memory is theirs.
+LOCAL_LAUNCHERS = ("hydra._internal.core_plugins.basic_launcher.BasicLauncher",
+                   "hydra_plugins.hydra_joblib_launcher.joblib_launcher.JoblibLauncher")
 
 
 # ------------------------------------------------------------------------------------------ search path
@@ -181,6 +184,16 @@ def sweeper_params(hydra_cfg: Any) -> dict[str, Any] | None:
     if params is None:
         return {}
     return {str(key): str(value) for key, value in OmegaConf.to_container(params, resolve=False).items()}
+
+
+def jobs_run_here(hydra_cfg: Any) -> bool:
+    """Whether a sweep's jobs run on this machine (Hydra's basic launcher, in this process; joblib's, in its local
+    workers), so that its memory is theirs; not Ray's or SLURM's. ``hydra_cfg``: Hydra's own composed config, None
+    where the command line picks no launcher."""
+    if hydra_cfg is None:
+        return True
+    target = OmegaConf.select(hydra_cfg, "hydra.launcher._target_", default="")
+    return not target or target in LOCAL_LAUNCHERS
 
 
 def describe_job(number: int, total: int, job: list[str]) -> str:

@@ -72,9 +72,14 @@ def smollm2_tokenizer_path() -> Path:
     return folder
 
 
+def smollm2_model_folder() -> Path:
+    """Where :func:`smollm2_model_path` keeps the clean checkpoint (it may not be built yet)."""
+    return cache_dir() / "smollm2-135m-instruct"
+
+
 def smollm2_model_path() -> Path:
     """Folder with a clean (unquantized-flag) SmolLM2-135M-Instruct checkpoint, built once from the GGUF."""
-    folder = cache_dir() / "smollm2-135m-instruct"
+    folder = smollm2_model_folder()
     if not (folder / "config.json").is_file():
         from transformers import AutoModelForCausalLM
 

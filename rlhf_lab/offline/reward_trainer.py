@@ -35,6 +35,13 @@ from rlhf_lab.training.setup import configure_process, resolve_device, seed_ever
 
 
 class RewardModelTrainer(OfflineTrainer):
+    @classmethod
+    def memory_options(cls, cfg: Any, precision: Precision, strategy: str, processes: int) -> dict[str, Any]:
+        """A scalar head (one logit per token) over the pairs of one pass, and no reference."""
+        micro = cfg.trainer.micro_batch_size
+        pairs = max(micro // 2, 1) if micro else cfg.trainer.prompts_per_step  # per pass, as train_step splits
+        return {"rows": 2 * pairs, "logits_width": 1, "reference": False}
+
     def __init__(self, cfg: Any, run_dir: Path) -> None:  # super().__init__ would build a policy: not here
         self.cfg, self.run_dir = cfg, Path(run_dir)
         self.device = resolve_device(cfg.trainer.device)
@@ -49,10 +56,8 @@ class RewardModelTrainer(OfflineTrainer):
         self.tokenizer.padding_side = "right"
         self.tokenizer.truncation_side = "left"  # the end of the response matters more than a long prompt's start
         self.algorithm = get("algorithm", cfg.algorithm.name)(cfg.algorithm)
-        micro = cfg.trainer.micro_batch_size
-        pairs = max(micro // 2, 1) if micro else cfg.trainer.prompts_per_step  # per pass, as train_step splits
         check_memory(cfg, self.tokenizer, DTYPES[self.precision.weights_dtype], self.precision.compute_dtype,
-                     self.device, rows=2 * pairs, logits_width=1, reference=False)
+                     self.device, **self.memory_options(cfg, self.precision, "single", 1))
         self.model = build_reward_model(cfg.model, self.tokenizer, DTYPES[self.precision.weights_dtype], cfg.seed)
         self.model.to(self.device)
         self.model.config.pooling = cfg.algorithm.pooling  # read back by reward=reward_model when it scores

@@ -19,17 +19,12 @@ from rlhf_lab.training.loop import Trainer
 def run(cfg: Any, run_dir: Path) -> dict[str, Any]:
     """Train the run ``cfg`` describes in ``run_dir`` and return its summary (what the CLI calls).
 
-    An algorithm that learns from data (sft, reward_model, dpo) names its own loop as ``module:Class`` in
-    its ``trainer`` attribute; that loop subclasses :class:`Trainer`, so it is imported by name here.
+    The loop is the algorithm's (:func:`trainer_class`).
     """
-    trainer_class: Any = Trainer
-    path = getattr(get("algorithm", cfg.algorithm.name), "trainer", None)
-    if path:
-        module, _, name = path.partition(":")
-        trainer_class = getattr(importlib.import_module(module), name)
     with resume_contract.holding(run_dir), library_progress_bars(cfg.trainer.library_progress_bars):
         try:
-            trainer = trainer_class(cfg, run_dir)  # (rank 0 holds the run folder's lock: one writer per folder)
+            # (rank 0 holds the run folder's lock: one writer per folder)
+            trainer = trainer_class(cfg.algorithm.name)(cfg, run_dir)
             resume_contract.record_segment(trainer.start_step, cfg)
             summary = trainer.train()
         finally:
@@ -38,6 +33,16 @@ def run(cfg: Any, run_dir: Path) -> dict[str, Any]:
     if distributed.is_main_process():
         say(final_lines(summary, Path(run_dir).resolve()))
     return summary
+
+
+def trainer_class(algorithm: str) -> type[Trainer]:
+    """The loop class of ``algorithm=NAME``: the one an algorithm that learns from data (sft, reward_model, dpo) names
+    as ``module:Class`` in its ``trainer`` attribute (a subclass of :class:`Trainer`), else :class:`Trainer`."""
+    path = getattr(get("algorithm", algorithm), "trainer", None)
+    if not path:
+        return Trainer
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def release_memory() -> None:

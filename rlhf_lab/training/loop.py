@@ -56,6 +56,13 @@ class Trainer(RunState, StopSignals, Evaluates, StepRecord):
     plans_steps = True  # the memory check plans this trainer's step (rlhf_lab/planner/) where memory is close
     scores_prompts = True  # the reward scores the data's prompts: their rows are checked before the model loads
 
+    @classmethod
+    def memory_options(cls, cfg: Any, precision: Precision, strategy: str, processes: int) -> dict[str, Any]:
+        """:func:`check_memory`'s options for this trainer's run of ``processes`` ranks: at its start, and for each job
+        of a sweep before the first starts (:mod:`rlhf_lab.training.sweep_memory`)."""
+        return {"shards": processes if strategy == "fsdp" else 1, "precision": precision if cls.plans_steps else None,
+                "processes": processes}
+
     def __init__(self, cfg: Any, run_dir: Path) -> None:
         self.cfg = cfg
         self.run_dir = Path(run_dir)
@@ -81,8 +88,7 @@ class Trainer(RunState, StopSignals, Evaluates, StepRecord):
             self.reward.check_prompts([*self.prompts.train, *self.prompts.eval])
         self.tokenizer = load_tokenizer(cfg.model)
         check_memory(cfg, self.tokenizer, DTYPES[self.precision.weights_dtype], self.precision.compute_dtype,
-                     self.device, shards=distributed.world_size() if self.strategy == "fsdp" else 1,
-                     precision=self.precision if self.plans_steps else None, processes=distributed.world_size())
+                     self.device, **self.memory_options(cfg, self.precision, self.strategy, distributed.world_size()))
         fsdp = self.strategy == "fsdp"
         # Under FSDP only rank 0 reads the weights; the other ranks build on the meta device and receive their
         # shards from it (below). The reference is made in the compute dtype (under FSDP every weight), never as a

@@ -24,6 +24,8 @@ tensors, every phase's peak, the engine's reservation included; the estimate abo
 no generation), and stops in one line where the planned peak does not fit. Runs far below the memory available
 start without the plan's few seconds; runs whose weights, gradients, optimizer state and reference alone are over it
 stop at once, without the plan's seconds to minutes (a large model's plan is slow, and no batch makes those fit).
+A sweep whose jobs run in the ``rlhf-lab`` process stops so, naming the job, before its first job starts
+(:mod:`rlhf_lab.training.sweep_memory`).
 """
 
 from __future__ import annotations
@@ -68,6 +70,11 @@ class MemoryEstimate:
     @property
     def total(self) -> int:
         return sum(getattr(self, field.name) for field in fields(self))
+
+    @property
+    def held(self) -> int:
+        """Weights, gradients, optimizer state and reference: held at the training peak whatever the batch."""
+        return self.total - self.activations
 
 
 def estimate_memory(size: ModelSize, weight_bytes: int, compute_bytes: int, rows: int, tokens: int,
@@ -150,22 +157,40 @@ def tokens_per_row(cfg: Any) -> int:
     return int(cfg.data.get("max_prompt_tokens", 0)) + int(response)
 
 
-def check_memory(cfg: Any, tokenizer: Any, weight_dtype: torch.dtype, compute_dtype: torch.dtype | None,
-                 device: torch.device, rows: int | None = None, logits_width: int | None = None,
-                 shards: int = 1, reference: bool = True, precision: Any = None,
-                 processes: int = 1) -> MemoryEstimate | None:
-    """Refuse in one line a run whose estimate (:func:`estimate_memory`) exceeds the memory available, unless
-    ``trainer.skip_memory_check``; returns the estimate (None when skipped or not made). ``rows``: of one
-    micro-batch (default :func:`micro_batch_rows` of one of ``processes`` ranks, within the token budget);
-    ``reference``: whether full fine-tuning keeps a frozen copy; ``precision``: the on-policy run's, whose planned
-    step decides where the estimate comes close (:func:`check_plan`), and whose passes take the LM head in chunks
-    where ``trainer.chunked_logprobs`` says (no [rows, tokens, vocab] logits)."""
-    if cfg.trainer.get("skip_memory_check"):
+def local_model_size(model_cfg: Any) -> ModelSize | None:
+    """:func:`model_size` from this machine's files alone, no weights read and nothing downloaded: ``model=tiny`` over
+    its tokenizer's vocabulary, a folder's ``config.json`` (a hub id's in the local cache), the embedded model once
+    unpacked; None where only a download or reading weights (the embedded model's first unpacking) would tell."""
+    from huggingface_hub import try_to_load_from_cache
+
+    from rlhf_lab.models.loading import load_tokenizer, smollm2_model_folder
+
+    if model_cfg.name == "exact":
         return None
-    size = model_size(cfg.model, tokenizer)
-    available = available_memory(device)
-    if size is None or available is None:
+    if model_cfg.name == "tiny" and not model_cfg.name_or_path:
+        try:
+            return model_size(model_cfg, load_tokenizer(model_cfg))
+        except OSError:  # the embedded tokenizer's package is missing: the run says so
+            return None
+    folder = Path(model_cfg.name_or_path).expanduser() if model_cfg.name_or_path else smollm2_model_folder()
+    if not folder.is_dir() and model_cfg.name_or_path:  # a hub id: its config.json where the cache holds it
+        try:
+            cached = try_to_load_from_cache(model_cfg.name_or_path, "config.json")
+        except ValueError:  # not a hub id either: validation names it
+            cached = None
+        folder = Path(cached).parent if isinstance(cached, str) else folder
+    if not (folder / "config.json").is_file():
         return None
+    local = model_cfg.copy()
+    local.name_or_path = str(folder)
+    return model_size(local, None)
+
+
+def run_estimate(cfg: Any, size: ModelSize, weight_dtype: torch.dtype, compute_dtype: torch.dtype | None,
+                 device: torch.device, rows: int | None = None, logits_width: int | None = None, shards: int = 1,
+                 reference: bool = True, precision: Any = None, processes: int = 1) -> tuple[MemoryEstimate, int]:
+    """The estimate :func:`check_memory` compares with the memory available (its arguments), and the rows of its
+    micro-batch."""
     offloaded = cfg.trainer.offload_reference and device.type == "cuda"  # the copy lives in host memory
     tokens = min(tokens_per_row(cfg), size.context or tokens_per_row(cfg))  # a longer prompt is refused later
     if rows is None:
@@ -183,21 +208,53 @@ def check_memory(cfg: Any, tokenizer: Any, weight_dtype: torch.dtype, compute_dt
     estimate = estimate_memory(size, weight_dtype.itemsize, (compute_dtype or weight_dtype).itemsize, rows,
                                tokens, reference=reference and not offloaded, logits_width=logits_width,
                                shards=shards, reference_bytes=reference_bytes)
+    return estimate, rows
+
+
+def check_memory(cfg: Any, tokenizer: Any, weight_dtype: torch.dtype, compute_dtype: torch.dtype | None,
+                 device: torch.device, rows: int | None = None, logits_width: int | None = None,
+                 shards: int = 1, reference: bool = True, precision: Any = None,
+                 processes: int = 1) -> MemoryEstimate | None:
+    """Refuse in one line a run whose estimate (:func:`estimate_memory`) exceeds the memory available, unless
+    ``trainer.skip_memory_check``; returns the estimate (None when skipped or not made). ``rows``: of one
+    micro-batch (default :func:`micro_batch_rows` of one of ``processes`` ranks, within the token budget);
+    ``reference``: whether full fine-tuning keeps a frozen copy; ``precision``: the on-policy run's, whose planned
+    step decides where the estimate comes close (:func:`check_plan`), and whose passes take the LM head in chunks
+    where ``trainer.chunked_logprobs`` says (no [rows, tokens, vocab] logits)."""
+    if cfg.trainer.get("skip_memory_check"):
+        return None
+    size = model_size(cfg.model, tokenizer)
+    available = available_memory(device)
+    if size is None or available is None:
+        return None
+    estimate, rows = run_estimate(cfg, size, weight_dtype, compute_dtype, device, rows, logits_width, shards,
+                                  reference, precision, processes)
     if device.type == "cuda" and (cfg.get("generation") or {}).get("name") == "vllm":
         check_engine_share(cfg, estimate.weights + estimate.reference, available,
                            torch.cuda.get_device_properties(device).total_memory)
-    # Close to the memory available the planned step decides; but where the weights, gradients, optimizer state and
-    # reference alone (held at the training peak whatever the batch) are over it, no plan can fit: refused at once,
-    # without the plan's seconds to minutes.
-    held = estimate.total - estimate.activations
-    if precision is not None and not multi_process() and estimate.total * PLAN_WITHIN > available and held <= available:
+    refuse_held(cfg, estimate, rows, available, device)
+    if precision is not None and not multi_process() and estimate.total * PLAN_WITHIN > available:
         check_plan(cfg, tokenizer, precision, device, available)  # close: the planned step decides
         return estimate
     if estimate.total > available:
-        raise ConfigError(f"this run needs about {estimate.total / GIB:.3g} GiB ({breakdown(estimate)}), this "
-                          f"machine has {available / GIB:.3g} GiB available on {device.type}; lower "
-                          f"{remedy(cfg, estimate, rows)}, or set trainer.skip_memory_check=true to start anyway")
+        raise over_memory(cfg, estimate, rows, available, device)
     return estimate
+
+
+def refuse_held(cfg: Any, estimate: MemoryEstimate, rows: int, available: int, device: torch.device) -> None:
+    """Close to the memory available the planned step decides; but where the weights, gradients, optimizer state
+    and reference alone (:attr:`MemoryEstimate.held`) are over it, no batch and no plan can fit: refused at once,
+    without the plan's seconds to minutes. A sweep refuses so each job before the first starts
+    (:mod:`rlhf_lab.training.sweep_memory`)."""
+    if estimate.held > available:
+        raise over_memory(cfg, estimate, rows, available, device)
+
+
+def over_memory(cfg: Any, estimate: MemoryEstimate, rows: int, available: int, device: torch.device) -> ConfigError:
+    """The one-line refusal of a run whose estimate exceeds ``available`` bytes."""
+    return ConfigError(f"this run needs about {estimate.total / GIB:.3g} GiB ({breakdown(estimate)}), this "
+                       f"machine has {available / GIB:.3g} GiB available on {device.type}; lower "
+                       f"{remedy(cfg, estimate, rows)}, or set trainer.skip_memory_check=true to start anyway")
 
 
 def check_engine_share(cfg: Any, held: int, free: int, total: int) -> None:
