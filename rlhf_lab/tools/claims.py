@@ -55,7 +55,8 @@ class ClaimResult:
         fields = [("verdict", self.verdict), ("pass", self.verdict == "PASS"), ("effect", self.effect),
                   ("ci_low", self.low), ("ci_high", self.high), ("min_effect", self.min_effect),
                   ("seeds", len(self.seeds)), ("seeds_needed", self.seeds_needed), ("false_pass_rate", self.false_pass),
-                  ("p_pass", self.p_pass), ("p_fail", self.p_fail), ("metric", self.metric)]
+                  ("p_pass", self.p_pass), ("p_fail", self.p_fail), ("metric", self.metric),
+                  ("comparison", self.comparison)]
         if self.replicated:
             fields += [(f"replicate_{key}", value) for key, value in self.replicated.items()]
         return {f"claims/{self.name}/{key}": value for key, value in fields}
