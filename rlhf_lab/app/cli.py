@@ -1,4 +1,4 @@
-"""Command line: ``rlhf-lab [hydra overrides]`` trains; ``rlhf-lab report|bench ...`` are sub-commands.
+"""Command line: ``rlhf-lab [hydra overrides]`` trains; ``rlhf-lab report|bench|launch ...`` are sub-commands.
 
 Before Hydra runs, the command line is composed once and validated (:func:`rlhf_lab.config.compose`), so a
 typo in a key, an unknown option or an out-of-range value stops the run at once with a one-line
@@ -24,7 +24,7 @@ import rlhf_lab.app.job_folders  # noqa: F401  (the job-folder label resolver, n
 from rlhf_lab.app.help_text import program_in_shell, resume_command  # noqa: F401  (the CLI's names)
 from rlhf_lab.errors import UserError
 
-SUBCOMMANDS = ("report", "bench", "export", "eval", "pipeline", "serve", "wandb", "plan")
+SUBCOMMANDS = ("report", "bench", "export", "eval", "pipeline", "serve", "wandb", "plan", "launch")
 
 
 def _is_user_flag(arg: str) -> bool:
@@ -364,3 +364,7 @@ def _run_subcommand(name: str, args: list[str]) -> None:
         from rlhf_lab.tools.plan import main as plan_main
 
         plan_main(args)
+    elif name == "launch":
+        from rlhf_lab.app.launch import main as launch_main
+
+        launch_main(args)
