@@ -94,7 +94,7 @@ def _numbers(claim: Any, arms: list[Any], per_job: dict[int, dict[str, float]],
         if isinstance(side, str):
             result.why = side
             return None
-    seeds = sorted(a if b is None else set(a) & set(b), key=str)
+    seeds = sorted(a if b is None else set(a) & set(b), key=lambda seed: (0, seed) if isinstance(seed, int) else (1, str(seed)))
     result.seeds = seeds
     if len(seeds) < 2:
         result.why = f"{len(seeds)} seed(s) with {metric} in {'both arms' if b is not None else 'the arm'}; a test needs 2"
@@ -148,6 +148,8 @@ def evaluate_claims(claims: list[Any], arms: list[Any], per_job: dict[int, dict[
             result.why = (f"needs {needed} seeds, has {n}" if needed else "no seed count up to "
                           f"{claim_rule.MAX_SEEDS} reaches power {POWER}") + f" (min_effect {result.min_effect:.3g}"
             result.why += f", sd {test.sd:.3g})" if result.metric not in RATE_METRICS else ")"
+            leaning = "FAIL" if p_fail <= ALPHA else "PASS" if p_pass <= ALPHA else None
+            result.why += f"; its test would {leaning} at these seeds" if leaning else ""
         elif p_fail <= ALPHA:
             result.verdict = "FAIL"
             result.why = ("beyond the margin" if tests[index][0]["kind"] == "equal" else

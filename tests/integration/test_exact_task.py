@@ -152,7 +152,8 @@ def test_grpo_s_loss_placed_kl_scaled_like_the_advantages_closes_most_of_the_gap
 
 @pytest.mark.parametrize(("experiment", "swept"), [
     ("kl_placement_bias", {"+kl_arm": "kl_reward,kl_loss,mse_reward,mse_loss,k3_reward,k3_loss,abs_reward,abs_loss,"
-                                      "full_reward,full_loss,none", "seed": "0,1,2,3,4,5,6,7,8,9"}),
+                                      "full_reward,full_loss,none",
+                          "seed": "0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17,18,19"}),
     ("kl_to_go", {"+kl_arm": "kl_reward,mse_loss,k1_plus_loss,full_loss,sequence_k1_loss,sequence_full_loss",
                   "seed": "0,1,2,3,4,5,6,7,8,9"}),
     ("grpo_kl_scale", {"+kl_arm": "mse_loss,k3_loss,sequence_k1_loss", "algorithm": "grpo,rloo",

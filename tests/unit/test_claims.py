@@ -168,6 +168,7 @@ def test_the_report_prints_verdicts_effects_and_intervals(tmp_path: Path) -> Non
     assert small.effect == pytest.approx(-0.03)
     needed = claim_rule.seeds_needed(lambda n: claim_rule.mean_power(n, small.sd, 0.01, level))
     assert needed > 4 and small.verdict == "INCONCLUSIVE" and small.why.startswith(f"needs {needed} seeds, has 4")
+    assert small.why.endswith("; its test would PASS at these seeds")  # decisive, but below its power: not printed
     # a consistent difference of 0.001 (sd 0) is real but not the claim's 0.05: FAIL, as −0.00075 modes should
     assert results["tiny"].verdict == "FAIL" and results["tiny"].effect == pytest.approx(-0.001)
     assert results["missing"].verdict == "NO DATA" and "kl_arm=full_loss matches 0 arms" in results["missing"].why
