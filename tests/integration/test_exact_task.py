@@ -155,7 +155,7 @@ def test_grpo_s_loss_placed_kl_scaled_like_the_advantages_closes_most_of_the_gap
                                       "full_reward,full_loss,none",
                           "seed": "0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17,18,19"}),
     ("kl_to_go", {"+kl_arm": "kl_reward,mse_loss,k1_plus_loss,full_loss,sequence_k1_loss,sequence_full_loss",
-                  "seed": "0,1,2,3,4,5,6,7,8,9"}),
+                  "seed": "0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17,18,19"}),
     ("grpo_kl_scale", {"+kl_arm": "mse_loss,k3_loss,sequence_k1_loss", "algorithm": "grpo,rloo",
                        "kl.loss_scale": "none,advantage", "seed": "0,1,2,3,4,5,6,7,8,9"}),
 ])
