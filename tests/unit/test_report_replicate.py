@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlhf_lab.errors import ToolError
+from rlhf_lab.errors import ConfigError, ToolError
 from rlhf_lab.tools import report_replicate
 from rlhf_lab.tools.report import main, write_report
 
@@ -124,22 +124,28 @@ def test_a_failed_replication_says_where_its_jobs_are(tmp_path: Path, monkeypatc
 
 def test_the_replications_overrides_compose_into_the_experiments_sweep(monkeypatch) -> None:
     """The overrides the replication launches, for a real experiment's jobs, pass the CLI's checks (arms, claims,
-    seeds against power) as a sweep."""
+    seeds against power) as a sweep; too few fresh seeds for a claim's power are refused as a launch would be."""
     from types import SimpleNamespace
 
     from rlhf_lab.config.compose import _hydra_compose, compose
 
-    claims = _hydra_compose(["experiment=kl_to_go"]).claims
-    jobs = []
-    for arm in ("sequence_k1_loss", "mse_loss", "kl_reward", "k1_plus_loss", "full_loss", "sequence_full_loss"):
-        for seed in range(10):
-            job = SimpleNamespace(folder=None, config={"seed": seed})
-            job.overrides = ["experiment=kl_to_go", f"+kl_arm={arm}", f"seed={seed}"]
-            jobs.append(job)
+    def jobs_of(experiment: str, group: str, arms: tuple[str, ...]) -> list[SimpleNamespace]:
+        return [SimpleNamespace(folder=None, config={"seed": seed},
+                                overrides=[f"experiment={experiment}", f"+{group}={arm}", f"seed={seed}"])
+                for arm in arms for seed in range(10)]
+
     monkeypatch.setattr(report_replicate, "_job_overrides", lambda job: job.overrides)
+    jobs = jobs_of("async_drop_bias", "drop_arm", ("sync", "continuous", "drop6", "wait6", "drop5", "wait5"))
     assert report_replicate.fresh_seeds({job.config["seed"] for job in jobs} | {101}, 3) == [100, 102, 103]
     seeds = report_replicate.fresh_seeds({job.config["seed"] for job in jobs}, 2)  # 12 jobs to compose, not 60
-    overrides = report_replicate.replication_overrides(jobs, list(claims), seeds)
-    assert overrides[-1] == "seed=100,101"
+    claims = list(_hydra_compose(["experiment=async_drop_bias"]).claims)
+    overrides = report_replicate.replication_overrides(jobs, claims, seeds)
+    assert overrides == ["experiment=async_drop_bias", "+drop_arm=continuous,drop6,drop5,wait5", "seed=100,101"]
     cfg = compose(overrides)
-    assert cfg.experiment_name == "kl_to_go" and cfg.seed == 100
+    assert cfg.experiment_name == "async_drop_bias" and cfg.seed == 100
+    kl_to_go = jobs_of("kl_to_go", "kl_arm", ("sequence_k1_loss", "mse_loss", "kl_reward", "k1_plus_loss",
+                                             "full_loss", "sequence_full_loss"))
+    overrides = report_replicate.replication_overrides(kl_to_go, list(_hydra_compose(["experiment=kl_to_go"]).claims),
+                                                       seeds)
+    with pytest.raises(ConfigError, match=r"^claim 'to_go_beats_per_position': 2 seed\(s\) are below its power"):
+        compose(overrides)
