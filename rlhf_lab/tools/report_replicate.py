@@ -2,8 +2,9 @@
 
 The replication runs the folder's own jobs again (each job's saved ``.hydra/overrides.yaml``: what stays the same
 is kept, the keys that vary are cut down to the values the claims' arms name) at seeds the folder did not use
-(``--replicate-seeds``; by default as many as it used, from 100 up), as one sweep into ``FOLDER_replicate`` (with
-``trainer.resume=auto``: jobs already finished there are not run again, an interrupted replication resumes). The
+(``--replicate SEEDS``; by default as many as it used, from 100 up), as one sweep into ``FOLDER_replicate`` (with
+``trainer.resume=auto``: jobs already finished there are not run again, an interrupted replication resumes; one
+with all its jobs finished is read without launching anything). The
 claims are then evaluated on those jobs by the same rule, and each claim's replication goes beside it in the report,
 ``claims.json`` and the W&B summary (``claims/<name>/replicate_verdict``, ``.../replicate_flipped``): a claim whose
 verdict differs at fresh seeds is flagged.
@@ -11,6 +12,7 @@ verdict differs at fresh seeds is flagged.
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 from collections.abc import Callable
@@ -93,17 +95,29 @@ def run_replication(folder: Path, jobs: list[Any], claims: list[dict[str, Any]],
     seeds = seeds or fresh_seeds(used, len(used))
     again = sorted(set(seeds) & {int(seed) for seed in used if str(seed).lstrip("-").isdigit()})
     if again:
-        raise ToolError(f"--replicate-seeds {','.join(map(str, seeds))}: seed(s) {','.join(map(str, again))} are "
+        raise ToolError(f"--replicate {','.join(map(str, seeds))}: seed(s) {','.join(map(str, again))} are "
                         f"the folder's own; choose fresh ones (default: {FIRST_FRESH_SEED} up)")
     target = out or replication_folder(folder)
-    command = [sys.executable, "-m", "rlhf_lab", "--multirun", *replication_overrides(jobs, claims, seeds),
-               "trainer.resume=auto", f"hydra.sweep.dir={target}"]
+    overrides = replication_overrides(jobs, claims, seeds)
+    expected = math.prod(len(override.partition("=")[2].split(",")) for override in overrides)
+    if finished_jobs(target) >= expected:  # a replication run before: read, not run again
+        print(f"the replication in {target} has its {expected} jobs; reading it", flush=True)
+        return target
+    command = [sys.executable, "-m", "rlhf_lab", "--multirun", *overrides, "trainer.resume=auto",
+               f"hydra.sweep.dir={target}"]
     print(f"replicating the claims at seeds {','.join(map(str, seeds))} into {target}", flush=True)
     finished = subprocess.run(command, check=False)
     if finished.returncode != 0:
         raise ToolError(f"--replicate: the replication's sweep stopped (exit {finished.returncode}); its jobs are in "
                         f"{target}, and the same command resumes it")
     return target
+
+
+def finished_jobs(folder: Path) -> int:
+    """Job folders under ``folder`` whose run finished (it wrote its summary last)."""
+    from rlhf_lab.trackers.jsonl import SUMMARY_FILE
+
+    return sum(1 for _ in Path(folder).glob(f"*/{SUMMARY_FILE}")) if Path(folder).is_dir() else 0
 
 
 def attach(results: list[Any], again: list[Any]) -> None:

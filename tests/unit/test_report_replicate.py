@@ -93,6 +93,10 @@ def test_a_replication_that_agrees_is_not_flagged(tmp_path: Path, monkeypatch) -
     assert "seed=7,8,9,10" in seen[0]
     (result,) = report.claims
     assert result.replicated["verdict"] == "PASS" and result.replicated["flipped"] is False
+    # a replication whose jobs all finished is read again, not relaunched
+    monkeypatch.setattr(report_replicate.subprocess, "run", lambda *a, **k: pytest.fail("launched again"))
+    again = write_report(folder, wandb="off", replicate=[7, 8, 9, 10])
+    assert again.claims[0].replicated == result.replicated
 
 
 def test_replicate_refusals_are_one_line(tmp_path: Path, monkeypatch, capsys) -> None:
@@ -104,7 +108,7 @@ def test_replicate_refusals_are_one_line(tmp_path: Path, monkeypatch, capsys) ->
         write_report(folder, wandb="off", replicate=[])
     claimed = tmp_path / "claimed"
     sweep(claimed, ORIGINAL, [0, 1, 2, 3], CLAIMS)
-    with pytest.raises(ToolError, match=r"^--replicate-seeds 3,100: seed\(s\) 3 are the folder's own; choose fresh "):
+    with pytest.raises(ToolError, match=r"^--replicate 3,100: seed\(s\) 3 are the folder's own; choose fresh "):
         write_report(claimed, wandb="off", replicate=[3, 100])
     with pytest.raises(SystemExit) as stopped:
         main([str(claimed), "--replicate", "1,x"])
