@@ -178,13 +178,12 @@ def count_jobs(hydra: Any) -> int | None:
 
     if "BasicSweeper" not in str(hydra.sweeper.get("_target_", "")):
         return None
-    lines = [str(line) for line in hydra.overrides.task]
-    lines += [f"{key}={value}" for key, value in (hydra.sweeper.get("params") or {}).items()]
-    total = 1
+    lines = [f"{key}={value}" for key, value in (hydra.sweeper.get("params") or {}).items()]
+    lines += [str(line) for line in hydra.overrides.task]
+    counts = {}  # a key on the command line replaces the params' values for it, as the basic sweeper does
     for override in OverridesParser.create().parse_overrides(lines):
-        if override.is_sweep_override():
-            total *= len(list(override.sweep_string_iterator()))
-    return total
+        counts[override.key_or_group] = len(list(override.sweep_string_iterator())) if override.is_sweep_override() else 1
+    return math.prod(counts.values())
 
 
 def progress_line(hydra: Any, sweep_folder: Path) -> str | None:

@@ -20,14 +20,15 @@ MODES = {"none": "none", "token": "token_truncate", "sequence": "sequence_mask"}
 
 
 def grid(compose, experiment: str, arm_group: str, arms: list[str]) -> Iterator[tuple[str, str, Any]]:
-    """Each (arm, KL arm, composed job) of ``experiment``, once its sweep is checked to be ``arms`` x KL_ARMS x 10
-    seeds."""
+    """Each (arm, KL arm, composed job) of ``experiment``, once its sweep is checked to be ``arms`` x KL_ARMS x its
+    seeds (20 for off_policy_kl, 10 for async_kl)."""
     from rlhf_lab.config.compose import _hydra_compose
 
     sweep = _hydra_compose([f"experiment={experiment}"], return_hydra_config=True).hydra.sweeper.params
     kl_arms = KL_ARMS if experiment == "off_policy_kl" else ASYNC_KL_ARMS
     assert {key: str(value) for key, value in sweep.items()} == {
-        f"+{arm_group}": ",".join(arms), "+kl_arm": ",".join(kl_arms), "seed": "0,1,2,3,4,5,6,7,8,9"}
+        f"+{arm_group}": ",".join(arms), "+kl_arm": ",".join(kl_arms),
+        "seed": ",".join(map(str, range(20 if experiment == "off_policy_kl" else 10)))}
     for arm, kl_arm in itertools.product(arms, kl_arms):
         yield arm, kl_arm, compose([f"experiment={experiment}", f"+{arm_group}={arm}", f"+kl_arm={kl_arm}"])
 

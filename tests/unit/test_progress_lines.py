@@ -31,3 +31,20 @@ def test_durations_read_as_minutes_and_seconds() -> None:
 
 def test_a_short_run_says_nothing(capsys) -> None:
     assert lines_of(capsys, range(0, 19), 0, 19) == []
+
+
+def test_the_sweep_counts_a_command_line_key_once() -> None:
+    """The basic sweeper crosses ``hydra.sweeper.params`` with the command line's sweeps, a key on both taking the
+    command line's values: 3 arms x 2 seeds in the params, 2 arms x 3 seeds on the command line = 6 jobs, not 36."""
+    from omegaconf import OmegaConf
+
+    from rlhf_lab.app.sweep_watch import count_jobs
+
+    def hydra(task: list[str]):
+        return OmegaConf.create({"sweeper": {"_target_": "hydra._internal.core_plugins.basic_sweeper.BasicSweeper",
+                                             "params": {"+kl_arm": "a,b,c", "seed": "0,1"}},
+                                 "overrides": {"task": task}})
+
+    assert count_jobs(hydra([])) == 6
+    assert count_jobs(hydra(["+kl_arm=a,b", "seed=100,101,102", "trainer.steps=5"])) == 6
+    assert count_jobs(hydra(["seed=7", "lr=1,2"])) == 6  # 3 arms x 1 seed x 2 rates
