@@ -2,21 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from pathlib import Path
 
 import pytest
+from scripts import load_script
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "grpo_minimal.py"
 
 
 @pytest.fixture(scope="module")
 def example():
-    spec = importlib.util.spec_from_file_location("grpo_minimal", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(EXAMPLE, "grpo_minimal")
 
 
 def test_the_example_stays_short() -> None:

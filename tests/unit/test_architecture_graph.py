@@ -3,14 +3,12 @@ the imports today, and the script reads imports as Python runs them."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
+from scripts import load_script
+
 SCRIPT = Path(__file__).resolve().parents[2] / "docs" / "_architecture_graph.py"
-spec = importlib.util.spec_from_file_location("architecture_graph", SCRIPT)
-graph = sys.modules.setdefault("architecture_graph", importlib.util.module_from_spec(spec))
-spec.loader.exec_module(graph)
+graph = load_script(SCRIPT, "architecture_graph")
 
 
 def test_the_page_holds_the_picture_the_code_draws() -> None:
