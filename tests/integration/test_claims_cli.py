@@ -30,9 +30,10 @@ def test_the_claims_go_into_a_wandb_summary_when_the_jobs_logged_to_wandb(tmp_pa
                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    claims = [{"name": "ordered", "metric": "final_gap", "kind": "less", "a": "kl_arm=kl_reward", "b": "kl_arm=mse_loss"}]
-    for number, (arm, seed, gap) in enumerate([("kl_reward", 0, 0.01), ("kl_reward", 1, 0.02), ("mse_loss", 0, 0.3),
-                                               ("mse_loss", 1, 0.2)]):
+    claims = [{"name": "ordered", "metric": "final_gap", "kind": "less", "a": "kl_arm=kl_reward", "b": "kl_arm=mse_loss",
+               "min_effect": 0.05}]
+    for number, (arm, seed, gap) in enumerate([("kl_reward", 0, 0.01), ("kl_reward", 1, 0.02), ("kl_reward", 2, 0.03),
+                                               ("mse_loss", 0, 0.31), ("mse_loss", 1, 0.32), ("mse_loss", 2, 0.33)]):
         folder = tmp_path / "sweep" / f"{number}_{arm},seed={seed}"
         write_job(folder, arm, seed, gap, claims)
         (folder / "wandb_run.json").write_text(json.dumps({"id": f"r{number}", "project": "p", "group": "g1"}))
@@ -41,4 +42,5 @@ def test_the_claims_go_into_a_wandb_summary_when_the_jobs_logged_to_wandb(tmp_pa
     assert report.wandb is not None and "(offline, group g1)" in report.wandb
     run = read_offline_run(tmp_path / "out" / "wandb")
     summary = run["summary"]
-    assert summary["claims/ordered/verdict"] == "PASS" and summary["claims/ordered/seeds"] == 2
+    assert summary["claims/ordered/verdict"] == "PASS" and summary["claims/ordered/seeds"] == 3
+    assert summary["claims/ordered/min_effect"] == 0.05 and summary["claims/ordered/seeds_needed"] == 2
