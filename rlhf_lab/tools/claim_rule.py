@@ -27,7 +27,7 @@ The false-PASS rate of each claim's test is what a claim with no effect would PA
 level for the t tests (exact under normal noise), the binomial test's exact size for a rate
 (:func:`rate_pass_probability` at the bound). The rule's
 coverage and error rates are measured by simulation in tests/unit/test_claim_rule.py and
-``benchmarks/claim_rule.py``.
+``benchmarks/claim_rule_errors.py``.
 """
 
 from __future__ import annotations

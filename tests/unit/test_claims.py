@@ -199,12 +199,12 @@ def test_the_report_checks_an_experiments_current_claims_on_request(tmp_path: Pa
 
 
 def test_an_experiment_launched_with_fewer_seeds_than_its_claims_need_is_refused_before_any_job() -> None:
-    """off_policy_kl's stability claim (at most 0.4 of seeds diverge, planned for none) needs 10 seeds at α = 0.05
-    over its 6 claims: 0.6^9 = 0.010 > 0.05/6."""
+    """off_policy_kl's first claim, at the noise the YAML states (0.123), needs 19 seeds to detect 0.1 nats at
+    α = 0.05 over its 6 claims; its stability claim (at most 0.4 of seeds diverge) would need 10."""
     from rlhf_lab.config.compose import compose
 
     with pytest.raises(ConfigError) as refused:
         compose(["experiment=off_policy_kl", "seed=0,1,2,3,4,5,6,7,8"])
     assert str(refused.value) == (
-        "claim 'kl_keeps_stale_runs_stable': 9 seed(s) are below its power: to detect a rate of 0 against the bound "
-        "0.4 with power 0.8 (α = 0.05 over 6 claims) it needs 10; sweep seed over at least that many values")
+        "claim 'k1_reward_beats_k3_loss_on_policy': 9 seed(s) are below its power: to detect min_effect=0.1 at "
+        "noise=0.123 with power 0.8 (α = 0.05 over 6 claims) it needs 19; sweep seed over at least that many values")

@@ -1,7 +1,7 @@
 """The claim rule's error rates by simulation: the old rule (percentile bootstrap, "every seed") against the new one
 (t tests, Holm, a minimum effect, seeds by power), at 3, 5 and 10 seeds.
 
-    python -m benchmarks.claim_rule [--reps 20000] [--out FILE.json]
+    python -m benchmarks.claim_rule_errors [--reps 20000] [--out FILE.json]
 
 Prints, per n and noise (paired differences: normal; heavy-tailed, Student's t with 3 degrees of freedom; one seed in
 five a far outlier either way, as a diverged run is):
