@@ -8,7 +8,9 @@ One server, started once, serves every arm; each arm is one ``rlhf-lab`` run aga
 - ``sync``: ``generation.max_staleness=0``: the trainer waits for each batch, the server waits for each update;
 - ``async k=1`` / ``async k=2``: the server samples the next k batches while the trainer trains, and takes each new
   version of the weights between two of its decode steps (``generation.weight_updates=in_flight``);
-- ``partial k=1``: the same, the requests resumed with their cache recomputed at each landing.
+- ``partial k=1``: the same, the requests resumed with their cache recomputed at each landing;
+- ``groups S=2B``: the server's stream of groups (``generation.continuous=true``): twice a step's groups launched and
+  not yet trained on, each step taking those that completed first, each version landing between two ticks.
 
 The core split: the server and the trainer each run torch on one thread and, where the machine has two cores or
 more, each is pinned to a core of its own (``os.sched_setaffinity``): the figures are what two processes on two
@@ -36,6 +38,7 @@ ARMS = {
     "async k=1": ["generation.max_staleness=1", "generation.weight_updates=in_flight"],
     "async k=2": ["generation.max_staleness=2", "generation.weight_updates=in_flight"],
     "partial k=1": ["generation.max_staleness=1", "generation.weight_updates=partial"],
+    "groups S=2B": ["generation.continuous=true", "generation.weight_updates=in_flight"],
 }
 SETTINGS = {"tiny": ["trainer.prompts_per_step=4", "algorithm.group_size=4", "trainer.max_new_tokens=32"],
             "smollm2_135m": ["trainer.prompts_per_step=2", "algorithm.group_size=4", "trainer.max_new_tokens=48"]}
@@ -119,7 +122,13 @@ def main() -> None:
     parser.add_argument("--model", choices=sorted(SETTINGS), default="smollm2_135m")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--json", type=Path, default=None, help="write every figure here")
+    parser.add_argument("--arms", default=",".join(ARMS), help=f"the arms to run, comma-separated (the first is the "
+                                                               f"speed-up's base; default: {','.join(ARMS)})")
     args = parser.parse_args()
+    arms = args.arms.split(",")
+    unknown = [arm for arm in arms if arm not in ARMS]
+    if unknown:
+        parser.error(f"--arms: {unknown[0]!r} is not an arm; choose from: {', '.join(ARMS)}")
     cores = sorted(os.sched_getaffinity(0))
     server_core, trainer_core = (cores[0], cores[1]) if len(cores) >= 2 else (None, None)
     with tempfile.TemporaryDirectory(prefix="rlhf_lab_async_bench_") as tmp:
@@ -129,7 +138,7 @@ def main() -> None:
         folder = model_folder(args.model, work)
         server, port = start_server(folder, sync, server_core)
         try:
-            results = [run_arm(name, args.model, args.steps, port, sync, work, trainer_core) for name in ARMS]
+            results = [run_arm(name, args.model, args.steps, port, sync, work, trainer_core) for name in arms]
         finally:
             server.terminate()
             server.wait(60)

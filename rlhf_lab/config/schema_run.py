@@ -144,9 +144,11 @@ class GenerationConfig:
     # dropped or sampled again (over_cap: drop | wait), with its group (rlhf_lab/generation/inflight.py)
     staleness_cap: int | None = None
     over_cap: str = "drop"
-    # true: the continuous asynchronous simulator (rlhf_lab/generation/continuous.py): the engine keeps engine_groups
-    # prompt groups launched (null: twice trainer.prompts_per_step), each step takes the groups that completed first,
-    # an update takes update_every_tokens decode ticks, and each lands in flight or partial (weight_updates)
+    # true: an engine that never stops: it keeps engine_groups prompt groups launched (null: twice
+    # trainer.prompts_per_step), each step takes the groups that completed first, each update lands in flight or
+    # partial (weight_updates). generation=hf: simulated on a scripted clock, an update taking update_every_tokens
+    # decode ticks (rlhf_lab/generation/continuous.py); generation=vllm_server: for real, on rlhf-lab serve --engine hf
+    # (rlhf_lab/generation/served_groups.py)
     continuous: bool = False
     engine_groups: int | None = None
     # After every weight load the engine and the trainer score a fixed probe (rlhf_lab/generation/sync_check.py);

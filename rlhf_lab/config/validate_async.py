@@ -38,8 +38,9 @@ def check_continuous(cfg: Any) -> None:
                                                "its lag comes from the clock, not a fixed k"),
         f"generation.max_staleness={generation.get('max_staleness', 0)}": (generation.get("max_staleness", 0),
                                                                            "its lag comes from the clock"),
-        f"generation={generation.name}": (generation.name != "hf", "it simulates the engine with the hf decode; use "
-                                          "generation=hf (a server runs asynchronously for real)"),
+        f"generation={generation.name}": (generation.name not in ("hf", "vllm_server"), "the engine that never stops "
+                                          "is the hf decode's: simulated in the trainer (generation=hf), or for real "
+                                          "on rlhf-lab serve --engine hf (generation=vllm_server)"),
         "trainer.strategy=fsdp": (trainer.strategy == "fsdp", "each group decodes alone on one rank"),
         "algorithm.dynamic_sampling=true": (cfg.algorithm.get("dynamic_sampling", False),
                                             "a step takes the groups that completed, it cannot refill"),

@@ -296,10 +296,11 @@ def check_weight_updates(cfg: Any, simulate: bool) -> None:
     if mode == "batch":
         return
     if generation.name == "vllm_server":  # for real: the server takes each version between its decode steps
-        if not generation.get("max_staleness", 0):
+        if not generation.get("max_staleness", 0) and not generation.get("continuous", False):
             raise ConfigError(f"generation.weight_updates={mode} with generation=vllm_server lands each update in the "
                               "batches the server samples ahead, and generation.max_staleness=0 samples none ahead: "
-                              f"set generation.max_staleness to 1–{MAX_STALENESS} (the batches in flight)")
+                              f"set generation.max_staleness to 1–{MAX_STALENESS} (the batches in flight), or "
+                              "generation.continuous=true (groups in flight)")
         if every:
             raise ConfigError(f"generation.update_every_tokens={every!r} scripts the simulator's clock; with "
                               "generation=vllm_server a version lands when the trainer publishes it: leave it 0")

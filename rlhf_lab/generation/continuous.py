@@ -22,6 +22,9 @@ n % B), each group decoded by :class:`~rlhf_lab.generation.decode.Decoding` with
 ``trainer.seed_per_prompt`` gives that prompt): a group's samples depend on the weights at each of its ticks alone,
 never on the groups beside it. A checkpoint holds every group launched and not yet taken, with its tokens, its
 stream's state and its key/value cache, so a resumed run goes on exactly as one never stopped.
+
+The same engine runs for real on ``rlhf-lab serve --engine hf``, ticking on the wall clock
+(:mod:`rlhf_lab.generation.serve_groups`; the trainer's side: :mod:`rlhf_lab.generation.served_groups`).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from rlhf_lab.errors import ConfigError
 from rlhf_lab.generation.backend import Prompt, check_prompt_lengths, encode_prompts
 from rlhf_lab.generation.decode import Decoding
 from rlhf_lab.generation.kv_cache import decode_cache
@@ -78,6 +82,7 @@ class ContinuousEngine:
                  version: Callable[[], int]) -> None:
         self.engine, self.group_size, self.capacity = engine, group_size, groups
         self.every, self.partial, self.version = every, partial, version
+        self.settings = engine.settings  # what every group samples with (a server's stream: its client's)
         self.source: Source | None = None
         self.formatted: Callable[[str], Prompt] = lambda prompt: prompt
         self.running: list[Group] = []  # decoding, in launch order
@@ -98,7 +103,7 @@ class ContinuousEngine:
 
     def launch(self, index: int, prompt: str, name: str, seed: int) -> Group:
         """A group decoding from this tick (its prompt goes through the model at its first step)."""
-        engine, settings = self.engine, self.engine.settings
+        engine, settings = self.engine, self.settings
         ids = encode_prompts(engine.tokenizer, [self.formatted(prompt)])
         if len(ids[0]) > settings.max_prompt_tokens:
             check_prompt_lengths([len(ids[0])], settings.max_prompt_tokens)
@@ -111,7 +116,7 @@ class ContinuousEngine:
     def decoding(self, prompt_ids: Tensor, prompt_mask: Tensor, draws: SeededDraws) -> Decoding:
         from rlhf_lab.generation.hf import stop_strings
 
-        engine, settings = self.engine, self.engine.settings
+        engine, settings = self.engine, self.settings
         tokenizer = engine.tokenizer
         stopped = stop_strings(tokenizer, settings.stop, prompt_width=prompt_ids.shape[1]) if settings.stop else None
         return Decoding(engine.policy, prompt_ids, prompt_mask, decode_cache(settings.max_new_tokens), 0,
@@ -211,6 +216,9 @@ class ContinuousEngine:
 
     def load_state(self, tensors: dict[str, Tensor], plain: dict[str, Any]) -> None:
         """:meth:`state` read back: the groups go on from the very step, cache and stream they were at."""
+        if plain.get("served"):
+            raise ConfigError("the checkpoint's continuous engine is a server's stream of groups "
+                              "(generation=vllm_server); resume it with that server, or start this run afresh")
         self.clock, self.launches, self.seen = int(plain["clock"]), int(plain["launches"]), int(plain["seen"])
         device = self.engine.device
         groups = []

@@ -28,6 +28,13 @@ TOKEN_ENV = "RLHF_LAB_SERVE_TOKEN"
 TOKEN_FILE = ".serve_token"  # in the sync folder, mode 0600
 
 
+def need(request: dict[str, Any], *keys: str) -> None:
+    """A 400 naming the first of ``keys`` a request's body lacks."""
+    missing = [key for key in keys if key not in request]
+    if missing:
+        raise RequestError(400, f"the request has no {missing[0]!r}")
+
+
 def _read_token(path: Path, where: str) -> str:
     """The secret in ``path``; a file others may read is refused (a shared machine's other users would hold the
     server's token: ``chmod 600``)."""

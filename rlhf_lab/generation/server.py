@@ -174,7 +174,7 @@ class VLLMServerGeneration:
     def generate(self, prompts: list[Prompt], group_size: int, seeds: list[int] | None = None,
                  greedy: bool = False, settings: SamplingSettings | None = None) -> Samples:
         encoded, body = self._request(prompts, group_size, seeds, greedy, settings)
-        return self._rollout(encoded, _post(f"{self.url}/generate", body, self.token), group_size)
+        return self.rollout(encoded, _post(f"{self.url}/generate", body, self.token), group_size)
 
     def submit(self, prompts: list[Prompt], group_size: int, seeds: list[int] | None = None,
                settings: SamplingSettings | None = None) -> Callable[[], Samples]:
@@ -183,7 +183,7 @@ class VLLMServerGeneration:
         trainer's thread)."""
         encoded, body = self._request(prompts, group_size, seeds, False, settings)
         reply = self.requests.submit(_post, f"{self.url}/generate", body, self.token)
-        return lambda: self._rollout(encoded, reply.result(), group_size)
+        return lambda: self.rollout(encoded, reply.result(), group_size)
 
     def _request(self, prompts: list[Prompt], group_size: int, seeds: list[int] | None, greedy: bool,
                  settings: SamplingSettings | None) -> tuple[list[list[int]], dict[str, Any]]:
@@ -195,12 +195,22 @@ class VLLMServerGeneration:
             "top_k": settings.top_k, "max_prompt_tokens": settings.max_prompt_tokens, "stop": list(settings.stop),
             "in_flight": self.in_flight, "partial": self.partial}
 
-    def _rollout(self, encoded: list[list[int]], reply: dict[str, Any], group_size: int) -> Samples:
+    def rollout(self, encoded: list[list[int]], reply: dict[str, Any], group_size: int) -> Samples:
+        """A reply's samples (``group_size`` per prompt of ``encoded``) as :class:`Samples`, with each token's version
+        where the server takes weights in flight."""
         samples = [(encoded[i // group_size], tokens, logprobs) for i, (tokens, logprobs) in enumerate(reply["samples"])]
         rollout = samples_rollout(samples, group_size, self.tokenizer, self.device)
         if not self.in_flight:  # every token from the version the worker loaded for the request
             return rollout
         return replace(rollout, versions=token_versions(reply["versions"], rollout.response_mask))
+
+    def post(self, route: str, body: dict[str, Any]) -> dict[str, Any]:
+        """``body`` to the server's ``route``, its reply (a stream of groups: :mod:`.served_groups`)."""
+        return _post(f"{self.url}{route}", body, self.token)
+
+    def health(self) -> dict[str, Any]:
+        """The server's ``GET /health``."""
+        return _health(self.url, self.token)
 
     def sync_weights(self, policy: nn.Module) -> None:
         """Rank 0 broadcasts each weight over the group as it is gathered (``collective``), or writes the weights

@@ -48,12 +48,14 @@ from rlhf_lab.generation.serve_engine import (
     checkpoint_shapes,
     weight_names,
 )
+from rlhf_lab.generation.serve_groups import add_group_routes
 from rlhf_lab.generation.serve_token import (
     TOKEN_ENV,
     TOKEN_FILE,
     RequestError,
     folder_inside,
     is_loopback,
+    need,
     regular_files,
     server_token,
 )
@@ -83,8 +85,10 @@ class WeightServer:
         self.get_routes: dict[str, Callable[[], dict[str, Any]]] = {"/health": self.health}
 
     def health(self) -> dict[str, Any]:
-        """``GET /health``: the model served, and whether a load lands between two decode steps (in flight)."""
-        return {"ok": True, "model": self.model, "in_flight": hasattr(self.engine, "stage")}
+        """``GET /health``: the model served, whether a load lands between two decode steps (in flight), and whether
+        it runs a stream of groups (:mod:`.serve_groups`)."""
+        return {"ok": True, "model": self.model, "in_flight": hasattr(self.engine, "stage"),
+                "groups": "/groups/take" in self.routes}
 
     def allowed(self, authorization: str | None) -> bool:
         if not self.token:  # never: an empty secret would let in an empty header
@@ -95,7 +99,7 @@ class WeightServer:
         return hmac.compare_digest(given.strip().encode(), self.token.encode())
 
     def generate(self, request: dict[str, Any]) -> dict[str, Any]:
-        _need(request, "prompt_ids", "group_size", "max_new_tokens", "temperature", "top_p", "top_k",
+        need(request, "prompt_ids", "group_size", "max_new_tokens", "temperature", "top_p", "top_k",
               "max_prompt_tokens")
         request = check_generate(request, getattr(self.engine, "vocabulary", None))
         with self.lock:
@@ -246,7 +250,7 @@ class WeightServer:
         return {"adapter": version}
 
     def open_group(self, request: dict[str, Any]) -> dict[str, Any]:
-        _need(request, "host", "port", "backend")
+        need(request, "host", "port", "backend")
         host, port = request["host"], request["port"]
         try:
             allowed = socket.gethostbyname(str(host)) == socket.gethostbyname(self.trainer_host)
@@ -281,12 +285,6 @@ class WeightServer:
         if loaded == 0:
             raise RequestError(400, "the trainer sent no weights; the previous weights still serve")
         return {"loaded": loaded, "version": self.weights_version}
-
-
-def _need(request: dict[str, Any], *keys: str) -> None:
-    missing = [key for key in keys if key not in request]
-    if missing:
-        raise RequestError(400, f"the request has no {missing[0]!r}")
 
 
 # ------------------------------------------------------------------------------------------ HTTP
@@ -379,6 +377,7 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8765, dtype: str = "a
     weights.model = model
     openai = OpenAIRoutes(weights, model, max_model_len, getattr(engine, "tokenizer", None))
     weights.routes.update(openai.routes)
+    add_group_routes(weights, engine)  # --engine hf: the continuous engine's stream of groups
     weights.get_routes.update(openai.get_routes)
     http = make_http_server(weights, host, port)
     if not is_loopback(host):

@@ -39,7 +39,8 @@ For real, a server that takes weights between its decode steps (``rlhf-lab serve
 ``generation.weight_updates=in_flight`` or ``partial``) gets each version at once, labelled with the policy's updates
 (:meth:`RolloutWorker.weights_updated`): it lands in the batches the server is sampling ahead, and the server reports
 each token's version. ``generation.staleness_cap`` then drops, or samples again, the groups of a batch taken whose
-oldest token is too old (:meth:`RolloutWorker.take`).
+oldest token is too old (:meth:`RolloutWorker.take`). Under ``generation.continuous`` it takes groups, not batches
+(:meth:`RolloutWorker.take_groups`): the simulator's, or a server's (:mod:`rlhf_lab.generation.served_groups`).
 """
 
 from __future__ import annotations
@@ -243,7 +244,8 @@ class RolloutWorker:
         again from now while the trainer waits."""
         engine = self.continuous
         self.training_version, self.dropped, self.cap_metrics = self.policy_version, None, {}
-        groups = engine.take(count)
+        with self.awake():  # a server's first groups sample the policy's weights (loaded, and checked, first)
+            groups = engine.take(count)
         rollout = engine.samples(groups)
         if self.cap is not None:
             over = self.cap.over(rollout, self.policy_version)

@@ -23,9 +23,9 @@ from rlhf_lab.data.prompts import format_prompts
 from rlhf_lab.envs.episodes import EpisodeRunner
 from rlhf_lab.errors import ConfigError, RewardError
 from rlhf_lab.generation.backend import GenerationBackend, SamplingSettings
-from rlhf_lab.generation.continuous import ContinuousEngine, continuous_settings
 from rlhf_lab.generation.inflight import inflight_settings, staleness_cap
 from rlhf_lab.generation.rollout import Rollout, Samples, Scored, concat_rollouts
+from rlhf_lab.generation.served_groups import continuous_engine
 from rlhf_lab.generation.staleness import snapshot_ring
 from rlhf_lab.generation.sync_check import SyncCheck, tolerance
 from rlhf_lab.generation.worker import RolloutWorker
@@ -142,13 +142,12 @@ class ExperienceMaker:
                                   keep_hidden=keep_hidden and not self.plan.rescore, logits_float32=self.logits_float32)
             worker = RolloutWorker(engine, policy, self._sync_check(engine, sync_probe), snapshot_ring(cfg, policy),
                                    inflight_settings(cfg), staleness_cap(cfg))
-            continuous = continuous_settings(cfg)
-            if continuous is not None:  # generation.continuous: the simulator's engine over the hf engine's decode
+            # generation.continuous: the simulator's engine over the hf decode, or a server's stream of groups
+            worker.continuous = continuous_engine(cfg, engine, lambda: worker.policy_version)
+            if worker.continuous is not None:
                 if distributed.world_size() > 1:
                     raise ConfigError(f"generation.continuous=true with {distributed.world_size()} ranks: the "
-                                      "simulator's engine runs on one process; run it on one rank")
-                worker.continuous = ContinuousEngine(engine, cfg.algorithm.group_size, *continuous,
-                                                     version=lambda: worker.policy_version)
+                                      "continuous engine takes one rank's groups; run it on one rank")
                 worker.continuous.formatted = lambda prompt: self._request([prompt], None)[0][0]
         # The one owner of the engine's wake, weights, sampling and sleep (rlhf_lab/generation/worker.py).
         self.worker = worker

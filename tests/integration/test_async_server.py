@@ -17,6 +17,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -276,6 +278,20 @@ def test_a_server_that_takes_weights_between_requests_only_is_refused_in_one_lin
     from rlhf_lab.config import ConfigError
     from rlhf_lab.generation.backend import SamplingSettings
     from rlhf_lab.generation.server import VLLMServerGeneration
+
+    with stand_in_server(tmp_path) as (url, sync):
+        with pytest.raises(ConfigError) as raised:
+            VLLMServerGeneration(torch.nn.Linear(2, 2), None, SamplingSettings(max_new_tokens=2),
+                                 options={"url": url, "sync_folder": str(sync), "weight_updates": "in_flight"})
+        assert str(raised.value) == (f"generation.weight_updates=in_flight: rlhf-lab serve at {url} takes weights "
+                                     "between requests only (its engine stages no load); start this rlhf-lab's serve "
+                                     "(--engine hf or vllm), or set generation.weight_updates=batch")
+
+
+@contextmanager
+def stand_in_server(tmp_path: Path) -> Iterator[tuple[str, Path]]:
+    """``rlhf-lab serve`` over a stand-in engine (no ``stage``, no hf decode) in a thread: (its url, its sync
+    folder) for the block."""
     from tests.integration.test_serve_security import StandInEngine
 
     sync = tmp_path / "sync"
@@ -287,13 +303,7 @@ def test_a_server_that_takes_weights_between_requests_only_is_refused_in_one_lin
     thread.start()
     assert started.wait(HANG_GUARD_S)
     try:
-        url = f"http://127.0.0.1:{holder['http'].server_address[1]}"
-        with pytest.raises(ConfigError) as raised:
-            VLLMServerGeneration(torch.nn.Linear(2, 2), None, SamplingSettings(max_new_tokens=2),
-                                 options={"url": url, "sync_folder": str(sync), "weight_updates": "in_flight"})
-        assert str(raised.value) == (f"generation.weight_updates=in_flight: rlhf-lab serve at {url} takes weights "
-                                     "between requests only (its engine stages no load); start this rlhf-lab's serve "
-                                     "(--engine hf or vllm), or set generation.weight_updates=batch")
+        yield f"http://127.0.0.1:{holder['http'].server_address[1]}", sync
     finally:
         holder["http"].shutdown()
 

@@ -141,6 +141,12 @@ def test_the_staleness_cap_drops_or_samples_again_the_groups_over_it(compose, ti
     (["trainer.strategy=fsdp"], r"^generation.continuous=true with trainer.strategy=fsdp: .*; drop one of the two$"),
     (["algorithm.dynamic_sampling=true"], r"^generation.continuous=true with algorithm.dynamic_sampling=true: .*$"),
     (["generation.update_every_tokens=-1"], r"^generation.update_every_tokens=-1 is out of range; .*integer ≥ 0"),
+    (["generation=vllm"], r"^generation.continuous=true with generation=vllm: the engine that never stops is the hf "
+     r"decode's: simulated in the trainer \(generation=hf\), or for real on rlhf-lab serve --engine hf "
+     r"\(generation=vllm_server\); drop one of the two$"),
+    (["generation=vllm_server", "generation.sync_folder=/tmp/sync", "generation.update_every_tokens=2"],
+     r"^generation.update_every_tokens=2 scripts the simulator's clock; with generation=vllm_server a version lands "
+     r"when the trainer publishes it: leave it 0$"),
 ])
 def test_settings_it_cannot_run_are_one_line(compose, tiny_overrides, override: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):

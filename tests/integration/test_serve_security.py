@@ -130,11 +130,13 @@ def test_every_route_needs_the_token_from_the_0600_file(server) -> None:
     for path, body in (("/health", None), ("/generate", GENERATE), ("/load_weights", {"folder": "."}),
                        ("/load_adapter", {"folder": "."}), ("/open_group", {"host": "127.0.0.1", "port": 1,
                                                                             "backend": "gloo"}),
-                       ("/receive_weights", {}), ("/no_such_route", {})):
+                       ("/receive_weights", {}), ("/groups/open", {}), ("/groups/submit", {}), ("/groups/take", {}),
+                       ("/no_such_route", {})):
         for wrong in (None, "", token[:-1], token + "x"):
             status, reply = call(url, path, body, wrong)
             assert status == 401 and "token" in reply["error"], (path, wrong, reply)
-    assert call(url, "/health", token=token) == (200, {"ok": True, "model": str(sync.parent / "model"), "in_flight": False})
+    assert call(url, "/health", token=token) == (200, {"ok": True, "model": str(sync.parent / "model"), "in_flight": False,
+                                                   "groups": False})
     assert sampled(url, token) == 4
     # The scheme is case-insensitive (RFC 7235); a bare token, or another scheme, is no Bearer token.
     for header, status in ((f"bearer {token}", 200), (f"BEARER  {token}", 200), (token, 401), (f"Basic {token}", 401),
