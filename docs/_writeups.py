@@ -66,7 +66,8 @@ def claims_block(folder: Path) -> str:
         if replicated:
             again = get("replicate_verdict")
             flag = " (changed)" if get("replicate_flipped") else ""
-            line += (f" {again}{flag}: {_number(get('replicate_effect'))} {get('replicate_interval')} |"
+            interval_again = str(get("replicate_interval")).replace("-", "−")  # the page's minus, as _number's
+            line += (f" {again}{flag}: {_number(get('replicate_effect'))} {interval_again} |"
                      if again else " — |")
         lines.append(line)
     return "\n".join(lines) + "\n"

@@ -91,14 +91,12 @@ def _check_seeds(where: str, claim: Any, seeds: int, claims: int) -> None:
 
     level, delta = claim_rule.ALPHA / claims, float(claim.min_effect)
     if claim.metric in RATE_METRICS:
-        at_most, bound = claim.kind == "at_most", float(claim.value)
-        true = bound - delta if at_most else bound + delta
-        needed = claim_rule.seeds_needed(lambda n: claim_rule.rate_pass_probability(n, bound, level, at_most, true))
-        noise = f"a rate of {true:.3g} against the bound {bound:.3g}"
+        bound = float(claim.value)
+        needed = claim_rule.seeds_for(claim.kind, delta, level, bound=bound)
+        noise = f"a rate of {bound - delta if claim.kind == 'at_most' else bound + delta:.3g} against the bound {bound:.3g}"
     elif claim.get("noise") is not None:
-        sd = float(claim.noise)
-        needed = claim_rule.seeds_needed(lambda n: claim_rule.mean_power(n, sd, delta, level, claim.kind == "equal"))
-        noise = f"min_effect={delta:.3g} at noise={sd:.3g}"
+        needed = claim_rule.seeds_for(claim.kind, delta, level, sd=float(claim.noise))
+        noise = f"min_effect={delta:.3g} at noise={float(claim.noise):.3g}"
     else:
         return
     if needed is None or seeds < needed:

@@ -168,3 +168,14 @@ def seeds_needed(power_at: Callable[[int], float], target: float = POWER) -> int
         middle = (low + high) // 2
         low, high = (low, middle) if power_at(middle) >= target else (middle + 1, high)
     return low
+
+
+def seeds_for(kind: str, delta: float, level: float, sd: float | None = None, bound: float | None = None) -> int | None:
+    """The seeds a claim's PASS test at ``level`` needs for power :data:`POWER` at its ``min_effect`` ``delta``: a
+    rate's (``bound`` given; ``kind`` at_most or at_least, planned for the rate ``delta`` inside the bound), else a
+    mean's at the noise ``sd`` (an ``equal`` claim's both one-sided tests)."""
+    if bound is not None:
+        at_most = kind == "at_most"
+        true = bound - delta if at_most else bound + delta
+        return seeds_needed(lambda n: rate_pass_probability(n, bound, level, at_most, true))
+    return seeds_needed(lambda n: mean_power(n, sd, delta, level, kind == "equal"))

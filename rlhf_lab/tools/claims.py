@@ -111,15 +111,13 @@ def _test(claim: Any, numbers: np.ndarray, level: float) -> tuple[claim_rule.Tes
     if claim["metric"] in RATE_METRICS:
         at_most, bound = kind == "at_most", float(claim["value"])
         test = claim_rule.rate_test(int(round(numbers.sum())), n, bound, level, at_most)
-        true = bound - delta if at_most else bound + delta
-        needed = claim_rule.seeds_needed(lambda k: claim_rule.rate_pass_probability(k, bound, level, at_most, true))
+        needed = claim_rule.seeds_for(kind, delta, level, bound=bound)
         return test, needed, claim_rule.rate_pass_probability(n, bound, level, at_most, bound)
     if kind == "equal":
         test = claim_rule.equivalence_test(numbers, delta, level)
     else:
         test = claim_rule.mean_test(numbers, delta, level, sign=1 if kind == "at_least" else -1)
-    needed = claim_rule.seeds_needed(lambda k: claim_rule.mean_power(k, test.sd, delta, level, kind == "equal"))
-    return test, needed, level
+    return test, claim_rule.seeds_for(kind, delta, level, sd=test.sd), level
 
 
 def evaluate_claims(claims: list[Any], arms: list[Any], per_job: dict[int, dict[str, float]]) -> list[ClaimResult]:

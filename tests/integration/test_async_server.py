@@ -308,10 +308,12 @@ def stand_in_server(tmp_path: Path) -> Iterator[tuple[str, Path]]:
         holder["http"].shutdown()
 
 
-def test_a_server_killed_mid_run_stops_the_trainer_in_one_line(model_folder: Path, tmp_path: Path) -> None:
-    """SIGKILL to ``rlhf-lab serve`` while the trainer samples from it ahead: the trainer stops with exit status 2
-    and one line naming the server (whether the kill caught a request mid-way or between two), no traceback; every
-    metrics line it wrote before is whole."""
+@pytest.mark.parametrize("ahead", [["generation.max_staleness=1"], ["generation.continuous=true"]])
+def test_a_server_killed_mid_run_stops_the_trainer_in_one_line(model_folder: Path, tmp_path: Path,
+                                                               ahead: list[str]) -> None:
+    """SIGKILL to ``rlhf-lab serve`` while the trainer samples from it ahead (a batch in flight, or a stream of
+    groups): the trainer stops with exit status 2 and one line naming the server (whether the kill caught a request
+    mid-way or between two), no traceback; every metrics line it wrote before is whole."""
     import signal
 
     sync = tmp_path / "sync"
@@ -325,7 +327,7 @@ def test_a_server_killed_mid_run_stops_the_trainer_in_one_line(model_folder: Pat
              "trainer.prompts_per_step=2", "algorithm.group_size=2", "trainer.max_new_tokens=6",
              "trainer.eval_prompts=0", "trainer.progress_bar=false", "reward=length", "trainer.save=none",
              "generation=vllm_server", f"generation.url=http://127.0.0.1:{port}", f"generation.sync_folder={sync}",
-             "generation.max_staleness=1", "generation.weight_updates=in_flight", f"trainer.output_dir={run}",
+             *ahead, "generation.weight_updates=in_flight", f"trainer.output_dir={run}",
              "trainer.num_threads=1", "logger=none"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         metrics = run / "metrics.jsonl"
