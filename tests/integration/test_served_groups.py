@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlhf_lab.generation import serving
+from rlhf_lab.generation import serve_groups, serving
 from rlhf_lab.generation.serve_engine import HFServerEngine
 from rlhf_lab.generation.serve_groups import GroupStream
 from rlhf_lab.generation.serve_token import RequestError
@@ -167,9 +167,11 @@ def served_client(url: str, tmp_path: Path):
     return client
 
 
-def test_the_stream_refuses_bad_requests_in_one_line(model_folder: Path, tmp_path: Path) -> None:  # noqa: F811
+def test_the_stream_refuses_bad_requests_in_one_line(model_folder: Path, tmp_path: Path,  # noqa: F811
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """A take before any stream is open, a key already in the stream, more groups asked for than it holds, a count
-    or wait out of range: each a 400 naming the value; the stream goes on."""
+    or wait out of range, a prompt too long or outside the vocabulary, more groups than a stream holds: each a 400
+    naming the value; the stream goes on."""
     engine = HFServerEngine(str(model_folder), "float32", max_model_len=64)
     stream = GroupStream(serving.WeightServer(engine, tmp_path, "token"), engine)
     with pytest.raises(RequestError, match=r"no group stream is open; POST /groups/open first"):
@@ -186,6 +188,11 @@ def test_the_stream_refuses_bad_requests_in_one_line(model_folder: Path, tmp_pat
         stream.take({"count": 1, "wait_s": -1})
     with pytest.raises(RequestError, match=r"a prompt of 17 tokens is longer than the stream's max_prompt_tokens"):
         stream.submit({"keys": [8], "prompt_ids": [[5] * 17], "seeds": [1]})
+    with pytest.raises(RequestError, match=rf"prompt token ids must be in 0-{engine.vocabulary - 1}"):
+        stream.submit({"keys": [8], "prompt_ids": [[engine.vocabulary]], "seeds": [1]})
+    monkeypatch.setattr(serve_groups, "MAX_GROUPS", 2)
+    with pytest.raises(RequestError, match=r"3 groups would be in the stream; it holds at most 2"):
+        stream.submit({"keys": [8, 9], "prompt_ids": [[5], [6]], "seeds": [1, 2]})
     assert [g["key"] for g in taken(stream, count=1)["groups"]] == [7]
 
 
