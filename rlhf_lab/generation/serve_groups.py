@@ -18,6 +18,11 @@ group (:mod:`rlhf_lab.generation.served_groups` keeps ``generation.engine_groups
 
 Given the same weights at each tick a group samples exactly what the simulator's does: the same decode, the same
 seeded stream, the same landing (tests/integration/test_served_groups.py stages a version at a chosen tick).
+
+Over vLLM's engine (``--engine vllm``) there is no stream: its ``step()`` advances every request the engine holds,
+so the groups' requests and a ``/generate`` request beside them (the weight-sync canary, an evaluation) would need
+one dispatcher of the step's outputs, which is not built; GET /health says ``groups: false`` and the trainer stops
+at the start in one line.
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ and short ones launched after it overtake it: the same history the simulator scr
 
 A checkpoint first takes every group launched (the server finishes those in progress) and holds them, completed,
 with their samples and versions (:meth:`state`); a resumed run trains on them first, in the order they completed,
-and launches from the prompt where the stopped run was. A stream the server lost (it was restarted) is opened again
-with the groups not yet taken sent again.
+and launches from the prompt where the stopped run was, the server's clock going on from the checkpoint's. A server
+that stops answering stops the run in one line (what it wrote is kept; resume it against a server started again).
 """
 
 from __future__ import annotations
@@ -121,8 +121,6 @@ class ServedGroups:
             "max_prompt_tokens": settings.max_prompt_tokens, "stop": list(settings.stop),
             "partial": bool(self.engine.partial), "clock": self.clock})
         self.opened = True
-        lost, self.out = self.out, []
-        self._submit(lost)  # a stream opened again (a resume): the groups not yet taken start again
 
     def _submit(self, groups: list[ServedGroup]) -> None:
         if not groups:
