@@ -141,9 +141,6 @@ def test_the_staleness_cap_drops_or_samples_again_the_groups_over_it(compose, ti
     (["trainer.strategy=fsdp"], r"^generation.continuous=true with trainer.strategy=fsdp: .*; drop one of the two$"),
     (["algorithm.dynamic_sampling=true"], r"^generation.continuous=true with algorithm.dynamic_sampling=true: .*$"),
     (["generation.update_every_tokens=-1"], r"^generation.update_every_tokens=-1 is out of range; .*integer ≥ 0"),
-    (["generation=vllm"], r"^generation.continuous=true with generation=vllm: the engine that never stops is the hf "
-     r"decode's: simulated in the trainer \(generation=hf\), or for real on rlhf-lab serve --engine hf "
-     r"\(generation=vllm_server\); drop one of the two$"),
     (["generation=vllm_server", "generation.sync_folder=/tmp/sync", "generation.update_every_tokens=2"],
      r"^generation.update_every_tokens=2 scripts the simulator's clock; with generation=vllm_server a version lands "
      r"when the trainer publishes it: leave it 0$"),
@@ -152,6 +149,24 @@ def test_settings_it_cannot_run_are_one_line(compose, tiny_overrides, override: 
     with pytest.raises(ConfigError, match=message):
         compose([*tiny_overrides(None), "generation.continuous=true", "generation.weight_updates=in_flight",
                  *override])
+
+
+def test_a_colocated_vllm_engine_is_one_line(compose, tiny_overrides) -> None:
+    """``generation=vllm`` (colocated) with ``generation.continuous``: refused, naming the engines that run it (checked
+    on the config itself: composing ``generation=vllm`` first needs vLLM installed)."""
+    from omegaconf import OmegaConf, open_dict
+
+    from rlhf_lab.config.validate_async import check_continuous
+
+    cfg = compose([*tiny_overrides(None), "generation.continuous=true", "generation.weight_updates=in_flight"])
+    OmegaConf.set_readonly(cfg, False)
+    with open_dict(cfg):
+        cfg.generation.name = "vllm"
+    with pytest.raises(ConfigError, match=r"^generation.continuous=true with generation=vllm: the engine that never "
+                                          r"stops is the hf decode's: simulated in the trainer \(generation=hf\), or "
+                                          r"for real on rlhf-lab serve --engine hf \(generation=vllm_server\); drop "
+                                          r"one of the two$"):
+        check_continuous(cfg)
 
 
 def test_engine_groups_without_the_simulator_is_one_line(compose, tiny_overrides) -> None:

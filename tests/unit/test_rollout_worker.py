@@ -401,6 +401,7 @@ def test_only_the_worker_drives_an_engine_s_lifecycle() -> None:
             if isinstance(node, ast.Constant) and node.value == "reload_weights":
                 reloads.add(module)
     assert calls.pop("runtime/rank_output.py") == {"time.sleep"}  # a wait, not an engine
+    assert calls.pop("generation/serve_groups.py") == {"time.sleep"}  # a yield between two ticks, not an engine
     assert calls == {"generation/worker.py": {"self.engine.sleep", "self.engine.wake_up", "self.engine.sync_weights"},
                      "generation/vllm.py": {"self.llm.sleep", "self.llm.wake_up"}}, calls  # vLLM's own
     assert reloads == {"generation/vllm.py", "generation/serve_engine.py"}, reloads  # the engines' own loads
